@@ -1,0 +1,133 @@
+"""Advantages from rewards: one ``AdvantageProcessor`` for every reward-based trainer.
+
+Group-relative advantage (GRPO; Shao et al. 2024, arXiv 2402.03300; Flow-GRPO, Liu et al. 2025, eq. 4):
+the K samples drawn for one prompt form a group G, and each sample's advantage is its reward
+standardised within its group,
+
+    A_i = (r_i − mean_{j∈G} r_j) / (std_{j∈G} r_j + eps).
+
+Variant notes (so two implementations can be compared term by term):
+  * std is the *population* std (ddof = 0), as in flow_grpo's ``PerPromptStatTracker`` (``np.std``);
+  * eps is added to the std (flow_grpo: ``std + 1e-4``), not used as a floor (Flow-Factory floors the
+    std at 1e-6); a group whose rewards are all equal therefore gets A = 0 exactly;
+  * ``global_std=True`` keeps the per-group mean but divides by the std of the whole batch (flow_grpo
+    ``global_std``), which stops near-constant groups from blowing small reward differences up.
+
+Several rewards are combined in one of two ways (Flow-Factory ``advantage_aggregation``):
+  * ``sum``: r = Σ_k w_k r_k first, then the group normalisation above;
+  * ``gdpo``: each reward is group-normalised on its own, the weighted sum Σ_k w_k A_k is taken, and
+    the result is standardised over the whole batch: (A − mean_B A) / (std_B A + eps).
+
+Advantage clipping (``adv_clip_max``) belongs to the loss, as in flow_grpo, not here.
+
+Distributed: when ``torch.distributed`` is initialised with more than one rank, rewards and group ids
+are all-gathered first (every rank must hold the same number of samples), so groups split across
+ranks are normalised over all their members; each rank gets back its own slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+AGGREGATIONS = ("sum", "gdpo")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantageConfig:
+    aggregation: str = "sum"
+    """How several rewards combine: ``sum`` (weight, sum, group-normalise) or ``gdpo`` (see module doc)."""
+    global_std: bool = False
+    """Divide by the batch std instead of the group std (the mean stays per group)."""
+    eps: float = 1e-4
+    """Added to the std in the denominator (flow_grpo: 1e-4)."""
+    weights: Mapping[str, float] = field(default_factory=dict)
+    """Per-reward weights by reward name; a reward not listed has weight 1."""
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"advantage.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if not self.eps > 0:
+            raise ValueError(f"advantage.eps must be > 0, got {self.eps}")
+        for name, weight in self.weights.items():
+            if not isinstance(weight, (int, float)) or weight != weight:
+                raise ValueError(f"advantage.weights.{name} must be a number, got {weight!r}")
+
+
+def group_normalize(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float, global_std: bool
+) -> torch.Tensor:
+    """A_i = (r_i − mean_G r) / (std_G r + eps), per group G of equal ``group_ids``. [B] -> [B], fp64 inside."""
+    r = rewards.double()
+    advantages = torch.empty_like(r)
+    batch_std = r.std(unbiased=False)
+    for gid in torch.unique(group_ids):
+        members = group_ids == gid
+        group = r[members]
+        std = batch_std if global_std else group.std(unbiased=False)
+        advantages[members] = (group - group.mean()) / (std + eps)
+    return advantages
+
+
+class AdvantageProcessor:
+    """Turns per-reward values [B] and group ids [B] into advantages [B] (fp32) plus metrics."""
+
+    def __init__(self, config: AdvantageConfig) -> None:
+        self.config = config
+
+    def __call__(
+        self, rewards: Mapping[str, torch.Tensor], unique_ids: torch.Tensor | Sequence[int]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if not rewards:
+            raise ValueError("AdvantageProcessor needs at least one reward")
+        group_ids = torch.as_tensor(unique_ids, dtype=torch.int64)
+        for name, values in rewards.items():
+            if values.shape != group_ids.shape:
+                raise ValueError(
+                    f"reward '{name}' has shape {tuple(values.shape)}, unique_ids {tuple(group_ids.shape)}"
+                )
+        rewards, group_ids, local = self._gather(rewards, group_ids)
+        cfg = self.config
+        weights = {name: float(cfg.weights.get(name, 1.0)) for name in rewards}
+        if cfg.aggregation == "sum":
+            total = sum(weights[name] * values.double() for name, values in rewards.items())
+            advantages = group_normalize(total, group_ids, cfg.eps, cfg.global_std)
+        else:  # gdpo
+            summed = sum(
+                weights[name] * group_normalize(values, group_ids, cfg.eps, cfg.global_std)
+                for name, values in rewards.items()
+            )
+            advantages = (summed - summed.mean()) / (summed.std(unbiased=False) + cfg.eps)
+        advantages = advantages[local].float()
+        metrics = {
+            "advantage_mean": advantages.mean().item(),
+            "advantage_abs_max": advantages.abs().max().item(),
+        }
+        return advantages, metrics
+
+    @staticmethod
+    def _gather(
+        rewards: Mapping[str, torch.Tensor], group_ids: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, slice]:
+        """All-gather across ranks (same local size everywhere); returns the local slice too."""
+        local_n = group_ids.shape[0]
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return dict(rewards), group_ids, slice(0, local_n)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([local_n]))
+        if len({int(s) for s in sizes}) != 1:
+            raise ValueError(
+                f"every rank must hold the same number of samples, got {[int(s) for s in sizes]}"
+            )
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            return torch.cat(parts)
+
+        gathered = {name: gather(values.double()) for name, values in sorted(rewards.items())}
+        return gathered, gather(group_ids), slice(rank * local_n, (rank + 1) * local_n)
