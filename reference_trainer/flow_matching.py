@@ -1,0 +1,66 @@
+"""Rectified-flow / flow-matching forward process: the small primitives every loss and trainer shares.
+
+Convention (SD3, Esser et al. 2024, arXiv 2403.03206, §2; diffusers ``FlowMatchEulerDiscreteScheduler``;
+Flow-Factory and flow_grpo use the same), with σ ∈ [0, 1] the noise level (σ = t/1000 for a diffusers
+timestep t):
+
+    x_σ  = (1 − σ)·x_0 + σ·ε              (``interpolate``)
+    v*   = dx_σ/dσ = ε − x_0              (``velocity_target``; the network predicts v_θ(x_σ, σ) ≈ v*)
+    x̂_0  = x_σ − σ·v_θ                   (``predicted_x0``: the clean sample implied by a velocity)
+
+Training noise levels (``sample_sigmas``): ``logit_normal`` draws σ = sigmoid(m + s·n), n ~ N(0, 1)
+(SD3 §3.1 "logit-normal sampling", the default of diffusers' ``compute_density_for_timestep_sampling``),
+``uniform`` draws σ ~ U(low, high). Both are then clamped to ``[low, high]`` (Flow-Factory
+``timestep_range``), so σ never hits 0 or 1 exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SIGMA_SCHEMES = ("logit_normal", "uniform")
+
+
+def _bcast(sigma: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, 1, 1, ...] matching ``like``."""
+    if sigma.ndim != 1 or sigma.shape[0] != like.shape[0]:
+        raise ValueError(f"sigma must have shape [{like.shape[0]}], got {tuple(sigma.shape)}")
+    return sigma.to(like.dtype).view(-1, *([1] * (like.ndim - 1)))
+
+
+def interpolate(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """x_σ = (1 − σ)·x_0 + σ·ε. x0, noise: [B, ...]; sigma: [B]."""
+    s = _bcast(sigma, x0)
+    return (1.0 - s) * x0 + s * noise
+
+
+def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """v* = ε − x_0, [B, ...]."""
+    return noise - x0
+
+
+def predicted_x0(x_t: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """x̂_0 = x_σ − σ·v. x_t, v: [B, ...]; sigma: [B]."""
+    return x_t - _bcast(sigma, x_t) * v
+
+
+def sample_sigmas(
+    n: int,
+    scheme: str,
+    generator: torch.Generator | None,
+    *,
+    low: float = 0.0,
+    high: float = 1.0,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+) -> torch.Tensor:
+    """n training noise levels in [low, high], fp32 [n] (see module docstring)."""
+    if not 0.0 <= low < high <= 1.0:
+        raise ValueError(f"need 0 <= low < high <= 1, got low={low}, high={high}")
+    if scheme == "logit_normal":
+        sigma = torch.sigmoid(logit_mean + logit_std * torch.randn(n, generator=generator))
+    elif scheme == "uniform":
+        sigma = low + (high - low) * torch.rand(n, generator=generator)
+    else:
+        raise ValueError(f"sigma scheme must be one of {SIGMA_SCHEMES}, got {scheme!r}")
+    return sigma.clamp(low, high)
