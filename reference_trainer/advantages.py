@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from reference_trainer.config import require
+
 AGGREGATIONS = ("sum", "gdpo")
 
 
@@ -44,17 +46,19 @@ class AdvantageConfig:
     """Divide by the batch std instead of the group std (the mean stays per group)."""
     eps: float = 1e-4
     """Added to the std in the denominator (flow_grpo: 1e-4)."""
-    weights: Mapping[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
     """Per-reward weights by reward name; a reward not listed has weight 1."""
 
     def __post_init__(self) -> None:
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"advantage.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if not self.eps > 0:
-            raise ValueError(f"advantage.eps must be > 0, got {self.eps}")
+        require(
+            self.aggregation in AGGREGATIONS,
+            "aggregation",
+            f"must be one of {AGGREGATIONS}, got {self.aggregation!r}",
+        )
+        require(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
         for name, weight in self.weights.items():
-            if not isinstance(weight, (int, float)) or weight != weight:
-                raise ValueError(f"advantage.weights.{name} must be a number, got {weight!r}")
+            ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight == weight
+            require(ok, f"weights.{name}", f"must be a number, got {weight!r}")
 
 
 def group_normalize(

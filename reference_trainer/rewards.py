@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from reference_trainer.config import require
+
 REWARD_KINDS = ("pointwise", "groupwise")
 
 
@@ -224,8 +226,8 @@ class RewardSpec:
     """Constructor arguments of the reward."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"rewards[{self.name}].batch_size must be >= 1, got {self.batch_size}")
+        require(bool(self.name), "name", "must be a registered reward name")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
 
 
 class RewardProcessor:

@@ -186,7 +186,7 @@ def test_gdpo_aggregation_normalises_each_reward_then_the_batch():
 
 
 def test_advantage_config_names_bad_fields():
-    with pytest.raises(ValueError, match="advantage.aggregation"):
+    with pytest.raises(ValueError, match="aggregation: must be one of"):
         AdvantageConfig(aggregation="mean")
-    with pytest.raises(ValueError, match="advantage.eps"):
+    with pytest.raises(ValueError, match="eps: must be > 0"):
         AdvantageConfig(eps=0.0)
