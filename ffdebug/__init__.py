@@ -1,0 +1,168 @@
+"""ffdebug: dump named stages of a reference and a target run, compare them in float64, and say
+where they part ways.
+
+Capturing (env-gated, zero cost when off)::
+
+    import ffdebug
+    ffdebug.install(model)                     # no-op unless FFDEBUG_FWD_DUMP_DIR is set
+    with ffdebug.step(optimizer_step=3, phase="rollout"):
+        ffdebug.tap("reward", rewards)
+
+Analysis::
+
+    result = ffdebug.compare("dump/ref", "dump/target")
+    print(result.verdict, result.first_divergence)
+
+This module imports neither torch nor any heavy dependency at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ffdebug.capture import session as _session
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "assert_match",
+    "bisect",
+    "capture",
+    "compare",
+    "install",
+    "maybe_dump_weights_and_exit",
+    "patch_block_forward",
+    "patch_method",
+    "patch_module_dump",
+    "step",
+    "tap",
+    "weights_diff",
+    "load_audit",
+]
+
+
+def install(model, classes=None, layer_class: str | None = None):
+    """Install dump hooks on `model` when dumps are enabled by env; else install nothing, return None."""
+    s = _session.active_session()
+    if s is None:
+        return None
+    from ffdebug.capture.hooks import install as _install
+
+    return _install(model, s, tuple(classes.split(",")) if isinstance(classes, str) else classes, layer_class)
+
+
+def tap(stage: str, tensor, **tags):
+    """Dump `tensor` under the stage name `stage` (free tap); returns `tensor` unchanged.
+
+    Reserved tags: `shard={"dim", "index", "count"}` and `reduction="partial"` describe sharded and
+    pre-all-reduce tensors; `layer=` sets the layer; other tags are step tags for this capture.
+    """
+    s = _session._explicit[-1] if _session._explicit else _session._ENV_SESSION
+    if s is None:
+        if _session._ENV_READ:
+            return tensor
+        s = _session.env_session()
+        if s is None:
+            return tensor
+    s.tap(stage, tensor, tags)
+    return tensor
+
+
+@contextlib.contextmanager
+def step(**tags):
+    """Tag everything captured inside, e.g. `with ffdebug.step(optimizer_step=3, phase="rollout"):`."""
+    _session._TAGS.append(tags)
+    try:
+        yield
+    finally:
+        _session._TAGS.pop()
+
+
+@contextlib.contextmanager
+def capture(
+    model=None, dir=None, side: str = "target", layers=None, classes=None, layer_class=None, **options
+):
+    """Explicit capture without env vars: dumps `model`'s stages (and taps) into `dir/side/`.
+
+    Options: stages, calls, mode ("full" | "stats"), grads, max_bytes, overwrite, topk, layer_attrs.
+    Yields the hook handle (None when `model` is None: taps only).
+    """
+    if dir is None:
+        raise TypeError("ffdebug.capture(...) needs dir=")
+    config = _session.explicit_config(dir, side, layers=layers, classes=classes, **options)
+    s = _session.Session(config, source="capture", declared_classes=layer_class)
+    _session.push_explicit(s)
+    handle = None
+    try:
+        if model is not None:
+            from ffdebug.capture.hooks import install as _install
+
+            handle = _install(model, s)
+        yield handle
+    finally:
+        if handle is not None:
+            handle.remove()
+        _session.pop_explicit(s)
+        s.report_if_empty()
+        s.close()
+
+
+def maybe_dump_weights_and_exit(model):
+    from ffdebug.capture.weights import maybe_dump_weights_and_exit as _dump
+
+    return _dump(model)
+
+
+def patch_method(cls, name, wrapper):
+    from ffdebug.capture.patch import patch_method as _p
+
+    return _p(cls, name, wrapper)
+
+
+def patch_block_forward(block_cls, layer_attr="layer_id", side=None):
+    from ffdebug.capture.patch import patch_block_forward as _p
+
+    return _p(block_cls, layer_attr=layer_attr, side=side)
+
+
+def patch_module_dump(cls, stage: str, io: str = "out"):
+    from ffdebug.capture.patch import patch_module_dump as _p
+
+    return _p(cls, stage=stage, io=io)
+
+
+def compare(ref, target, **opts):
+    """Compare two sides (paths or opened stores); returns a `CompareResult`."""
+    from ffdebug.compare.engine import compare as _compare
+
+    return _compare(ref, target, **opts)
+
+
+def assert_match(ref, target, fail_on: str = "drift", **opts):
+    """Raise AssertionError naming the first stage at or above `fail_on`."""
+    result = compare(ref, target, **opts)
+    bad = result.first_at_or_above(fail_on)
+    if bad is not None:
+        raise AssertionError(
+            f"{bad['key']}: {bad['severity']} (cos={bad['cos']}, rel={bad['rel']}); verdict {result.verdict}"
+        )
+    return result
+
+
+def bisect(ref, target, **opts):
+    from ffdebug.bisect.engine import bisect as _bisect
+
+    return _bisect(ref, target, **opts)
+
+
+def weights_diff(a, b, **opts):
+    from ffdebug.weights.diff import weights_diff as _wd
+
+    return _wd(a, b, **opts)
+
+
+def load_audit(model, checkpoint, **opts):
+    from ffdebug.weights.audit import load_audit as _la
+
+    return _la(model, checkpoint, **opts)

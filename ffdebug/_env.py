@@ -1,0 +1,266 @@
+"""Every environment variable ffdebug reads, parsed and validated once per process (DESIGN §2).
+
+`dump_config()` returns `None` when forward dumps are disabled (no `FFDEBUG_FWD_DUMP_DIR` and no
+`ATOM_FWD_DUMP_DIR`), so the disabled path costs one cached lookup. An invalid value raises
+`FFDebugError` naming the variable. ATOM spellings map onto ours; when both are set ours wins and a
+warning says so.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+from ffdebug.errors import FFDebugError
+
+# ATOM name -> (our name, value translation)
+_ATOM_ALIASES: dict[str, tuple[str, dict[str, str] | None]] = {
+    "ATOM_FWD_DUMP_DIR": ("FFDEBUG_FWD_DUMP_DIR", None),
+    "ATOM_FWD_DUMP_LAYERS": ("FFDEBUG_FWD_DUMP_LAYERS", None),
+    "ATOM_FWD_DUMP_BLOCK_CLASS": ("FFDEBUG_FWD_DUMP_BLOCK_CLASS", None),
+    "ATOM_FWD_DUMP_LAYER_ATTR": ("FFDEBUG_FWD_DUMP_LAYER_ATTR", None),
+    "ATOM_FWD_DUMP_ONE_SHOT": ("FFDEBUG_FWD_DUMP_CALLS", {"1": "0", "0": "all"}),
+    "ATOM_FWD_DUMP_STATS_ONLY": ("FFDEBUG_FWD_DUMP_MODE", {"1": "stats", "0": "full"}),
+    "ATOM_WEIGHT_DUMP_DIR": ("FFDEBUG_WEIGHT_DUMP_DIR", None),
+    "ATOM_WEIGHT_DUMP_LAYERS": ("FFDEBUG_WEIGHT_DUMP_LAYERS", None),
+    "ATOM_WEIGHT_DUMP_EXIT": ("FFDEBUG_WEIGHT_DUMP_EXIT", None),
+    "ATOM_DEBUG_TOPK": ("FFDEBUG_DEBUG_TOPK", None),
+}
+
+_SIDE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _get(name: str, environ: dict[str, str]) -> str | None:
+    """Value of an FFDEBUG variable, falling back to its ATOM alias."""
+    value = environ.get(name)
+    for atom_name, (ours, translate) in _ATOM_ALIASES.items():
+        if ours != name or atom_name not in environ:
+            continue
+        atom_value = environ[atom_name]
+        if translate is not None:
+            if atom_value not in translate:
+                raise FFDebugError(
+                    f"{atom_name}={atom_value!r} is invalid: use one of {', '.join(sorted(translate))}"
+                )
+            atom_value = translate[atom_value]
+        if value is not None:
+            if value != atom_value:
+                print(
+                    f"ffdebug: warning: both {name} and {atom_name} are set; using {name}={value!r}",
+                    file=sys.stderr,
+                )
+            return value
+        return atom_value
+    return value
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """Parsed `0,2,5-7,-1` (ranges; negatives count from the end; `5-` means 5 to the end)."""
+
+    spec: str = "all"
+    items: tuple[tuple[int, int | None], ...] = ()  # inclusive (start, end); end None = open
+
+    @property
+    def all(self) -> bool:
+        return self.spec == "all"
+
+    def contains(self, layer: int, num_layers: int | None) -> bool:
+        if self.all:
+            return True
+        for start, end in self.items:
+            if num_layers is not None:
+                start = start + num_layers if start < 0 else start
+                if end is not None:
+                    end = end + num_layers if end < 0 else end
+            if end is None:
+                if layer >= start:
+                    return True
+            elif start <= layer <= end:
+                return True
+        return False
+
+
+def parse_layers(spec: str | None, variable: str = "--layers") -> LayerSelection:
+    """Parse a layer selection; raises FFDebugError naming `variable` on bad syntax."""
+    if spec is None or spec.strip() in ("", "all"):
+        return LayerSelection()
+    items: list[tuple[int, int | None]] = []
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(-?\d+)(?:-(-?\d+)?)?", part)
+        if not m:
+            raise FFDebugError(
+                f"{variable}={spec!r} is invalid: use comma-separated layers and ranges like '0,2,5-7,-1'"
+            )
+        start = int(m.group(1))
+        if m.group(2) is not None:
+            items.append((start, int(m.group(2))))
+        elif part.endswith("-") and not part.startswith("-"):
+            items.append((start, None))
+        else:
+            items.append((start, start))
+    return LayerSelection(spec=spec, items=tuple(items))
+
+
+@dataclass(frozen=True)
+class CallSelection:
+    """`all`, `first-real`, `N` or `A-B` (forward calls of the root module, from 0)."""
+
+    spec: str = "all"
+    lo: int = 0
+    hi: int | None = None
+
+    @property
+    def first_real(self) -> bool:
+        return self.spec == "first-real"
+
+    def contains(self, call: int) -> bool:
+        if self.spec in ("all", "first-real"):
+            return True
+        return self.lo <= call and (self.hi is None or call <= self.hi)
+
+
+def parse_calls(spec: str | None, variable: str = "FFDEBUG_FWD_DUMP_CALLS") -> CallSelection:
+    if spec is None or spec in ("all", ""):
+        return CallSelection()
+    if spec == "first-real":
+        return CallSelection(spec=spec)
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", spec.strip())
+    if not m:
+        raise FFDebugError(f"{variable}={spec!r} is invalid: use 'all', 'first-real', 'N' or 'A-B'")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) else lo
+    return CallSelection(spec=spec, lo=lo, hi=hi)
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    """Validated forward-dump settings for this process."""
+
+    dir: str
+    side: str = "target"
+    layers: LayerSelection = field(default_factory=LayerSelection)
+    block_classes: tuple[str, ...] = ()  # empty = auto
+    layer_attrs: tuple[str, ...] = ("layer_id", "layer_idx", "layer_number")
+    stages: tuple[str, ...] = ()  # globs; empty = all
+    calls: CallSelection = field(default_factory=CallSelection)
+    mode: str = "full"  # full | stats
+    grads: bool = False
+    max_bytes: int | None = None
+    ranks: LayerSelection = field(default_factory=LayerSelection)
+    overwrite: bool = False
+    topk: int = 0
+
+    def keep_stage(self, key: str) -> bool:
+        return not self.stages or any(fnmatch.fnmatchcase(key, g) for g in self.stages)
+
+
+@dataclass(frozen=True)
+class WeightDumpConfig:
+    dir: str
+    layers: LayerSelection = field(default_factory=LayerSelection)
+    exit: bool = True
+
+
+def _bool(name: str, value: str | None, default: bool) -> bool:
+    if value is None or value == "":
+        return default
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    raise FFDebugError(f"{name}={value!r} is invalid: use 1 or 0")
+
+
+def _int(name: str, value: str | None, minimum: int = 0) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise FFDebugError(f"{name}={value!r} is invalid: use a whole number") from None
+    if number < minimum:
+        raise FFDebugError(f"{name}={value!r} is invalid: use a number >= {minimum}")
+    return number
+
+
+def _split(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return ()
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def read_dump_config(environ: dict[str, str] | None = None) -> DumpConfig | None:
+    """Parse the forward-dump variables; None when dumps are disabled."""
+    env = dict(os.environ if environ is None else environ)
+    directory = _get("FFDEBUG_FWD_DUMP_DIR", env)
+    if not directory:
+        return None
+    side = _get("FFDEBUG_FWD_DUMP_SIDE", env) or "target"
+    if not _SIDE_RE.match(side):
+        raise FFDebugError(
+            f"FFDEBUG_FWD_DUMP_SIDE={side!r} is invalid: use a short label such as ref or target "
+            "(letters, digits, '_', '-', '.')"
+        )
+    mode = _get("FFDEBUG_FWD_DUMP_MODE", env) or "full"
+    if mode not in ("full", "stats"):
+        raise FFDebugError(f"FFDEBUG_FWD_DUMP_MODE={mode!r} is invalid: use 'full' or 'stats'")
+    attrs = _split(_get("FFDEBUG_FWD_DUMP_LAYER_ATTR", env)) or ("layer_id", "layer_idx", "layer_number")
+    return DumpConfig(
+        dir=directory,
+        side=side,
+        layers=parse_layers(_get("FFDEBUG_FWD_DUMP_LAYERS", env), "FFDEBUG_FWD_DUMP_LAYERS"),
+        block_classes=tuple(c for c in _split(_get("FFDEBUG_FWD_DUMP_BLOCK_CLASS", env)) if c != "auto"),
+        layer_attrs=attrs,
+        stages=_split(_get("FFDEBUG_FWD_DUMP_STAGES", env)),
+        calls=parse_calls(_get("FFDEBUG_FWD_DUMP_CALLS", env)),
+        mode=mode,
+        grads=_bool("FFDEBUG_FWD_DUMP_GRADS", _get("FFDEBUG_FWD_DUMP_GRADS", env), False),
+        max_bytes=_int("FFDEBUG_FWD_DUMP_MAX_BYTES", _get("FFDEBUG_FWD_DUMP_MAX_BYTES", env), 1),
+        ranks=parse_layers(_get("FFDEBUG_FWD_DUMP_RANKS", env), "FFDEBUG_FWD_DUMP_RANKS"),
+        overwrite=_bool("FFDEBUG_FWD_DUMP_OVERWRITE", _get("FFDEBUG_FWD_DUMP_OVERWRITE", env), False),
+        topk=_int("FFDEBUG_DEBUG_TOPK", _get("FFDEBUG_DEBUG_TOPK", env)) or 0,
+    )
+
+
+def read_weight_dump_config(environ: dict[str, str] | None = None) -> WeightDumpConfig | None:
+    env = dict(os.environ if environ is None else environ)
+    directory = _get("FFDEBUG_WEIGHT_DUMP_DIR", env)
+    if not directory:
+        return None
+    return WeightDumpConfig(
+        dir=directory,
+        layers=parse_layers(_get("FFDEBUG_WEIGHT_DUMP_LAYERS", env), "FFDEBUG_WEIGHT_DUMP_LAYERS"),
+        exit=_bool("FFDEBUG_WEIGHT_DUMP_EXIT", _get("FFDEBUG_WEIGHT_DUMP_EXIT", env), True),
+    )
+
+
+_UNSET = object()
+_dump_config: object = _UNSET
+
+
+def dump_config() -> DumpConfig | None:
+    """The process-wide forward-dump config, read once at first use."""
+    global _dump_config
+    if _dump_config is _UNSET:
+        _dump_config = read_dump_config()
+    return _dump_config  # type: ignore[return-value]
+
+
+def reset_for_tests() -> None:
+    """Forget the cached config (tests that change os.environ in-process)."""
+    global _dump_config
+    _dump_config = _UNSET
+
+
+def selected_env() -> dict[str, str]:
+    """The FFDEBUG_* / ATOM_* variables of this process, recorded in run.json."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FFDEBUG_", "ATOM_"))}
+
+
+def debug_tracebacks() -> bool:
+    return os.environ.get("FFDEBUG_DEBUG", "0") not in ("", "0")

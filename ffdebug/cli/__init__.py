@@ -1,0 +1,1 @@
+"""The `ffdebug` command line: one thin module per command (parse, call, render)."""

@@ -1,0 +1,33 @@
+"""Entry point of the `ffdebug` command. Imports only typer and rich at module level: every
+command imports torch and friends inside its own body, so `ffdebug --help` stays fast."""
+
+from __future__ import annotations
+
+import typer
+
+from ffdebug.cli import compare_cmd, demo_cmd, inspect_cmd
+
+app = typer.Typer(
+    name="ffdebug",
+    help=(
+        "Numerical debugging and dump-bisect for PyTorch models and training loops: dump the same "
+        "named stages from a reference and a target, compare them in float64, and find where they "
+        "part ways.\n\nStart with [bold]ffdebug demo[/bold]."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+
+# One line per command module; each registers its command(s) on `app`.
+for _module in (compare_cmd, inspect_cmd, demo_cmd):
+    _module.register(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Shared CLI conventions: error handling (exit codes), side resolution, option parsing."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import typer
+
+from ffdebug.errors import FFDebugError
+
+FAIL_ON_HELP = "Exit 1 when a stage is at or above this severity: drift, diverge, bug, scramble."
+
+
+def handles_errors(fn):
+    """Map FFDebugError to a one-line message and its exit code (2, or 3 for input ids)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from ffdebug._env import debug_tracebacks
+
+        try:
+            return fn(*args, **kwargs)
+        except FFDebugError as err:
+            if debug_tracebacks():
+                raise
+            print(f"ffdebug: error: {err}", file=sys.stderr)
+            raise typer.Exit(err.exit_code) from None
+
+    return wrapper
+
+
+def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, str]:
+    """`ref-vs-target --dir D` (any `A-vs-B`), `--dir D` alone, or two side directories."""
+    from ffdebug.store.reader import sides_in
+
+    args = list(args or [])
+    if len(args) == 2:
+        if directory is not None:
+            raise FFDebugError("give either two side directories or --dir, not both")
+        return args[0], args[1]
+    if len(args) > 2:
+        raise FFDebugError(f"too many arguments {args}: give 'ref-vs-target --dir D' or REF_DIR TARGET_DIR")
+    pair = args[0] if args else "ref-vs-target"
+    if "-vs-" not in pair:
+        raise FFDebugError(
+            f"{pair!r}: give 'ref-vs-target --dir D' (or 'A-vs-B' for sides A and B), or two side directories"
+        )
+    if directory is None:
+        raise FFDebugError(f"'{pair}' needs --dir D (the FFDEBUG_FWD_DUMP_DIR both sides wrote to)")
+    a, b = pair.split("-vs-", 1)
+    ref, tgt = os.path.join(directory, a), os.path.join(directory, b)
+    found = sides_in(directory)
+    missing = [p for p in (a, b) if p not in found]
+    if missing:
+        listing = ", ".join(found) if found else "none"
+        raise FFDebugError(
+            f"{directory}: side(s) {', '.join(missing)} not found (sides present: {listing}); "
+            f"dump them with FFDEBUG_FWD_DUMP_SIDE={missing[0]}"
+        )
+    return ref, tgt
+
+
+def parse_step_filter(items: list[str] | None) -> dict:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise FFDebugError(f"--step {item!r} is invalid: use key=value, e.g. --step optimizer_step=3")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def check_fail_on(value: str) -> str:
+    if value not in ("drift", "diverge", "bug", "scramble"):
+        raise FFDebugError(f"--fail-on {value!r} is invalid: use drift, diverge, bug or scramble")
+    return value
+
+
+def emit_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1, allow_nan=False, default=str) + "\n")

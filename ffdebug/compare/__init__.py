@@ -1,0 +1,1 @@
+"""Pairing, float64 metrics and severity verdicts (DESIGN §4)."""

@@ -1,0 +1,1 @@
+"""Block, layer-index and layer-class detection for Hugging Face and diffusers models."""

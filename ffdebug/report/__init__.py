@@ -1,0 +1,1 @@
+"""Rendering for people (rich tables, one closing sentence) and machines (JSON). No torch here."""

@@ -1,0 +1,9 @@
+"""The dump store (DESIGN §3): `<dir>/<side>/run.json` + `rankNNN/manifest.jsonl` + safetensors payloads.
+
+The manifest is the only source of truth; readers never parse file names.
+"""
+
+from ffdebug.store.reader import Record, SideStore, open_side
+from ffdebug.store.schema import FORMAT_VERSION, RECORD_KEYS
+
+__all__ = ["FORMAT_VERSION", "RECORD_KEYS", "Record", "SideStore", "open_side"]

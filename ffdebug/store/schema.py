@@ -1,0 +1,154 @@
+"""Manifest record schema (stable keys, DESIGN §3) and the run.json identity block."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+FORMAT_VERSION = 1
+
+RECORD_KEYS = (
+    "key",  # stage key, e.g. "L003.ffn_out"
+    "seq",  # capture order within the rank
+    "file",  # payload file relative to the rank dir (null in stats mode)
+    "tensor",  # tensor name inside the payload file
+    "side",
+    "rank",
+    "world_size",
+    "call",  # root-forward call index within the step tags (null outside calls)
+    "invocation",  # n-th invocation of the same module within one call
+    "phase",
+    "step",  # dict of step tags
+    "layer",  # null outside blocks
+    "layer_class",
+    "module_class",
+    "module_path",
+    "io",  # in | out | grad
+    "dtype",
+    "shape",
+    "stats",
+    "shard",  # {dim, index, count} or null
+    "reduction",  # full | partial
+)
+
+STAT_KEYS = ("mean", "std", "min", "max", "absmax", "l2", "nan", "inf", "zero", "numel")
+
+
+def tensor_stats(tensor) -> dict:
+    """Summary statistics in float64, computed in chunks (never a whole float64 copy)."""
+    import torch
+
+    from ffdebug.compare.metrics import iter_chunks
+
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    total = 0.0
+    total_sq = 0.0
+    lo = float("inf")
+    hi = float("-inf")
+    absmax = 0.0
+    nan = inf = zero = finite_n = 0
+    for chunk in iter_chunks(flat):
+        c = chunk
+        finite = torch.isfinite(c)
+        nan += int(torch.isnan(c).sum())
+        inf += int(torch.isinf(c).sum())
+        zero += int((c == 0).sum())
+        if not bool(finite.all()):
+            c = c[finite]
+        if c.numel() == 0:
+            continue
+        finite_n += c.numel()
+        total += float(c.sum())
+        total_sq += float((c * c).sum())
+        lo = min(lo, float(c.min()))
+        hi = max(hi, float(c.max()))
+        absmax = max(absmax, float(c.abs().max()))
+    mean = total / finite_n if finite_n else None
+    var = max(total_sq / finite_n - mean * mean, 0.0) if finite_n else None
+    return {
+        "mean": mean,
+        "std": var**0.5 if var is not None else None,
+        "min": lo if finite_n else None,
+        "max": hi if finite_n else None,
+        "absmax": absmax if finite_n else None,
+        "l2": total_sq**0.5,
+        "nan": nan,
+        "inf": inf,
+        "zero": zero,
+        "numel": n,
+    }
+
+
+def _git_info() -> dict:
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=False,
+            ).stdout.strip()
+        )
+        return {"sha": sha or None, "dirty": dirty if sha else None}
+    except (OSError, subprocess.SubprocessError):
+        return {"sha": None, "dirty": None}
+
+
+def _library_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "diffusers", "safetensors", "numpy"):
+        module = sys.modules.get(name)
+        if module is not None:
+            versions[name] = getattr(module, "__version__", None)
+    return versions
+
+
+def run_info(side: str, world_size: int, extra: dict | None = None) -> dict:
+    """The identity block written to `<side>/run.json`."""
+    import torch
+
+    from ffdebug import __version__
+    from ffdebug._env import selected_env
+
+    info = {
+        "format_version": FORMAT_VERSION,
+        "tool": "ffdebug",
+        "tool_version": __version__,
+        "side": side,
+        "argv": list(sys.argv),
+        "git": _git_info(),
+        "libraries": _library_versions(),
+        "seed": torch.initial_seed(),
+        "world_size": world_size,
+        "threads": torch.get_num_threads(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "env": selected_env(),
+        "input_ids_sha256": None,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "pid": os.getpid(),
+    }
+    if extra:
+        info.update(extra)
+    return info
+
+
+def sha256_of_tensor(tensor) -> str:
+    """sha256 of the raw bytes (any dtype, bf16 included)."""
+    import torch
+
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+def dumps_record(record: dict) -> str:
+    return json.dumps(record, separators=(",", ":"), allow_nan=False, default=str)

@@ -1,0 +1,176 @@
+"""Atomic, append-only writer for one rank of one side of a dump store.
+
+Write protocol (a killed run leaves a readable store): the payload goes to a temp file in the rank
+directory, is fsynced and renamed into place; only then is its manifest line appended (one write of
+one complete line, flushed). Readers ignore a trailing partial line, so at worst the last tensor
+is lost, never the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+
+from ffdebug.errors import FFDebugError
+from ffdebug.store.schema import dumps_record, run_info, tensor_stats
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write `data` to `path` via temp file + fsync + rename."""
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: str, obj: dict) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, default=str) + "\n").encode())
+
+
+class StoreWriter:
+    """Writes records of one rank into `side_dir/rankNNN/`.
+
+    Args:
+        side_dir: `<dir>/<side>` directory.
+        side: side label stored in every record.
+        rank / world_size: distributed coordinates of this process.
+        mode: "full" writes payloads; "stats" writes only statistics.
+        max_bytes: payload budget; past it captures are counted, not written.
+        overwrite: replace this rank's existing dump instead of failing.
+    """
+
+    def __init__(
+        self,
+        side_dir: str,
+        side: str,
+        rank: int = 0,
+        world_size: int = 1,
+        mode: str = "full",
+        max_bytes: int | None = None,
+        overwrite: bool = False,
+        overwrite_variable: str = "FFDEBUG_FWD_DUMP_OVERWRITE",
+        run_extra: dict | None = None,
+    ) -> None:
+        self.side_dir = side_dir
+        self.side = side
+        self.rank = rank
+        self.world_size = world_size
+        self.mode = mode
+        self.max_bytes = max_bytes
+        self.rank_dir = os.path.join(side_dir, f"rank{rank:03d}")
+        self.seq = 0
+        self.bytes_written = 0
+        self.counts = {"written": 0, "stats_only": 0, "over_budget": 0, "skipped_graph_capture": 0}
+        self._lock = threading.Lock()
+        self._prepare(overwrite, overwrite_variable, run_extra)
+        self._manifest = open(os.path.join(self.rank_dir, "manifest.jsonl"), "a", encoding="utf-8")
+
+    def _prepare(self, overwrite: bool, variable: str, run_extra: dict | None) -> None:
+        existing = os.path.isdir(self.rank_dir) and os.listdir(self.rank_dir)
+        run_json = os.path.join(self.side_dir, "run.json")
+        if self.rank == 0 and os.path.exists(run_json) and not existing:
+            existing = True
+        if existing:
+            if not overwrite:
+                raise FFDebugError(
+                    f"{self.side_dir} already holds a dump: set {variable}=1 to replace it, "
+                    "or choose another directory"
+                )
+            shutil.rmtree(self.rank_dir, ignore_errors=True)
+            if self.rank == 0:
+                for name in os.listdir(self.side_dir) if os.path.isdir(self.side_dir) else []:
+                    path = os.path.join(self.side_dir, name)
+                    if name.startswith("rank") and os.path.isdir(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                if os.path.exists(run_json):
+                    os.remove(run_json)
+        os.makedirs(self.rank_dir, exist_ok=True)
+        if self.rank == 0:
+            atomic_write_json(run_json, run_info(self.side, self.world_size, run_extra))
+
+    def update_run_info(self, **fields) -> None:
+        """Merge fields into run.json (rank 0 only), e.g. the sha256 of the input ids."""
+        if self.rank != 0:
+            return
+        path = os.path.join(self.side_dir, "run.json")
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+        info.update(fields)
+        atomic_write_json(path, info)
+
+    def count_skip(self, reason: str) -> None:
+        with self._lock:
+            self.counts[reason] = self.counts.get(reason, 0) + 1
+
+    def write(self, key: str, tensor, meta: dict, force_stats: bool = False) -> dict | None:
+        """Capture one tensor (already detached and cloned by the caller) and append its record."""
+        import safetensors.torch
+
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        if not t.is_contiguous():
+            t = t.contiguous()
+        with self._lock:
+            seq = self.seq
+            self.seq += 1
+            record = {
+                "key": key,
+                "seq": seq,
+                "file": None,
+                "tensor": None,
+                "side": self.side,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "dtype": str(t.dtype).replace("torch.", ""),
+                "shape": list(t.shape),
+                "stats": None if t.is_complex() else tensor_stats(t),
+                "shard": None,
+                "reduction": "full",
+            }
+            for k in ("call", "invocation", "phase", "step", "layer", "layer_class"):
+                record[k] = meta.get(k)
+            for k in ("module_class", "module_path", "io"):
+                record[k] = meta.get(k)
+            record["io"] = record["io"] or "out"
+            record["shard"] = meta.get("shard")
+            record["reduction"] = meta.get("reduction") or "full"
+            if meta.get("extra"):
+                record["extra"] = meta["extra"]
+            nbytes = t.numel() * t.element_size()
+            if self.mode == "stats" or force_stats:
+                self.counts["stats_only"] += 1
+            elif self.max_bytes is not None and self.bytes_written + nbytes > self.max_bytes:
+                self.counts["over_budget"] += 1
+                record["over_budget"] = True
+            else:
+                name = f"{seq:06d}_{_SAFE.sub('_', key)[:80]}.safetensors"
+                data = safetensors.torch.save({"tensor": t}, metadata={"key": key})
+                atomic_write_bytes(os.path.join(self.rank_dir, name), data)
+                record["file"] = name
+                record["tensor"] = "tensor"
+                self.bytes_written += nbytes
+                self.counts["written"] += 1
+            self._manifest.write(dumps_record(record) + "\n")
+            self._manifest.flush()
+            return record
+
+    def close(self) -> None:
+        """Flush the manifest and write `status.json` with the capture counters."""
+        with self._lock:
+            if self._manifest.closed:
+                return
+            self._manifest.flush()
+            os.fsync(self._manifest.fileno())
+            self._manifest.close()
+            atomic_write_json(
+                os.path.join(self.rank_dir, "status.json"),
+                {"records": self.seq, "bytes_written": self.bytes_written, **self.counts, "complete": True},
+            )
