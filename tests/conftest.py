@@ -1,0 +1,51 @@
+"""Test-wide settings: offline hub, one thread (bits depend on the thread count), clean env state."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _clean_ffdebug_state(monkeypatch):
+    """No FFDEBUG_*/ATOM_* variable leaks into a test; the env session is re-read per test."""
+    for k in list(os.environ):
+        if k.startswith(("FFDEBUG_", "ATOM_")):
+            monkeypatch.delenv(k, raising=False)
+    import torch
+
+    torch.set_num_threads(1)
+    from ffdebug import _env
+    from ffdebug.capture import session
+
+    _env.reset_for_tests()
+    session.reset_for_tests()
+    yield
+    _env.reset_for_tests()
+    session.reset_for_tests()
+
+
+@pytest.fixture
+def tiny_llama():
+    """A tiny LlamaForCausalLM from config (no download), eval mode, seeded weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def input_ids():
+    import torch
+
+    return torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(7))
