@@ -1,0 +1,16 @@
+"""A small, complete, CPU-runnable reference trainer for diffusion / flow-matching RL finetuning.
+
+Layers, imports pointing down only (DESIGN.md §9):
+
+1. ``contracts`` (``ExecutionContract``), ``registry`` (trainers, TrainingArguments, adapters),
+   ``config`` (YAML -> frozen dataclasses);
+2. ``adapters/`` (tiny SD3 and Flux), ``sde`` / ``flow_matching`` (sampling maths), ``data``
+   (grouped prompts, ``DistributedSampler`` datasets), ``rewards`` / ``advantages``, ``roles``
+   (variants vs snapshots), ``optim`` (``CompositeOptimizer``, role phases), ``checkpoint``;
+3. ``trainers/base.py`` (``BaseTrainer``: the loop, counters, boundaries, resume);
+4. ``trainers/<algorithm>.py``: one algorithm per file (arguments + trainer), on ``losses/``;
+5. ``run`` (build a run from a config) and ``cli`` (``reference-trainer``).
+
+Run: ``reference-trainer train examples/grpo/full/sd3_tiny/default.yaml --output-dir runs/grpo``
+(or ``python -m reference_trainer train ...``). Importing this package imports nothing heavy.
+"""

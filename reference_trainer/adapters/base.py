@@ -1,0 +1,213 @@
+"""``BaseAdapter``: component runtime plus the four abstract methods every model adapter implements.
+
+Contract (Flow-Factory ``BaseAdapter``, ``.agents/knowledge/constraints.md`` #12): ``load_pipeline()``,
+``decode_latents()``, ``inference()``, ``forward()`` are abstract; encoders are opt-in. Components are
+resolved through the runtime (``has_component`` / ``get_component`` / ``_require_component``), never with
+``hasattr(adapter, name)``: a declared-but-absent optional component (``None``) and an undeclared name are
+different answers.
+
+Notation (flow matching, Flow-Factory / diffusers conventions):
+    x_0: clean latent; ε: noise; σ ∈ [0, 1] noise level; x_σ = (1 − σ)·x_0 + σ·ε;
+    v = ε − x_0: velocity target; the model predicts v_θ(x_σ, σ, c). Sampling runs σ from 1 to 0.
+Shapes: latents [B, C, H, W]; prompt_embeds [B, L, D]; pooled [B, P]; images [B, 3, 32, 32] in [0, 1].
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+class ComponentError(LookupError):
+    """A component is undeclared, or required but absent."""
+
+
+@dataclass(frozen=True)
+class Condition:
+    """Cached prompt condition (frozen text-encoder output): embeds [B, L, D], pooled [B, P]."""
+
+    prompt_embeds: torch.Tensor
+    pooled: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    def select(self, index: torch.Tensor | slice | Sequence[int]) -> Condition:
+        """Rows ``index`` of both tensors."""
+        if isinstance(index, Sequence):
+            index = torch.as_tensor(index, dtype=torch.long)
+        return Condition(prompt_embeds=self.prompt_embeds[index], pooled=self.pooled[index])
+
+    @staticmethod
+    def cat(conditions: Sequence[Condition]) -> Condition:
+        """Concatenate along the batch dimension."""
+        return Condition(
+            prompt_embeds=torch.cat([c.prompt_embeds for c in conditions]),
+            pooled=torch.cat([c.pooled for c in conditions]),
+        )
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A sampled trajectory. T = number of denoising steps.
+
+    latents:   [B, T + 1, C, H, W]  x at σ_0 = 1 (noise), σ_1, ..., σ_T = 0 (sample), storage dtype
+    log_probs: [B, T] fp32 per-step log-prob of latents[:, j + 1] given latents[:, j] (SDE), or None (ODE)
+    sigmas:    [T + 1] the noise-level schedule
+    """
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor | None
+    sigmas: torch.Tensor
+
+    @property
+    def final(self) -> torch.Tensor:
+        """The generated clean latent x̂_0, [B, C, H, W]."""
+        return self.latents[:, -1]
+
+
+class BaseAdapter(ABC):
+    """A model family's components and conventions behind one trainer-facing interface."""
+
+    registry_name: str = ""
+    fixture_name: str = ""
+    """Sub-directory of ``reference_trainer/fixtures`` with this adapter's seeded init weights."""
+    trainable_component: str = "transformer"
+    """The component finetuned by the trainers (full finetune)."""
+
+    def __init__(self, fixture_dir: str | Path | None = None):
+        self.fixture_dir = Path(fixture_dir) if fixture_dir is not None else FIXTURES / self.fixture_name
+        self._components: dict[str, nn.Module | object | None] = {}
+        self._latent_shape: tuple[int, int, int] | None = None
+
+    # ---------------------------------------------------------------- component runtime
+    def register_component(self, name: str, component: nn.Module | object | None) -> None:
+        """Declare ``name``; ``None`` declares an optional component that is absent."""
+        self._components[name] = component
+
+    def has_component(self, name: str) -> bool:
+        """True when ``name`` is declared and present (not ``None``)."""
+        return self._components.get(name) is not None
+
+    def get_component(self, name: str) -> nn.Module | object | None:
+        """The component ``name`` (``None`` when declared optional and absent); error when undeclared."""
+        if name not in self._components:
+            raise ComponentError(
+                f"{type(self).__name__} declares no component {name!r}; declared: {sorted(self._components)}"
+            )
+        return self._components[name]
+
+    def _require_component(self, name: str) -> nn.Module | object:
+        """The component ``name``; error when undeclared or absent."""
+        component = self.get_component(name)
+        if component is None:
+            raise ComponentError(f"{type(self).__name__}: component {name!r} is required but absent")
+        return component
+
+    def component_names(self) -> list[str]:
+        """All declared component names, in declaration order."""
+        return list(self._components)
+
+    def trainable_module(self) -> nn.Module:
+        """The live trainable component (the base variant of ``ComponentVariantRegistry``)."""
+        module = self._require_component(self.trainable_component)
+        assert isinstance(module, nn.Module)
+        return module
+
+    # ---------------------------------------------------------------- the four abstract methods
+    @abstractmethod
+    def load_pipeline(self) -> None:
+        """Build every component from ``self.fixture_dir`` (configs + safetensors); no downloads.
+
+        Frozen components are put in ``eval()`` mode with ``requires_grad=False``; the trainable
+        component gets ``requires_grad=True``.
+        """
+
+    @abstractmethod
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Clean latents [B, C, H, W] -> images [B, 3, H·8, W·8] in [0, 1] (no gradient)."""
+
+    @abstractmethod
+    def inference(
+        self,
+        condition: Condition,
+        *,
+        num_steps: int,
+        noise_level: float,
+        generator: torch.Generator,
+        module: nn.Module | None = None,
+        parameters: Mapping[str, torch.Tensor] | None = None,
+    ) -> Trajectory:
+        """Sample one trajectory per condition row, from pure noise to a clean latent.
+
+        ``noise_level > 0`` uses the Flow-SDE (per-step log-probs); ``0`` the deterministic ODE.
+        ``module`` / ``parameters`` select the variant / snapshot that predicts the velocity.
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        condition: Condition,
+        *,
+        module: nn.Module | None = None,
+        parameters: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Velocity prediction v_θ(x_σ, σ, c): latents [B, C, H, W], sigma [B] -> [B, C, H, W] fp32.
+
+        ``module`` defaults to the live trainable component; ``parameters`` (a snapshot) are used
+        through ``torch.func.functional_call`` without touching the live weights.
+        """
+
+    # ---------------------------------------------------------------- shared helpers
+    def encode_prompt(self, prompts: Sequence[str]) -> Condition:
+        """Text conditions for ``prompts``; adapters without text conditioning do not override it."""
+        raise NotImplementedError(f"{type(self).__name__} has no text conditioning")
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (uint8 [B, 3, H, W], or float in [0, 1]) -> clean latents x_0 [B, C, H/8, W/8]."""
+        raise NotImplementedError(f"{type(self).__name__} has no image encoder")
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of one latent; known once ``load_pipeline`` ran."""
+        if self._latent_shape is None:
+            raise ComponentError(
+                f"{type(self).__name__}: call load_pipeline() before asking for latent_shape"
+            )
+        return self._latent_shape
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The σ schedule [num_steps + 1] from 1 to 0 (diffusers ``FlowMatchEulerDiscreteScheduler``)."""
+        scheduler = self._require_component("scheduler")
+        scheduler.set_timesteps(num_steps)  # type: ignore[attr-defined]
+        return scheduler.sigmas.detach().to(torch.float32).clone()  # type: ignore[attr-defined]
+
+    def fixture_files(self) -> list[Path]:
+        """Every weight/config file of the fixture (hashed into the run identity)."""
+        return sorted(path for path in self.fixture_dir.rglob("*") if path.is_file())
+
+    def model_configs(self) -> dict[str, dict]:
+        """The component configs, as saved in the fixture."""
+        configs = {}
+        for path in sorted(self.fixture_dir.glob("*/config.json")):
+            configs[path.parent.name] = json.loads(path.read_text())
+        return configs
+
+
+def call_module(
+    module: nn.Module, parameters: Mapping[str, torch.Tensor] | None, *args: object, **kwargs: object
+) -> object:
+    """``module(*args, **kwargs)``, with ``parameters`` substituted functionally when given."""
+    if parameters is None:
+        return module(*args, **kwargs)
+    return torch.func.functional_call(module, dict(parameters), args, kwargs, strict=False)

@@ -1,0 +1,405 @@
+"""Run configuration: YAML -> frozen dataclasses, validated field by field.
+
+A config file has these top-level keys (example: ``examples/grpo/full/sd3_tiny/default.yaml``)::
+
+    seed: 0                 # seeds everything (weights come from fixtures; sampling, data order, noise)
+    trainer: grpo           # a registered trainer; ``train:`` is parsed with its TrainingArguments class
+    max_steps: 8            # optimizer steps (``--max-steps`` overrides)
+    model:       {adapter: sd3-tiny, finetune_type: full}
+    data:        {prompts: [...], dataset: tiny, batch_size: 2}
+    train:       {...}      # algorithm-specific TrainingArguments
+    optimizers:  [{role: policy, optimizer: adamw, lr: 1.0e-3}]
+    checkpoint:  {every: 4, keep_last: 0}
+    runtime:     {threads: 1, deterministic: true}
+
+Every error names the offending field by its dotted path (``train.group_size: must be >= 2, got 1``);
+unknown keys are errors (a typo must not silently fall back to a default). ``--set dotted.key=value``
+overrides are applied to the raw mapping before validation; values are parsed as YAML scalars/lists.
+
+PyYAML reads ``1e-3`` (no dot) as a *string* (YAML 1.1); float fields accept such numeric strings, and
+only those — any other string for a float field is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+
+from reference_trainer.contracts import DATASET, ExecutionContract
+
+
+class ConfigError(ValueError):
+    """An invalid config value. ``field`` is the dotted path of the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
+
+
+def require(condition: bool, field: str, message: str) -> None:
+    """Raise ``ConfigError(field, message)`` unless ``condition``; used in ``__post_init__`` checks."""
+    if not condition:
+        raise ConfigError(field, message)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections shared by every trainer
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which adapter builds the model, and from which fixture weights."""
+
+    adapter: str
+    """A registered adapter name (``reference-trainer list``), e.g. ``sd3-tiny`` or ``flux-tiny``."""
+    finetune_type: Literal["full"] = "full"
+    """Only full finetuning of the transformer is implemented (no LoRA)."""
+    fixture_dir: str | None = None
+    """Directory with the seeded init weights; default: the adapter's packaged fixture."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Prompts for generation trainers; the supervision dataset for dataset trainers."""
+
+    prompts: tuple[str, ...] = ()
+    """Generation prompts; empty = the packaged tiny prompt list (``fixtures/prompts.txt``)."""
+    dataset: str | None = None
+    """Dataset directory (``records.jsonl`` + ``images.safetensors``); ``tiny`` = the packaged one."""
+    batch_size: int = 2
+    """Rank-local batch size for dataset acquisition."""
+    shuffle: bool = True
+    """Shuffle in ``DistributedSampler`` (order depends only on ``seed`` and ``data_epoch``)."""
+
+    def __post_init__(self) -> None:
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        for index, prompt in enumerate(self.prompts):
+            require(bool(prompt.strip()), f"prompts[{index}]", "must be a non-empty string")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The optimizer of one trainable role (Flow-Factory Draft ``optimizers:`` list entry)."""
+
+    role: str
+    """The trainable role this entry configures (e.g. ``policy``, ``generator``, ``fake``)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """``adamw``; or ``muon``: ``torch.optim.Muon`` for 2-D weights plus AdamW for the remainder."""
+    lr: float = 1e-4
+    """Learning rate (Muon uses ``adjust_lr_fn='match_rms_adamw'`` so one lr serves both parts)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas (also for the AdamW remainder of a Muon role)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 1e-4
+    """Decoupled weight decay (AdamW and Muon)."""
+    momentum: float = 0.95
+    """Muon momentum (Nesterov)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.role), "role", "must be a non-empty role name")
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        for index, beta in enumerate(self.betas):
+            require(0.0 <= beta < 1.0, f"betas[{index}]", f"must be in [0, 1), got {beta}")
+        require(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
+        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(0.0 <= self.momentum < 1.0, "momentum", f"must be in [0, 1), got {self.momentum}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Checkpoint cadence. A checkpoint is also always written when a run ends."""
+
+    every: int = 0
+    """Write a checkpoint at the first cycle boundary at or past every multiple of this many optimizer
+    steps; 0 = only at the end of the run."""
+    keep_last: int = 0
+    """Delete older checkpoints beyond the newest ``keep_last``; 0 keeps all."""
+
+    def __post_init__(self) -> None:
+        require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
+        require(self.keep_last >= 0, "keep_last", f"must be >= 0, got {self.keep_last}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """Process-level numerics settings; part of the run identity (they change the bits)."""
+
+    threads: int = 1
+    """``torch.set_num_threads`` (the thread count changes results bitwise)."""
+    deterministic: bool = True
+    """``torch.use_deterministic_algorithms``."""
+
+    def __post_init__(self) -> None:
+        require(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingArguments:
+    """Base of every algorithm's arguments (``train:`` section). Subclasses declare the contract."""
+
+    execution_contract: ClassVar[ExecutionContract]
+    max_grad_norm: float = 1.0
+    """Clip each role's gradient to this global L2 norm; 0 disables clipping (the pre-clip norm is
+    always logged as ``grad_norm.<role>``)."""
+
+    def __post_init__(self) -> None:
+        require(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetTrainingArguments(TrainingArguments):
+    """Arguments shared by dataset trainers (SFT, offline DPO)."""
+
+    execution_contract: ClassVar[ExecutionContract] = DATASET
+    gradient_accumulation_steps: int = 1
+    """Batches per optimizer step. Every rank-local epoch must close every window: the number of
+    batches per epoch must be a multiple of it (checked before training; no implicit flush)."""
+    max_epochs: int = 1
+    """Data epochs to train (``max_steps`` also stops the run)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.gradient_accumulation_steps >= 1,
+            "gradient_accumulation_steps",
+            f"must be an explicit integer >= 1, got {self.gradient_accumulation_steps}",
+        )
+        require(self.max_epochs >= 1, "max_epochs", f"must be >= 1, got {self.max_epochs}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The whole resolved run configuration (written to ``run.json``)."""
+
+    seed: int
+    """Seeds everything: sampling noise, data order, timestep draws."""
+    trainer: str
+    """A registered trainer name."""
+    max_steps: int
+    """Stop at the first cycle boundary at or past this many optimizer steps."""
+    model: ModelConfig
+    train: TrainingArguments
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizers: tuple[OptimizerConfig, ...] = ()
+    """One entry per trainable role; roles left out get the ``OptimizerConfig`` defaults (AdamW)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        require(self.max_steps >= 1, "max_steps", f"must be >= 1, got {self.max_steps}")
+        roles = [entry.role for entry in self.optimizers]
+        duplicates = sorted({role for role in roles if roles.count(role) > 1})
+        require(not duplicates, "optimizers", f"roles listed more than once: {duplicates}")
+
+    def optimizer_for(self, role: str) -> OptimizerConfig:
+        """The optimizer entry of ``role`` (defaults when the config does not list it)."""
+        for entry in self.optimizers:
+            if entry.role == role:
+                return entry
+        return OptimizerConfig(role=role)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (tuples as lists), as written to ``run.json``."""
+        return _to_plain(dataclasses.asdict(self))
+
+
+# --------------------------------------------------------------------------------------------------
+# Generic parsing
+# --------------------------------------------------------------------------------------------------
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _to_plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_plain(item) for item in value]
+    return value
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def parse_value(annotation: Any, value: Any, path: str) -> Any:
+    """Convert a YAML value to ``annotation`` (a dataclass, Literal, Optional, tuple, scalar)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if dataclasses.is_dataclass(annotation):
+        return parse_dataclass(annotation, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) != 1:
+            raise ConfigError(path, f"unsupported union type {annotation}")
+        return parse_value(options[0], value, path)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(path, f"must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(path, f"must be a list, got {_describe(value)}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(parse_value(args[0], item, f"{path}[{i}]") for i, item in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(path, f"must be a list of {len(args)} values, got {len(value)}")
+        return tuple(parse_value(arg, item, f"{path}[{i}]") for i, (arg, item) in enumerate(zip(args, value)))
+    if origin is dict or annotation is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"must be a mapping, got {_describe(value)}")
+        return dict(value)
+    return _parse_scalar(annotation, value, path)
+
+
+def _parse_scalar(annotation: Any, value: Any, path: str) -> Any:
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"must be true or false, got {_describe(value)}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"must be an integer, got {_describe(value)}")
+        return value
+    if annotation is float:
+        if isinstance(value, str):  # PyYAML reads 1e-3 as a string (see the module docstring)
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(path, f"must be a number, got {_describe(value)}") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(path, f"must be a number, got {_describe(value)}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"must be a string, got {_describe(value)}")
+        return value
+    if annotation is Any:
+        return value
+    raise ConfigError(path, f"unsupported field type {annotation}")
+
+
+def parse_dataclass(cls: type, data: Any, path: str = "") -> Any:
+    """Build the frozen dataclass ``cls`` from a mapping, naming the field of every error."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"must be a mapping, got {_describe(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            _join(path, str(unknown[0])), f"unknown field; valid fields: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, spec in fields.items():
+        if name in data:
+            kwargs[name] = parse_value(hints[name], data[name], _join(path, name))
+        elif spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+            raise ConfigError(_join(path, name), "required field is missing")
+    try:
+        return cls(**kwargs)
+    except ConfigError as error:  # __post_init__ names the field relative to ``cls``
+        raise ConfigError(_join(path, error.field), error.message) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: file -> overrides -> RunConfig
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Apply ``dotted.key=value`` overrides to a raw config mapping (returns a new mapping)."""
+    result = yaml.safe_load(yaml.safe_dump(raw))  # deep copy of plain data
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", f"expected dotted.key=value, got {override!r}")
+        node = result
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    ".".join(parts[: depth + 1]), "is not a mapping; cannot set a key inside it"
+                )
+            node = child
+        node[parts[-1]] = yaml.safe_load(text)
+    return result
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping from ``path``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("", f"config file not found: {path}")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path}: the top level must be a mapping")
+    return data
+
+
+def parse_run_config(raw: Mapping[str, Any], arguments_cls: type) -> RunConfig:
+    """Validate a raw mapping into a ``RunConfig``; ``train:`` is parsed with ``arguments_cls``."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError("", "the config must be a mapping")
+    data = dict(raw)
+    train = parse_dataclass(arguments_cls, data.pop("train", {}) or {}, "train")
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown top-level field; valid fields: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(RunConfig)
+    kwargs: dict[str, Any] = {"train": train}
+    for spec in dataclasses.fields(RunConfig):
+        if spec.name == "train":
+            continue
+        if spec.name in data:
+            kwargs[spec.name] = parse_value(hints[spec.name], data[spec.name], spec.name)
+        elif spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+            raise ConfigError(spec.name, "required field is missing")
+    try:
+        return RunConfig(**kwargs)
+    except ConfigError as error:
+        raise ConfigError(error.field, error.message) from None
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    raw: Mapping[str, Any] | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    max_steps: int | None = None,
+) -> RunConfig:
+    """Load a config file (or a raw mapping), apply overrides, and validate it.
+
+    The trainer name selects the TrainingArguments class from the registry; the contract equality
+    between trainer and arguments is checked later, by ``build_run``, still before any model loads.
+    """
+    from reference_trainer.registry import resolve_trainer
+
+    data = dict(raw) if raw is not None else read_yaml(path)  # type: ignore[arg-type]
+    data = apply_overrides(data, overrides)
+    if max_steps is not None:
+        data["max_steps"] = max_steps
+    trainer_name = data.get("trainer")
+    if not isinstance(trainer_name, str):
+        raise ConfigError("trainer", f"required string field is missing or invalid: {trainer_name!r}")
+    try:
+        _, arguments_cls = resolve_trainer(trainer_name)
+    except KeyError as error:
+        raise ConfigError("trainer", str(error)) from None
+    return parse_run_config(data, arguments_cls)

@@ -1,0 +1,179 @@
+"""Acquisition inputs: grouped prompts for generation trainers, a finite dataset for dataset trainers.
+
+Generation (Flow-GRPO / Flow-Factory stage 2, "K-repeat sampling"): each rollout iteration draws
+``prompts_per_iteration`` distinct prompts with a generator seeded by ``(seed, rollout_iteration)`` —
+so the draw is a pure function of the counters and needs no saved sampler state — and repeats each
+prompt ``group_size`` times, contiguously (Flow-Factory ``GroupContiguousSampler``): sample ``i`` belongs
+to group ``i // group_size``.
+
+Dataset (Flow-Factory Draft ``OfflineExecutionDriver``): ``torch.utils.data.DistributedSampler`` is
+used even at one rank, with ``set_epoch(data_epoch)``; the loader is finite; a data epoch advances
+only after clean exhaustion. ``gradient_accumulation_steps`` is explicit and the rank-local batch count
+of an epoch must be a multiple of it — checked before training (``check_accumulation``), with no
+implicit flush of a partial window. The sampler position saved in checkpoints is
+``(data_epoch, batches consumed in that epoch)``; since the order depends only on ``(seed,
+data_epoch)``, resuming replays the epoch's order and skips the consumed batches.
+
+Only prompt conditions are cached (``ConditionCache``); images are loaded per batch and encoded on
+demand by the trainer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from reference_trainer.adapters.base import FIXTURES, BaseAdapter, Condition
+from reference_trainer.config import ConfigError, DataConfig
+
+TINY_DATASET = FIXTURES / "tiny_dataset"
+
+
+def default_prompts() -> tuple[str, ...]:
+    """The packaged tiny prompt list (``fixtures/prompts.txt``)."""
+    lines = (FIXTURES / "prompts.txt").read_text().splitlines()
+    return tuple(line.strip() for line in lines if line.strip())
+
+
+def distributed_rank_and_size() -> tuple[int, int]:
+    """(rank, world_size) of the default process group, or (0, 1) without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class PromptSource:
+    """Draws each rollout iteration's prompts; a pure function of ``(seed, rollout_iteration)``."""
+
+    def __init__(self, prompts: Sequence[str], seed: int, *, rank: int = 0, world_size: int = 1):
+        if not prompts:
+            raise ConfigError("data.prompts", "no prompts to generate from")
+        self.prompts = tuple(prompts)
+        self.seed = seed
+        self.rank, self.world_size = rank, world_size
+
+    def draw(self, rollout_iteration: int, count: int) -> list[str]:
+        """This rank's ``count`` prompts for ``rollout_iteration`` (distinct when enough prompts)."""
+        total = count * self.world_size
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rollout_iteration)
+        order: list[int] = []
+        while len(order) < total:
+            order += torch.randperm(len(self.prompts), generator=generator).tolist()
+        mine = order[self.rank * count : (self.rank + 1) * count]
+        return [self.prompts[i] for i in mine]
+
+
+def repeat_groups(prompts: Sequence[str], group_size: int) -> tuple[list[str], torch.Tensor]:
+    """Repeat each prompt ``group_size`` times contiguously -> (prompts [P·K], group ids [P·K])."""
+    repeated = [prompt for prompt in prompts for _ in range(group_size)]
+    group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)
+    return repeated, group_ids
+
+
+class ConditionCache:
+    """Prompt -> frozen text condition, computed once per prompt (the only thing ever cached)."""
+
+    def __init__(self, adapter: BaseAdapter):
+        self.adapter = adapter
+        self._cache: dict[str, Condition] = {}
+
+    def get(self, prompts: Sequence[str]) -> Condition:
+        """Conditions for ``prompts`` in order, [len(prompts), ...]."""
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._cache]
+        if missing:
+            encoded = self.adapter.encode_prompt(missing)
+            for i, prompt in enumerate(missing):
+                self._cache[prompt] = encoded.select(slice(i, i + 1))
+        return Condition.cat([self._cache[p] for p in prompts])
+
+
+# --------------------------------------------------------------------------------------------------
+# Dataset acquisition
+# --------------------------------------------------------------------------------------------------
+
+
+def load_records(config: DataConfig, supervision: str) -> list[dict[str, Any]]:
+    """Records of ``supervision`` kind (``demonstration`` or ``preference``) with their image tensors.
+
+    Images are uint8 [3, H, W]; demonstration records get ``image``, preference records ``chosen`` and
+    ``rejected``.
+    """
+    from safetensors.torch import load_file
+
+    if config.dataset is None:
+        raise ConfigError("data.dataset", "a dataset trainer needs a dataset directory (or `tiny`)")
+    directory = TINY_DATASET if config.dataset == "tiny" else Path(config.dataset)
+    filename = {"demonstration": "demonstrations.jsonl", "preference": "preferences.jsonl"}[supervision]
+    if not (directory / filename).is_file():
+        raise ConfigError("data.dataset", f"{directory / filename} not found")
+    images = load_file(directory / "images.safetensors")["images"]
+    records = []
+    for line in (directory / filename).read_text().splitlines():
+        raw = json.loads(line)
+        record: dict[str, Any] = {"prompt": raw["prompt"]}
+        for key in ("image", "chosen", "rejected"):
+            if key in raw:
+                record[key] = images[raw[key]]
+        records.append(record)
+    return records
+
+
+def collate(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """List of records -> ``{"prompts": [B], "<image key>": uint8 [B, 3, H, W], ...}``."""
+    batch: dict[str, Any] = {"prompts": [record["prompt"] for record in records]}
+    for key in ("image", "chosen", "rejected"):
+        if key in records[0]:
+            batch[key] = torch.stack([record[key] for record in records])
+    return batch
+
+
+class DatasetAcquisition:
+    """A finite, rank-sharded loader over ``records`` (``DistributedSampler`` even at one rank)."""
+
+    def __init__(
+        self,
+        records: Sequence[dict[str, Any]],
+        *,
+        batch_size: int,
+        seed: int,
+        shuffle: bool,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.records = list(records)
+        self.batch_size = batch_size
+        self.sampler = DistributedSampler(
+            self.records, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False
+        )
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Rank-local batches per epoch (the last one may be smaller than ``batch_size``)."""
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def check_accumulation(self, gradient_accumulation_steps: int) -> None:
+        """Config error unless every accumulation window of every epoch closes."""
+        batches = self.batches_per_epoch
+        if batches % gradient_accumulation_steps:
+            raise ConfigError(
+                "train.gradient_accumulation_steps",
+                f"a rank-local epoch has {batches} batches ({len(self.records)} records, "
+                f"{self.sampler.num_replicas} rank(s), data.batch_size={self.batch_size}), which is not a "
+                f"multiple of gradient_accumulation_steps={gradient_accumulation_steps}: the last window "
+                "would never close. Choose a divisor of the batch count or change data.batch_size",
+            )
+
+    def epoch(self, data_epoch: int, skip_batches: int = 0) -> Iterator[dict[str, Any]]:
+        """The batches of ``data_epoch``, skipping the first ``skip_batches`` (resume)."""
+        self.sampler.set_epoch(data_epoch)
+        loader = DataLoader(
+            self.records, batch_size=self.batch_size, sampler=self.sampler, collate_fn=collate
+        )
+        return itertools.islice(iter(loader), skip_batches, None)

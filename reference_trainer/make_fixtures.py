@@ -1,0 +1,123 @@
+"""Generate the seeded init fixtures: ``python -m reference_trainer.make_fixtures [--out DIR]``.
+
+Writes, under ``reference_trainer/fixtures/`` (default) — every file deterministic given the pinned
+torch / diffusers / transformers versions (``tests/trainer/test_fixtures.py`` regenerates and compares):
+
+* ``sd3_tiny/`` and ``flux_tiny/``: ``transformer/``, ``vae/``, ``text_encoder/`` (config.json +
+  safetensors), ``tokenizer/`` (hand-built CLIP BPE), ``scheduler/scheduler_config.json``. Each
+  component is built from its config right after ``torch.manual_seed(SEED + k)``, so the shared VAE and
+  text encoder are byte-identical in both directories (git stores them once).
+* ``prompts.txt``: the tiny generation prompt list.
+* ``tiny_dataset/``: ``images.safetensors`` (``images`` uint8 [8, 3, 32, 32], procedural colour
+  gradients), ``demonstrations.jsonl`` (``{"prompt", "image"}``) and ``preferences.jsonl``
+  (``{"prompt", "chosen", "rejected"}``; ``chosen``/``rejected`` index ``images``).
+
+Run it after changing a tiny config; commit the result. Total size ~1.6 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from reference_trainer.adapters.base import FIXTURES
+from reference_trainer.adapters.flux import FLUX_TINY
+from reference_trainer.adapters.sd3 import SCHEDULER, SD3_TINY, VAE_TINY
+from reference_trainer.adapters.text import build_text_encoder, build_tokenizer
+
+SEED = 1234
+PROMPTS = (
+    "a red cat",
+    "a blue dog",
+    "a green tree",
+    "a yellow sun",
+    "a white cloud",
+    "a black cat",
+    "a purple flower",
+    "an orange fruit",
+)
+COLOURS = (
+    (230, 40, 40),
+    (40, 60, 220),
+    (30, 170, 60),
+    (250, 220, 30),
+    (245, 245, 245),
+    (15, 15, 15),
+    (150, 50, 200),
+    (250, 140, 20),
+)
+
+
+def _save_shared(directory: Path) -> None:
+    """VAE, text encoder, tokenizer and scheduler (identical for both adapters)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(SEED + 1)
+    AutoencoderKL(**VAE_TINY).save_pretrained(directory / "vae")
+    torch.manual_seed(SEED + 2)
+    build_text_encoder().save_pretrained(directory / "text_encoder")
+    build_tokenizer().save_pretrained(directory / "tokenizer")
+    FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_pretrained(directory / "scheduler")
+
+
+def make_model_fixtures(root: Path) -> None:
+    """Write ``sd3_tiny/`` and ``flux_tiny/`` under ``root``."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    for name, build in (
+        ("sd3_tiny", lambda: SD3Transformer2DModel(**SD3_TINY)),
+        ("flux_tiny", lambda: FluxTransformer2DModel(**FLUX_TINY)),
+    ):
+        directory = root / name
+        shutil.rmtree(directory, ignore_errors=True)
+        _save_shared(directory)
+        torch.manual_seed(SEED + 3)
+        build().save_pretrained(directory / "transformer")
+
+
+def procedural_images() -> torch.Tensor:
+    """uint8 [8, 3, 32, 32]: colour i, brightened left to right by a linear ramp."""
+    ramp = torch.linspace(0.6, 1.0, 32).view(1, 1, 32)
+    images = [
+        (torch.tensor(colour, dtype=torch.float32).view(3, 1, 1) * ramp).expand(3, 32, 32)
+        for colour in COLOURS
+    ]
+    return torch.stack(images).round().clamp(0, 255).to(torch.uint8)
+
+
+def make_dataset(root: Path) -> None:
+    """Write ``tiny_dataset/`` and ``prompts.txt`` under ``root``."""
+    from safetensors.torch import save_file
+
+    (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    directory = root / "tiny_dataset"
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({"images": procedural_images()}, directory / "images.safetensors")
+    demonstrations = [{"prompt": prompt, "image": i} for i, prompt in enumerate(PROMPTS)]
+    # preference: the image matching the prompt is chosen; the next one (cyclically) is rejected
+    preferences = [
+        {"prompt": prompt, "chosen": i, "rejected": (i + 1) % len(PROMPTS)}
+        for i, prompt in enumerate(PROMPTS)
+    ]
+    for filename, records in (("demonstrations.jsonl", demonstrations), ("preferences.jsonl", preferences)):
+        (directory / filename).write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=FIXTURES, help="output directory (default: the package fixtures)"
+    )
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    make_model_fixtures(args.out)
+    make_dataset(args.out)
+    print(f"fixtures written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Registries: trainers, their TrainingArguments, and model adapters, each keyed by a short name.
+
+The list of trainers is *derived* from the registries, never hard-coded: a trainer exists when both a
+trainer class and a TrainingArguments class are registered under the same name (``trainer_names``);
+a name registered on one side only is an error that ``resolve_trainer`` reports. Built-in trainers and
+adapters register themselves when their modules are imported; ``load_builtins`` imports every module of
+``reference_trainer.trainers`` and ``reference_trainer.adapters`` (discovered with ``pkgutil``), so a
+new algorithm file is picked up by being added to that package.
+
+Rewards have their own registry in ``reference_trainer.rewards``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+TRAINERS: dict[str, type] = {}
+ARGUMENTS: dict[str, type] = {}
+ADAPTERS: dict[str, type] = {}
+
+
+class RegistryError(KeyError):
+    """Unknown or half-registered name."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+def _register(table: dict[str, type], kind: str, name: str) -> Callable[[type[T]], type[T]]:
+    def decorator(cls: type[T]) -> type[T]:
+        existing = table.get(name)
+        if existing is not None and existing is not cls:
+            raise RegistryError(f"{kind} {name!r} is already registered to {existing.__qualname__}")
+        table[name] = cls
+        cls.registry_name = name  # type: ignore[attr-defined]
+        return cls
+
+    return decorator
+
+
+def register_trainer(name: str) -> Callable[[type[T]], type[T]]:
+    """Class decorator: register a ``BaseTrainer`` subclass under ``name``."""
+    return _register(TRAINERS, "trainer", name)
+
+
+def register_arguments(name: str) -> Callable[[type[T]], type[T]]:
+    """Class decorator: register the TrainingArguments dataclass of the trainer ``name``."""
+    return _register(ARGUMENTS, "arguments", name)
+
+
+def register_adapter(name: str) -> Callable[[type[T]], type[T]]:
+    """Class decorator: register a ``BaseAdapter`` subclass under ``name``."""
+    return _register(ADAPTERS, "adapter", name)
+
+
+def load_builtins() -> None:
+    """Import every module of the built-in trainer and adapter packages so they register."""
+    for package_name in ("reference_trainer.adapters", "reference_trainer.trainers"):
+        package = importlib.import_module(package_name)
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package_name}.{module.name}")
+
+
+def trainer_names() -> list[str]:
+    """Names registered as both a trainer and a TrainingArguments class, sorted."""
+    load_builtins()
+    return sorted(set(TRAINERS) & set(ARGUMENTS))
+
+
+def resolve_trainer(name: str) -> tuple[type, type]:
+    """Return ``(trainer_class, arguments_class)`` for ``name``; error if either side is missing."""
+    load_builtins()
+    trainer_cls, arguments_cls = TRAINERS.get(name), ARGUMENTS.get(name)
+    if trainer_cls is None and arguments_cls is None:
+        raise RegistryError(f"unknown trainer {name!r}; registered trainers: {', '.join(trainer_names())}")
+    if trainer_cls is None or arguments_cls is None:
+        missing = "trainer class" if trainer_cls is None else "TrainingArguments class"
+        raise RegistryError(f"trainer {name!r} has no registered {missing}")
+    return trainer_cls, arguments_cls
+
+
+def resolve_adapter(name: str) -> type:
+    """Return the adapter class registered as ``name``."""
+    load_builtins()
+    if name not in ADAPTERS:
+        raise RegistryError(f"unknown adapter {name!r}; registered adapters: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[name]
+
+
+def describe_registries() -> dict[str, Any]:
+    """Everything ``reference-trainer list`` shows: trainers with their contracts and roles, adapters."""
+    trainers = []
+    for name in trainer_names():
+        trainer_cls, arguments_cls = TRAINERS[name], ARGUMENTS[name]
+        trainers.append(
+            {
+                "name": name,
+                "contract": trainer_cls.execution_contract.describe(),
+                "roles": list(trainer_cls.roles),
+                "arguments": arguments_cls.__qualname__,
+            }
+        )
+    return {"trainers": trainers, "adapters": sorted(ADAPTERS)}
