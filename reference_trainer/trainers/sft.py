@@ -1,0 +1,103 @@
+"""SFT for flow matching: velocity MSE on a dataset of demonstrations (dataset acquisition, no feedback).
+
+Rectified-flow / flow-matching regression (SD3, Esser et al. 2024, arXiv 2403.03206, eq. 1-3; loss in
+``reference_trainer.losses.sft``). Reference code: diffusers ``examples/dreambooth/
+train_dreambooth_lora_sd3.py`` (logit-normal σ, ``target = noise - model_input``); Flow-Factory
+``trainers/offline/sft.py`` (dataset contract, ``num_train_timesteps`` draws averaged inside one
+microstep, one backward per microstep, explicit integer ``gradient_accumulation_steps``).
+
+One microbatch (``optimize_batch``), notation as in the paper:
+
+1. c    = the cached prompt condition (the only cached thing; the image is encoded on demand);
+2. x_0  = VAE-encoded target image, [B, C, H, W] (no gradient);
+3. for k < ``num_train_timesteps``: σ ~ logit-normal clamped to [sigma_min, sigma_max], ε ~ N(0, I),
+   x_σ = (1 − σ)x_0 + σε, v_θ = transformer(x_σ, σ, c), L_k = mean ‖v_θ − (ε − x_0)‖²;
+4. L = mean_k L_k; the base back-propagates L / gradient_accumulation_steps in the ``policy`` phase.
+
+All randomness comes from ``self.generator("sft", data_epoch, batch index)``, so a resumed run draws
+the same σ and ε as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+import ffdebug
+from reference_trainer.config import DatasetTrainingArguments, require
+from reference_trainer.contracts import DATASET, ExecutionContract
+from reference_trainer.flow_matching import SIGMA_SCHEMES, interpolate, sample_sigmas
+from reference_trainer.losses.sft import flow_matching_loss
+from reference_trainer.registry import register_arguments, register_trainer
+from reference_trainer.trainers.base import BaseTrainer
+
+
+@register_arguments("sft")
+@dataclass(frozen=True, kw_only=True)
+class SFTArguments(DatasetTrainingArguments):
+    """``train:`` section of an SFT run."""
+
+    execution_contract: ClassVar[ExecutionContract] = DATASET
+    num_train_timesteps: int = 1
+    """σ draws per sample, averaged inside one microstep (Flow-Factory ``num_train_timesteps``)."""
+    sigma_scheme: str = "logit_normal"
+    """``logit_normal`` (SD3 default, mean 0 std 1) or ``uniform``."""
+    sigma_min: float = 0.01
+    """Lower clamp of the training σ (Flow-Factory ``timestep_range`` 0.99 keeps σ off the ends)."""
+    sigma_max: float = 0.99
+    """Upper clamp of the training σ."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.num_train_timesteps >= 1,
+            "num_train_timesteps",
+            f"must be >= 1, got {self.num_train_timesteps}",
+        )
+        require(
+            self.sigma_scheme in SIGMA_SCHEMES,
+            "sigma_scheme",
+            f"must be one of {SIGMA_SCHEMES}, got {self.sigma_scheme!r}",
+        )
+        require(
+            0.0 <= self.sigma_min < self.sigma_max <= 1.0,
+            "sigma_min",
+            f"need 0 <= sigma_min < sigma_max <= 1, got {self.sigma_min}, {self.sigma_max}",
+        )
+
+
+@register_trainer("sft")
+class SFTTrainer(BaseTrainer):
+    """Velocity-MSE finetuning of the transformer on (prompt, image) demonstrations."""
+
+    execution_contract: ClassVar[ExecutionContract] = DATASET
+    roles: ClassVar[tuple[str, ...]] = ("policy",)
+    dataset_role: ClassVar[str] = "policy"
+    supervision: ClassVar[str | None] = "demonstration"
+
+    def optimize_batch(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        args: SFTArguments = self.args  # type: ignore[assignment]
+        # 1-2. condition (cached) and target latents (encoded on demand)
+        condition = self.conditions.get(batch["prompts"])
+        x0 = self.adapter.encode_images(batch["image"])  # [B, C, H, W]
+        ffdebug.tap("batch.x0", x0)
+        generator = self.generator("sft", self.data_epoch, self.batches_in_epoch)
+        # 3. one flow-matching term per σ draw
+        losses = []
+        for k in range(args.num_train_timesteps):
+            sigma = sample_sigmas(
+                x0.shape[0], args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
+            )  # [B]
+            noise = torch.randn(x0.shape, generator=generator)  # ε, [B, C, H, W]
+            x_t = interpolate(x0, noise, sigma)
+            v_pred = self.adapter.forward(x_t, sigma, condition)
+            ffdebug.tap("train.sigma", sigma, timestep_draw=k)
+            ffdebug.tap("train.velocity", v_pred.detach(), timestep_draw=k)
+            loss_k, _ = flow_matching_loss(v_pred, noise, x0)
+            losses.append(loss_k)
+        # 4. average over the σ draws (the base scales by 1/gradient_accumulation_steps)
+        loss = torch.stack(losses).mean()
+        return loss, {"fm_loss": loss.item()}
