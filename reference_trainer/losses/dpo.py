@@ -28,9 +28,12 @@ The two arms of a pair must share the noise ε and the noise level σ (the calle
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from reference_trainer.flow_matching import interpolate, velocity_target
 from reference_trainer.losses.sft import per_sample_velocity_error
 
 
@@ -83,3 +86,34 @@ def diffusion_dpo_velocity_loss(
         per_sample_velocity_error(v_ref_l, v_target_l),
         beta=beta,
     )
+
+
+def pair_errors(
+    x0_w: torch.Tensor,
+    x0_l: torch.Tensor,
+    sigma: torch.Tensor,
+    noise: torch.Tensor,
+    policy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    reference: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e_θ^w, e_θ^l, e_ref^w, e_ref^l), each [B], for pairs that share σ [B] and ε [B, ...].
+
+    ``policy`` / ``reference`` map (x_σ [2B, ...], σ [2B]) to velocities [2B, ...] for the stacked
+    batch [chosen; rejected] (both arms in one forward; the caller binds the condition, repeated
+    twice). The reference runs in one ``no_grad`` scope.
+    """
+    if x0_w.shape != x0_l.shape or noise.shape != x0_w.shape:
+        raise ValueError(
+            f"chosen {tuple(x0_w.shape)}, rejected {tuple(x0_l.shape)}, noise {tuple(noise.shape)} differ"
+        )
+    b = x0_w.shape[0]
+    x0 = torch.cat([x0_w, x0_l])  # [2B, ...]: chosen first, then rejected
+    noise2, sigma2 = torch.cat([noise, noise]), torch.cat([sigma, sigma])
+    x_t = interpolate(x0, noise2, sigma2)
+    target = velocity_target(x0, noise2)
+    v_theta = policy(x_t, sigma2)
+    with torch.no_grad():
+        v_ref = reference(x_t, sigma2)
+    e_theta = per_sample_velocity_error(v_theta, target)  # [2B]
+    e_ref = per_sample_velocity_error(v_ref, target)
+    return e_theta[:b], e_theta[b:], e_ref[:b], e_ref[b:]
