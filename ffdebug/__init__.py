@@ -19,8 +19,17 @@ This module imports neither torch nor any heavy dependency at import time.
 from __future__ import annotations
 
 import contextlib
+import importlib as _importlib
+import importlib.util as _importlib_util
 
 from ffdebug.capture import session as _session
+
+# The analysis subpackages `ffdebug.compare` and `ffdebug.bisect` share their names with the API
+# functions below. Importing the (light, torch-free) packages first means the functions, defined
+# afterwards, own the attribute: a later `from ffdebug.compare.engine import x` does not re-bind it.
+for _name in ("compare", "bisect"):
+    if _importlib_util.find_spec(f"ffdebug.{_name}") is not None:
+        _importlib.import_module(f"ffdebug.{_name}")
 
 __version__ = "0.1.0"
 

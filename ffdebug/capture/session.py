@@ -175,10 +175,11 @@ class Session:
         for reserved in ("shard", "reduction"):
             if reserved in tags:
                 meta.setdefault(reserved, tags[reserved])
+        ids = key == "embed.input_ids"
         t = tensor.detach()
-        if self.config.mode == "full":
+        if self.config.mode == "full" or ids:
             t = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-        self.writer().write(key, t, meta)
+        self.writer().write(key, t, meta, always_payload=ids)
         self.captured += 1
 
     def tap(self, stage: str, tensor, tags: dict) -> None:

@@ -239,7 +239,8 @@ def compare(
             "target": [{"call": g.call, "step": dict(g.tags)} for g in pairing.unpaired_target],
         },
         notes=notes,
-        stats_only=bool(stages_out) and all(e.get("stats_only") for e in stages_out),
+        stats_only=any(e.get("stats_only") for e in stages_out)
+        and all(e.get("stats_only") for e in stages_out if e["key"] != "embed.input_ids"),
     )
 
 

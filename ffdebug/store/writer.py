@@ -109,8 +109,12 @@ class StoreWriter:
         with self._lock:
             self.counts[reason] = self.counts.get(reason, 0) + 1
 
-    def write(self, key: str, tensor, meta: dict, force_stats: bool = False) -> dict | None:
-        """Capture one tensor (already detached and cloned by the caller) and append its record."""
+    def write(self, key: str, tensor, meta: dict, always_payload: bool = False) -> dict | None:
+        """Capture one tensor (already detached and cloned by the caller) and append its record.
+
+        `always_payload` writes the tensor even in stats mode or over budget (input ids: small,
+        and needed by the input-ids gate).
+        """
         import safetensors.torch
 
         t = tensor.detach()
@@ -145,9 +149,9 @@ class StoreWriter:
             if meta.get("extra"):
                 record["extra"] = meta["extra"]
             nbytes = t.numel() * t.element_size()
-            if self.mode == "stats" or force_stats:
+            if self.mode == "stats" and not always_payload:
                 self.counts["stats_only"] += 1
-            elif self.max_bytes is not None and self.bytes_written + nbytes > self.max_bytes:
+            elif not always_payload and self.max_bytes is not None and self.bytes_written + nbytes > self.max_bytes:
                 self.counts["over_budget"] += 1
                 record["over_budget"] = True
             else:

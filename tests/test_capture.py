@@ -1,0 +1,212 @@
+"""Capturing an HF LlamaForCausalLM through env vars and through ffdebug.capture."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+import ffdebug
+from ffdebug.store.reader import open_side
+
+CANONICAL = ("hidden_in", "attn_norm_out", "attn_out", "ffn_norm_out", "ffn_out", "hidden_out")
+
+
+def _expected_keys(num_layers: int) -> set[str]:
+    keys = {"embed.input_ids", "embed.out", "final.norm_out", "final.logits"}
+    keys |= {f"L{i:03d}.{s}" for i in range(num_layers) for s in CANONICAL}
+    return keys
+
+
+def test_env_dump_one_line_install(tmp_path, monkeypatch, tiny_llama, input_ids):
+    monkeypatch.setenv("FFDEBUG_FWD_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("FFDEBUG_FWD_DUMP_SIDE", "ref")
+    handle = ffdebug.install(tiny_llama)
+    with torch.no_grad():
+        out = tiny_llama(input_ids=input_ids)
+    handle.remove()
+    from ffdebug.capture.session import active_session
+
+    active_session().close()
+    store = open_side(tmp_path / "ref")
+    assert set(store.keys()) == _expected_keys(4)
+    recs = {r.key: r for r in store.records}
+    assert torch.equal(recs["embed.input_ids"].load(), input_ids)
+    assert torch.equal(recs["final.logits"].load(), out.logits)
+    assert recs["L002.ffn_out"]["layer"] == 2 and recs["L002.ffn_out"]["module_class"] == "LlamaMLP"
+    assert recs["L000.hidden_in"]["io"] == "in" and recs["L000.hidden_out"]["io"] == "out"
+    run = json.loads((tmp_path / "ref" / "run.json").read_text())
+    assert run["side"] == "ref" and run["threads"] == 1 and run["format_version"] == 1
+    assert run["env"]["FFDEBUG_FWD_DUMP_SIDE"] == "ref"
+    status = json.loads((tmp_path / "ref" / "rank000" / "status.json").read_text())
+    assert status["complete"] and status["written"] == len(store.records)
+
+
+def test_capture_api_same_stages_and_layer_filter(tmp_path, tiny_llama, input_ids):
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="target"), torch.no_grad():
+        tiny_llama(input_ids=input_ids)
+    assert set(open_side(tmp_path / "target").keys()) == _expected_keys(4)
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="sub", layers="1,-1", stages="L*"), torch.no_grad():
+        tiny_llama(input_ids=input_ids)
+    keys = set(open_side(tmp_path / "sub").keys())
+    assert keys == {f"L{i:03d}.{s}" for i in (1, 3) for s in CANONICAL}
+    assert not tiny_llama._forward_hooks and not tiny_llama._forward_pre_hooks  # removed on exit
+
+
+def test_clone_on_capture(tmp_path):
+    lin = torch.nn.Linear(4, 4)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+                x.mul_(0)  # in-place op after the block returned
+            return x
+
+    m = M()
+    x = torch.ones(1, 4)
+    with ffdebug.capture(m, dir=tmp_path, side="s"), torch.no_grad():
+        m(x)
+    rec = {r.key: r for r in open_side(tmp_path / "s").records}
+    assert float(rec["L000.hidden_out"].load().abs().sum()) > 0  # not zeroed by the later mul_
+    del lin
+
+
+def test_disabled_installs_no_hooks_and_tap_is_noop(tiny_llama, input_ids, tmp_path):
+    assert ffdebug.install(tiny_llama) is None
+    for m in tiny_llama.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+    x = torch.ones(3)
+    assert ffdebug.tap("anything", x) is x
+    with ffdebug.step(optimizer_step=1):
+        ffdebug.tap("anything", x)
+    assert not any(tmp_path.iterdir())
+
+
+def test_calls_steps_taps_and_first_real(tmp_path, tiny_llama, input_ids):
+    dummy = torch.zeros_like(input_ids)
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="s", calls="first-real", stages="final.logits"):
+        with torch.no_grad():
+            tiny_llama(input_ids=dummy)  # untagged dummy batch: a warm-up guess, skipped
+            tiny_llama(input_ids=input_ids)  # captured
+            tiny_llama(input_ids=input_ids)  # not: first-real takes one call
+    recs = open_side(tmp_path / "s").records
+    assert len(recs) == 1 and recs[0]["call"] == 1
+
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="t", stages="final.logits,reward"):
+        for k in range(2):
+            with ffdebug.step(optimizer_step=k, phase="rollout"), torch.no_grad():
+                tiny_llama(input_ids=input_ids)
+                tiny_llama(input_ids=input_ids)
+                ffdebug.tap("reward", torch.tensor([1.0 * k]), role="policy")
+    recs = open_side(tmp_path / "t").records
+    logits = [(r["step"]["optimizer_step"], r["call"], r["phase"]) for r in recs if r.key == "final.logits"]
+    assert logits == [(0, 0, "rollout"), (0, 1, "rollout"), (1, 0, "rollout"), (1, 1, "rollout")]
+    reward = [r for r in recs if r.key == "reward"]
+    assert [r["step"]["role"] for r in reward] == ["policy", "policy"] and reward[1].load().item() == 1.0
+
+
+def test_stats_mode_and_budget(tmp_path, tiny_llama, input_ids):
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="s", mode="stats"), torch.no_grad():
+        tiny_llama(input_ids=input_ids)
+    store = open_side(tmp_path / "s")
+    assert store.records and all(not r.has_payload for r in store.records)
+    st = store.records[-1]["stats"]
+    assert set(st) >= {"mean", "std", "min", "max", "absmax", "l2", "nan", "inf", "zero"}
+    assert not list((tmp_path / "s" / "rank000").glob("*.safetensors"))
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="b", max_bytes=3000), torch.no_grad():
+        tiny_llama(input_ids=input_ids)
+    status = json.loads((tmp_path / "b" / "rank000" / "status.json").read_text())
+    assert status["over_budget"] > 0 and status["bytes_written"] <= 3000
+
+
+def test_overwrite_guard(tmp_path, tiny_llama, input_ids, monkeypatch):
+    from ffdebug.errors import FFDebugError
+
+    for _ in range(2):
+        with ffdebug.capture(tiny_llama, dir=tmp_path, side="s", overwrite=True), torch.no_grad():
+            tiny_llama(input_ids=input_ids)
+    try:
+        with ffdebug.capture(tiny_llama, dir=tmp_path, side="s"), torch.no_grad():
+            tiny_llama(input_ids=input_ids)
+        raise AssertionError("expected FFDebugError")
+    except FFDebugError as err:
+        assert "FFDEBUG_FWD_DUMP_OVERWRITE=1" in str(err)
+
+
+def test_grads_dumped(tmp_path, tiny_llama, input_ids):
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="g", grads=True, stages="L*.hidden_out*"):
+        out = tiny_llama(input_ids=input_ids)
+        out.logits.sum().backward()
+    recs = open_side(tmp_path / "g").records
+    grads = [r for r in recs if r["io"] == "grad"]
+    assert {r.key for r in grads} == {f"L{i:03d}.hidden_out.grad" for i in range(4)}
+
+
+def test_patch_helpers_restore_and_dump(tmp_path, tiny_llama, input_ids):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+    original = LlamaDecoderLayer.forward
+    with ffdebug.capture(None, dir=tmp_path, side="p"):
+        with ffdebug.patch_block_forward(LlamaDecoderLayer, layer_attr="layer_idx"):
+            with ffdebug.patch_module_dump(LlamaRMSNorm, stage="rms"), torch.no_grad():
+                tiny_llama(input_ids=input_ids)
+    assert LlamaDecoderLayer.forward is original
+    keys = open_side(tmp_path / "p").keys()
+    assert "L000.hidden_in" in keys and "L003.hidden_out" in keys and "L001.rms" in keys and "rms" in keys
+
+    def boom(orig, self, *a, **k):
+        raise RuntimeError("boom")
+
+    try:
+        with ffdebug.patch_method(LlamaRMSNorm, "forward", boom):
+            tiny_llama(input_ids=input_ids)
+    except RuntimeError:
+        pass
+    assert LlamaRMSNorm.forward is not None and "forward" in LlamaRMSNorm.__dict__
+    with torch.no_grad():
+        tiny_llama(input_ids=input_ids)  # restored: runs
+
+
+def test_weight_dump(tmp_path, monkeypatch, tiny_llama):
+    monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_LAYERS", "0")
+    monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_EXIT", "0")
+    side = ffdebug.maybe_dump_weights_and_exit(tiny_llama)
+    store = open_side(side)
+    keys = set(store.keys())
+    assert "model.layers.0.mlp.up_proj.weight" in keys and "model.embed_tokens.weight" in keys
+    assert not any(k.startswith("model.layers.1.") for k in keys)
+    rec = next(r for r in store.records if r.key == "model.layers.0.mlp.up_proj.weight")
+    assert torch.equal(rec.load(), tiny_llama.model.layers[0].mlp.up_proj.weight)
+    monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_EXIT", "1")
+    monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_DIR", str(tmp_path / "w2"))
+    try:
+        ffdebug.maybe_dump_weights_and_exit(tiny_llama)
+        raise AssertionError("expected SystemExit")
+    except SystemExit as e:
+        assert e.code == 0
+    assert os.path.exists(tmp_path / "w2" / "weights" / "run.json")
+
+
+def test_blocks_and_layer_classes_diffusers():
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    from ffdebug.models.blocks import find_blocks
+
+    sd3 = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                                num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
+                                pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16)
+    blocks = find_blocks(sd3)
+    assert [(b.layer, b.class_name) for b in blocks] == [(0, "JointTransformerBlock"), (1, "JointTransformerBlock")]
+    flux = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                  pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 4, 8))
+    fb = find_blocks(flux)
+    assert [(b.layer, b.class_name) for b in fb] == [(0, "FluxTransformerBlock"), (1, "FluxSingleTransformerBlock")]
+    assert find_blocks(flux, declared="double:0,single:1-")[1].layer_class == "single"

@@ -1,0 +1,114 @@
+"""Float64 metrics and severity bands against hand-derived values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ffdebug.compare.metrics import CHUNK, compare_tensors, logits_metrics
+from ffdebug.compare.severity import classify, parse_threshold
+from ffdebug.errors import FFDebugError
+
+
+def test_hand_derived_values():
+    """r = (1, 0), t = (1, 1): dot 1, |r| 1, |t| sqrt2 -> cos 1/sqrt2; |t-r| 1 -> rel 1;
+    rel_diff = 1 - 2*1/(1+2) = 1/3; max_abs 1 at index 1; mean_abs 1/2; norm_ratio sqrt2."""
+    m = compare_tensors(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]))
+    assert m.cos == pytest.approx(1 / math.sqrt(2), abs=1e-15)
+    assert m.rel == pytest.approx(1.0, abs=1e-15)
+    assert m.rel_diff == pytest.approx(1 / 3, abs=1e-15)
+    assert m.max_abs == 1.0 and m.max_abs_at == [1]
+    assert m.mean_abs == pytest.approx(0.5)
+    assert m.norm_ratio == pytest.approx(math.sqrt(2))
+    assert m.bit_equal == 0.5
+
+
+def test_multi_chunk_matches_direct_float64_and_coordinate():
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(3, CHUNK + 123, generator=g)
+    t = r + 1e-3 * torch.randn(r.shape, generator=g)
+    t[2, CHUNK + 5] += 0.5
+    m = compare_tensors(r, t)
+    r64, t64 = r.double().flatten(), t.double().flatten()
+    assert m.cos == pytest.approx(float(r64 @ t64 / (r64.norm() * t64.norm())), abs=1e-12)
+    assert m.rel == pytest.approx(float((t64 - r64).norm() / r64.norm()), rel=1e-10)
+    assert m.max_abs_at == [2, CHUNK + 5]
+
+
+def test_fp32_cos_above_one_is_clamped():
+    """Identical-direction fp32 vectors where fp32 arithmetic gives cos > 1."""
+    x = torch.full((4097,), 0.1, dtype=torch.float32) * torch.linspace(1, 3, 4097)
+    y = x * 1.0000001
+    fp32 = torch.nn.functional.cosine_similarity(x, y, dim=0)
+    m = compare_tensors(x, y)
+    assert m.cos <= 1.0
+    assert m.cos == pytest.approx(1.0, abs=1e-12)
+    assert float(fp32) >= 0.99999  # the fp32 value is near 1 (often above it); ours never exceeds 1
+
+
+def test_zero_tensors_explicit():
+    z = torch.zeros(10)
+    both = compare_tensors(z, z)
+    assert (both.cos, both.rel) == (1.0, 0.0)
+    ref_zero = compare_tensors(z, torch.ones(10))
+    assert ref_zero.cos == 0.0 and ref_zero.rel is None and "reference is all zeros" in ref_zero.notes[0]
+    tgt_zero = compare_tensors(torch.ones(10), z)
+    assert tgt_zero.cos == 0.0 and tgt_zero.rel == 1.0
+    assert classify(ref_zero.cos, ref_zero.rel) in ("bug", "scramble")
+
+
+def test_nan_inf_positions():
+    r = torch.tensor([1.0, float("nan"), 3.0, float("inf"), 5.0])
+    t = torch.tensor([1.0, float("nan"), float("nan"), float("inf"), 5.0])
+    m = compare_tensors(r, t)
+    assert m.nan_mismatch == 1 and m.nan_both == 1 and m.inf_mismatch == 0
+    assert m.cos == pytest.approx(1.0)  # finite positions agree
+    t2 = torch.tensor([1.0, float("nan"), 3.0, float("-inf"), 5.0])
+    assert compare_tensors(r, t2).inf_mismatch == 1
+
+
+def test_shape_mismatch_not_broadcast():
+    m = compare_tensors(torch.ones(2, 3), torch.ones(3, 2))
+    assert m.shape_mismatch and m.cos is None
+
+
+def test_bit_equal_is_bitwise():
+    r = torch.tensor([0.0, 1.0], dtype=torch.float32)
+    t = torch.tensor([-0.0, 1.0], dtype=torch.float32)  # equal as values, different bits
+    assert compare_tensors(r, t).bit_equal == 0.5
+    bf = torch.randn(100, dtype=torch.bfloat16)
+    assert compare_tensors(bf, bf.clone()).bit_equal == 1.0
+
+
+def test_bands_rel_wins():
+    assert classify(0.99999, 0.001) == "ok"
+    assert classify(0.9998, 0.57) == "bug"  # the DESIGN example: cos fine, rel large
+    assert classify(0.995, 0.05) == "drift"
+    assert classify(0.95, 0.2) == "diverge"
+    assert classify(0.6, 0.9) == "bug"
+    assert classify(0.3, 0.9) == "scramble"
+    assert classify(-1.0, 2.0) == "scramble"
+    assert classify(1.0, 3.0) == "bug"  # pure scale error
+
+
+def test_threshold_override_first_match_wins():
+    th = (parse_threshold("final.*:cos>=0.9,rel<=0.5"), parse_threshold("*:cos>=0.99999"))
+    assert classify(0.95, 0.2, "final.logits", th) == "ok"
+    assert classify(0.99995, 0.001, "L000.attn_out", th) == "drift"  # stricter override fails
+    with pytest.raises(FFDebugError, match="--threshold"):
+        parse_threshold("nocolon")
+
+
+def test_logits_metrics():
+    r = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]])
+    m = logits_metrics(r, r.clone(), topk=2)
+    assert m["argmax_agree"] == 1.0 and m["top2_overlap"] == 1.0 and m["kl_mean"] == pytest.approx(0.0, abs=1e-15)
+    t = torch.tensor([[2.0, 1.0, 0.0], [3.0, 0.0, 0.0]])
+    m2 = logits_metrics(r, t, topk=2)
+    assert m2["argmax_agree"] == 0.5
+    # KL(p||q) for row 0: p = softmax(0,1,2), q = softmax(2,1,0) = reversed p
+    p = torch.softmax(torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64), 0)
+    kl0 = float((p * (p.log() - p.flip(0).log())).sum())
+    assert m2["kl_mean"] == pytest.approx(kl0 / 2, rel=1e-12)
