@@ -115,10 +115,11 @@ def test_stats_mode_and_budget(tmp_path, tiny_llama, input_ids):
     with ffdebug.capture(tiny_llama, dir=tmp_path, side="s", mode="stats"), torch.no_grad():
         tiny_llama(input_ids=input_ids)
     store = open_side(tmp_path / "s")
-    assert store.records and all(not r.has_payload for r in store.records)
+    assert store.records and all(not r.has_payload for r in store.records if r.key != "embed.input_ids")
     st = store.records[-1]["stats"]
     assert set(st) >= {"mean", "std", "min", "max", "absmax", "l2", "nan", "inf", "zero"}
-    assert not list((tmp_path / "s" / "rank000").glob("*.safetensors"))
+    # only the input ids (needed by the input-ids gate) keep a payload
+    assert len(list((tmp_path / "s" / "rank000").glob("*.safetensors"))) == 1
     with ffdebug.capture(tiny_llama, dir=tmp_path, side="b", max_bytes=3000), torch.no_grad():
         tiny_llama(input_ids=input_ids)
     status = json.loads((tmp_path / "b" / "rank000" / "status.json").read_text())
@@ -199,14 +200,39 @@ def test_blocks_and_layer_classes_diffusers():
 
     from ffdebug.models.blocks import find_blocks
 
-    sd3 = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-                                num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
-                                pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16)
+    sd3 = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
     blocks = find_blocks(sd3)
-    assert [(b.layer, b.class_name) for b in blocks] == [(0, "JointTransformerBlock"), (1, "JointTransformerBlock")]
-    flux = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
-                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                  pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 4, 8))
+    assert [(b.layer, b.class_name) for b in blocks] == [
+        (0, "JointTransformerBlock"),
+        (1, "JointTransformerBlock"),
+    ]
+    flux = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=False,
+        axes_dims_rope=(4, 4, 8),
+    )
     fb = find_blocks(flux)
-    assert [(b.layer, b.class_name) for b in fb] == [(0, "FluxTransformerBlock"), (1, "FluxSingleTransformerBlock")]
+    assert [(b.layer, b.class_name) for b in fb] == [
+        (0, "FluxTransformerBlock"),
+        (1, "FluxSingleTransformerBlock"),
+    ]
     assert find_blocks(flux, declared="double:0,single:1-")[1].layer_class == "single"

@@ -46,8 +46,15 @@ def _llama8():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -57,7 +64,9 @@ def test_bf16_target_is_drift_not_bug(tmp_path, input_ids):
     ref = _dump(model, input_ids, tmp_path, "ref")
     tgt = _dump(copy.deepcopy(model).to(torch.bfloat16), input_ids, tmp_path, "target")
     res = ffdebug.compare(ref, tgt)
-    assert res.verdict == "drift", [(s["key"], s["severity"], s["rel"]) for s in res.stages if s["severity"] != "ok"]
+    assert res.verdict == "drift", [
+        (s["key"], s["severity"], s["rel"]) for s in res.stages if s["severity"] != "ok"
+    ]
     assert bool(res)  # default fail-on diverge passes
 
 
@@ -80,11 +89,24 @@ def test_cli_json_keys_and_exit_codes(tmp_path, tiny_llama, input_ids):
     r = runner.invoke(app, ["compare", "ref-vs-target", "--dir", str(tmp_path), "--json"])
     data = json.loads(r.output)
     assert set(data) >= {"verdict", "stages", "first_divergence"}
-    assert set(data["stages"][0]) >= {"key", "layer", "layer_class", "severity", "cos", "rel", "rel_diff",
-                                      "max_abs", "max_abs_at", "shape_ref", "shape_target"}
+    assert set(data["stages"][0]) >= {
+        "key",
+        "layer",
+        "layer_class",
+        "severity",
+        "cos",
+        "rel",
+        "rel_diff",
+        "max_abs",
+        "max_abs_at",
+        "shape_ref",
+        "shape_target",
+    }
     assert data["verdict"] == "drift" and data["first_divergence"]["key"] == "L003.ffn_out"
     assert r.exit_code == 0  # drift is below the default fail-on (diverge)
-    r2 = runner.invoke(app, ["compare", str(tmp_path / "ref"), str(tmp_path / "target"), "--fail-on", "drift"])
+    r2 = runner.invoke(
+        app, ["compare", str(tmp_path / "ref"), str(tmp_path / "target"), "--fail-on", "drift"]
+    )
     assert r2.exit_code == 1 and "FAILED" in r2.output and "layer 3" in r2.output
     r3 = runner.invoke(app, ["compare", "ref-vs-target", "--dir", str(tmp_path), "--layers", "0-2"])
     assert r3.exit_code == 0 and "PASSED" in r3.output

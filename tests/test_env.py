@@ -36,8 +36,12 @@ def test_calls():
 
 @pytest.mark.parametrize(
     "var,value",
-    [("FFDEBUG_FWD_DUMP_MODE", "everything"), ("FFDEBUG_FWD_DUMP_GRADS", "maybe"),
-     ("FFDEBUG_FWD_DUMP_MAX_BYTES", "lots"), ("FFDEBUG_FWD_DUMP_SIDE", "a b/c")],
+    [
+        ("FFDEBUG_FWD_DUMP_MODE", "everything"),
+        ("FFDEBUG_FWD_DUMP_GRADS", "maybe"),
+        ("FFDEBUG_FWD_DUMP_MAX_BYTES", "lots"),
+        ("FFDEBUG_FWD_DUMP_SIDE", "a b/c"),
+    ],
 )
 def test_invalid_values_name_the_variable(var, value):
     with pytest.raises(FFDebugError, match=var):
@@ -45,9 +49,18 @@ def test_invalid_values_name_the_variable(var, value):
 
 
 def test_atom_aliases_and_precedence(capsys):
-    c = read_dump_config({"ATOM_FWD_DUMP_DIR": "/a", "ATOM_FWD_DUMP_ONE_SHOT": "1", "ATOM_FWD_DUMP_STATS_ONLY": "1",
-                          "ATOM_FWD_DUMP_LAYERS": "0", "ATOM_DEBUG_TOPK": "5"})
-    assert c.dir == "/a" and c.calls.spec == "0" and c.mode == "stats" and c.layers.spec == "0" and c.topk == 5
+    c = read_dump_config(
+        {
+            "ATOM_FWD_DUMP_DIR": "/a",
+            "ATOM_FWD_DUMP_ONE_SHOT": "1",
+            "ATOM_FWD_DUMP_STATS_ONLY": "1",
+            "ATOM_FWD_DUMP_LAYERS": "0",
+            "ATOM_DEBUG_TOPK": "5",
+        }
+    )
+    assert (
+        c.dir == "/a" and c.calls.spec == "0" and c.mode == "stats" and c.layers.spec == "0" and c.topk == 5
+    )
     c2 = read_dump_config({"ATOM_FWD_DUMP_DIR": "/a", "FFDEBUG_FWD_DUMP_DIR": "/f"})
     assert c2.dir == "/f"
     assert "FFDEBUG_FWD_DUMP_DIR" in capsys.readouterr().err

@@ -104,7 +104,11 @@ def test_threshold_override_first_match_wins():
 def test_logits_metrics():
     r = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]])
     m = logits_metrics(r, r.clone(), topk=2)
-    assert m["argmax_agree"] == 1.0 and m["top2_overlap"] == 1.0 and m["kl_mean"] == pytest.approx(0.0, abs=1e-15)
+    assert (
+        m["argmax_agree"] == 1.0
+        and m["top2_overlap"] == 1.0
+        and m["kl_mean"] == pytest.approx(0.0, abs=1e-15)
+    )
     t = torch.tensor([[2.0, 1.0, 0.0], [3.0, 0.0, 0.0]])
     m2 = logits_metrics(r, t, topk=2)
     assert m2["argmax_agree"] == 0.5

@@ -35,6 +35,7 @@ def register(app: typer.Typer) -> None:
         for rec in store.records:
             if stages and not any(fnmatch.fnmatchcase(rec.key, g) for g in stages):
                 continue
+            rec.verify()
             stats = rec.get("stats")
             if stats is None and rec.has_payload:
                 stats = tensor_stats(rec.load())

@@ -101,7 +101,9 @@ class SourceFile:
         try:
             tree = ast.parse(text, filename=path)
         except SyntaxError as err:
-            raise FFDebugError(f"{path}:{err.lineno}: not valid Python ({err.msg}); fix it or exclude it") from None
+            raise FFDebugError(
+                f"{path}:{err.lineno}: not valid Python ({err.msg}); fix it or exclude it"
+            ) from None
         src = cls(path=path, text=text, tree=tree, is_new=is_new)
         src._index()
         return src

@@ -54,6 +54,27 @@ class Record:
         path = os.path.join(self.rank_dir or "", name)
         return load_safetensors_tensor(path, self.fields.get("tensor") or "tensor")
 
+    def verify(self) -> None:
+        """Check that the payload file exists and its safetensors header covers the file."""
+        name = self.fields.get("file")
+        if self._tensor is None and name:
+            verify_safetensors(os.path.join(self.rank_dir or "", name))
+
+
+def verify_safetensors(path: str) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.exists(path):
+        raise FFDebugError(f"{path}: payload file is missing; the store is incomplete — re-run the dump")
+    try:
+        with safe_open(path, framework="pt") as f:
+            list(f.keys())
+    except (SafetensorError, OSError, ValueError) as err:
+        raise FFDebugError(
+            f"{path}: unreadable safetensors file ({str(err).splitlines()[0][:120]}); "
+            "it may be truncated — re-run the dump"
+        ) from None
+
 
 def load_safetensors_tensor(path: str, name: str):
     from safetensors import SafetensorError, safe_open

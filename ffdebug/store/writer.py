@@ -151,7 +151,11 @@ class StoreWriter:
             nbytes = t.numel() * t.element_size()
             if self.mode == "stats" and not always_payload:
                 self.counts["stats_only"] += 1
-            elif not always_payload and self.max_bytes is not None and self.bytes_written + nbytes > self.max_bytes:
+            elif (
+                not always_payload
+                and self.max_bytes is not None
+                and self.bytes_written + nbytes > self.max_bytes
+            ):
                 self.counts["over_budget"] += 1
                 record["over_budget"] = True
             else:

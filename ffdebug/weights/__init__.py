@@ -1,0 +1,13 @@
+"""Weight comparison: rule out weight loading before any forward bisect (DESIGN §5, seed Phase 1).
+
+Modules, in the order data flows through them:
+- `sources`: every checkpoint kind read one tensor at a time (safetensors file / HF folder / sharded
+  index / diffusers component / `.pt` state dict / weight dump store / `module:function` entry);
+- `names`: target-to-reference name mapping (prefixes, regex maps, alias files, fused tensors);
+- `tp`: per-rank shards merged into full tensors, replicated tensors checked across ranks;
+- `quant`: fp8 dequantisation with per-tensor / per-block / e8m0 scales;
+- `transforms`: layout transforms (transpose, a user function);
+- `schema`: only-in / shape / dtype lists and rename suggestions;
+- `diff`: `weights_diff(a, b) -> WeightsDiffResult` (schema first, then float64 numerics);
+- `audit`: `load_audit(model, checkpoint)`: what a model really loaded.
+"""

@@ -1,0 +1,126 @@
+"""A killed dump leaves a readable store; damaged input gives exit 2 with one line."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+from typer.testing import CliRunner
+
+import ffdebug
+from ffdebug.cli.app import app
+from ffdebug.store.reader import open_side
+
+runner = CliRunner()
+
+
+def _one_line_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    err = result.output.strip()
+    assert err.startswith("ffdebug: error:") and len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+
+
+def test_sigkill_mid_write_leaves_readable_store(tmp_path):
+    script = textwrap.dedent(
+        """
+        import os, sys, torch, ffdebug
+        print("ready", flush=True)
+        i = 0
+        while True:  # dump until killed
+            ffdebug.tap(f"t{i}", torch.randn(64, 1024))
+            if i == 20:
+                print("go", flush=True)
+            i += 1
+        """
+    )
+    env = dict(os.environ, FFDEBUG_FWD_DUMP_DIR=str(tmp_path), FFDEBUG_FWD_DUMP_SIDE="ref")
+    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    assert p.stdout.readline().strip() == "go"
+    time.sleep(0.2)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    store = open_side(tmp_path / "ref")
+    assert len(store.records) >= 21 and not store.status  # no status.json: the run did not finish
+    for rec in store.records:  # every listed tensor is complete
+        assert rec.load().shape == (64, 1024)
+    r = runner.invoke(app, ["inspect", str(tmp_path / "ref")])
+    assert r.exit_code == 0 and "did not finish cleanly" in r.output
+
+
+def _small_store(tmp_path):
+    with ffdebug.capture(None, dir=tmp_path, side="ref"):
+        ffdebug.tap("a", torch.ones(4))
+        ffdebug.tap("b", torch.ones(4))
+    return tmp_path / "ref"
+
+
+def test_partial_last_manifest_line_is_skipped(tmp_path):
+    side = _small_store(tmp_path)
+    with open(side / "rank000" / "manifest.jsonl", "a") as f:
+        f.write('{"key": "c", "seq": 2, "fi')  # a write cut short by a kill
+    store = open_side(side)
+    assert store.keys() == ["a", "b"] and store.incomplete_lines == 1
+
+
+def test_malformed_manifest_line_exit_2(tmp_path):
+    side = _small_store(tmp_path)
+    path = side / "rank000" / "manifest.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + "{not json\n" + lines[1] + "\n")
+    _one_line_error(runner.invoke(app, ["inspect", str(side)]), "manifest.jsonl:2", "malformed manifest line")
+
+
+def test_truncated_safetensors_exit_2(tmp_path):
+    side = _small_store(tmp_path)
+    payload = next((side / "rank000").glob("*.safetensors"))
+    payload.write_bytes(payload.read_bytes()[:20])
+    _one_line_error(runner.invoke(app, ["inspect", str(side)]), payload.name, "truncated")
+    other = _small_store(tmp_path / "o")
+    _one_line_error(runner.invoke(app, ["compare", str(side), str(other)]), payload.name)
+
+
+def test_not_a_store_exit_2(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _one_line_error(runner.invoke(app, ["inspect", str(tmp_path / "empty")]), "not an ffdebug store")
+    _one_line_error(runner.invoke(app, ["inspect", str(tmp_path / "nope")]), "no such file")
+
+
+def test_non_weights_only_pickle_refused(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    bad = tmp_path / "bad.pt"
+    with open(bad, "wb") as f:
+        pickle.dump({"x": Evil()}, f)
+    _one_line_error(runner.invoke(app, ["inspect", str(bad)]), "bad.pt", "not a weights-only")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_atom_pt_dumps_import(tmp_path):
+    d = tmp_path / "atom"
+    d.mkdir()
+    torch.save(torch.arange(6.0), d / "ref_layer03_Block__attn_out_rank0.pt")
+    torch.save({"h": torch.ones(2)}, d / "embed_out.pt")
+    store = open_side(d)
+    keys = {r.key: r for r in store.records}
+    assert keys["L003.attn_out"]["layer"] == 3 and torch.equal(
+        keys["L003.attn_out"].load(), torch.arange(6.0)
+    )
+    assert "embed_out.h" in keys
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from ffdebug.cli.app import app; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    out = subprocess.run([sys.executable, "-m", "ffdebug.cli.app", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "compare" in out.stdout
