@@ -175,16 +175,16 @@ def _fsync_tree(directory: Path) -> None:
 
 
 def write_model_export(directory: Path, variants: Mapping[str, torch.nn.Module]) -> None:
-    """``model/<variant>/model.safetensors`` (+ ``config.json`` when the module has a diffusers config)."""
+    """``model/<variant>/model.safetensors`` (+ ``config.json`` for diffusers models)."""
+    from diffusers.configuration_utils import ConfigMixin
+
     for name, module in variants.items():
         target = directory / "model" / name
         target.mkdir(parents=True)
-        save_file(
-            {k: v.detach().contiguous() for k, v in module.state_dict().items()}, target / "model.safetensors"
-        )
-        config = getattr(module, "config", None)  # diffusers ConfigMixin; plain modules have none
-        if config is not None:
-            (target / "config.json").write_text(json.dumps(dict(config), indent=2, default=list))
+        weights = {key: value.detach().contiguous() for key, value in module.state_dict().items()}
+        save_file(weights, target / "model.safetensors")
+        if isinstance(module, ConfigMixin):
+            module.save_config(target)
 
 
 def save_checkpoint(

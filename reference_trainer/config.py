@@ -328,16 +328,26 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         key, sep, text = override.partition("=")
         if not sep or not key:
             raise ConfigError("--set", f"expected dotted.key=value, got {override!r}")
-        node = result
+        node: Any = result
         parts = key.split(".")
-        for depth, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(
-                    ".".join(parts[: depth + 1]), "is not a mapping; cannot set a key inside it"
-                )
-            node = child
-        node[parts[-1]] = yaml.safe_load(text)
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            if isinstance(node, list):  # ``optimizers.0.lr=...`` indexes a list
+                if not part.isdigit() or int(part) >= len(node):
+                    where = ".".join(parts[: depth + 1])
+                    raise ConfigError(where, f"is not an index of a list of {len(node)} entries")
+                if last:
+                    node[int(part)] = yaml.safe_load(text)
+                else:
+                    node = node[int(part)]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = yaml.safe_load(text)
+                else:
+                    node = node.setdefault(part, {})
+            else:
+                where = ".".join(parts[:depth])
+                raise ConfigError(where, "is not a mapping or a list; cannot set a key inside it")
     return result
 
 

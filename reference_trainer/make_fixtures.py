@@ -6,7 +6,12 @@ torch / diffusers / transformers versions (``tests/trainer/test_fixtures.py`` re
 * ``sd3_tiny/`` and ``flux_tiny/``: ``transformer/``, ``vae/``, ``text_encoder/`` (config.json +
   safetensors), ``tokenizer/`` (hand-built CLIP BPE), ``scheduler/scheduler_config.json``. Each
   component is built from its config right after ``torch.manual_seed(SEED + k)``, so the shared VAE and
-  text encoder are byte-identical in both directories (git stores them once).
+  text encoder are byte-identical in both directories (git stores them once). The transformers and
+  the text encoder keep their random init. The VAE is then fitted for ``VAE_FIT_STEPS`` AdamW steps
+  to reconstruct the tiny dataset's images (``fit_vae``): a randomly initialised decoder maps every
+  latent to nearly the same grey image (brightness std ~1e-3 across latents), which would leave image
+  rewards almost constant; the fitted one decodes latents to distinct colours (std ~0.06), so a reward
+  on decoded images gives the trainers a real signal.
 * ``prompts.txt``: the tiny generation prompt list.
 * ``tiny_dataset/``: ``images.safetensors`` (``images`` uint8 [8, 3, 32, 32], procedural colour
   gradients), ``demonstrations.jsonl`` (``{"prompt", "image"}``) and ``preferences.jsonl``
@@ -52,12 +57,42 @@ COLOURS = (
 )
 
 
-def _save_shared(directory: Path) -> None:
-    """VAE, text encoder, tokenizer and scheduler (identical for both adapters)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+VAE_FIT_STEPS = 200
+
+
+def fit_vae(vae: torch.nn.Module, images: torch.Tensor, steps: int = VAE_FIT_STEPS) -> None:
+    """Fit ``vae`` to reconstruct ``images`` (uint8 [N, 3, H, W]): MSE + 1e-6·KL, AdamW lr 3e-3, one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the fitted bits depend on the thread count
+    pixels = images.float() / 255.0 * 2.0 - 1.0
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(SEED)
+    try:
+        for _ in range(steps):
+            posterior = vae.encode(pixels).latent_dist
+            reconstruction = vae.decode(posterior.sample(generator=generator)).sample
+            loss = (reconstruction - pixels).pow(2).mean() + 1e-6 * posterior.kl().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_vae() -> torch.nn.Module:
+    from diffusers import AutoencoderKL
 
     torch.manual_seed(SEED + 1)
-    AutoencoderKL(**VAE_TINY).save_pretrained(directory / "vae")
+    vae = AutoencoderKL(**VAE_TINY)
+    fit_vae(vae, procedural_images())
+    return vae.eval()
+
+
+def _save_shared(directory: Path, vae: torch.nn.Module) -> None:
+    """VAE, text encoder, tokenizer and scheduler (identical for both adapters)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    vae.save_pretrained(directory / "vae")
     torch.manual_seed(SEED + 2)
     build_text_encoder().save_pretrained(directory / "text_encoder")
     build_tokenizer().save_pretrained(directory / "tokenizer")
@@ -68,13 +103,14 @@ def make_model_fixtures(root: Path) -> None:
     """Write ``sd3_tiny/`` and ``flux_tiny/`` under ``root``."""
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
+    vae = _build_vae()
     for name, build in (
         ("sd3_tiny", lambda: SD3Transformer2DModel(**SD3_TINY)),
         ("flux_tiny", lambda: FluxTransformer2DModel(**FLUX_TINY)),
     ):
         directory = root / name
         shutil.rmtree(directory, ignore_errors=True)
-        _save_shared(directory)
+        _save_shared(directory, vae)
         torch.manual_seed(SEED + 3)
         build().save_pretrained(directory / "transformer")
 

@@ -1,0 +1,5 @@
+"""``python -m reference_trainer`` = the ``reference-trainer`` command."""
+
+from reference_trainer.cli import main
+
+main()

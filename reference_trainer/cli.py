@@ -1,0 +1,173 @@
+"""``reference-trainer``: train from a YAML config, list what is registered, diff two runs.
+
+    reference-trainer train CONFIG [--output-dir DIR] [--max-steps N] [--resume DIR|latest] [--set k=v ...]
+    reference-trainer list [--json]
+    reference-trainer diff RUN_A RUN_B [--json]
+
+Also ``python -m reference_trainer ...``. Only typer and rich are imported at module level; torch,
+diffusers and the trainers are imported inside the commands. Known errors (invalid config, contract
+mismatch, refused resume, non-finite loss, bad reward) end in one line on stderr — exit 2 for
+config/usage errors, 1 for failures during training; ``FFDEBUG_DEBUG=1`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="reference-trainer",
+    help="Reference trainer for diffusion / flow-matching RL finetuning (tiny CPU models).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+stderr = Console(stderr=True)
+
+EXAMPLES = {
+    "train": [
+        "reference-trainer train examples/grpo/full/sd3_tiny/default.yaml --output-dir runs/grpo",
+        "reference-trainer train examples/grpo/full/sd3_tiny/default.yaml --output-dir runs/grpo --resume latest",
+        "reference-trainer train CONFIG --set train.kl_beta=0.01 --set optimizers.0.lr=1e-3",
+    ],
+    "diff": ["reference-trainer diff runs/a runs/b"],
+}
+
+
+def _fail(error: BaseException, code: int) -> None:
+    if os.environ.get("FFDEBUG_DEBUG") == "1":
+        raise error
+    stderr.print(f"[red]error:[/red] {type(error).__name__}: {error}", highlight=False)
+    stderr.print("set FFDEBUG_DEBUG=1 for the full traceback", style="dim")
+    raise typer.Exit(code)
+
+
+def _known_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(usage/config errors -> exit 2, training failures -> exit 1)."""
+    from reference_trainer.checkpoint import CheckpointError
+    from reference_trainer.config import ConfigError
+    from reference_trainer.contracts import ContractError
+    from reference_trainer.optim import NonFiniteLossError
+    from reference_trainer.registry import RegistryError
+    from reference_trainer.rewards import RewardError
+    from reference_trainer.roles import RoleError
+
+    return (ConfigError, ContractError, RegistryError, CheckpointError, RoleError), (
+        NonFiniteLossError,
+        RewardError,
+    )
+
+
+@app.command()
+def train(
+    config: Annotated[
+        Path, typer.Argument(help="YAML config (examples/{algorithm}/{finetune_type}/{model}/{variant}.yaml)")
+    ],
+    output_dir: Annotated[
+        Path | None, typer.Option("--output-dir", help="Run directory (default: runs/<config stem>)")
+    ] = None,
+    max_steps: Annotated[
+        int | None, typer.Option("--max-steps", help="Total optimizer steps (overrides max_steps)")
+    ] = None,
+    resume: Annotated[
+        str | None, typer.Option("--resume", help="Checkpoint directory, or 'latest' in --output-dir")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="dotted.key=value override (repeatable)")
+    ] = None,
+) -> None:
+    """Train from CONFIG; writes run.json, metrics.jsonl and checkpoints/step-NNNNNN/ in the output dir."""
+    usage, failures = _known_errors()
+    output_dir = output_dir or Path("runs") / config.stem
+    try:
+        from reference_trainer.config import load_config
+        from reference_trainer.run import train as run_train
+
+        run_config = load_config(config, overrides=tuple(set_ or ()), max_steps=max_steps)
+        run_train(run_config, output_dir, resume=resume)
+    except usage as error:
+        _fail(error, 2)
+    except failures as error:
+        _fail(error, 1)
+
+
+@app.command("list")
+def list_(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False) -> None:
+    """Registered trainers (with execution contract and roles), adapters and rewards."""
+    from reference_trainer.registry import describe_registries
+    from reference_trainer.rewards import registered_rewards
+
+    info = describe_registries()
+    info["rewards"] = registered_rewards()
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("trainer", "contract", "roles", "arguments")
+    for trainer in info["trainers"]:
+        table.add_row(trainer["name"], trainer["contract"], ", ".join(trainer["roles"]), trainer["arguments"])
+    console = Console()
+    console.print(table)
+    console.print("adapters: " + ", ".join(info["adapters"]))
+    console.print("rewards: " + ", ".join(f"{name} ({kind})" for name, kind in info["rewards"].items()))
+
+
+def _read_metrics(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def first_difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first optimizer step whose records differ (any key, exact float equality), or None."""
+    for record_a, record_b in zip(a, b):
+        keys = sorted(set(record_a) | set(record_b))
+        differing = [key for key in keys if record_a.get(key) != record_b.get(key)]
+        if differing:
+            step = record_a.get("optimizer_step", record_b.get("optimizer_step"))
+            values = {key: [record_a.get(key), record_b.get(key)] for key in differing}
+            return {"optimizer_step": step, "keys": differing, "values": values}
+    if len(a) != len(b):
+        shorter = min(len(a), len(b))
+        return {
+            "optimizer_step": shorter + 1,
+            "keys": ["<missing record>"],
+            "values": {"records": [len(a), len(b)]},
+        }
+    return None
+
+
+@app.command()
+def diff(
+    run_a: Annotated[Path, typer.Argument(help="First run directory")],
+    run_b: Annotated[Path, typer.Argument(help="Second run directory")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """The first optimizer step whose metrics differ between two runs (exit 1 when one does)."""
+    try:
+        difference = first_difference(_read_metrics(run_a), _read_metrics(run_b))
+    except FileNotFoundError as error:
+        _fail(error, 2)
+    if as_json:
+        print(json.dumps({"identical": difference is None, "first_difference": difference}))
+    elif difference is None:
+        print("PASSED | metrics identical at every optimizer step")
+    else:
+        shown = ", ".join(f"{key}: {a!r} vs {b!r}" for key, (a, b) in list(difference["values"].items())[:4])
+        print(f"FAILED | first difference at optimizer_step {difference['optimizer_step']}: {shown}")
+    raise typer.Exit(0 if difference is None else 1)
+
+
+def main() -> None:
+    app(prog_name="reference-trainer")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Build a run from a validated config, in the order that fails cheapest first.
+
+1. resolve the trainer and its TrainingArguments from the registries and check that their
+   ``ExecutionContract`` values are equal — before any model loads;
+2. check the ``optimizers:`` roles against the trainer's roles;
+3. pin threads and determinism, seed the global RNGs;
+4. acquisition inputs: prompts (generation), or the dataset plus the accumulation-window check
+   (dataset) — still before any model loads;
+5. on resume, compare the config part of the run identity with the checkpoint's — before loading;
+6. load the adapter's pipeline from its fixture, build the trainer (roles, optimizer);
+7. on resume, check the full identity (incl. parameter / optimizer layout) and restore the state.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from reference_trainer import checkpoint as ckpt
+from reference_trainer.config import ConfigError, RunConfig
+from reference_trainer.contracts import check_contracts
+from reference_trainer.data import (
+    DatasetAcquisition,
+    PromptSource,
+    default_prompts,
+    distributed_rank_and_size,
+    load_records,
+)
+from reference_trainer.registry import resolve_adapter, resolve_trainer
+from reference_trainer.trainers.base import BaseTrainer, config_identity
+
+
+def apply_runtime(config: RunConfig) -> None:
+    """Threads, determinism and global seeds (the thread count changes results bitwise)."""
+    torch.set_num_threads(config.runtime.threads)
+    torch.use_deterministic_algorithms(config.runtime.deterministic)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    np.random.seed(config.seed % 2**32)
+
+
+def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | None = None) -> BaseTrainer:
+    """A ready-to-``start()`` trainer for ``config`` (see the module docstring for the order)."""
+    output_dir = Path(output_dir)
+    # 1-2. contracts and roles, before any model loads
+    trainer_cls, arguments_cls = resolve_trainer(config.trainer)
+    check_contracts(config.trainer, trainer_cls.execution_contract, arguments_cls.execution_contract)
+    if not isinstance(config.train, arguments_cls):
+        raise ConfigError(
+            "train",
+            f"was parsed as {type(config.train).__name__}, trainer {config.trainer!r} needs {arguments_cls.__name__}",
+        )
+    for index, entry in enumerate(config.optimizers):
+        if entry.role not in trainer_cls.roles:
+            raise ConfigError(
+                f"optimizers[{index}].role",
+                f"{entry.role!r} is not a role of {config.trainer!r}; roles: {list(trainer_cls.roles)}",
+            )
+    # 3. runtime
+    apply_runtime(config)
+    rank, world_size = distributed_rank_and_size()
+    # 4. acquisition inputs
+    prompts, dataset = None, None
+    if trainer_cls.execution_contract.acquisition == "generation":
+        prompts = PromptSource(
+            config.data.prompts or default_prompts(), config.seed, rank=rank, world_size=world_size
+        )
+    else:
+        records = load_records(config.data, trainer_cls.supervision)
+        dataset = DatasetAcquisition(
+            records,
+            batch_size=config.data.batch_size,
+            seed=config.seed,
+            shuffle=config.data.shuffle,
+            rank=rank,
+            world_size=world_size,
+        )
+        dataset.check_accumulation(config.train.gradient_accumulation_steps)  # type: ignore[attr-defined]
+    # 5. resume pre-check on the config part of the identity
+    adapter_cls = resolve_adapter(config.model.adapter)
+    adapter = adapter_cls(config.model.fixture_dir)
+    identity = config_identity(
+        config, ckpt.file_digest(adapter.fixture_files(), adapter.fixture_dir), world_size
+    )
+    checkpoint = ckpt.resolve_resume(resume, output_dir) if resume else None
+    if checkpoint is not None:
+        stored = ckpt.read_trainer_state(checkpoint)["identity"]
+        stored_config = {key: value for key, value in stored.items() if key != "schema"}
+        differences = ckpt.identity_differences(stored_config, identity)
+        if differences:
+            raise ckpt.CheckpointError(
+                f"refusing to resume from {checkpoint}: the run identity differs:\n  "
+                + "\n  ".join(differences[:20])
+            )
+    # 6. models, roles, optimizer
+    adapter.load_pipeline()
+    trainer = trainer_cls(config, adapter, output_dir, prompts=prompts, dataset=dataset, identity=identity)
+    # 7. full identity check, then state
+    if checkpoint is not None:
+        trainer.resume(checkpoint)
+    return trainer
+
+
+def train(config: RunConfig, output_dir: str | Path, *, resume: str | None = None) -> BaseTrainer:
+    """Build and run; returns the finished trainer."""
+    trainer = build_trainer(config, output_dir, resume=resume)
+    trainer.start()
+    return trainer

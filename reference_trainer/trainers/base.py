@@ -1,0 +1,419 @@
+"""``BaseTrainer``: owns the loop, the counters, the periodic boundaries, checkpoints and resume.
+
+No loss maths and no per-algorithm branches live here (code-style rule 1). A trainer subclass
+declares its ``execution_contract`` (equal to its TrainingArguments'), its trainable ``roles``, and:
+
+* ``setup_roles()`` -> ``{role: variant}``: declare variants / snapshots in ``self.variants``;
+* generation acquisition: ``optimize(samples)`` after its own ``sample()``; every optimizer step is a
+  ``with self.optim.phase(role) as phase: ... phase.backward(loss, metrics)`` block;
+* dataset acquisition: ``optimize_batch(batch) -> (loss, metrics)`` for one microbatch; the base
+  back-propagates ``loss / gradient_accumulation_steps`` inside the ``dataset_role`` phase and steps
+  when the window closes.
+
+``start()`` (Flow-Factory Draft ``trainers/abc.py`` + ``execution.py``):
+
+1. install ffdebug block hooks (env-gated; nothing when dumps are off) and SIGINT/SIGTERM handlers;
+2. loop over *cycles* until ``optimizer_step >= max_steps`` (or the epoch budget, or a signal):
+   generation — one rollout iteration (``sample`` -> ``optimize``), then ``rollout_iteration += 1``;
+   dataset — one accumulation window (one optimizer step); ``data_epoch += 1`` only after the
+   loader is cleanly exhausted;
+3. after each cycle, the checkpoint boundary (every ``checkpoint.every`` optimizer steps);
+4. always a final checkpoint when the loop ends (max steps, epochs, or a signal).
+
+The three counters are independent. Each finished optimizer step appends one record to
+``metrics.jsonl`` (``optimizer_step`` counts steps done, so the first record has 1). Everything a cycle
+draws at random comes from ``self.generator(...)``, seeded by ``(seed, counters, purpose)``, so a run
+resumed at a cycle boundary continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import sys
+import threading
+import time
+from abc import ABC
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+import ffdebug
+from reference_trainer import checkpoint as ckpt
+from reference_trainer.adapters.base import BaseAdapter
+from reference_trainer.config import RunConfig
+from reference_trainer.contracts import ExecutionContract
+from reference_trainer.data import ConditionCache, DatasetAcquisition, PromptSource
+from reference_trainer.optim import RoleOptimizer, StepResult, build_optimizer
+from reference_trainer.roles import ComponentVariantRegistry, check_ownership, role_parameters
+
+
+class BaseTrainer(ABC):
+    """The thin, contract-owning base of every trainer (see the module docstring)."""
+
+    registry_name: ClassVar[str] = ""
+    execution_contract: ClassVar[ExecutionContract]
+    roles: ClassVar[tuple[str, ...]] = ("policy",)
+    """Trainable roles, each optimising one variant; one ``optimizers:`` entry each."""
+    dataset_role: ClassVar[str] = "policy"
+    """The role stepped by dataset acquisition."""
+    supervision: ClassVar[str | None] = None
+    """Dataset trainers: ``demonstration`` or ``preference`` records."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        adapter: BaseAdapter,
+        output_dir: str | Path,
+        *,
+        prompts: PromptSource | None = None,
+        dataset: DatasetAcquisition | None = None,
+        identity: Mapping[str, Any] | None = None,
+    ):
+        self._validate_hooks()
+        self.config, self.args = config, config.train
+        self.adapter = adapter
+        self.output_dir = Path(output_dir)
+        self.prompts, self.dataset = prompts, dataset
+        self.conditions = ConditionCache(adapter)
+        # counters: independent; only the base advances them
+        self.optimizer_step = 0
+        self.rollout_iteration = 0
+        self.data_epoch = 0
+        self.batches_in_epoch = 0
+        self.cycle_metrics: dict[str, float] = {}
+        # roles: variants (live, trainable) vs snapshots (frozen), disjoint and exhaustive ownership
+        self.variants = ComponentVariantRegistry(adapter.trainable_module(), adapter.trainable_component)
+        self.role_variants = dict(self.setup_roles())
+        if set(self.role_variants) != set(self.roles):
+            raise RuntimeError(
+                f"{type(self).__name__}.setup_roles() returned roles {list(self.role_variants)}, declared {list(self.roles)}"
+            )
+        role_params = role_parameters(self.variants, self.role_variants)
+        check_ownership(role_params, self._all_modules())
+        optimizer = build_optimizer(role_params, {role: config.optimizer_for(role) for role in self.roles})
+        self.optim = RoleOptimizer(
+            optimizer,
+            role_params,
+            max_grad_norm=self.args.max_grad_norm,
+            next_step=lambda: self.optimizer_step + 1,
+            on_step=self._record_step,
+        )
+        self.identity = {**(identity or {}), "schema": self._schema()}
+        self._stop_signal: int | None = None
+        self._epoch_batches: Iterator[dict[str, Any]] | None = None
+        self._last_saved_step = -1
+        self._progress = None
+
+    # ---------------------------------------------------------------- subclass hooks
+    def setup_roles(self) -> Mapping[str, str]:
+        """Declare variants/snapshots; return ``{role: variant}``. Default: one ``policy`` variant."""
+        self.variants.declare_variant("policy")
+        return {"policy": "policy"}
+
+    def optimize(self, samples: Any) -> None:
+        """Generation trainers: one rollout iteration's optimizer steps (override)."""
+        raise NotImplementedError
+
+    def sample(self) -> Any:
+        """Generation trainers: acquire this rollout iteration's samples (override)."""
+        raise NotImplementedError
+
+    def optimize_batch(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Dataset trainers: the loss of one microbatch and its metrics (override)."""
+        raise NotImplementedError
+
+    def _validate_hooks(self) -> None:
+        """Generation trainers must override ``sample`` and ``optimize``; dataset trainers ``optimize_batch``."""
+        cls = type(self)
+        needed = (
+            ("sample", "optimize")
+            if cls.execution_contract.acquisition == "generation"
+            else ("optimize_batch",)
+        )
+        missing = [name for name in needed if getattr(cls, name) is getattr(BaseTrainer, name)]
+        if missing:
+            raise TypeError(f"{cls.__name__} ({cls.execution_contract.describe()}) must implement {missing}")
+
+    # ---------------------------------------------------------------- helpers for subclasses
+    def generator(self, *keys: int | str) -> torch.Generator:
+        """A CPU generator seeded by ``(seed, *keys)``: randomness as a pure function of the counters."""
+        text = json.dumps([self.config.seed, *keys])
+        seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
+        return torch.Generator().manual_seed(seed)
+
+    def step_tags(self, phase: str) -> dict[str, Any]:
+        """ffdebug tags for captures of the current cycle."""
+        return {
+            "optimizer_step": self.optimizer_step,
+            "rollout_iteration": self.rollout_iteration,
+            "data_epoch": self.data_epoch,
+            "phase": phase,
+        }
+
+    def _all_modules(self) -> list[torch.nn.Module]:
+        components = [self.adapter.get_component(name) for name in self.adapter.component_names()]
+        modules = [c for c in components if isinstance(c, torch.nn.Module)]
+        return modules + list(self.variants.variants.values())
+
+    def _schema(self) -> dict[str, Any]:
+        """Parameter and optimizer layout (part of the run identity)."""
+        return {
+            "variants": {
+                name: [[key, list(p.shape)] for key, p in module.named_parameters()]
+                for name, module in self.variants.variants.items()
+            },
+            "snapshots": sorted(self.variants.snapshots),
+            "roles": self.role_variants,
+            "optimizer": self.optim.optimizer.describe(),
+        }
+
+    # ---------------------------------------------------------------- the loop
+    def start(self) -> None:
+        """Run until ``max_steps`` (or the epoch budget, or SIGINT/SIGTERM); always checkpoint at the end."""
+        self._write_run_json()
+        handle = ffdebug.install(self.adapter.trainable_module())
+        try:
+            with self._signals(), self._progress_bar():
+                while not self._should_stop():
+                    if self.execution_contract.acquisition == "generation":
+                        self._generation_cycle()
+                    else:
+                        self._dataset_cycle()
+                    self._boundaries()
+                self.save()
+        finally:
+            if handle is not None:
+                handle.remove()
+        reason = f"signal {self._stop_signal}" if self._stop_signal is not None else "done"
+        print(
+            f"stopped ({reason}) at optimizer_step={self.optimizer_step}; output in {self.output_dir}",
+            file=sys.stderr,
+        )
+
+    def _should_stop(self) -> bool:
+        if self._stop_signal is not None or self.optimizer_step >= self.config.max_steps:
+            return True
+        max_epochs = getattr(self.args, "max_epochs", None)
+        return self.execution_contract.acquisition == "dataset" and self.data_epoch >= max_epochs
+
+    def _generation_cycle(self) -> None:
+        """One rollout iteration: sample (+ feedback inside ``sample``), then optimize."""
+        self.cycle_metrics = {}
+        with ffdebug.step(**self.step_tags("rollout")):
+            samples = self.sample()
+        self.optimize(samples)
+        self.rollout_iteration += 1
+
+    def _dataset_cycle(self) -> None:
+        """One accumulation window = one optimizer step; the epoch advances on clean exhaustion."""
+        assert self.dataset is not None
+        accumulation = self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
+        if self._epoch_batches is None:
+            self._epoch_batches = self.dataset.epoch(self.data_epoch, self.batches_in_epoch)
+        self.cycle_metrics = {}
+        with self.optim.phase(self.dataset_role) as phase:
+            for _ in range(accumulation):  # check_accumulation guarantees the window closes
+                batch = next(self._epoch_batches)
+                with ffdebug.step(**self.step_tags("train"), microbatch=phase.backward_calls):
+                    loss, metrics = self.optimize_batch(batch)
+                phase.backward(loss / accumulation, metrics)
+                self.batches_in_epoch += 1
+        if self.batches_in_epoch == self.dataset.batches_per_epoch:
+            if next(self._epoch_batches, None) is not None:
+                raise RuntimeError("the loader yielded more batches than batches_per_epoch")
+            self.data_epoch += 1
+            self.batches_in_epoch = 0
+            self._epoch_batches = None
+
+    def _boundaries(self) -> None:
+        every = self.config.checkpoint.every
+        if every and self.optimizer_step // every > max(self._last_saved_step, 0) // every:
+            self.save()
+
+    # ---------------------------------------------------------------- metrics
+    def _record_step(self, result: StepResult) -> None:
+        """Called by ``RoleOptimizer`` after each optimizer step: count it and log one record."""
+        self.optimizer_step += 1
+        record: dict[str, Any] = {
+            "optimizer_step": self.optimizer_step,
+            "role": result.role,
+            "rollout_iteration": self.rollout_iteration,
+            "data_epoch": self.data_epoch,
+            "loss": result.loss,
+            f"loss.{result.role}": result.loss,
+            f"grad_norm.{result.role}": result.grad_norm,
+            f"lr.{result.role}": result.lr,
+        }
+        for key, value in {**self.cycle_metrics, **result.metrics}.items():
+            record.setdefault(key, value)  # the DESIGN §6 keys above are never overridden
+        with open(self.output_dir / "metrics.jsonl", "a") as stream:
+            stream.write(json.dumps(record) + "\n")
+        if self._progress is not None:
+            progress, task = self._progress
+            progress.update(
+                task, completed=self.optimizer_step, description=f"{result.role} loss {result.loss:+.4g}"
+            )
+
+    @contextmanager
+    def _progress_bar(self) -> Iterator[None]:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        if not console.is_terminal:
+            yield
+            return
+        columns = (TextColumn(f"[bold]{self.registry_name}[/]"), BarColumn(), MofNCompleteColumn())
+        with Progress(
+            *columns, TextColumn("{task.description}"), TimeElapsedColumn(), console=console
+        ) as progress:
+            task = progress.add_task("", total=self.config.max_steps, completed=self.optimizer_step)
+            self._progress = (progress, task)
+            try:
+                yield
+            finally:
+                self._progress = None
+
+    def _write_run_json(self) -> None:
+        import diffusers
+        import transformers
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        run = {
+            "config": self.config.to_dict(),
+            "identity": self.identity,
+            "identity_hash": ckpt.identity_hash(self.identity),
+            "versions": {
+                "torch": torch.__version__,
+                "diffusers": diffusers.__version__,
+                "transformers": transformers.__version__,
+            },
+            "threads": torch.get_num_threads(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "argv": sys.argv,
+            "resumed_at_step": self.optimizer_step,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (self.output_dir / "run.json").write_text(json.dumps(run, indent=2, default=str))
+
+    # ---------------------------------------------------------------- signals
+    @contextmanager
+    def _signals(self) -> Iterator[None]:
+        """SIGINT/SIGTERM request a stop at the next boundary (then the final checkpoint); a second
+        signal gets the default behaviour."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum: int, frame: object) -> None:
+            self._stop_signal = signum
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    # ---------------------------------------------------------------- checkpoints
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "optimizer_step": self.optimizer_step,
+            "rollout_iteration": self.rollout_iteration,
+            "data_epoch": self.data_epoch,
+            "sampler": {"data_epoch": self.data_epoch, "batches_in_epoch": self.batches_in_epoch},
+            "trainer": self.registry_name,
+            "identity": self.identity,
+            "identity_hash": ckpt.identity_hash(self.identity),
+        }
+
+    def save(self) -> Path:
+        """Write (and atomically publish) a checkpoint of the current state."""
+        path = ckpt.save_checkpoint(
+            self.output_dir,
+            trainer_state=self.trainer_state(),
+            variants=self.variants.variants,
+            variant_tensors=self.variants.state_tensors(),
+            optimizer_state=self.optim.optimizer.state_dict(),
+            keep_last=self.config.checkpoint.keep_last,
+        )
+        self._last_saved_step = self.optimizer_step
+        return path
+
+    def resume(self, checkpoint: str | Path) -> None:
+        """Validate the run identity, then restore weights, snapshots, optimizer, RNG and counters."""
+        checkpoint = Path(checkpoint)
+        state = ckpt.read_trainer_state(checkpoint)
+        differences = ckpt.identity_differences(state["identity"], self.identity)
+        if differences:  # nothing has been touched yet
+            raise ckpt.CheckpointError(
+                f"refusing to resume from {checkpoint}: the run identity differs:\n  "
+                + "\n  ".join(differences[:20])
+            )
+        variant_tensors, optimizer_state, rng = ckpt.read_tensor_state(checkpoint)
+        self.variants.load_state_tensors(variant_tensors)
+        self.optim.optimizer.load_state_dict(optimizer_state)
+        ckpt.set_rng_state(rng)
+        self.optimizer_step = state["optimizer_step"]
+        self.rollout_iteration = state["rollout_iteration"]
+        self.data_epoch = state["sampler"]["data_epoch"]
+        self.batches_in_epoch = state["sampler"]["batches_in_epoch"]
+        self._last_saved_step = self.optimizer_step
+        self._truncate_metrics()
+
+    def _truncate_metrics(self) -> None:
+        """Drop metrics records past the resumed step (written after the checkpoint by a killed run)."""
+        path = self.output_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = [
+            line
+            for line in path.read_text().splitlines()
+            if line and json.loads(line)["optimizer_step"] <= self.optimizer_step
+        ]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def config_identity(config: RunConfig, fixture_digest: Mapping[str, str], world_size: int) -> dict[str, Any]:
+    """The config/environment part of the run identity (operational fields excluded: ``max_steps``,
+    checkpoint cadence, output location)."""
+    import diffusers
+    import transformers
+
+    return {
+        "trainer": config.trainer,
+        "seed": config.seed,
+        "model": asdict(config.model),
+        "train": json.loads(json.dumps(asdict(config.train), default=list)),
+        "data": json.loads(json.dumps(asdict(config.data), default=list)),
+        "optimizers": {
+            role: json.loads(json.dumps(asdict(config.optimizer_for(role)))) for role in _roles_of(config)
+        },
+        "runtime": {
+            **asdict(config.runtime),
+            "deterministic_enabled": torch.are_deterministic_algorithms_enabled(),
+            "num_threads": torch.get_num_threads(),
+        },
+        "world_size": world_size,
+        "fixtures": dict(fixture_digest),
+        "versions": {
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
+
+
+def _roles_of(config: RunConfig) -> tuple[str, ...]:
+    from reference_trainer.registry import resolve_trainer
+
+    trainer_cls, _ = resolve_trainer(config.trainer)
+    return trainer_cls.roles

@@ -1,0 +1,243 @@
+"""Flow-GRPO: PPO-clip on the Flow-SDE per-step log-prob ratio, with an optional KL to the reference.
+
+Paper: Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv 2505.05470.
+Canonical code: yifan123/flow_grpo ``scripts/train_sd3.py`` (sampling, advantages, the training loop)
+and ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py`` (the SDE step, ``reference_trainer.sde``).
+Flow-Factory's ``grpo`` trainer (``trainers/grpo.py``) is the framework analogue.
+
+One rollout iteration (``sample`` then ``optimize``):
+
+1. draw P prompts and repeat each K times (``group_size``): B = P·K samples in P contiguous groups;
+2. roll out with the Flow-SDE from the current policy (no grad), keeping every latent x_0..x_T and the
+   per-step log-probs log p_old(x_{j+1} | x_j) [B, T];
+3. decode x_T, compute the rewards, and the group-normalised advantages A [B] (``AdvantageProcessor``);
+4. shuffle the samples and split them into ``gradient_steps_per_iteration`` minibatches; each is one
+   optimizer step of the ``policy`` role, accumulating over microbatches and over the trained steps
+   j < ⌈timestep_fraction·T⌉: recompute log p_θ(x_{j+1} | x_j) with gradients and minimise
+   L = mean max(−Â·r, −Â·clip(r, 1 ± ε)) + β·KL(p_θ ‖ p_ref) (``losses.grpo.grpo_loss``).
+
+Roles: ``policy`` (trainable, the base variant); ``reference`` (a frozen snapshot of the initial
+policy, declared only when ``kl_beta > 0``, used through ``functional_call``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+
+import ffdebug
+from reference_trainer.adapters.base import Condition, Trajectory
+from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor
+from reference_trainer.config import TrainingArguments, require
+from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
+from reference_trainer.data import repeat_groups
+from reference_trainer.losses import grpo as grpo_losses
+from reference_trainer.registry import register_arguments, register_trainer
+from reference_trainer.rewards import RewardProcessor, RewardSpec
+from reference_trainer.sde import flow_sde_step
+from reference_trainer.trainers.base import BaseTrainer
+
+
+@register_arguments("grpo")
+@dataclass(frozen=True, kw_only=True)
+class GRPOArguments(TrainingArguments):
+    """``train:`` section of a GRPO run (defaults: flow_grpo ``config/base.py`` where it has one)."""
+
+    execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
+    group_size: int = 4
+    """K: samples per prompt (one advantage group)."""
+    prompts_per_iteration: int = 2
+    """P: distinct prompts per rollout iteration (rank-local)."""
+    num_inference_steps: int = 4
+    """T: denoising steps of a rollout."""
+    noise_level: float = 0.7
+    """a: the Flow-SDE noise scale (flow_grpo ``noise_level``)."""
+    timestep_fraction: float = 1.0
+    """Train the first ⌈fraction·T⌉ steps of each trajectory (flow_grpo ``timestep_fraction``)."""
+    gradient_steps_per_iteration: int = 1
+    """Optimizer steps per rollout iteration (minibatches of the shuffled samples)."""
+    microbatch_size: int = 0
+    """Samples per forward inside a minibatch; 0 = the whole minibatch at once."""
+    clip_range: float = 1e-4
+    """ε of the PPO clip on the ratio."""
+    adv_clip_max: float = 5.0
+    """A_max: advantages are clipped to [−A_max, A_max]."""
+    kl_beta: float = 0.0
+    """β: weight of the KL to the frozen reference; 0 = no reference snapshot."""
+    kl_std: Literal["step_std", "std_dev_t"] = "step_std"
+    """KL denominator: the exact transition std σ_t√(−Δt), or flow_grpo's σ_t (omits Δt, its issue #78)."""
+    rewards: tuple[RewardSpec, ...] = (RewardSpec(name="brightness"),)
+    """Rewards computed on the decoded images (``reference-trainer list``)."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """How rewards become advantages (group normalisation, aggregation, weights)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.group_size >= 2,
+            "group_size",
+            f"must be >= 2 (advantages are group-relative), got {self.group_size}",
+        )
+        require(
+            self.prompts_per_iteration >= 1,
+            "prompts_per_iteration",
+            f"must be >= 1, got {self.prompts_per_iteration}",
+        )
+        require(
+            self.num_inference_steps >= 2,
+            "num_inference_steps",
+            f"must be >= 2, got {self.num_inference_steps}",
+        )
+        require(
+            self.noise_level > 0,
+            "noise_level",
+            f"must be > 0 (the SDE needs noise for log-probs), got {self.noise_level}",
+        )
+        require(
+            0 < self.timestep_fraction <= 1,
+            "timestep_fraction",
+            f"must be in (0, 1], got {self.timestep_fraction}",
+        )
+        require(self.clip_range > 0, "clip_range", f"must be > 0, got {self.clip_range}")
+        require(self.adv_clip_max > 0, "adv_clip_max", f"must be > 0, got {self.adv_clip_max}")
+        require(self.kl_beta >= 0, "kl_beta", f"must be >= 0, got {self.kl_beta}")
+        require(len(self.rewards) >= 1, "rewards", "needs at least one reward")
+        batch = self.group_size * self.prompts_per_iteration
+        steps = self.gradient_steps_per_iteration
+        require(
+            steps >= 1 and batch % steps == 0,
+            "gradient_steps_per_iteration",
+            f"must divide the {batch} samples of an iteration, got {steps}",
+        )
+        minibatch = batch // steps
+        require(
+            self.microbatch_size >= 0
+            and (self.microbatch_size == 0 or minibatch % self.microbatch_size == 0),
+            "microbatch_size",
+            f"must be 0 or divide the minibatch of {minibatch} samples, got {self.microbatch_size}",
+        )
+
+
+@dataclass(frozen=True)
+class GRPOSamples:
+    """One rollout iteration. B = P·K samples, T steps."""
+
+    prompts: list[str]  # [B]
+    group_ids: torch.Tensor  # [B], sample i is in group i // K
+    condition: Condition  # [B, ...]
+    trajectory: Trajectory  # latents [B, T + 1, C, H, W], log_probs [B, T]
+    advantages: torch.Tensor  # [B] fp32
+
+
+@register_trainer("grpo")
+class GRPOTrainer(BaseTrainer):
+    """Flow-GRPO (module docstring)."""
+
+    execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
+    roles: ClassVar[tuple[str, ...]] = ("policy",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reward_processor = RewardProcessor(self.args.rewards)
+        self.advantage_processor = AdvantageProcessor(self.args.advantage)
+
+    def setup_roles(self) -> dict[str, str]:
+        self.variants.declare_variant("policy")
+        if self.args.kl_beta > 0:
+            self.variants.add_snapshot("reference", "policy")
+        return {"policy": "policy"}
+
+    # ---------------------------------------------------------------- acquisition + feedback
+    def sample(self) -> GRPOSamples:
+        args = self.args
+        # 1. P prompts, each repeated K times in contiguous groups
+        prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
+        repeated, group_ids = repeat_groups(prompts, args.group_size)
+        condition = self.conditions.get(repeated)
+        # 2. Flow-SDE rollout from the current policy (no grad), log-probs in fp32
+        trajectory = self.adapter.inference(
+            condition,
+            num_steps=args.num_inference_steps,
+            noise_level=args.noise_level,
+            generator=self.generator("rollout", self.rollout_iteration),
+            module=self.variants.variant("policy"),
+        )
+        ffdebug.tap("rollout.latents", trajectory.latents)
+        ffdebug.tap("rollout.log_prob", trajectory.log_probs)
+        # 3. rewards on the decoded images, then group-relative advantages
+        images = self.adapter.decode_latents(trajectory.final)
+        rewards = self.reward_processor(images, repeated, group_ids)
+        weights = args.advantage.weights
+        total = sum(float(weights.get(name, 1.0)) * values for name, values in rewards.items())
+        ffdebug.tap("reward", total)
+        advantages, advantage_metrics = self.advantage_processor(rewards, group_ids)
+        ffdebug.tap("advantage", advantages)
+        self.cycle_metrics = {
+            "reward_mean": float(total.mean()),
+            "reward_std": float(total.std(unbiased=False)),
+        }
+        self.cycle_metrics.update(
+            {f"reward.{name}": float(values.mean()) for name, values in rewards.items()}
+        )
+        self.cycle_metrics.update(advantage_metrics)
+        return GRPOSamples(repeated, group_ids, condition, trajectory, advantages)
+
+    # ---------------------------------------------------------------- optimisation
+    def optimize(self, samples: GRPOSamples) -> None:
+        args = self.args
+        batch = len(samples.prompts)
+        trained_steps = math.ceil(args.timestep_fraction * args.num_inference_steps)
+        order = torch.randperm(batch, generator=self.generator("shuffle", self.rollout_iteration))
+        for minibatch in order.chunk(args.gradient_steps_per_iteration):
+            micro_size = args.microbatch_size or len(minibatch)
+            microbatches = minibatch.split(micro_size)
+            terms = len(microbatches) * trained_steps
+            with ffdebug.step(**self.step_tags("train")), self.optim.phase("policy") as phase:
+                for index in microbatches:
+                    for j in range(trained_steps):
+                        with ffdebug.step(timestep=j, microbatch=phase.backward_calls):
+                            loss, metrics = self.step_loss(samples, index, j)
+                        metrics.pop("loss", None)  # the step's loss is logged by the base
+                        phase.backward(loss / terms, metrics)
+
+    def step_loss(
+        self, samples: GRPOSamples, index: torch.Tensor, j: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The GRPO loss of samples ``index`` at denoising step j (see the module docstring, step 4)."""
+        args = self.args
+        trajectory = samples.trajectory
+        sigmas = trajectory.sigmas
+        x_j, x_next = trajectory.latents[index, j], trajectory.latents[index, j + 1]  # [b, C, H, W]
+        condition = samples.condition.select(index)
+        sigma = sigmas[j].expand(len(index))
+        sde_args = dict(
+            sigma=sigma,
+            sigma_next=sigmas[j + 1].expand(len(index)),
+            noise_level=args.noise_level,
+            sigma_max=float(sigmas[1]),
+            prev_sample=x_next,
+        )
+        # log p_θ(x_{j+1} | x_j) with gradients through the transition mean
+        v = self.adapter.forward(x_j, sigma, condition, module=self.variants.variant("policy"))
+        step = flow_sde_step(v, x_j, **sde_args)
+        ref_mean = None
+        if args.kl_beta > 0:  # the reference forward needs no graph; the KL itself must keep the policy's
+            with torch.no_grad():
+                v_ref = self.adapter.forward(
+                    x_j, sigma, condition, parameters=self.variants.snapshot("reference")
+                )
+                ref_mean = flow_sde_step(v_ref, x_j, **sde_args).mean
+        return grpo_losses.grpo_loss(
+            step.log_prob,
+            trajectory.log_probs[index, j],
+            samples.advantages[index],
+            clip_range=args.clip_range,
+            adv_clip_max=args.adv_clip_max,
+            kl_beta=args.kl_beta,
+            mean=step.mean,
+            ref_mean=ref_mean,
+            kl_std=step.step_std if args.kl_std == "step_std" else step.std_dev_t,
+        )
