@@ -1,0 +1,214 @@
+"""Online Diffusion-DPO: generate groups, pair the best and worst sample of each group by reward, DPO loss.
+
+Loss: Wallace et al. 2023, "Diffusion Model Alignment Using Direct Preference Optimization", arXiv
+2311.12908, eq. 14, in its flow-matching form (``reference_trainer.losses.dpo``). Online pairing:
+yifan123/flow_grpo ``scripts/train_sd3_dpo.py`` and Flow-Factory ``trainers/dpo.py`` (generation +
+runtime reward; pairs = best / worst advantage within each group, formed at the start of ``optimize``;
+defaults ``beta 2000``, ``num_train_timesteps 1``, logit-normal σ).
+
+One rollout iteration:
+
+1. ``sample``: draw P prompts, repeat each K times (contiguous groups); roll out from the current
+   policy (Flow-SDE with ``noise_level > 0``, else the ODE), keep the final latents x_0 [B, C, H, W];
+   decode, compute rewards and group-normalised advantages (``AdvantageProcessor``);
+2. ``optimize``: in every group take w = argmax A, l = argmin A (a group whose advantages are all
+   equal has no preference and is skipped); the pair shares its prompt, hence its condition. Then
+   ``gradient_steps_per_iteration`` optimizer steps of the ``policy`` role, each with fresh (σ, ε)
+   shared by both arms of a pair: L = −log σ(−β/2·((e_θ^w − e_ref^w) − (e_θ^l − e_ref^l))).
+
+Roles: ``policy`` (trainable, the base variant) and ``reference`` (a frozen snapshot of the initial
+policy, used through ``functional_call``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+import ffdebug
+from reference_trainer.adapters.base import Condition
+from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor
+from reference_trainer.config import TrainingArguments, require
+from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
+from reference_trainer.data import repeat_groups
+from reference_trainer.flow_matching import SIGMA_SCHEMES, sample_sigmas
+from reference_trainer.losses.dpo import diffusion_dpo_loss, pair_errors
+from reference_trainer.registry import register_arguments, register_trainer
+from reference_trainer.rewards import RewardProcessor, RewardSpec
+from reference_trainer.trainers.base import BaseTrainer
+
+
+@register_arguments("online_dpo")
+@dataclass(frozen=True, kw_only=True)
+class OnlineDPOArguments(TrainingArguments):
+    """``train:`` section of an online Diffusion-DPO run."""
+
+    execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
+    group_size: int = 4
+    """K: samples per prompt; the best and the worst of each group form one pair."""
+    prompts_per_iteration: int = 4
+    """P: distinct prompts (= at most P pairs) per rollout iteration (rank-local)."""
+    num_inference_steps: int = 4
+    """T: denoising steps of a rollout."""
+    noise_level: float = 0.7
+    """a: Flow-SDE noise scale of the rollout; 0 = deterministic ODE sampling."""
+    gradient_steps_per_iteration: int = 1
+    """Optimizer steps per rollout iteration, each on all pairs with fresh (σ, ε)."""
+    beta: float = 2000.0
+    """β of the DPO logit (Flow-Factory ``dpo`` default 2000)."""
+    sigma_scheme: str = "logit_normal"
+    """Training σ: ``logit_normal`` (mean 0, std 1) or ``uniform``."""
+    sigma_min: float = 0.01
+    """Lower clamp of the training σ."""
+    sigma_max: float = 0.99
+    """Upper clamp of the training σ (Flow-Factory ``timestep_range`` 0.99)."""
+    rewards: tuple[RewardSpec, ...] = (RewardSpec(name="brightness"),)
+    """Rewards computed on the decoded images (``reference-trainer list``)."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """How rewards become advantages; the pair is the arg-max / arg-min advantage of each group."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.group_size >= 2,
+            "group_size",
+            f"must be >= 2 (a pair needs two samples), got {self.group_size}",
+        )
+        require(
+            self.prompts_per_iteration >= 1,
+            "prompts_per_iteration",
+            f"must be >= 1, got {self.prompts_per_iteration}",
+        )
+        require(
+            self.num_inference_steps >= 1,
+            "num_inference_steps",
+            f"must be >= 1, got {self.num_inference_steps}",
+        )
+        require(self.noise_level >= 0, "noise_level", f"must be >= 0, got {self.noise_level}")
+        require(
+            self.gradient_steps_per_iteration >= 1,
+            "gradient_steps_per_iteration",
+            f"must be >= 1, got {self.gradient_steps_per_iteration}",
+        )
+        require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
+        require(
+            self.sigma_scheme in SIGMA_SCHEMES,
+            "sigma_scheme",
+            f"must be one of {SIGMA_SCHEMES}, got {self.sigma_scheme!r}",
+        )
+        require(
+            0.0 <= self.sigma_min < self.sigma_max <= 1.0,
+            "sigma_min",
+            f"need 0 <= sigma_min < sigma_max <= 1, got {self.sigma_min}, {self.sigma_max}",
+        )
+        require(len(self.rewards) >= 1, "rewards", "needs at least one reward")
+
+
+@dataclass(frozen=True)
+class OnlineDPOSamples:
+    """One rollout iteration: B = P·K generated samples."""
+
+    condition: Condition  # [B, ...]
+    x0: torch.Tensor  # final latents [B, C, H, W]
+    group_ids: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B] fp32
+
+
+def best_worst_pairs(advantages: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (chosen [N], rejected [N]) of the arg-max / arg-min advantage of every group whose
+    advantages are not all equal, groups in order of first appearance (ties: the first index)."""
+    chosen, rejected = [], []
+    for gid in dict.fromkeys(group_ids.tolist()):
+        members = (group_ids == gid).nonzero().flatten()
+        values = advantages[members]
+        if bool(values.max() > values.min()):
+            chosen.append(members[values.argmax()])
+            rejected.append(members[values.argmin()])
+    return torch.stack(chosen) if chosen else torch.empty(0, dtype=torch.long), (
+        torch.stack(rejected) if rejected else torch.empty(0, dtype=torch.long)
+    )
+
+
+@register_trainer("online_dpo")
+class OnlineDPOTrainer(BaseTrainer):
+    """Online Diffusion-DPO (module docstring)."""
+
+    execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
+    roles: ClassVar[tuple[str, ...]] = ("policy",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reward_processor = RewardProcessor(self.args.rewards)
+        self.advantage_processor = AdvantageProcessor(self.args.advantage)
+
+    def setup_roles(self) -> dict[str, str]:
+        self.variants.declare_variant("policy")
+        self.variants.add_snapshot("reference", "policy")
+        return {"policy": "policy"}
+
+    # ---------------------------------------------------------------- acquisition + feedback
+    def sample(self) -> OnlineDPOSamples:
+        args: OnlineDPOArguments = self.args  # type: ignore[assignment]
+        prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
+        repeated, group_ids = repeat_groups(prompts, args.group_size)
+        condition = self.conditions.get(repeated)
+        trajectory = self.adapter.inference(
+            condition,
+            num_steps=args.num_inference_steps,
+            noise_level=args.noise_level,
+            generator=self.generator("rollout", self.rollout_iteration),
+            module=self.variants.variant("policy"),
+        )
+        x0 = trajectory.final
+        ffdebug.tap("rollout.latents", trajectory.latents)
+        if trajectory.log_probs is not None:
+            ffdebug.tap("rollout.log_prob", trajectory.log_probs)
+        images = self.adapter.decode_latents(x0)
+        rewards = self.reward_processor(images, repeated, group_ids)
+        weights = args.advantage.weights
+        total = sum(float(weights.get(name, 1.0)) * values for name, values in rewards.items())
+        ffdebug.tap("reward", total)
+        advantages, advantage_metrics = self.advantage_processor(rewards, group_ids)
+        ffdebug.tap("advantage", advantages)
+        self.cycle_metrics = {
+            "reward_mean": float(total.mean()),
+            "reward_std": float(total.std(unbiased=False)),
+        }
+        self.cycle_metrics.update(
+            {f"reward.{name}": float(values.mean()) for name, values in rewards.items()}
+        )
+        self.cycle_metrics.update(advantage_metrics)
+        return OnlineDPOSamples(condition, x0, group_ids, advantages)
+
+    # ---------------------------------------------------------------- optimisation
+    def optimize(self, samples: OnlineDPOSamples) -> None:
+        args: OnlineDPOArguments = self.args  # type: ignore[assignment]
+        chosen, rejected = best_worst_pairs(samples.advantages, samples.group_ids)
+        self.cycle_metrics["pairs"] = float(len(chosen))
+        if len(chosen) == 0:  # every group tied: no preference, no optimizer step this iteration
+            return
+        x0_w, x0_l = samples.x0[chosen], samples.x0[rejected]
+        condition = samples.condition.select(chosen)  # chosen and rejected share the group's prompt
+        condition2 = Condition.cat([condition, condition])
+        policy, reference = self.variants.variant("policy"), self.variants.snapshot("reference")
+        for s in range(args.gradient_steps_per_iteration):
+            generator = self.generator("online_dpo", self.rollout_iteration, s)
+            sigma = sample_sigmas(
+                len(chosen), args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
+            )
+            noise = torch.randn(x0_w.shape, generator=generator)  # ε shared by both arms of a pair
+            with ffdebug.step(**self.step_tags("train")), self.optim.phase("policy") as phase:
+                errors = pair_errors(
+                    x0_w,
+                    x0_l,
+                    sigma,
+                    noise,
+                    lambda x_t, s2: self.adapter.forward(x_t, s2, condition2, module=policy),
+                    lambda x_t, s2: self.adapter.forward(x_t, s2, condition2, parameters=reference),
+                )
+                ffdebug.tap("train.dpo_errors", torch.stack([e.detach() for e in errors]))
+                loss, metrics = diffusion_dpo_loss(*errors, beta=args.beta)
+                metrics.pop("loss")
+                phase.backward(loss, metrics)
