@@ -86,11 +86,12 @@ class ConditionCache:
 
     def get(self, prompts: Sequence[str]) -> Condition:
         """Conditions for ``prompts`` in order, [len(prompts), ...]."""
-        missing = [p for p in dict.fromkeys(prompts) if p not in self._cache]
-        if missing:
-            encoded = self.adapter.encode_prompt(missing)
-            for i, prompt in enumerate(missing):
-                self._cache[prompt] = encoded.select(slice(i, i + 1))
+        for prompt in dict.fromkeys(prompts):
+            if prompt not in self._cache:
+                # one prompt per call: a condition's bits must not depend on which other prompts
+                # happened to be encoded with it (batch composition changes kernel blocking), or a
+                # resumed run, whose cache starts empty, would drift from the uninterrupted one
+                self._cache[prompt] = self.adapter.encode_prompt([prompt])
         return Condition.cat([self._cache[p] for p in prompts])
 
 
