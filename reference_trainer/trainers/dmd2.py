@@ -1,0 +1,188 @@
+"""DMD2: distil a multi-step flow model into a one-step generator by distribution matching (data-free).
+
+Papers: Yin et al. 2023, "One-step Diffusion with Distribution Matching Distillation", arXiv
+2311.18828 (DMD, eq. 7-8); Yin et al. 2024, "Improved Distribution Matching Distillation for Fast
+Image Synthesis", arXiv 2405.14867 (DMD2: no regression loss, two time-scale updates). Canonical code:
+tianweiy/DMD2 ``main/sd_guidance.py`` (losses) and ``main/train_sd.py`` (the generator is updated every
+``dfake_gen_update_ratio`` guidance updates). This is Flow-Factory's data-free, GAN-free ``dmd2``
+(``trainers/distillation/dmd2.py``): flow-matching scores, x_0-space DMD direction, one physical
+optimizer with two role groups. Losses: ``reference_trainer.losses.dmd2``.
+
+Roles:
+    generator  trainable variant (the base: the adapter's transformer); one step x = z − v_G(z, σ=1, c)
+    fake       trainable variant (a copy of the initial weights): the score of the generator's outputs
+    teacher    frozen snapshot of the initial weights (the "real score"; never a variant)
+
+One rollout iteration (``sample`` then ``optimize``); every optimizer step is one role phase:
+
+1. ``sample``: for each of the ``fake_updates_per_generator_update`` + 1 phases, P prompts (their
+   cached conditions) and fresh noise z ~ N(0, I) [P, C, H, W];
+2. ``fake_updates_per_generator_update`` ``fake`` phases: x = G(z) without gradient; σ ~ U(σ_min,
+   σ_max), ε; x_σ = (1 − σ)x + σε; L_fake = mean ‖v_fake(x_σ) − (ε − x)‖²;
+3. one ``generator`` phase: x = G(z) with gradient; x_σ from the detached x; x̂_0^real from the teacher
+   (classifier-free guided when ``real_guidance_scale`` > 1), x̂_0^fake from the fake score (never
+   guided, DMD2 asserts ``fake_guidance_scale == 1``), both without gradient;
+   L_DM = ½·mean (x − sg(x − g)),  g = (x̂_0^fake − x̂_0^real)/mean|x − x̂_0^real|.
+
+All randomness comes from ``self.generator("dmd2", rollout_iteration, phase, ...)``: a run resumed at a
+rollout boundary is bit-identical to the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+import ffdebug
+from reference_trainer.adapters.base import Condition
+from reference_trainer.config import TrainingArguments, require
+from reference_trainer.contracts import GENERATION_NO_FEEDBACK, ExecutionContract
+from reference_trainer.flow_matching import interpolate, predicted_x0, sample_sigmas
+from reference_trainer.losses.dmd2 import dmd_generator_loss, fake_score_loss
+from reference_trainer.registry import register_arguments, register_trainer
+from reference_trainer.trainers.base import BaseTrainer
+
+
+@register_arguments("dmd2")
+@dataclass(frozen=True, kw_only=True)
+class DMD2Arguments(TrainingArguments):
+    """``train:`` section of a DMD2 run."""
+
+    execution_contract: ClassVar[ExecutionContract] = GENERATION_NO_FEEDBACK
+    prompts_per_iteration: int = 4
+    """P: samples (one per prompt) generated for each phase."""
+    fake_updates_per_generator_update: int = 5
+    """Fake-score optimizer steps before each generator step (DMD2 ``dfake_gen_update_ratio``,
+    Flow-Factory ``ttur_fake_updates``; both default 5)."""
+    sigma_min: float = 0.02
+    """Lower bound of σ ~ U(σ_min, σ_max) for both losses (Flow-Factory: U(0.02, 0.98))."""
+    sigma_max: float = 0.98
+    """Upper bound of the σ draw (DMD2 ``max_step_percent`` 0.98)."""
+    real_guidance_scale: float = 1.0
+    """CFG scale of the teacher in the generator loss; 1 = no guidance (the only role allowed CFG)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.prompts_per_iteration >= 1,
+            "prompts_per_iteration",
+            f"must be >= 1, got {self.prompts_per_iteration}",
+        )
+        require(
+            self.fake_updates_per_generator_update >= 1,
+            "fake_updates_per_generator_update",
+            f"must be >= 1, got {self.fake_updates_per_generator_update}",
+        )
+        require(
+            0.0 < self.sigma_min < self.sigma_max < 1.0,
+            "sigma_min",
+            f"need 0 < sigma_min < sigma_max < 1, got {self.sigma_min}, {self.sigma_max}",
+        )
+        require(
+            self.real_guidance_scale >= 1.0,
+            "real_guidance_scale",
+            f"must be >= 1, got {self.real_guidance_scale}",
+        )
+
+
+@dataclass(frozen=True)
+class DMD2Phase:
+    """Inputs of one role phase: P conditions and the generator's noise z [P, C, H, W]."""
+
+    role: str
+    condition: Condition
+    z: torch.Tensor
+
+
+@register_trainer("dmd2")
+class DMD2Trainer(BaseTrainer):
+    """DMD2 (module docstring)."""
+
+    execution_contract: ClassVar[ExecutionContract] = GENERATION_NO_FEEDBACK
+    roles: ClassVar[tuple[str, ...]] = ("generator", "fake")
+
+    def setup_roles(self) -> dict[str, str]:
+        self.variants.declare_variant("generator")  # the base: the adapter's transformer
+        self.variants.declare_variant("fake")  # a copy of the initial weights
+        self.variants.add_snapshot("teacher", "generator")  # frozen real score, before any update
+        return {"generator": "generator", "fake": "fake"}
+
+    # ---------------------------------------------------------------- acquisition
+    def sample(self) -> list[DMD2Phase]:
+        args: DMD2Arguments = self.args  # type: ignore[assignment]
+        roles = ["fake"] * args.fake_updates_per_generator_update + ["generator"]
+        phases = []
+        for index, role in enumerate(roles):
+            prompts = self.prompts.draw(
+                self.rollout_iteration * len(roles) + index, args.prompts_per_iteration
+            )
+            generator = self.generator("dmd2", self.rollout_iteration, index, "z")
+            z = torch.randn((len(prompts), *self.adapter.latent_shape), generator=generator)
+            phases.append(DMD2Phase(role, self.conditions.get(prompts), z))
+        return phases
+
+    def generate(self, phase: DMD2Phase) -> torch.Tensor:
+        """One-step generator: x = x̂_0(z, σ = 1) = z − 1·v_G(z, 1, c), [P, C, H, W]."""
+        ones = torch.ones(phase.z.shape[0])
+        v = self.adapter.forward(phase.z, ones, phase.condition, module=self.variants.variant("generator"))
+        return predicted_x0(phase.z, v, ones)
+
+    # ---------------------------------------------------------------- optimisation
+    def optimize(self, phases: list[DMD2Phase]) -> None:
+        for index, phase in enumerate(phases):
+            generator = self.generator("dmd2", self.rollout_iteration, index, "noise")
+            with ffdebug.step(**self.step_tags(phase.role)), self.optim.phase(phase.role) as step:
+                if phase.role == "fake":
+                    loss, metrics = self.fake_loss(phase, generator)
+                else:
+                    loss, metrics = self.generator_loss(phase, generator)
+                metrics.pop("loss")
+                step.backward(loss, metrics)
+
+    def noised(
+        self, x: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(σ [P], ε [P, ...], x_σ) with σ ~ U(σ_min, σ_max); x_σ is built from the detached x."""
+        args: DMD2Arguments = self.args  # type: ignore[assignment]
+        sigma = sample_sigmas(x.shape[0], "uniform", generator, low=args.sigma_min, high=args.sigma_max)
+        noise = torch.randn(x.shape, generator=generator)
+        return sigma, noise, interpolate(x.detach(), noise, sigma)
+
+    def fake_loss(
+        self, phase: DMD2Phase, generator: torch.Generator
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """L_fake = mean ‖v_fake(x_σ) − (ε − x)‖² on detached generator samples (module doc, step 2)."""
+        with torch.no_grad():
+            x = self.generate(phase)
+        ffdebug.tap("rollout.latents", x)
+        sigma, noise, x_t = self.noised(x, generator)
+        v_fake = self.adapter.forward(x_t, sigma, phase.condition, module=self.variants.variant("fake"))
+        return fake_score_loss(v_fake, noise, x)
+
+    def generator_loss(
+        self, phase: DMD2Phase, generator: torch.Generator
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """L_DM (module doc, step 3): teacher and fake score predictions under ``no_grad``."""
+        x = self.generate(phase)  # with gradient to the generator
+        ffdebug.tap("rollout.latents", x.detach())
+        sigma, _, x_t = self.noised(x, generator)
+        with torch.no_grad():
+            x0_real = predicted_x0(x_t, self.teacher_velocity(x_t, sigma, phase.condition), sigma)
+            v_fake = self.adapter.forward(x_t, sigma, phase.condition, module=self.variants.variant("fake"))
+            x0_fake = predicted_x0(x_t, v_fake, sigma)
+        ffdebug.tap("train.x0_real", x0_real)
+        ffdebug.tap("train.x0_fake", x0_fake)
+        return dmd_generator_loss(x, x0_real, x0_fake)
+
+    def teacher_velocity(self, x_t: torch.Tensor, sigma: torch.Tensor, condition: Condition) -> torch.Tensor:
+        """v_real, classifier-free guided when ``real_guidance_scale`` s > 1: v_u + s·(v_c − v_u)."""
+        scale = self.args.real_guidance_scale
+        teacher = self.variants.snapshot("teacher")
+        v_cond = self.adapter.forward(x_t, sigma, condition, parameters=teacher)
+        if scale == 1.0:
+            return v_cond
+        uncond = self.conditions.get([""] * x_t.shape[0])
+        v_uncond = self.adapter.forward(x_t, sigma, uncond, parameters=teacher)
+        return v_uncond + scale * (v_cond - v_uncond)
