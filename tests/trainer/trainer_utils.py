@@ -1,19 +1,62 @@
-"""Shared helpers of the trainer integration tests: build a run from an example config, snapshot
-frozen state, compare parameters, read metrics."""
+"""Helpers shared by the reference-trainer tests (not a test module)."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from reference_trainer.config import load_config
-from reference_trainer.run import build_trainer
-from reference_trainer.trainers.base import BaseTrainer
-
 REPO = Path(__file__).resolve().parents[2]
+GRPO_CONFIG = REPO / "examples/grpo/full/sd3_tiny/default.yaml"
+
+
+def load(config: Path | str = GRPO_CONFIG, *overrides: str, max_steps: int | None = None):
+    from reference_trainer.config import load_config
+
+    return load_config(config, overrides=overrides, max_steps=max_steps)
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer (names and bytes)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+
+
+@torch.no_grad()
+def eval_reward(trainer, samples_per_prompt: int = 4, seed: int = 1234) -> float:
+    """Mean training reward of the current policy on every configured prompt, with fixed noise."""
+    prompts = list(trainer.prompts.prompts)
+    repeated = [prompt for prompt in prompts for _ in range(samples_per_prompt)]
+    condition = trainer.conditions.get(repeated)
+    trajectory = trainer.adapter.inference(
+        condition,
+        num_steps=trainer.args.num_inference_steps,
+        noise_level=trainer.args.noise_level,
+        generator=torch.Generator().manual_seed(seed),
+        module=trainer.variants.variant("policy"),
+    )
+    images = trainer.adapter.decode_latents(trajectory.final)
+    group_ids = torch.arange(len(prompts)).repeat_interleave(samples_per_prompt)
+    rewards = trainer.reward_processor(images, repeated, group_ids)
+    return float(sum(values for values in rewards.values()).mean())
+
+
+# ---- helpers of the algorithm trainer tests (SFT, DPO, DMD2) -------------------------------------
 
 
 def example(algorithm: str, variant: str = "default") -> Path:
@@ -22,16 +65,13 @@ def example(algorithm: str, variant: str = "default") -> Path:
 
 def make_trainer(
     algorithm: str, out: Path, max_steps: int, *overrides: str, resume: str | None = None
-) -> BaseTrainer:
-    config = load_config(example(algorithm), max_steps=max_steps, overrides=list(overrides))
-    return build_trainer(config, out, resume=resume)
+) -> Any:
+    from reference_trainer.run import build_trainer
+
+    return build_trainer(load(example(algorithm), *overrides, max_steps=max_steps), out, resume=resume)
 
 
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line]
-
-
-def frozen_state(trainer: BaseTrainer) -> dict[str, torch.Tensor]:
+def frozen_state(trainer: Any) -> dict[str, torch.Tensor]:
     """Clones of everything that must never change: frozen components and every snapshot."""
     state = {}
     for name in trainer.adapter.component_names():
@@ -45,7 +85,7 @@ def frozen_state(trainer: BaseTrainer) -> dict[str, torch.Tensor]:
     return state
 
 
-def variant_state(trainer: BaseTrainer) -> dict[str, dict[str, torch.Tensor]]:
+def variant_state(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
     return {
         name: {key: p.detach().clone() for key, p in module.named_parameters()}
         for name, module in trainer.variants.variants.items()
@@ -58,7 +98,7 @@ def assert_bit_identical(before: dict[str, torch.Tensor], after: dict[str, torch
     assert not changed, f"frozen tensors changed: {changed[:5]}"
 
 
-def gradient_free_parameters(trainer: BaseTrainer, module: torch.nn.Module) -> set[str]:
+def gradient_free_parameters(trainer: Any, module: torch.nn.Module) -> set[str]:
     """Parameters that get no gradient from any velocity output (e.g. the context query of SD3's last,
     ``context_pre_only`` block): probed with one backward through a deep copy of ``module``."""
     probe = copy.deepcopy(module)
@@ -70,7 +110,7 @@ def gradient_free_parameters(trainer: BaseTrainer, module: torch.nn.Module) -> s
 
 
 def assert_every_parameter_changed(
-    trainer: BaseTrainer, before: dict[str, torch.Tensor], module: torch.nn.Module, role: str
+    trainer: Any, before: dict[str, torch.Tensor], module: torch.nn.Module, role: str
 ) -> None:
     """Every parameter of ``role`` that can receive a gradient was updated."""
     unchanged = {key for key, p in module.named_parameters() if torch.equal(before[key], p.detach())}
