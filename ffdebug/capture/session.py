@@ -168,7 +168,7 @@ class Session:
         tags = current_tags()
         meta.setdefault("call", self.call)
         meta.setdefault("invocation", 0)
-        meta["step"] = {k: v for k, v in tags.items() if k != "phase"}
+        meta["step"] = {k: v for k, v in tags.items() if k not in ("phase", "shard", "reduction")}
         meta["phase"] = tags.get("phase")
         if self.call_warmup_guess:
             meta["phase"] = meta["phase"] or "warmup_guess"

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
-from ffdebug.compare.pairing import Filters, check_input_ids, group_calls, pair_calls
+from ffdebug.compare.pairing import Filters, align_ranks, check_input_ids, group_calls, pair_calls
 from ffdebug.compare.severity import (
     RANK,
     SEVERITIES,
@@ -38,6 +38,7 @@ class CompareResult:
     unpaired_calls: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     stats_only: bool = False
+    records: list = field(default_factory=list, repr=False)  # (ref, target) Record per stage entry
 
     @property
     def first_divergence(self) -> dict | None:
@@ -200,9 +201,12 @@ def compare(
     noise_index = _noise_index(noise, ref_groups, filters) if noise is not None else None
 
     stages_out: list[dict] = []
+    pairs_out: list[tuple] = []
     only_ref: list[str] = []
     only_target: list[str] = []
     for rg, tg in pairing.pairs:
+        if rank is None:  # a multi-rank side against a single-rank one: fold its ranks per stage
+            rg, tg = align_ranks(rg, tg), align_ranks(tg, rg)
         for sk in rg.order:
             r = rg.records[sk]
             t = tg.records.get(sk)
@@ -210,10 +214,14 @@ def compare(
                 only_ref.append(r.key)
                 continue
             e = compare_records(r, t, thresholds, exact)
+            for side, rec in (("ref", r), ("target", t)):
+                if rec.get("unsharded"):
+                    e[f"unsharded_{side}"] = {"how": rec["unsharded"], "ranks": rec.get("ranks")}
             if noise_index is not None:
                 _apply_noise(e, noise_index.get((rg.tags, rg.call, sk)))
             e["_order"] = (r.get("seq") or 0, r.get("rank") or 0)
             stages_out.append(e)
+            pairs_out.append((r, t))
         only_target.extend(tg.records[sk].key for sk in tg.order if sk not in rg.records)
     for e in stages_out:
         e.pop("_order", None)
@@ -241,6 +249,7 @@ def compare(
         notes=notes,
         stats_only=any(e.get("stats_only") for e in stages_out)
         and all(e.get("stats_only") for e in stages_out if e["key"] != "embed.input_ids"),
+        records=pairs_out,
     )
 
 

@@ -2,8 +2,14 @@
 
 A *call group* is every record with the same step tags and call index. Reference groups are
 matched to target groups with equal step tags, preferring equal input ids, then equal call index
-among non-warm-up calls. Target groups tagged `phase=warmup` (or guessed so) that have no
+among non-warm-up calls, then the call that looks like the same prefill (`pick_prefill_call`).
+Target groups tagged `phase=warmup` (or guessed so: a dummy batch of one repeated id) that have no
 counterpart are set aside, never reported as divergences.
+
+Ranks: when one side was dumped on several ranks and the other on fewer (a TP engine against a
+single-process reference), `align_ranks` folds the multi-rank records of each stage into one:
+summed when the manifest says `reduction="partial"`, concatenated along `shard.dim` when it gives a
+`shard`, else rank 0 stands for all (replicated), with the other ranks kept for diagnosis.
 """
 
 from __future__ import annotations
@@ -41,6 +47,21 @@ class CallGroup:
             return None
         t = self.input_ids.load()
         return hashlib.sha256(t.contiguous().numpy().tobytes() + str(list(t.shape)).encode()).hexdigest()
+
+    def ranks(self) -> set[int]:
+        return {sk[2] for sk in self.order}
+
+    def shape_of(self, key: str) -> list | None:
+        for sk in self.order:
+            if sk[0] == key:
+                return list(self.records[sk].get("shape") or [])
+        return None
+
+
+def looks_like_dummy_ids(ids) -> bool:
+    """A warm-up batch: more than one id, all equal (zeros, pad, BOS repeated)."""
+    flat = ids.reshape(-1)
+    return flat.numel() > 1 and bool((flat == flat[0]).all())
 
 
 @dataclass
@@ -91,7 +112,37 @@ def group_calls(store: SideStore, filters: Filters) -> list[CallGroup]:
         g.order.append(sk)
         if rec.key == "embed.input_ids" or (rec.get("extra") or {}).get("input_ids"):
             g.input_ids = g.input_ids or rec
+    for g in groups.values():
+        # Engines that do not tag their warm-up: a dummy batch is a warm-up guess, never a real call.
+        if g.phase is None and g.input_ids is not None and g.input_ids.has_payload:
+            if looks_like_dummy_ids(g.input_ids.load()):
+                g.phase = "warmup_guess"
     return list(groups.values())
+
+
+def pick_prefill_call(groups: list[CallGroup], like: CallGroup | None = None) -> CallGroup | None:
+    """The call that looks like the prefill, for engines that do not tag their calls.
+
+    Warm-up calls (tagged or guessed) are skipped. With `like` (the reference's call), calls whose
+    block inputs have the same shapes come first; then calls that process more than one token per
+    sequence (a prefill, not a decode step); then the earliest.
+    """
+    real = [g for g in groups if not g.warmup]
+    if not real:
+        return None
+
+    def score(g: CallGroup) -> tuple:
+        same = 0
+        if like is not None:
+            for sk in like.order[:64]:
+                shape = g.shape_of(sk[0])
+                if shape is not None and shape == list(like.records[sk].get("shape") or []):
+                    same += 1
+        ids = g.shape_of("embed.input_ids")
+        prefill = ids is not None and len(ids) >= 1 and ids[-1] > 1
+        return (-same, not prefill, g.call if g.call is not None else 0)
+
+    return min(real, key=score)
 
 
 @dataclass
@@ -132,7 +183,11 @@ def pair_calls(ref_groups: list[CallGroup], tgt_groups: list[CallGroup]) -> Pair
         if choice is None:
             real = [i for i in cands if tgt_groups[i].warmup == rg.warmup]
             exact = [i for i in real if tgt_groups[i].call == rg.call]
-            choice = exact[0] if exact else (real[0] if real else None)
+            if exact and _shapes_agree(rg, tgt_groups[exact[0]]):
+                choice = exact[0]
+            elif real:
+                best = pick_prefill_call([tgt_groups[i] for i in real], like=rg) if not rg.warmup else None
+                choice = next((i for i in real if tgt_groups[i] is best), exact[0] if exact else real[0])
         if choice is None:
             unpaired_ref.append(rg)
             continue
@@ -141,6 +196,84 @@ def pair_calls(ref_groups: list[CallGroup], tgt_groups: list[CallGroup]) -> Pair
     left = [g for i, g in enumerate(tgt_groups) if i not in used]
     warm = [g for g in left if g.warmup]
     return Pairing(pairs, unpaired_ref, [g for g in left if not g.warmup], warm)
+
+
+def _shapes_agree(a: CallGroup, b: CallGroup) -> bool:
+    """Block inputs of both calls have the same shapes (where both dumped them)."""
+    for sk in a.order[:64]:
+        shape = b.shape_of(sk[0])
+        if shape is not None and shape != list(a.records[sk].get("shape") or []):
+            return False
+    return True
+
+
+class MergedRecord(Record):
+    """One stage folded over ranks: `how` is "sum", "cat:DIM" or "replicated" (rank 0 stands)."""
+
+    def __init__(self, parts: list[Record], how: str) -> None:
+        first = parts[0]
+        fields = dict(first.fields, rank=0, world_size=1, unsharded=how, ranks=len(parts))
+        if how.startswith("cat:"):
+            dim = int(how.split(":", 1)[1])
+            shape = list(first.get("shape") or [])
+            if shape:
+                shape[dim] = sum((p.get("shape") or shape)[dim] for p in parts)
+                fields["shape"] = shape
+        super().__init__(fields, first.rank_dir, first._tensor)
+        self.parts = parts
+        self.how = how
+
+    @property
+    def has_payload(self) -> bool:
+        return all(p.has_payload for p in self.parts)
+
+    def load(self):
+        import torch
+
+        if self.how == "replicated":
+            return self.parts[0].load()
+        tensors = [p.load() for p in self.parts]
+        if self.how == "sum":
+            acc = tensors[0].to(torch.float64)
+            for t in tensors[1:]:
+                acc = acc + t.to(torch.float64)
+            return acc.to(tensors[0].dtype) if tensors[0].dtype == torch.float64 else acc
+        return torch.cat(tensors, dim=int(self.how.split(":", 1)[1]))
+
+
+def merge_rank_records(parts: list[Record]) -> MergedRecord:
+    """Fold one stage's per-rank records as their manifest says (partial sums, shards, replicas)."""
+    parts = sorted(parts, key=lambda r: r.get("rank") or 0)
+    if any(p.get("reduction") == "partial" for p in parts):
+        return MergedRecord(parts, "sum")
+    shard = parts[0].get("shard")
+    if isinstance(shard, dict) and (shard.get("count") or 1) > 1 and shard.get("dim") is not None:
+        parts = sorted(parts, key=lambda r: (r.get("shard") or {}).get("index", 0))
+        return MergedRecord(parts, f"cat:{int(shard['dim'])}")
+    return MergedRecord(parts, "replicated")
+
+
+def align_ranks(group: CallGroup, other: CallGroup) -> CallGroup:
+    """`group` with its stages folded to rank 0 when it has ranks that `other` lacks."""
+    mine, theirs = group.ranks(), other.ranks()
+    if len(mine) <= 1 or mine <= theirs:
+        return group
+    by_stage: dict[tuple, list[Record]] = {}
+    order: list[tuple] = []
+    for sk in group.order:
+        stage = (sk[0], sk[1])
+        if stage not in by_stage:
+            by_stage[stage] = []
+            order.append(stage)
+        by_stage[stage].append(group.records[sk])
+    out = CallGroup(tags=group.tags, call=group.call, phase=group.phase, input_ids=group.input_ids)
+    for stage in order:
+        parts = by_stage[stage]
+        rec = parts[0] if len(parts) == 1 else merge_rank_records(parts)
+        sk = (stage[0], stage[1], 0)
+        out.records[sk] = rec
+        out.order.append(sk)
+    return out
 
 
 def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]) -> None:

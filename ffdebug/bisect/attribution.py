@@ -1,0 +1,169 @@
+"""Local or inherited: re-run each target block on the reference's input, from disk.
+
+A layer's dumped output error mixes what the layer adds with what it inherits. Feeding every
+block of the target model the reference's `hidden_in` (a forward pre-hook substitutes the block's
+hidden-state argument; position embeddings, masks and the rest come from the model's own forward
+on the reference's input ids) and comparing the block's output with the reference's `hidden_out`
+measures the layer's own error. The reference model, replayed the same way, is the control: what
+it fails to reproduce of its own dump is the replay's noise floor.
+
+Entries are `module:function` or `path/to/file.py:function`; the function takes no arguments
+and returns the model (an `nn.Module`), or `(model, forward_kwargs)` for models that are not fed
+`input_ids`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+
+from ffdebug.bisect.pattern import noise_factor
+from ffdebug.errors import FFDebugError
+
+_KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out)$")
+LOCAL_SHARE = 0.1  # local error must be at least this share of the dumped output error
+
+
+def load_entry(spec: str, flag: str):
+    """(model, forward_kwargs or None) from a `module:function` entry."""
+    if ":" not in spec:
+        raise FFDebugError(f"{flag} {spec!r}: use 'module:function' or 'path/to/file.py:function'")
+    mod_name, fn_name = spec.rsplit(":", 1)
+    try:
+        if mod_name.endswith(".py") or os.sep in mod_name:
+            if not os.path.exists(mod_name):
+                raise FFDebugError(f"{flag} {spec!r}: {mod_name} does not exist")
+            name = "_ffdebug_entry_" + re.sub(r"\W", "_", os.path.abspath(mod_name))
+            loader_spec = importlib.util.spec_from_file_location(name, mod_name)
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except ImportError as err:
+        raise FFDebugError(f"{flag} {spec!r}: cannot import {mod_name} ({err}); check PYTHONPATH") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise FFDebugError(f"{flag} {spec!r}: {mod_name} has no function {fn_name!r}")
+    out = fn()
+    model, kwargs = out if isinstance(out, tuple) else (out, None)
+    if not hasattr(model, "named_modules"):
+        raise FFDebugError(f"{flag} {spec!r}: {fn_name}() must return an nn.Module or (module, kwargs)")
+    return model, kwargs
+
+
+def _block_inputs(records: list[tuple]) -> tuple[dict, dict, object]:
+    """Reference hidden_in / hidden_out records per layer (first invocation) and the input ids."""
+    ins, outs, ids = {}, {}, None
+    for r, _t in records:
+        if r.key == "embed.input_ids":
+            ids = r
+        m = _KEY.match(r.key)
+        if m and (r.get("invocation") or 0) == 0:
+            (ins if m.group(2) == "hidden_in" else outs).setdefault(int(m.group(1)), r)
+    return ins, outs, ids
+
+
+def replay(model, kwargs, ref_in: dict, ids_record) -> dict:
+    """Each block's output when fed the reference's hidden_in (layer -> tensor)."""
+    import torch
+
+    from ffdebug.capture.hooks import _first_tensor, _tensors
+    from ffdebug.models.blocks import find_blocks
+
+    blocks = find_blocks(model)
+    if not blocks:
+        raise FFDebugError(
+            f"{type(model).__name__}: no repeated blocks found to replay; return the model whose "
+            "blocks were dumped"
+        )
+    outs: dict[int, object] = {}
+    seen: set[int] = set()
+    hooks = []
+
+    def make(layer):
+        def pre(module, args, kw):
+            if layer in seen or layer not in ref_in:
+                return None
+            h = _first_tensor(args, kw)
+            if h is None:
+                return None
+            sub = ref_in[layer].load().to(dtype=h.dtype, device=h.device)
+            if tuple(sub.shape) != tuple(h.shape):
+                return None
+            if "hidden_states" in kw:
+                kw = dict(kw, hidden_states=sub)
+            else:
+                args = tuple(sub if a is h else a for a in args)
+            return args, kw
+
+        def post(module, args, kw, output):
+            if layer not in seen:
+                seen.add(layer)
+                first = next((t for _, t in _tensors(output)), None)
+                if first is not None:
+                    outs[layer] = first.detach().to("cpu", copy=True)
+
+        return pre, post
+
+    for b in blocks:
+        pre, post = make(b.layer)
+        hooks.append(b.module.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(b.module.register_forward_hook(post, with_kwargs=True))
+    try:
+        call_kwargs = dict(kwargs or {})
+        if not call_kwargs:
+            if ids_record is None:
+                raise FFDebugError(
+                    "attribution: the reference dumped no embed.input_ids; make the --model-* entry "
+                    "return (model, forward_kwargs)"
+                )
+            call_kwargs["input_ids"] = ids_record.load()
+        with torch.no_grad():
+            model(**call_kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs
+
+
+def attribute(
+    model_ref: str | None, model_target: str, records: list[tuple], stages: list[dict]
+) -> list[dict]:
+    """Per layer: local error of the target block on the reference input, and the verdict."""
+    from ffdebug.compare.metrics import compare_tensors
+
+    ref_in, ref_out, ids = _block_inputs(records)
+    if not ref_in:
+        raise FFDebugError("attribution needs L*.hidden_in dumps on the reference side; dump whole blocks")
+    t_model, t_kwargs = load_entry(model_target, "--model-target")
+    t_outs = replay(t_model, t_kwargs, ref_in, ids)
+    c_outs = {}
+    if model_ref:
+        r_model, r_kwargs = load_entry(model_ref, "--model-ref")
+        c_outs = replay(r_model, r_kwargs, ref_in, ids)
+    by_key = {e["key"]: e for e in stages}
+    rows = []
+    for layer in sorted(ref_out):
+        if layer not in t_outs:
+            continue
+        ref = ref_out[layer].load()
+        local = compare_tensors(ref, t_outs[layer])
+        control = compare_tensors(ref, c_outs[layer]) if layer in c_outs else None
+        dumped = by_key.get(f"L{layer:03d}.hidden_out") or {}
+        k = noise_factor(dumped)
+        floor = k * (control.rel or 0.0) if control is not None else 0.0
+        dumped_rel = dumped.get("rel") or 0.0
+        is_local = (local.rel or 0.0) > floor and (local.rel or 0.0) >= LOCAL_SHARE * dumped_rel
+        rows.append(
+            {
+                "layer": layer,
+                "local_cos": local.cos,
+                "local_rel": local.rel,
+                "control_rel": None if control is None else control.rel,
+                "dumped_rel": dumped.get("rel"),
+                "verdict": "local" if is_local else ("clean" if dumped_rel == 0 else "inherited"),
+            }
+        )
+    return rows

@@ -1,0 +1,78 @@
+"""Inside one layer: the first stage whose own step loses accuracy (dump-bisect phase 5).
+
+The stages of the layer are taken in execution order (capture order). Each stage is measured
+against its *input*: the `.in` dump of the same module when there is one (sub-stage dumps of the
+extra classes named in the block-class list), else the nearest earlier stage of the same shape,
+else the block's `hidden_in`. A step is lossy when
+
+    cos(input) - cos(stage) > 0.001,  or
+    rel(stage) - rel(input) > max(1%, 50% of rel(input)),  or
+    the input is exactly equal (same dtype) and the stage is not: any error appearing from an
+    exact input is a signal, however small (unless a noise run says this stage is noisy).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ffdebug.bisect.pattern import is_exact, noise_factor
+
+COS_STEP = 0.001
+REL_STEP = 0.01
+REL_STEP_SHARE = 0.5
+
+BLOCK_STAGES = ("attn_norm_out", "attn_out", "ffn_norm_out", "ffn_out", "encoder_hidden_in")
+
+
+def is_block_stage(stage: str) -> bool:
+    """Canonical block-level stage (not a finer sub-stage dump)."""
+    return stage in BLOCK_STAGES or stage.startswith("hidden_out")
+
+
+def _input_of(i: int, entries: list[dict], hidden_in: dict | None) -> dict | None:
+    e = entries[i]
+    stage = e["stage"]
+    m = re.match(r"^(.+)\.out(?:\.\w+)?$", stage)
+    if m:
+        head = m.group(1)
+        for prev in entries[:i]:
+            if prev["stage"] == f"{head}.in":
+                return prev
+    for prev in reversed(entries[:i]):
+        if prev.get("shape_ref") == e.get("shape_ref") and not prev["stage"].endswith(".in"):
+            return prev
+    return hidden_in
+
+
+def lossy_step(e: dict, base: dict | None) -> tuple[bool, str]:
+    """Whether `e` loses accuracy relative to its input `base`, and why."""
+    cos, rel = e.get("cos"), e.get("rel")
+    if e.get("finding") == "shape_mismatch" or (cos is None and rel is None):
+        return True, "shape mismatch or no numbers"
+    b_cos = 1.0 if base is None or base.get("cos") is None else base["cos"]
+    b_rel = 0.0 if base is None or base.get("rel") is None else base["rel"]
+    noisy = e.get("noise_rel") is not None and rel is not None and rel <= noise_factor(e) * e["noise_rel"]
+    if noisy:
+        return False, "within noise"
+    if cos is not None and b_cos - cos > COS_STEP:
+        return True, f"cos drops {b_cos - cos:.3g}"
+    if rel is None:
+        return True, "rel undefined (reference all zeros)"
+    if rel - b_rel > max(REL_STEP, REL_STEP_SHARE * b_rel):
+        return True, f"rel grows {b_rel * 100:.3g}% -> {rel * 100:.3g}%"
+    if (base is None or is_exact(base)) and not is_exact(e) and e.get("dtype_ref") == e.get("dtype_target"):
+        return True, "first inexact stage after an exactly equal input (same dtype)"
+    return False, ""
+
+
+def first_lossy(entries: list[dict], block_only: bool = False) -> tuple[dict | None, str]:
+    """First stage of one layer (execution order) whose own step loses accuracy."""
+    hidden_in = next((e for e in entries if e["stage"] == "hidden_in"), None)
+    pool = [e for e in entries if e["stage"] != "hidden_in"]
+    if block_only:
+        pool = [e for e in pool if is_block_stage(e["stage"])]
+    for i, e in enumerate(pool):
+        ok, why = lossy_step(e, _input_of(i, pool, hidden_in))
+        if ok:
+            return e, why
+    return None, ""

@@ -1,0 +1,158 @@
+"""Rich output and the closing sentence for bisect and slot-invariance results (no torch)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from ffdebug.report.text import compare_table, fmt, severity_cell
+
+PATTERN_WORDS = {
+    "match": "no layer introduces error beyond noise",
+    "jump": "a jump (one layer introduces the error)",
+    "layer_class": "a layer-class pattern",
+    "drift": "drift (small per-layer losses compounding)",
+}
+
+
+def _nums(e: dict) -> str:
+    parts = []
+    if e.get("cos") is not None:
+        parts.append(f"cos {e['cos']:.6f}")
+    if e.get("rel") is not None:
+        parts.append(f"rel {e['rel'] * 100:.3g}%")
+    return ", ".join(parts)
+
+
+def bisect_sentence(result) -> str:
+    """One plain sentence: layer, class, stage, pattern, then PASSED / FAILED."""
+    word = "FAILED" if result.failed() else "PASSED"
+    first, p = result.first_divergence, result.pattern
+    if first is None:
+        tail = f" ({result.warmup_skipped} warm-up call(s) set aside)" if result.warmup_skipped else ""
+        what = (
+            "the sides match"
+            if p == "match"
+            else f"pattern {p}: {result.reason}, every stage inside the ok band"
+        )
+        return f"No divergence: {what}{tail}; verdict {result.verdict}. {word}"
+    if first.get("layer") is None:
+        where = f"{first['key']} (outside the layers)"
+    else:
+        where = f"layer {first['layer']} ({first.get('layer_class') or 'no class'}), {first['stage']}"
+    sub = result.sub_stage
+    inside = ""
+    if sub is not None and first.get("layer") is not None and sub.get("stage") != first.get("stage"):
+        inside = f"; inside it, {sub['stage']} is the first sub-stage to lose accuracy ({_nums(sub)})"
+    elif sub is not None and first.get("layer") is not None:
+        inside = f" is the first sub-stage to lose accuracy ({_nums(sub)})"
+    if p == "layer_class":
+        cls = first.get("layer_class")
+        pattern = f"pattern layer_class: {result.reason}, so the {cls} code path is implicated"
+    elif p == "jump":
+        pattern = f"pattern jump: {result.reason}"
+    elif p == "drift":
+        pattern = f"pattern drift: {result.reason}"
+    else:
+        pattern = "pattern match: no layer introduces error, the difference is outside the layers"
+    signal = f" ({result.signal})" if result.signal else ""
+    return (
+        f"First divergence at {where}{inside}; {pattern}{signal}; "
+        f"{first['severity']} ({_nums(first)}), verdict {result.verdict}. {word}"
+    )
+
+
+def layers_table(result) -> Table:
+    table = Table(title="layers (block output vs reference)", header_style="bold")
+    for col in ("", "layer", "class", "cos out", "rel in", "rel out", "added", "introduces", "local?"):
+        table.add_column(col, justify="left" if col in ("", "class", "introduces", "local?") else "right")
+    for r in result.layers:
+        table.add_row(
+            severity_cell(r["severity"]),
+            str(r["layer"]),
+            r.get("layer_class") or "",
+            fmt(r.get("cos_out")),
+            fmt(r.get("rel_in"), "%"),
+            fmt(r.get("rel_out"), "%"),
+            fmt(r.get("added"), "%"),
+            "[red]yes[/red]" if r.get("introduces") else "",
+            r.get("local") or "",
+        )
+    return table
+
+
+def print_bisect(result, console: Console | None = None, all_stages: bool = False) -> None:
+    console = console or Console()
+    console.print(layers_table(result))
+    first = result.first_divergence
+    if first is not None and first.get("layer") is not None and not all_stages:
+        rows = [e for e in result.stages if e.get("layer") == first["layer"]]
+        console.print(compare_table(rows, title=f"inside layer {first['layer']} (execution order)"))
+    elif all_stages or first is not None:
+        console.print(compare_table(result.stages, title="stages", only_problems=not all_stages))
+    for c in result.per_class:
+        console.print(
+            f"class {c['layer_class']}: layers {_ranges(c['layers'])}; first bad layer "
+            f"{c['first_bad_layer'] if c['first_bad_layer'] is not None else '-'}; introducing "
+            f"{_ranges(c['introducing']) or '-'}",
+            highlight=False,
+        )
+    for s in result.shards:
+        status = "matches" if s["matches"] else "does NOT match"
+        how = s.get("explained_by") or s.get("reading") or "no reading"
+        console.print(f"shards: {s['key']} over {s['ranks']} ranks {status} as {how}", highlight=False)
+    for a in result.attribution or []:
+        console.print(
+            f"attribution: layer {a['layer']} re-run on the reference input: rel {fmt(a['local_rel'], '%')} "
+            f"(dumped {fmt(a['dumped_rel'], '%')}) -> {a['verdict']}",
+            highlight=False,
+        )
+    for note in result.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+    console.print(result.conclusion, highlight=False, markup=False)
+
+
+def _ranges(xs: list[int]) -> str:
+    xs = sorted(xs)
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def invariance_sentence(result) -> str:
+    word = "FAILED" if result.failed() else "PASSED"
+    first = result.first_non_invariant
+    if first is None:
+        return f"All {len(result.stages)} stages are bit-identical across {result.slots} slots. {word}"
+    return (
+        f"First non-invariant stage: {first['key']} (slot {first['slot']} vs {first['against']}), "
+        f"{first['classification']}: {first['meaning']} ({_nums(first)}). {word}"
+    )
+
+
+def print_invariance(result, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"slot invariance ({result.slots} slots, dim {result.slot_dim})", header_style="bold")
+    for col in ("", "layer", "stage", "worst slot", "cos", "rel", "bit-equal", "vs single"):
+        table.add_column(col)
+    for s in result.stages:
+        w = s["worst"]
+        table.add_row(
+            severity_cell(w["severity"]) if w else "",
+            "" if s.get("layer") is None else str(s["layer"]),
+            s["key"],
+            "-" if w is None else str(w["slot"]),
+            fmt(w and w.get("cos")),
+            fmt(w and w.get("rel"), "%"),
+            fmt(w and w.get("bit_equal"), ".3f"),
+            "-" if s.get("single") is None else s["single"]["severity"],
+        )
+    console.print(table)
+    for note in result.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+    console.print(invariance_sentence(result), highlight=False, markup=False)

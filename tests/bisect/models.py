@@ -1,0 +1,106 @@
+"""Tiny HF models built from configs (no download) and the bugs the bisect tests inject.
+
+Reference and target share weights: both are built from the same seed. The functions without
+arguments double as `--model-ref` / `--model-target` entries (`path/to/models.py:llama_ref`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+DS_CLASSES = "DeepseekV3DecoderLayer,DeepseekV3TopkRouter,DeepseekV3Experts,DeepseekV3MLP"
+ROPE_BAD_LAYER = 2
+ROPE_BAD_BASE = 1000.0
+
+
+def deepseek(num_layers: int = 5, dense: int = 2):
+    """DeepSeek-V3-style LM: `dense` dense layers, then MoE layers (router weights non-zero)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from ffdebug.demo import DEMO_CONFIG
+
+    torch.manual_seed(0)
+    cfg = dict(DEMO_CONFIG, num_hidden_layers=num_layers, first_k_dense_replace=dense)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.weight.normal_(0.0, 0.5)
+    return model
+
+
+def deepseek_missing_routed_scaling(model):
+    """The port's bug: the MoE router forgets `routed_scaling_factor` (MoE layers only)."""
+    target = copy.deepcopy(model)
+    for layer in target.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "routed_scaling_factor"):
+            gate.routed_scaling_factor = 1.0
+    return target
+
+
+def llama(num_layers: int = 5):
+    """Llama-style LM with sharpened q/k projections so that rotary positions matter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+    return model
+
+
+def _rotary(cos, base: float):
+    dim = cos.shape[-1]
+    pos = torch.arange(cos.shape[-2], dtype=torch.float32)
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(pos, inv)
+    emb = torch.cat([freqs, freqs], dim=-1)[None]
+    return emb.cos().to(cos.dtype), emb.sin().to(cos.dtype)
+
+
+def llama_wrong_rope(model, layer: int = ROPE_BAD_LAYER, base: float = ROPE_BAD_BASE):
+    """The port's bug: one layer's attention builds its rotary table with the wrong base."""
+    target = copy.deepcopy(model)
+
+    def pre(module, args, kwargs):
+        cos, _sin = kwargs["position_embeddings"]
+        return args, dict(kwargs, position_embeddings=_rotary(cos, base))
+
+    target.model.layers[layer].self_attn.register_forward_pre_hook(pre, with_kwargs=True)
+    return target
+
+
+def llama_ref():
+    return llama()
+
+
+def llama_target():
+    return llama_wrong_rope(llama())
+
+
+def input_ids(batch: int = 2, seq: int = 16, vocab: int = 1000, seed: int = 7):
+    return torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def dump(model, directory, side: str, ids, classes=None, **options):
+    import ffdebug
+
+    with ffdebug.capture(model, dir=directory, side=side, classes=classes, **options), torch.no_grad():
+        model(input_ids=ids)
+    return f"{directory}/{side}"
