@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from trainer_utils import GRPO_CONFIG, clone_state, eval_reward, load, metrics, state_digest
+from framework_utils import GRPO_CONFIG, clone_state, eval_reward, load, metrics, state_digest
 
 
 def test_grpo_raises_mean_reward_and_keeps_frozen_roles(tmp_path, capsys):
@@ -27,7 +27,9 @@ def test_grpo_raises_mean_reward_and_keeps_frozen_roles(tmp_path, capsys):
     assert [r["optimizer_step"] for r in records] == list(range(1, 31))
     assert all(r["role"] == "policy" and "reward_mean" in r and "kl" in r for r in records)
     # frozen roles bit-identical; every trainable parameter tensor changed
-    assert frozen == {name: state_digest(trainer.adapter.get_component(name)) for name in ("vae", "text_encoder")}
+    assert frozen == {
+        name: state_digest(trainer.adapter.get_component(name)) for name in ("vae", "text_encoder")
+    }
     for key, value in trainer.variants.snapshot("reference").items():
         assert torch.equal(value, reference[key]), key
     policy_after = trainer.variants.variant("policy").state_dict()
@@ -36,7 +38,10 @@ def test_grpo_raises_mean_reward_and_keeps_frozen_roles(tmp_path, capsys):
     # SD3's last block is ``context_pre_only``: its context-query projection feeds only the discarded
     # context output, so it gets no gradient (and AdamW with weight_decay 0 leaves it). Everything else moves.
     last = trainer.variants.variant("policy").config.num_layers - 1
-    dead = [f"transformer_blocks.{last}.attn.add_q_proj.bias", f"transformer_blocks.{last}.attn.add_q_proj.weight"]
+    dead = [
+        f"transformer_blocks.{last}.attn.add_q_proj.bias",
+        f"transformer_blocks.{last}.attn.add_q_proj.weight",
+    ]
     assert unchanged == dead, f"trainable parameters that did not change: {unchanged[:5]}"
     # the reference is used through functional_call: the KL is non-zero once the policy moved
     assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0.0

@@ -9,10 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_utils import REPO, load, metrics
+from framework_utils import REPO, load, metrics
 
 RESUME_CASES = {
-    "grpo": (REPO / "examples/grpo/full/sd3_tiny/default.yaml", ("train.kl_beta=0.01", "train.gradient_steps_per_iteration=2"), 4),
+    "grpo": (
+        REPO / "examples/grpo/full/sd3_tiny/default.yaml",
+        ("train.kl_beta=0.01", "train.gradient_steps_per_iteration=2"),
+        4,
+    ),
 }
 
 
