@@ -7,7 +7,7 @@ import torch
 
 from reference_trainer.flow_matching import interpolate, predicted_x0, sample_sigmas, velocity_target
 from reference_trainer.losses.dmd2 import dmd_generator_loss, fake_score_loss
-from reference_trainer.losses.dpo import diffusion_dpo_loss, diffusion_dpo_velocity_loss
+from reference_trainer.losses.dpo import diffusion_dpo_loss, diffusion_dpo_velocity_loss, pair_errors
 from reference_trainer.losses.grpo import grpo_loss, ppo_clip_loss, sde_kl
 from reference_trainer.losses.sft import flow_matching_loss
 
@@ -164,3 +164,19 @@ def test_fake_score_loss_is_flow_matching_on_detached_generator_output():
     assert loss.item() == 2.0
     loss.backward()
     assert x.grad is None and v_fake.grad is not None
+
+
+def test_dpo_pair_errors_share_noise_and_sigma():
+    """chosen == rejected: with one σ and one ε per pair both arms see the same x_σ, so e^w = e^l,
+    Δ = 0 and L = log 2 exactly, whatever the velocity functions (here: policy v = 2x, reference v = x).
+    Hand check of one error: x_0 = 1, ε = 0, σ = 0.5 → x_σ = 0.5, v* = ε − x_0 = −1;
+    policy v = 1 → e_θ = (1 − (−1))² = 4; reference v = 0.5 → e_ref = 2.25."""
+    x0 = torch.ones(2, 1, 2, 2)
+    errors = pair_errors(
+        x0, x0.clone(), torch.full((2,), 0.5), torch.zeros(2, 1, 2, 2), lambda x, s: 2 * x, lambda x, s: x
+    )
+    e_theta_w, e_theta_l, e_ref_w, e_ref_l = errors
+    assert torch.equal(e_theta_w, torch.full((2,), 4.0)) and torch.equal(e_ref_w, torch.full((2,), 2.25))
+    assert torch.equal(e_theta_w, e_theta_l) and torch.equal(e_ref_w, e_ref_l)
+    loss, _ = diffusion_dpo_loss(*errors, beta=1000.0)
+    assert loss.item() == pytest.approx(math.log(2.0))
