@@ -22,7 +22,7 @@ def test_contract_of_trainer_and_arguments_agree():
 
 
 def test_offline_dpo_trains_against_a_frozen_reference(tmp_path):
-    """8 steps (2 epochs of 4 batches, accumulation 2 → 2 steps per epoch... here 1 step per 2 batches).
+    """8 steps: 4 batches per epoch, accumulation 2 → 2 optimizer steps per epoch, 4 epochs.
 
     Step 1 is at θ = ref, so Δ = 0 and L = −log σ(0) = log 2 exactly (averaged over its 2 microbatches).
     """

@@ -1,9 +1,10 @@
-"""Helpers shared by the reference-trainer tests (not a test module)."""
+"""Helpers of the algorithm trainer tests (SFT, online/offline DPO, DMD2); not a test module.
+
+The framework tests have theirs in ``framework_utils.py``."""
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,9 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-GRPO_CONFIG = REPO / "examples/grpo/full/sd3_tiny/default.yaml"
 
 
-def load(config: Path | str = GRPO_CONFIG, *overrides: str, max_steps: int | None = None):
+def load(config: Path | str, *overrides: str, max_steps: int | None = None):
     from reference_trainer.config import load_config
 
     return load_config(config, overrides=overrides, max_steps=max_steps)
@@ -22,41 +22,6 @@ def load(config: Path | str = GRPO_CONFIG, *overrides: str, max_steps: int | Non
 
 def metrics(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
-
-
-def state_digest(module: torch.nn.Module) -> str:
-    """sha256 over every parameter and buffer (names and bytes)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
-
-
-@torch.no_grad()
-def eval_reward(trainer, samples_per_prompt: int = 4, seed: int = 1234) -> float:
-    """Mean training reward of the current policy on every configured prompt, with fixed noise."""
-    prompts = list(trainer.prompts.prompts)
-    repeated = [prompt for prompt in prompts for _ in range(samples_per_prompt)]
-    condition = trainer.conditions.get(repeated)
-    trajectory = trainer.adapter.inference(
-        condition,
-        num_steps=trainer.args.num_inference_steps,
-        noise_level=trainer.args.noise_level,
-        generator=torch.Generator().manual_seed(seed),
-        module=trainer.variants.variant("policy"),
-    )
-    images = trainer.adapter.decode_latents(trajectory.final)
-    group_ids = torch.arange(len(prompts)).repeat_interleave(samples_per_prompt)
-    rewards = trainer.reward_processor(images, repeated, group_ids)
-    return float(sum(values for values in rewards.values()).mean())
-
-
-# ---- helpers of the algorithm trainer tests (SFT, DPO, DMD2) -------------------------------------
 
 
 def example(algorithm: str, variant: str = "default") -> Path:
