@@ -124,3 +124,26 @@ def test_help_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
     out = subprocess.run([sys.executable, "-m", "ffdebug.cli.app", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "compare" in out.stdout
+
+
+def test_two_ranks_write_one_side_without_collision(tmp_path):
+    script = (
+        "import torch, ffdebug; ffdebug.tap('x', torch.full((3,), float(__import__('os').environ['RANK'])))"
+    )
+    procs = []
+    for rank in (0, 1):
+        env = dict(
+            os.environ,
+            FFDEBUG_FWD_DUMP_DIR=str(tmp_path),
+            FFDEBUG_FWD_DUMP_SIDE="target",
+            RANK=str(rank),
+            WORLD_SIZE="2",
+        )
+        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env))
+    assert [p.wait() for p in procs] == [0, 0]
+    store = open_side(tmp_path / "target")
+    assert sorted((r["rank"], r["world_size"], float(r.load()[0])) for r in store.records) == [
+        (0, 2, 0.0),
+        (1, 2, 1.0),
+    ]
+    assert (tmp_path / "target" / "run.json").exists() and len(store.status) == 2

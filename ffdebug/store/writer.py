@@ -83,14 +83,11 @@ class StoreWriter:
                     f"{self.side_dir} already holds a dump: set {variable}=1 to replace it, "
                     "or choose another directory"
                 )
+            # Each rank replaces only its own directory (rank 0 also run.json): deleting other
+            # ranks' directories would race with ranks that started first.
             shutil.rmtree(self.rank_dir, ignore_errors=True)
-            if self.rank == 0:
-                for name in os.listdir(self.side_dir) if os.path.isdir(self.side_dir) else []:
-                    path = os.path.join(self.side_dir, name)
-                    if name.startswith("rank") and os.path.isdir(path):
-                        shutil.rmtree(path, ignore_errors=True)
-                if os.path.exists(run_json):
-                    os.remove(run_json)
+            if self.rank == 0 and os.path.exists(run_json):
+                os.remove(run_json)
         os.makedirs(self.rank_dir, exist_ok=True)
         if self.rank == 0:
             atomic_write_json(run_json, run_info(self.side, self.world_size, run_extra))
