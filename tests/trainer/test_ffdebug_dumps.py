@@ -16,7 +16,7 @@ import sys
 
 from framework_utils import GRPO_CONFIG, REPO
 
-BUGGY_DRIVER = '''
+BUGGY_DRIVER = """
 import sys, torch
 from reference_trainer.losses import grpo
 correct_kl = grpo.sde_kl
@@ -27,7 +27,7 @@ grpo.sde_kl = kl_under_no_grad
 from reference_trainer.cli import main
 sys.argv = ["reference-trainer", *sys.argv[1:]]
 main()
-'''
+"""
 
 
 def _train(tmp_path, dump_dir, side, name, *, buggy=False):
@@ -62,7 +62,14 @@ def test_same_config_compares_ok_and_injected_kl_bug_is_located(tmp_path):
     code, clean = _compare(dumps / "ref", dumps / "target")
     assert code == 0 and clean["verdict"] == "ok" and clean["first_divergence"] is None
     keys = {stage["key"] for stage in clean["stages"]}
-    expected_taps = {"rollout.latents", "rollout.log_prob", "reward", "advantage", "loss.policy", "grad_norm.policy"}
+    expected_taps = {
+        "rollout.latents",
+        "rollout.log_prob",
+        "reward",
+        "advantage",
+        "loss.policy",
+        "grad_norm.policy",
+    }
     assert expected_taps <= keys
     assert any(key.startswith("L000.") for key in keys), "block forwards were not dumped"
 

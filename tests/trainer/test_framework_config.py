@@ -1,0 +1,93 @@
+"""Contracts, registries and config validation: errors name the field; mismatches fail before loading."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+from framework_utils import GRPO_CONFIG, load
+
+
+def test_validation_errors_name_the_field():
+    from reference_trainer.config import ConfigError
+
+    cases = {
+        "train.group_size=1": r"^train\.group_size: must be >= 2",
+        "train.rewards.0.batch_size=0": r"^train\.rewards\[0\]\.batch_size: must be >= 1",
+        "optimizers.0.lr=-1": r"^optimizers\[0\]\.lr: must be > 0",
+        "optimizers.0.optimizer=sgd": r"^optimizers\[0\]\.optimizer: must be one of \['adamw', 'muon'\]",
+        "train.kl_std=whatever": r"^train\.kl_std: must be one of",
+        "train.group_sise=4": r"^train\.group_sise: unknown field",
+        "runtime.threads=two": r"^runtime\.threads: must be an integer",
+        "model.adapter=null": r"^model\.adapter: must be a string",
+        "train.gradient_steps_per_iteration=3": r"^train\.gradient_steps_per_iteration: must divide the 8 samples",
+        "checkpoint=3": r"^checkpoint: must be a mapping",
+    }
+    for override, pattern in cases.items():
+        with pytest.raises(ConfigError, match=pattern):
+            load(GRPO_CONFIG, override)
+    with pytest.raises(ConfigError, match=r"^max_steps: must be >= 1"):
+        load(GRPO_CONFIG, max_steps=0)
+
+
+def test_yaml_numbers_and_overrides():
+    """``1e-3`` (a string to PyYAML) is a float for float fields; ``--set`` reaches list entries."""
+    config = load(GRPO_CONFIG, "optimizers.0.lr=1e-3", "train.rewards.0.kwargs={target: 0.5}")
+    assert config.optimizers[0].lr == 1e-3
+    assert config.train.rewards[0].kwargs == {"target": 0.5}
+    assert config.optimizer_for("policy").optimizer == "adamw"
+
+
+def test_trainer_list_is_derived_from_both_registries(monkeypatch):
+    from reference_trainer import registry
+    from reference_trainer.config import TrainingArguments
+    from reference_trainer.contracts import GENERATION_REWARD
+
+    names = registry.trainer_names()
+    assert "grpo" in names
+    assert set(names) == set(registry.TRAINERS) & set(registry.ARGUMENTS)
+
+    @dataclass(frozen=True, kw_only=True)
+    class OrphanArguments(TrainingArguments):
+        execution_contract: ClassVar = GENERATION_REWARD
+
+    monkeypatch.setitem(registry.ARGUMENTS, "orphan", OrphanArguments)
+    assert "orphan" not in registry.trainer_names()
+    with pytest.raises(registry.RegistryError, match="no registered trainer class"):
+        registry.resolve_trainer("orphan")
+
+
+def test_contract_mismatch_fails_before_any_model_loads(monkeypatch, tmp_path):
+    """A trainer whose TrainingArguments declare another ExecutionContract is refused before loading."""
+    from reference_trainer import registry
+    from reference_trainer.adapters.sd3 import SD3TinyAdapter
+    from reference_trainer.contracts import GENERATION_NO_FEEDBACK, ContractError
+    from reference_trainer.run import build_trainer
+    from reference_trainer.trainers.grpo import GRPOArguments, GRPOTrainer
+
+    @dataclass(frozen=True, kw_only=True)
+    class MismatchedArguments(GRPOArguments):
+        execution_contract: ClassVar = GENERATION_NO_FEEDBACK
+
+    monkeypatch.setitem(registry.TRAINERS, "mismatched", GRPOTrainer)
+    monkeypatch.setitem(registry.ARGUMENTS, "mismatched", MismatchedArguments)
+
+    def no_loading(self):
+        raise AssertionError("a model loaded before the contract check")
+
+    monkeypatch.setattr(SD3TinyAdapter, "load_pipeline", no_loading)
+    config = load(GRPO_CONFIG, "trainer=mismatched")
+    with pytest.raises(
+        ContractError, match="generation\\+runtime_reward != arguments contract generation\\+none"
+    ):
+        build_trainer(config, tmp_path)
+
+
+def test_invalid_contracts_are_rejected():
+    from reference_trainer.contracts import ContractError, ExecutionContract
+
+    with pytest.raises(ContractError, match="dataset trainer cannot consume a runtime reward"):
+        ExecutionContract(acquisition="dataset", feedback="runtime_reward")
+    with pytest.raises(ContractError, match="acquisition must be one of"):
+        ExecutionContract(acquisition="rollout", feedback="none")
