@@ -12,6 +12,7 @@ HELP = """Print shape, dtype and statistics of every tensor in a dump store or t
 
   ffdebug inspect /tmp/dump/ref
   ffdebug inspect model.safetensors --stages 'L00*' --json
+  ffdebug inspect hf_model/                  # also a sharded index or a diffusers component folder
 
 Reads stores left by killed runs: only complete tensors are listed.
 """
@@ -21,7 +22,10 @@ def register(app: typer.Typer) -> None:
     @app.command("inspect", help=HELP)
     @handles_errors
     def inspect_command(
-        path: str = typer.Argument(..., help="Side directory, weight dump, .safetensors or .pt file."),
+        path: str = typer.Argument(
+            ...,
+            help="Side directory, weight dump, .safetensors / .pt file, HF or diffusers model folder, *.index.json.",
+        ),
         stages: list[str] = typer.Option(None, "--stages", help="Glob over keys (repeatable)."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
@@ -29,8 +33,9 @@ def register(app: typer.Typer) -> None:
 
         from ffdebug.store.reader import open_side
         from ffdebug.store.schema import tensor_stats
+        from ffdebug.weights.sources import checkpoint_side_store
 
-        store = open_side(path)
+        store = checkpoint_side_store(path) or open_side(path)
         rows = []
         for rec in store.records:
             if stages and not any(fnmatch.fnmatchcase(rec.key, g) for g in stages):

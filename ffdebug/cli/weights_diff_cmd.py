@@ -1,0 +1,162 @@
+"""`ffdebug weights-diff A B` and `ffdebug load-audit ENTRY CHECKPOINT`."""
+
+from __future__ import annotations
+
+import typer
+
+from ffdebug.cli.common import FAIL_ON_HELP, check_fail_on, emit_json, handles_errors
+
+WEIGHTS_HELP = """Compare two sets of weights: schema first (names, shapes, dtypes, rename suggestions), then float64 numerics per tensor (byte-equal fast path; cos, rel, max_abs; a finding per tensor: equal, dtype_only, rounding, transposed, sign_flip, scaled, mismatch).
+
+A and B may each be a .safetensors file, a Hugging Face model folder (single file or sharded with model.safetensors.index.json), a *.index.json, a diffusers component folder, a .pt/.bin state dict (weights_only loading only), a weight dump written by maybe_dump_weights_and_exit (per rank), a folder of per-rank checkpoints (rank0/, rank1/ or *rank0*.safetensors), or a Python entry module:function returning a module or a state dict. Tensors are read one at a time.
+
+Name options rewrite target names into reference names (--strip-prefix applies to both sides).
+
+[bold]Examples[/bold]
+
+  ffdebug weights-diff hf_model/ engine_dump/weights
+  ffdebug weights-diff hf_model/ converted.safetensors --strip-prefix model.
+  ffdebug weights-diff hf_model/ gpt2_like.pt --map '^transformer\\.h\\.{L}\\.=model.layers.{L}.'
+  ffdebug weights-diff hf_model/ engine.safetensors --fuse qkv_proj=q_proj+k_proj+v_proj
+  ffdebug weights-diff full/ tp_dump/weights --tp-merge auto --skip '*.experts.*' --layers 0-3
+  ffdebug weights-diff bf16/ fp8/ --dequant auto --json
+  ffdebug weights-diff ref/ engine/ --transform '*.o_proj.weight=transpose'
+  ffdebug weights-diff ref/ engine/ --transform 'ref:*.experts.*=mylib.layout:shuffle'
+
+Exit codes: 0 match; 1 a schema difference (only-in, shape, dtype unless --allow-dtype), a replicated tensor differing across ranks, or a tensor at or above --fail-on; 2 bad input. """
+
+AUDIT_HELP = """Audit what a model really loaded from a checkpoint: checkpoint tensors never loaded, model tensors the checkpoint does not hold (left at their initialisation), shape mismatches a non-strict load skipped, and tensors whose loaded values differ from the checkpoint.
+
+ENTRY is module:function (or path/to/file.py:function); it is called with the checkpoint path when it takes an argument, and returns the loaded nn.Module. CHECKPOINT is any weights-diff input.
+
+[bold]Examples[/bold]
+
+  ffdebug load-audit mypkg.loading:build_model /ckpt/model
+  ffdebug load-audit tools/load.py:load ckpt.safetensors --strip-prefix module. --json
+
+Exit codes: 0 everything loaded as stored; 1 anything never loaded, left uncovered, skipped for its shape, or loaded with other values (at or above --fail-on); 2 bad input. """
+
+
+def _name_options():
+    return dict(
+        strip_prefix=typer.Option(
+            None, "--strip-prefix", help="Remove this prefix from names on both sides (repeatable)."
+        ),
+        add_prefix=typer.Option(None, "--add-prefix", help="Prepend this prefix to target names."),
+        maps=typer.Option(
+            None,
+            "--map",
+            help="OLD=NEW regex on target names (repeatable); {L} stands for a layer number.",
+        ),
+        alias_file=typer.Option(None, "--alias-file", help="File of OLD=NEW rules (text, JSON or YAML)."),
+    )
+
+
+def register(app: typer.Typer) -> None:
+    names = _name_options()
+
+    @app.command("weights-diff", help=WEIGHTS_HELP)
+    @handles_errors
+    def weights_diff_command(
+        a: str = typer.Argument(..., metavar="A", help="Reference weights (see the kinds above)."),
+        b: str = typer.Argument(..., metavar="B", help="Target weights."),
+        strip_prefix: list[str] = names["strip_prefix"],
+        add_prefix: str = names["add_prefix"],
+        maps: list[str] = names["maps"],
+        alias_file: str = names["alias_file"],
+        fuse: list[str] = typer.Option(
+            None, "--fuse", help="FUSED=PART+PART\\[@DIM]: pair a fused tensor with its parts (repeatable)."
+        ),
+        skip: list[str] = typer.Option(
+            None, "--skip", help="Glob of tensor names to leave out (repeatable)."
+        ),
+        layers: str = typer.Option(
+            None, "--layers", help="Layers to compare: '0,2,5-7,-1' (tensors outside blocks are kept)."
+        ),
+        transform: list[str] = typer.Option(
+            None,
+            "--transform",
+            help="\\[ref:|target:]GLOB=transpose|module:function layout transform (repeatable).",
+        ),
+        dequant: str = typer.Option(
+            "auto",
+            "--dequant",
+            help="fp8 dequantisation: auto (when the other side is not fp8), always, none.",
+        ),
+        tp_merge: str = typer.Option("auto", "--tp-merge", help="Merge per-rank shards: auto or a dim."),
+        threshold: list[str] = typer.Option(
+            None, "--threshold", help="'GLOB:cos>=X,rel<=Y' ok band per tensor."
+        ),
+        fail_on: str = typer.Option("diverge", "--fail-on", help=FAIL_ON_HELP),
+        allow_dtype: bool = typer.Option(False, "--allow-dtype", help="dtype differences alone do not fail."),
+        schema_only: bool = typer.Option(False, "--schema-only", help="Stop after the schema diff."),
+        show_all: bool = typer.Option(False, "--all", help="List byte-equal tensors too."),
+        json_out: bool = typer.Option(False, "--json", help="Machine-readable output with the stable keys."),
+    ) -> None:
+        from ffdebug.weights.diff import WeightsDiff
+
+        diff = WeightsDiff(
+            a,
+            b,
+            strip_prefix=tuple(strip_prefix or ()),
+            add_prefix=add_prefix,
+            maps=tuple(maps or ()),
+            alias_file=alias_file,
+            fuse=tuple(fuse or ()),
+            skip=tuple(skip or ()),
+            layers=layers,
+            transforms=tuple(transform or ()),
+            dequant=dequant,
+            tp_merge=tp_merge,
+            thresholds=tuple(threshold or ()),
+            fail_on=check_fail_on(fail_on),
+            allow_dtype=allow_dtype,
+        )
+        if json_out:
+            result = diff.schema_result() if schema_only else diff.run()
+            emit_json(result.to_json())
+            raise typer.Exit(1 if result.failed() else 0)
+        from rich.console import Console
+
+        from ffdebug.report.weights_text import print_weights_numerics, print_weights_schema
+
+        console = Console()
+        print_weights_schema(diff.schema_result().to_json(), console)
+        result = diff.schema_result() if schema_only else diff.run()
+        print_weights_numerics(result.to_json(), console, show_all=show_all)
+        raise typer.Exit(1 if result.failed() else 0)
+
+    @app.command("load-audit", help=AUDIT_HELP)
+    @handles_errors
+    def load_audit_command(
+        entry: str = typer.Argument(..., help="module:function returning the loaded model."),
+        checkpoint: str = typer.Argument(..., help="The checkpoint it should have loaded."),
+        strip_prefix: list[str] = names["strip_prefix"],
+        add_prefix: str = names["add_prefix"],
+        maps: list[str] = names["maps"],
+        alias_file: str = names["alias_file"],
+        skip: list[str] = typer.Option(
+            None, "--skip", help="Glob of tensor names to leave out (repeatable)."
+        ),
+        fail_on: str = typer.Option("diverge", "--fail-on", help=FAIL_ON_HELP),
+        json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    ) -> None:
+        from ffdebug.weights.audit import load_audit
+
+        result = load_audit(
+            entry,
+            checkpoint,
+            strip_prefix=tuple(strip_prefix or ()),
+            add_prefix=add_prefix,
+            maps=tuple(maps or ()),
+            alias_file=alias_file,
+            skip=tuple(skip or ()),
+            fail_on=check_fail_on(fail_on),
+        )
+        if json_out:
+            emit_json(result.to_json())
+        else:
+            from ffdebug.report.weights_text import print_load_audit
+
+            print_load_audit(result.to_json())
+        raise typer.Exit(1 if result.failed() else 0)

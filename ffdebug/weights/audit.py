@@ -1,0 +1,183 @@
+"""`load_audit(model, checkpoint)`: which checkpoint tensors a model really loaded.
+
+The "weights silently never loaded" failure: a non-strict load (or `ignore_mismatched_sizes`)
+skips what does not fit and the model runs on its random initialisation. The audit compares the
+model's state dict (as loaded) with the checkpoint and reports:
+- `never_loaded`: checkpoint tensors with no model counterpart;
+- `not_covered`: model parameters / buffers the checkpoint does not hold (left at their
+  initialisation; tied parameters whose partner is covered are listed under `tied` instead);
+- `shape_mismatch`: both hold the name with different shapes (what a non-strict load skipped),
+  with the module and its class;
+- `value_mismatch`: tensors whose loaded values differ from the checkpoint (findings and
+  severities as in weights-diff; dtype casts and rounding are not mismatches).
+Checkpoint names are mapped into model names with the weights-diff options (`strip_prefix`,
+`add_prefix`, `maps`, `alias_file`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ffdebug.compare.severity import at_least, worst
+from ffdebug.errors import FFDebugError
+from ffdebug.weights.diff import WeightsDiff
+from ffdebug.weights.schema import apply_hint
+
+LOADED_FINDINGS = ("equal", "dtype_only", "rounding")
+
+
+@dataclass
+class LoadAuditResult:
+    """Truthy when everything in the checkpoint was loaded and nothing was left uncovered."""
+
+    never_loaded: list[dict]
+    not_covered: list[dict]
+    shape_mismatch: list[dict]
+    value_mismatch: list[dict]
+    tied: list[dict]
+    renames: list[dict]
+    loaded: int
+    model: str = ""
+    checkpoint: str = ""
+    fail_on: str = "diverge"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        return worst(*(v["severity"] for v in self.value_mismatch)) if self.value_mismatch else "ok"
+
+    def failed(self) -> bool:
+        return bool(
+            self.never_loaded
+            or self.not_covered
+            or self.shape_mismatch
+            or any(at_least(v["severity"], self.fail_on) for v in self.value_mismatch)
+        )
+
+    def __bool__(self) -> bool:
+        return not self.failed()
+
+    def to_json(self) -> dict:
+        return {
+            "verdict": self.verdict,
+            "passed": not self.failed(),
+            "never_loaded": self.never_loaded,
+            "not_covered": self.not_covered,
+            "shape_mismatch": self.shape_mismatch,
+            "value_mismatch": self.value_mismatch,
+            "tied": self.tied,
+            "renames": self.renames,
+            "apply": apply_hint(self.renames) if self.renames else None,
+            "loaded": self.loaded,
+            "model": self.model,
+            "checkpoint": self.checkpoint,
+            "fail_on": self.fail_on,
+            "notes": self.notes,
+        }
+
+
+def _module_info(model, name: str) -> dict:
+    path = name.rsplit(".", 1)[0] if "." in name else ""
+    try:
+        mod = model.get_submodule(path) if path else model
+        cls = type(mod).__name__
+    except AttributeError:
+        cls = None
+    return {"module": path, "module_class": cls}
+
+
+def _resolve_model(model, checkpoint):
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        return model, f"<{type(model).__name__}>"
+    if isinstance(model, str):
+        from ffdebug.weights.sources import call_entry, is_entry_spec
+
+        if not is_entry_spec(model):
+            raise FFDebugError(
+                f"{model!r}: not a Python entry; pass module:function (or path/to/file.py:function) "
+                "returning the loaded model"
+            )
+        args = (os.fspath(checkpoint),) if isinstance(checkpoint, (str, os.PathLike)) else ()
+        obj = call_entry(model, *args)
+        if not isinstance(obj, torch.nn.Module):
+            raise FFDebugError(f"{model}: returned {type(obj).__name__}; return the loaded nn.Module")
+        return obj, model
+    raise FFDebugError(
+        f"load_audit: model must be an nn.Module or a module:function entry, not {type(model).__name__}"
+    )
+
+
+def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
+    """Audit what `model` (an nn.Module, or an entry `module:function` called with the checkpoint
+    path and returning the loaded model) took from `checkpoint` (any weights-diff input).
+
+    Options: strip_prefix, add_prefix, maps, alias_file, skip, dequant, thresholds, fail_on.
+    """
+    module, label = _resolve_model(model, checkpoint)
+    fail_on = opts.get("fail_on", "diverge")
+    diff = WeightsDiff(module, checkpoint, **opts)
+
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    # Tied parameters: several names, one storage.
+    by_storage: dict[int, list[str]] = {}
+    for name, p in params.items():
+        by_storage.setdefault(p.data_ptr(), []).append(name)
+
+    covered = set(diff.common)
+    not_covered, tied = [], []
+    for name in diff.only_ref:
+        src = diff.ref[name].source_name
+        tensor = params.get(src, buffers.get(src))
+        partners = [n for n in by_storage.get(tensor.data_ptr(), []) if n != src] if src in params else []
+        partner = next((n for n in partners if diff.ref_name(n) in covered), None)
+        if partner is not None:
+            tied.append({"name": name, "tied_to": diff.ref_name(partner)})
+            continue
+        not_covered.append(
+            {
+                "name": name,
+                "shape": list(diff.ref[name].shape),
+                "dtype": diff.ref[name].dtype,
+                "kind": "parameter" if src in params else "buffer",
+                **_module_info(module, src),
+            }
+        )
+    never_loaded = [
+        {
+            "name": diff.tgt[n].source_name,
+            "mapped": n,
+            "shape": list(diff.tgt[n].shape),
+            "dtype": diff.tgt[n].dtype,
+        }
+        for n in diff.only_target
+    ]
+    shape_mismatch = [
+        {
+            "name": s["name"],
+            "shape_model": s["shape_ref"],
+            "shape_checkpoint": s["shape_target"],
+            **_module_info(module, diff.ref[s["name"]].source_name),
+        }
+        for s in diff.shape_mismatch
+    ]
+    result = diff.run()
+    value_mismatch = [t for t in result.tensors if t["finding"] not in LOADED_FINDINGS]
+    for v in value_mismatch:
+        v.update(_module_info(module, diff.ref[v["name"]].source_name))
+    return LoadAuditResult(
+        never_loaded=never_loaded,
+        not_covered=not_covered,
+        shape_mismatch=shape_mismatch,
+        value_mismatch=value_mismatch,
+        tied=tied,
+        renames=diff.renames,
+        loaded=sum(1 for t in result.tensors if t["finding"] in LOADED_FINDINGS),
+        model=label,
+        checkpoint=diff.tgt_src.path,
+        fail_on=fail_on,
+        notes=diff.notes,
+    )

@@ -1,0 +1,152 @@
+"""Name mapping: rewrite target tensor names into reference names before pairing.
+
+Applied in this order to every target name: `--strip-prefix P` (each, when the name starts with
+it), `--add-prefix P`, then every `--map OLD=NEW` and alias-file rule in order (`re.sub`, so OLD
+is a regular expression). `{L}` (or `{N}`) in OLD stands for a layer number and is reused in NEW:
+`transformer.h.{L}.=model.layers.{L}.`.
+
+Alias files: one `OLD=NEW` rule a line (`#` comments), or a JSON / YAML mapping (optionally under
+an `aliases:` key) of OLD to NEW.
+
+`--fuse FUSED=PART+PART[+…][@DIM]` pairs a fused tensor on one side with its parts on the other
+(`qkv_proj=q_proj+k_proj+v_proj`): the fused tensor is split (or the parts concatenated) along
+DIM (default 0) by the shapes found on the other side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from ffdebug.errors import FFDebugError
+
+_PLACEHOLDER = re.compile(r"\{(L|N)\}")
+
+
+@dataclass(frozen=True)
+class MapRule:
+    pattern: re.Pattern
+    repl: str
+    spec: str
+
+    def apply(self, name: str) -> str:
+        return self.pattern.sub(self.repl, name)
+
+
+def parse_map(spec: str, where: str = "--map") -> MapRule:
+    if "=" not in spec:
+        raise FFDebugError(
+            f"{where} {spec!r} is invalid: use OLD=NEW, e.g. '^transformer\\.h\\.=model.layers.'"
+        )
+    old, new = spec.split("=", 1)
+    if not old:
+        raise FFDebugError(f"{where} {spec!r}: OLD is empty; use OLD=NEW")
+    seen: set[str] = set()
+
+    def group(m: re.Match) -> str:
+        name = m.group(1)
+        if name in seen:
+            return f"(?P={name})"
+        seen.add(name)
+        return f"(?P<{name}>\\d+)"
+
+    old_re = _PLACEHOLDER.sub(group, old)
+    new_repl = _PLACEHOLDER.sub(lambda m: f"\\g<{m.group(1)}>", new)
+    try:
+        pattern = re.compile(old_re)
+        pattern.sub(new_repl, "")  # validates group references in NEW
+    except (re.error, IndexError) as err:
+        raise FFDebugError(f"{where} {spec!r}: invalid regular expression ({err})") from None
+    return MapRule(pattern, new_repl, spec)
+
+
+def read_alias_file(path: str) -> list[MapRule]:
+    if not os.path.isfile(path):
+        raise FFDebugError(f"--alias-file {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    where = f"{path}"
+    if path.endswith((".json", ".yaml", ".yml")):
+        try:
+            if path.endswith(".json"):
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as err:
+            raise FFDebugError(f"{path}: unreadable alias file ({str(err).splitlines()[0][:120]})") from None
+        if isinstance(data, dict) and isinstance(data.get("aliases"), dict):
+            data = data["aliases"]
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise FFDebugError(f"{path}: expected a mapping OLD: NEW (optionally under 'aliases:')")
+        return [parse_map(f"{k}={v}", where) for k, v in data.items()]
+    rules = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        rules.append(parse_map(line, f"{where}:{lineno}"))
+    return rules
+
+
+@dataclass(frozen=True)
+class NameMap:
+    strip_prefix: tuple[str, ...] = ()
+    add_prefix: str | None = None
+    rules: tuple[MapRule, ...] = ()
+
+    @property
+    def identity(self) -> bool:
+        return not (self.strip_prefix or self.add_prefix or self.rules)
+
+    def apply(self, name: str) -> str:
+        for p in self.strip_prefix:
+            if p and name.startswith(p):
+                name = name[len(p) :]
+        if self.add_prefix:
+            name = self.add_prefix + name
+        for rule in self.rules:
+            name = rule.apply(name)
+        return name
+
+
+def build_name_map(
+    strip_prefix=(), add_prefix: str | None = None, maps=(), alias_file: str | None = None
+) -> NameMap:
+    if isinstance(strip_prefix, str):
+        strip_prefix = (strip_prefix,)
+    if isinstance(maps, str):
+        maps = (maps,)
+    rules = [parse_map(m) for m in maps or ()]
+    if alias_file:
+        rules.extend(read_alias_file(alias_file))
+    return NameMap(tuple(strip_prefix or ()), add_prefix or None, tuple(rules))
+
+
+@dataclass(frozen=True)
+class FuseRule:
+    fused: str  # one name component, e.g. "qkv_proj"
+    parts: tuple[str, ...]  # e.g. ("q_proj", "k_proj", "v_proj")
+    dim: int = 0
+    spec: str = ""
+
+    def part_names(self, fused_name: str) -> list[str] | None:
+        """`a.qkv_proj.weight` → [`a.q_proj.weight`, …]; None when the component is absent."""
+        comps = fused_name.split(".")
+        if self.fused not in comps:
+            return None
+        i = comps.index(self.fused)
+        return [".".join(comps[:i] + [p] + comps[i + 1 :]) for p in self.parts]
+
+
+def parse_fuse(spec: str) -> FuseRule:
+    m = re.fullmatch(r"\s*([\w-]+)\s*=\s*([\w-]+(?:\s*\+\s*[\w-]+)+)\s*(?:@\s*(-?\d+))?\s*", spec)
+    if not m:
+        raise FFDebugError(
+            f"--fuse {spec!r} is invalid: use FUSED=PART+PART[@DIM], e.g. 'qkv_proj=q_proj+k_proj+v_proj'"
+        )
+    parts = tuple(p.strip() for p in m.group(2).split("+"))
+    return FuseRule(m.group(1), parts, int(m.group(3) or 0), spec)

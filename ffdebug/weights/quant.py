@@ -1,0 +1,145 @@
+"""fp8 dequantisation: `w = fp8.to(float32) * scale`, scale per tensor, per channel or per block.
+
+Scale conventions found in checkpoints (all multiply when dequantising):
+- `X.weight_scale_inv` (DeepSeek-V3 style, one fp32 scale per 128×128 block);
+- `X.weight_scale` (compressed-tensors / vLLM: a scalar, or one per output channel);
+- e8m0 scales (MX formats): a `float8_e8m0fnu` or `uint8` tensor of biased exponents, scale =
+  2^(x − 127) (x = 255 is NaN).
+
+Block sizes are inferred per dim as ceil(size / scale_size), so padded last blocks work.
+`quantize_fp8` is the inverse (used to build fixtures and benchmarks).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ffdebug.errors import FFDebugError
+
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+E8M0_DTYPES = ("float8_e8m0fnu", "uint8")
+
+# Explicit mantissa bits: one ulp relative to the value is at most 2^-bits.
+MANTISSA_BITS = {
+    "float64": 52,
+    "float32": 23,
+    "float16": 10,
+    "bfloat16": 7,
+    "float8_e4m3fn": 3,
+    "float8_e4m3fnuz": 3,
+    "float8_e5m2": 2,
+    "float8_e5m2fnuz": 2,
+}
+
+
+def is_fp8(dtype: str) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def ulp(dtype: str) -> float | None:
+    """Relative size of one ulp of a float dtype (None for integer / bool dtypes)."""
+    bits = MANTISSA_BITS.get(dtype)
+    return None if bits is None else 2.0**-bits
+
+
+def scale_candidates(name: str) -> list[str]:
+    """Names under which the scale of the fp8 tensor `name` may be stored, most likely first."""
+    out = [name + "_scale_inv", name + "_scale", name + ".scale_inv", name + ".scale"]
+    if "." in name:
+        stem = name.rsplit(".", 1)[0]
+        out += [stem + ".scale_inv", stem + ".scale", stem + ".weight_scale_inv", stem + ".weight_scale"]
+    return list(dict.fromkeys(out))
+
+
+def e8m0_to_float(exponents):
+    """Biased e8m0 exponents (uint8 or float8_e8m0fnu) to float32 2^(x − 127); 255 is NaN."""
+    import torch
+
+    x = exponents.view(torch.uint8) if exponents.dtype != torch.uint8 else exponents
+    out = torch.exp2(x.to(torch.float32) - 127.0)
+    return out.masked_fill(x == 255, float("nan"))
+
+
+def scale_to_float(scale):
+    import torch
+
+    if str(scale.dtype).replace("torch.", "") in E8M0_DTYPES:
+        return e8m0_to_float(scale)
+    return scale.to(torch.float32)
+
+
+def expand_scale(scale, shape: tuple[int, ...], name: str = "tensor"):
+    """Broadcast a float32 scale over `shape`: scalar, per leading channel, or per block."""
+    shape = tuple(shape)
+    if scale.numel() == 1:
+        return scale.reshape(())
+    s = scale
+    if s.dim() == 1 and len(shape) >= 1 and len(shape) != 1:
+        if s.shape[0] == shape[0]:
+            return s.reshape((shape[0],) + (1,) * (len(shape) - 1))
+        raise FFDebugError(
+            f"{name}: cannot apply a scale of shape {list(scale.shape)} to a tensor of shape {list(shape)}"
+        )
+    if s.dim() != len(shape):
+        raise FFDebugError(
+            f"{name}: scale has {s.dim()} dims but the tensor has {len(shape)} ({list(scale.shape)} vs "
+            f"{list(shape)}); pass --dequant none to compare the raw fp8 values"
+        )
+    for d, (n, k) in enumerate(zip(shape, s.shape)):
+        if k == n or k == 1:
+            continue
+        block = math.ceil(n / k)
+        if math.ceil(n / block) != k:
+            raise FFDebugError(
+                f"{name}: scale shape {list(scale.shape)} does not tile tensor shape {list(shape)} along dim {d}"
+            )
+        s = s.repeat_interleave(block, dim=d).narrow(d, 0, n)
+    return s
+
+
+def dequantize(weight, scale, name: str = "tensor"):
+    """fp8 `weight` (any float8 dtype) times its scale, as float32."""
+    import torch
+
+    w = weight.to(torch.float32)
+    if scale is None:
+        return w
+    return w * expand_scale(scale_to_float(scale), tuple(weight.shape), name)
+
+
+def quantize_fp8(weight, dtype: str = "float8_e4m3fn", block: tuple[int, ...] | None = None, e8m0=False):
+    """Quantise to fp8 with a per-tensor (block None) or per-block absmax scale.
+
+    Returns (fp8 tensor, scale): the scale is float32, or float8_e8m0fnu powers of two when
+    `e8m0` (rounded up so no value overflows). `dequantize(q, scale)` approximates `weight`.
+    """
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    fmax = torch.finfo(tdtype).max
+    w = weight.to(torch.float32)
+    if block is None:
+        amax = w.abs().max().reshape(1)
+        grid = (1,)
+    else:
+        if len(block) != w.dim():
+            raise ValueError(f"block {block} needs one size per dim of {list(w.shape)}")
+        grid = tuple(math.ceil(n / b) for n, b in zip(w.shape, block))
+        amax = torch.zeros(grid)
+        padded = torch.zeros(tuple(g * b for g, b in zip(grid, block)))
+        padded[tuple(slice(0, n) for n in w.shape)] = w.abs()
+        view_shape = []
+        for g, b in zip(grid, block):
+            view_shape += [g, b]
+        amax = padded.reshape(view_shape).amax(dim=tuple(range(1, 2 * w.dim(), 2)))
+    scale = (amax / fmax).clamp_min(torch.finfo(torch.float32).tiny)
+    if e8m0:
+        exp = torch.ceil(torch.log2(scale)).clamp(-127, 127)
+        stored = (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+        scale_f = e8m0_to_float(stored)
+    else:
+        stored = scale_f = scale.reshape(grid) if block is not None else scale.reshape(())
+    q = (w / expand_scale(scale_f.reshape(grid) if block is not None else scale_f, tuple(w.shape))).clamp(
+        -fmax, fmax
+    )
+    return q.to(tdtype), (stored.reshape(grid) if block is not None else stored.reshape(()))
