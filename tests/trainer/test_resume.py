@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from framework_utils import REPO, load, metrics
+from safetensors.torch import load_file
 
 RESUME_CASES = {
     "grpo": (
