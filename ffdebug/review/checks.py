@@ -533,22 +533,6 @@ def check_public_typed(src: SourceFile, config: ReviewConfig) -> Iterator[Findin
             )
 
 
-@check(
-    "public-api-docstring",
-    "public classes, functions and methods have a docstring",
-    "The docstring states the contract (shapes, units, what is cached, who owns what) that the code "
-    "alone does not; reviewers check the change against it.",
-)
-def check_public_docstring(src: SourceFile, config: ReviewConfig) -> Iterator[Finding]:
-    """Public module-level classes / functions and public methods without a docstring."""
-    for node, cls in _public_api(src):
-        if _skip_api(src, node) or ast.get_docstring(node) is not None:
-            continue
-        kind = "class" if isinstance(node, ast.ClassDef) else "function"
-        what = f"{cls.name}.{node.name}()" if cls else node.name + ("" if kind == "class" else "()")
-        yield _at("public-api-docstring", src, node, f"public {kind} {what} has no docstring")
-
-
 # ---------------------------------------------------------------------------------------------
 # trainer-registered, trainer-contract-match (project scope)
 
@@ -628,7 +612,7 @@ def _describe(value: tuple | str | None) -> str:
     return str(value)
 
 
-class _TrainerModel:
+class _ClassIndex:
     """Every class of the scanned files' packages, with registrations, contracts and bases."""
 
     def __init__(self, project: Project) -> None:
@@ -683,6 +667,48 @@ class _TrainerModel:
         }
 
 
+def _documented_in_base(
+    index: _ClassIndex, cls: ast.ClassDef, method: str, seen: frozenset = frozenset()
+) -> bool:
+    """True when a base class known to the scan defines `method` with a docstring (it is inherited)."""
+    for base in cls.bases:
+        name = last_name(base) or ""
+        parent = index.info(name)
+        if parent is None or name in seen:
+            continue
+        for stmt in parent.node.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == method:
+                if ast.get_docstring(stmt) is not None:
+                    return True
+        if _documented_in_base(index, parent.node, method, seen | {name}):
+            return True
+    return False
+
+
+@check(
+    "public-api-docstring",
+    "public classes, functions and methods have a docstring",
+    "The docstring states the contract (shapes, units, what is cached, who owns what) that the code "
+    "alone does not; reviewers check the change against it. A method overriding a documented method "
+    "of a base class in the same package inherits that docstring.",
+    scope="project",
+)
+def check_public_docstring(project: Project) -> Iterator[Finding]:
+    """Public module-level classes / functions and public methods without a docstring (own or inherited)."""
+    index = None
+    for src in project.files:
+        for node, cls in _public_api(src):
+            if _skip_api(src, node) or ast.get_docstring(node) is not None:
+                continue
+            if cls is not None:
+                index = index or _ClassIndex(project)
+                if _documented_in_base(index, cls, node.name):
+                    continue
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            what = f"{cls.name}.{node.name}()" if cls else node.name + ("" if kind == "class" else "()")
+            yield _at("public-api-docstring", src, node, f"public {kind} {what} has no docstring")
+
+
 @check(
     "trainer-registered",
     "every concrete trainer is registered, with TrainingArguments under the same name",
@@ -692,7 +718,7 @@ class _TrainerModel:
 )
 def check_trainer_registered(project: Project) -> Iterator[Finding]:
     """A concrete BaseTrainer subclass without @register_trainer, or a name registered on one side only."""
-    model = _TrainerModel(project)
+    model = _ClassIndex(project)
     trainers, arguments = model.registered("trainer"), model.registered("arguments")
     for infos in model.classes.values():
         for info in infos:
@@ -733,7 +759,7 @@ def check_trainer_registered(project: Project) -> Iterator[Finding]:
 )
 def check_trainer_contract(project: Project) -> Iterator[Finding]:
     """Registered trainer / arguments pairs whose execution_contract values differ or are missing."""
-    model = _TrainerModel(project)
+    model = _ClassIndex(project)
     arguments = model.registered("arguments")
     for name, trainer in model.registered("trainer").items():
         args = arguments.get(name)
@@ -741,7 +767,7 @@ def check_trainer_contract(project: Project) -> Iterator[Finding]:
             continue  # trainer-registered reports it
         t_value, t_owner = model.contract(trainer)
         a_value, a_owner = model.contract(args)
-        for value, owner, info in ((t_value, t_owner, trainer), (a_value, a_owner, args)):
+        for value, info in ((t_value, trainer), (a_value, args)):
             if value is None and project.scanned(info.src):
                 yield _at(
                     "trainer-contract-match",
@@ -751,7 +777,7 @@ def check_trainer_contract(project: Project) -> Iterator[Finding]:
                 )
         if t_value is None or a_value is None or t_value == a_value:
             continue
-        for owner, info in ((a_owner, args), (t_owner, trainer)):
+        for owner in (a_owner, t_owner):
             if project.scanned(owner.src):
                 yield _at(
                     "trainer-contract-match",

@@ -177,7 +177,7 @@ def _str(data: dict, key: str, where: str, required: bool = True) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise PlaybookError(f"{where}: '{key}' must be a non-empty string, got {value!r}")
-    return " ".join(value.split()) if key not in ("command",) else value.strip()
+    return " ".join(value.split())
 
 
 def _str_list(data: dict, key: str, where: str) -> tuple[str, ...]:
