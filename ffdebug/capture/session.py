@@ -154,7 +154,8 @@ class Session:
             return False
         if layer is not None and not self.config.layers.contains(layer, self.num_layers):
             return False
-        return self.config.keep_stage(key)
+        # input ids are always kept (tiny, and the compare gate needs them)
+        return key == "embed.input_ids" or self.config.keep_stage(key)
 
     def capture(self, key: str, tensor, **meta) -> None:
         """Clone-on-capture: the dump must not see later in-place ops."""
