@@ -5,17 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from ffdebug.cli import (
-    bisect_cmd,
-    compare_cmd,
-    demo_cmd,
-    inspect_cmd,
-    invariance_cmd,
-    playbook_cmd,
-    review_cmd,
-    trace_cmd,
-    weights_diff_cmd,
-)
+from ffdebug.cli import bisect_cmd, compare_cmd, demo_cmd, inspect_cmd, invariance_cmd
 
 app = typer.Typer(
     name="ffdebug",
@@ -31,17 +21,7 @@ app = typer.Typer(
 )
 
 # One line per command module; each registers its command(s) on `app`.
-for _module in (
-    compare_cmd,
-    inspect_cmd,
-    demo_cmd,
-    weights_diff_cmd,
-    bisect_cmd,
-    invariance_cmd,
-    playbook_cmd,
-    review_cmd,
-    trace_cmd,
-):
+for _module in (compare_cmd, inspect_cmd, demo_cmd, bisect_cmd, invariance_cmd):
     _module.register(app)
 
 

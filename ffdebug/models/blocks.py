@@ -120,15 +120,43 @@ def declared_class(spec: list[tuple[str, int, int | None]], layer: int) -> str |
 
 
 def config_layer_classes(config, num_layers: int) -> list[str] | None:
-    """Layer classes the HF config declares, or None when it declares none."""
+    """Layer classes the HF config declares, or None when it declares none.
+
+    Attention kind from `layer_types` (sliding / full / linear attention), `layers_block_type`
+    (Jamba, Zamba: mamba / attention), `attn_layer_indices` (Bamba-style hybrid lists: the listed
+    layers are attention, the rest mamba) or `attn_type_list` (MiniMax: 0 linear, 1 full); MLP kind
+    from `first_k_dense_replace`, `mlp_only_layers`, `decoder_sparse_step` (dense / moe). When both
+    kinds vary across layers the label joins them: `full_attention+moe`.
+    """
     if config is None:
         return None
     get = (lambda k: config.get(k)) if isinstance(config, dict) else (lambda k: getattr(config, k, None))
-    types = get("layer_types")
-    if isinstance(types, (list, tuple)) and len(types) == num_layers:
-        return [str(t) for t in types]
+    attn = _attention_kinds(get, num_layers)
+    mlp = _mlp_kinds(get, num_layers)
+    if attn and mlp and len(set(attn)) > 1 and len(set(mlp)) > 1:
+        return [f"{a}+{m}" for a, m in zip(attn, mlp)]
+    if attn and len(set(attn)) > 1:
+        return attn
+    return mlp or attn
+
+
+def _attention_kinds(get, num_layers: int) -> list[str] | None:
+    for name in ("layer_types", "layers_block_type"):
+        types = get(name)
+        if isinstance(types, (list, tuple)) and len(types) == num_layers:
+            return [str(t) for t in types]
+    idx = get("attn_layer_indices")
+    if isinstance(idx, (list, tuple)) and idx:
+        return ["attention" if i in idx else "mamba" for i in range(num_layers)]
+    kinds = get("attn_type_list")
+    if isinstance(kinds, (list, tuple)) and len(kinds) == num_layers:
+        return ["full_attention" if int(k) == 1 else "linear_attention" for k in kinds]
+    return None
+
+
+def _mlp_kinds(get, num_layers: int) -> list[str] | None:
     k = get("first_k_dense_replace")
-    if isinstance(k, int) and 0 < k < num_layers:
+    if isinstance(k, int) and not isinstance(k, bool) and 0 < k < num_layers:
         return ["dense" if i < k else "moe" for i in range(num_layers)]
     mlp_only = get("mlp_only_layers")
     step = get("decoder_sparse_step")

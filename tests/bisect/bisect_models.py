@@ -1,7 +1,7 @@
 """Tiny HF models built from configs (no download) and the bugs the bisect tests inject.
 
 Reference and target share weights: both are built from the same seed. The functions without
-arguments double as `--model-ref` / `--model-target` entries (`path/to/models.py:llama_ref`).
+arguments double as `--model-ref` / `--model-target` entries (`tests/bisect/bisect_models.py:llama_ref`).
 """
 
 from __future__ import annotations

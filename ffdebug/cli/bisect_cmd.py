@@ -1,0 +1,104 @@
+"""`ffdebug bisect`: the first layer that introduces error, per layer class, the pattern and the
+sub-stage inside it."""
+
+from __future__ import annotations
+
+import typer
+
+from ffdebug.cli.common import (
+    FAIL_ON_HELP,
+    check_fail_on,
+    emit_json,
+    handles_errors,
+    parse_step_filter,
+    resolve_sides,
+)
+
+HELP = """Localise where a target first parts from its reference: the first layer that introduces
+error (per layer class), the pattern (match, layer_class, jump, drift) and the sub-stage inside that
+layer whose own step loses accuracy. Ends with one sentence naming layer, class, stage and pattern.
+
+[bold]Examples[/bold]
+
+  ffdebug bisect --dir /tmp/dump                       # D/ref vs D/target
+  ffdebug bisect /tmp/dump/ref /tmp/dump/target --html report.html
+  ffdebug bisect --dir D --noise /tmp/noise/ref        # calibrate: the reference run twice
+  ffdebug bisect --dir D --layer-class 'hash:0-2,routed:3-' --json
+  ffdebug bisect --dir D --model-ref my_models:build_ref --model-target my_models:build_engine
+
+Dump sub-stages by naming more classes: FFDEBUG_FWD_DUMP_BLOCK_CLASS=DecoderLayer,TopkRouter,MLP.
+Per-rank target dumps are folded as their manifest says (reduction='partial': summed; shard: concatenated);
+undeclared ones are tested as partial sums and shards. Warm-up calls are set aside.
+
+Exit codes: 0 verdict below --fail-on; 1 at or above it; 2 bad input; 3 input ids differ.
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("bisect", help=HELP)
+    @handles_errors
+    def bisect_command(
+        sides: list[str] = typer.Argument(
+            None, help="'ref-vs-target' (with --dir) or REF_SIDE_DIR TARGET_SIDE_DIR"
+        ),
+        dir: str = typer.Option(None, "--dir", help="Dump directory holding the side folders."),
+        layers: str = typer.Option(None, "--layers", help="Layers to consider: '0,2,5-7,-1'."),
+        stages: list[str] = typer.Option(None, "--stages", help="Glob over stage keys (repeatable)."),
+        step: list[str] = typer.Option(None, "--step", help="Keep records tagged key=value (repeatable)."),
+        rank: int = typer.Option(None, "--rank", help="Use this rank only (no folding of ranks)."),
+        threshold: list[str] = typer.Option(
+            None, "--threshold", help="'GLOB:cos>=X,rel<=Y' ok band per stage."
+        ),
+        noise: str = typer.Option(
+            None, "--noise", help="A noise side: the reference run twice, or in the target's dtype."
+        ),
+        layer_class: str = typer.Option(
+            None, "--layer-class", help="Declare layer classes by hand: 'hash:0-2,routed:3-'."
+        ),
+        model_ref: str = typer.Option(
+            None, "--model-ref", help="module:function returning the reference model (attribution control)."
+        ),
+        model_target: str = typer.Option(
+            None,
+            "--model-target",
+            help="module:function returning the target model: re-run its blocks on the reference's inputs.",
+        ),
+        html: str = typer.Option(None, "--html", help="Write a self-contained HTML report here."),
+        all_stages: bool = typer.Option(
+            False, "--all", help="Show every stage, not only the first bad layer."
+        ),
+        fail_on: str = typer.Option("diverge", "--fail-on", help=FAIL_ON_HELP),
+        json_out: bool = typer.Option(False, "--json", help="Machine-readable output with the stable keys."),
+    ) -> None:
+        from ffdebug.bisect.engine import bisect
+
+        fail = check_fail_on(fail_on)
+        ref, tgt = resolve_sides(sides, dir)
+        result = bisect(
+            ref,
+            tgt,
+            layers=layers,
+            stages=tuple(stages or ()),
+            step=parse_step_filter(step),
+            rank=rank,
+            thresholds=tuple(threshold or ()),
+            noise=noise,
+            fail_on=fail,
+            layer_class=layer_class,
+            model_ref=model_ref,
+            model_target=model_target,
+        )
+        data = result.to_json()
+        if html:
+            from ffdebug.report.html import write_bisect_html
+
+            write_bisect_html(data, html)
+        if json_out:
+            emit_json(data)
+        else:
+            from ffdebug.report.bisect_text import print_bisect
+
+            print_bisect(result, all_stages=all_stages)
+            if html:
+                print(f"HTML report: {html}")
+        raise typer.Exit(1 if result.failed() else 0)
