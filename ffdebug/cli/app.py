@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import typer
 
-from ffdebug.cli import bisect_cmd, compare_cmd, demo_cmd, inspect_cmd, invariance_cmd
+from ffdebug.cli import (
+    bisect_cmd,
+    compare_cmd,
+    demo_cmd,
+    inspect_cmd,
+    invariance_cmd,
+    playbook_cmd,
+    review_cmd,
+    trace_cmd,
+    weights_diff_cmd,
+)
 
 app = typer.Typer(
     name="ffdebug",
@@ -21,7 +31,17 @@ app = typer.Typer(
 )
 
 # One line per command module; each registers its command(s) on `app`.
-for _module in (compare_cmd, inspect_cmd, demo_cmd, bisect_cmd, invariance_cmd):
+for _module in (
+    compare_cmd,
+    inspect_cmd,
+    demo_cmd,
+    weights_diff_cmd,
+    bisect_cmd,
+    invariance_cmd,
+    playbook_cmd,
+    review_cmd,
+    trace_cmd,
+):
     _module.register(app)
 
 
