@@ -273,3 +273,37 @@ def test_cli_list_train_and_diff(tmp_path):
         app, ["train", str(GRPO_CONFIG), "--output-dir", str(tmp_path / "d"), "--set", "train.group_size=1"]
     )
     assert bad.exit_code == 2 and "train.group_size: must be >= 2" in bad.output
+
+
+def test_sigterm_stops_at_a_boundary_and_checkpoints(tmp_path):
+    """SIGTERM during training: the run finishes the current cycle, writes a final checkpoint, exits 0."""
+    import time
+
+    from reference_trainer.checkpoint import list_checkpoints, read_trainer_state
+
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFDEBUG_")}
+    args = [
+        "-m",
+        "reference_trainer",
+        "train",
+        str(GRPO_CONFIG),
+        "--output-dir",
+        str(run),
+        "--max-steps",
+        "1000",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 60
+    while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()):
+        assert time.monotonic() < deadline and process.poll() is None, "training did not start"
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err.decode()
+    assert f"stopped (signal {int(signal.SIGTERM)})" in err.decode()
+    last = list_checkpoints(run)[-1]
+    steps = [r["optimizer_step"] for r in metrics(run)]
+    assert read_trainer_state(last)["optimizer_step"] == steps[-1] < 1000
