@@ -41,8 +41,14 @@ def register(app: typer.Typer) -> None:
         console.print("dumping ref and target (one process each, FFDEBUG_FWD_DUMP_* env vars) …")
         result, directory = run_demo(dir)
         ok = located_expected(result)
+        from ffdebug.bisect.engine import bisect
+
+        b = bisect(result.ref_path, result.target_path).to_json()
+        keys = ("verdict", "first_divergence", "pattern", "per_class", "sub_stage", "conclusion")
+        summary = {k: b[k] for k in keys}
         if json_out:
-            emit_json(dict(result.to_json(), demo={"dir": directory, "expected": EXPECTED, "located": ok}))
+            demo = {"dir": directory, "expected": EXPECTED, "located": ok}
+            emit_json(dict(result.to_json(), demo=demo, bisect=summary))
         else:
             from ffdebug.report.text import print_compare
 
@@ -55,7 +61,10 @@ def register(app: typer.Typer) -> None:
                 f"{'located' if ok else 'NOT located'} in {time.perf_counter() - start:.1f} s.",
                 highlight=False,
             )
+            console.print(f"\nBisect: {summary['conclusion']}", highlight=False, markup=False)
             console.print(
-                f"Re-run the comparison: ffdebug compare ref-vs-target --dir {directory}", highlight=False
+                f"Re-run the comparison: ffdebug compare ref-vs-target --dir {directory}; the bisect: "
+                f"ffdebug bisect --dir {directory} --html report.html",
+                highlight=False,
             )
         raise typer.Exit(0 if ok else 1)
