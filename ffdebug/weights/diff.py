@@ -239,16 +239,25 @@ def compare_pair(
         if not has_fp8:
             sev = "ok"
     if finding == "mismatch" and m.cos is not None:
-        if m.cos <= -0.9999:
+        # Least-squares factor t ≈ c·r; with fp8 on one side "≈" means within its rounding.
+        c = m.cos * m.norm_ratio if m.norm_ratio else 0.0
+        if m.cos <= -0.9999 or (eps is not None and m.cos < -0.99 and _within_rounding(-ref, tgt, eps)):
             finding = "sign_flip"
         elif ref.dim() == 2 and ref.shape[0] == ref.shape[1] and ref.shape[0] > 1:
             mt = compare_tensors(ref, tgt.t())
             if classify(mt.cos, mt.rel) == "ok":
                 finding = "transposed"
                 entry["after_transpose"] = {"cos": mt.cos, "rel": mt.rel, "max_abs": mt.max_abs}
-        if finding == "mismatch" and m.cos >= 0.9999 and m.norm_ratio and abs(m.norm_ratio - 1) > 1e-3:
+        if (
+            finding == "mismatch"
+            and c > 0
+            and abs(c - 1) > 1e-3
+            and (
+                m.cos >= 0.9999 or (eps is not None and m.cos > 0.99 and _within_rounding(ref * c, tgt, eps))
+            )
+        ):
             finding = "scaled"
-            entry["scale_factor"] = m.norm_ratio
+            entry["scale_factor"] = c
     entry["finding"] = finding
     entry["severity"] = sev
     return entry
@@ -564,16 +573,14 @@ class WeightsDiff:
             rt = self.load(r, "ref")
             tt = self.load(t, "target")
             transformed = any(tr.matches(name) for tr in self.transforms)
-            entry = compare_pair(
-                name, rt, tt, r.dtype, t.dtype, self.thresholds, dequantized=name in deq or transformed
-            )
+            entry = compare_pair(name, rt, tt, r.dtype, t.dtype, self.thresholds, dequantized=name in deq)
             del rt, tt
             for side, lg in (("ref", r), ("target", t)):
                 if lg.replica_mismatch:
                     replica.append({"name": name, "side": side, "ranks": list(lg.replica_mismatch)})
             if entry is None:
                 continue
-            if entry["byte_equal"] is False and transformed and entry["finding"] != "mismatch":
+            if transformed:
                 entry["transformed"] = True
             if r.layer is not None:
                 entry["layer"] = r.layer

@@ -6,7 +6,8 @@ Scale conventions found in checkpoints (all multiply when dequantising):
 - e8m0 scales (MX formats): a `float8_e8m0fnu` or `uint8` tensor of biased exponents, scale =
   2^(x − 127) (x = 255 is NaN).
 
-Block sizes are inferred per dim as ceil(size / scale_size), so padded last blocks work.
+Block sizes are inferred per dim (`block_size`: a power of two when one fits), so padded last
+blocks work.
 `quantize_fp8` is the inverse (used to build fixtures and benchmarks).
 """
 
@@ -68,6 +69,19 @@ def scale_to_float(scale):
     return scale.to(torch.float32)
 
 
+def block_size(n: int, k: int) -> int | None:
+    """Block size b with ceil(n / b) == k; a power of two when one fits (the last block may be
+    padded: 24 columns in 2 blocks are blocks of 16, not 12), else ceil(n / k)."""
+    if k <= 0 or k > n:
+        return None
+    lo = math.ceil(n / k)
+    hi = (n - 1) // (k - 1) if k > 1 else n
+    if hi < lo:
+        return None
+    p = 1 << (hi.bit_length() - 1)
+    return p if p >= lo else lo
+
+
 def expand_scale(scale, shape: tuple[int, ...], name: str = "tensor"):
     """Broadcast a float32 scale over `shape`: scalar, per leading channel, or per block."""
     shape = tuple(shape)
@@ -88,8 +102,8 @@ def expand_scale(scale, shape: tuple[int, ...], name: str = "tensor"):
     for d, (n, k) in enumerate(zip(shape, s.shape)):
         if k == n or k == 1:
             continue
-        block = math.ceil(n / k)
-        if math.ceil(n / block) != k:
+        block = block_size(n, k)
+        if block is None:
             raise FFDebugError(
                 f"{name}: scale shape {list(scale.shape)} does not tile tensor shape {list(shape)} along dim {d}"
             )

@@ -351,8 +351,11 @@ def _rank_number(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _single_folder(path: str, rank: int = 0) -> tuple[list[Entry], str] | None:
-    """Entries of a model / component folder, or None when it holds no known weight file."""
+def _single_folder(path: str, rank: int = 0, generic: bool = True) -> tuple[list[Entry], str] | None:
+    """Entries of a model / component folder, or None when it holds no known weight file.
+
+    `generic` also accepts any `*.safetensors` files (all of them) or a single `.pt`/`.bin`.
+    """
     for name in _SAFETENSORS_INDEXES:
         p = os.path.join(path, name)
         if os.path.exists(p):
@@ -369,6 +372,8 @@ def _single_folder(path: str, rank: int = 0) -> tuple[list[Entry], str] | None:
         p = os.path.join(path, name)
         if os.path.exists(p):
             return _pt_entries(p, rank), _folder_kind(path, p)
+    if not generic:
+        return None
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
         entries = []
@@ -446,12 +451,15 @@ def _open_dir(path: str) -> WeightSource:
             f"{path}: is a diffusers pipeline (model_index.json); pass one component folder, e.g. "
             f"{example} (components with weights: {', '.join(comps) or 'none'})"
         )
-    got = _single_folder(path)
+    got = _single_folder(path, generic=False)
     if got is not None:
         return WeightSource(path, got[1], got[0])
     ranked = _per_rank(path)
     if ranked is not None:
         return WeightSource(path, "per-rank", ranked[0], ranked[1])
+    got = _single_folder(path)
+    if got is not None:
+        return WeightSource(path, got[1], got[0])
     raise FFDebugError(
         f"{path}: no weights found; expected model.safetensors[.index.json], "
         "diffusion_pytorch_model.safetensors, pytorch_model.bin, *.safetensors, or a weight dump store"

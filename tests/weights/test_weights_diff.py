@@ -1,0 +1,298 @@
+"""weights-diff: every input kind, schema + rename suggestions, per-tensor findings (issue 3)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from weights_utils import run_cli, run_json
+
+import ffdebug
+from ffdebug.weights.diff import STABLE_KEYS
+
+TENSOR_KEYS = {
+    "name",
+    "severity",
+    "finding",
+    "byte_equal",
+    "cos",
+    "rel",
+    "max_abs",
+    "shape_ref",
+    "shape_target",
+    "dtype_ref",
+    "dtype_target",
+}
+
+
+# --- must show: save_pretrained vs itself reloaded ---------------------------------------------
+
+
+def test_hf_saved_vs_reloaded_matches(hf_dir, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM.from_pretrained(hf_dir).save_pretrained(tmp_path / "reloaded")
+    result = ffdebug.weights_diff(hf_dir, tmp_path / "reloaded")
+    assert result, result.to_json()
+    assert result.verdict == "ok"
+    assert all(t["finding"] == "equal" and t["byte_equal"] for t in result.tensors)
+    assert len(result.tensors) == result.ref["tensors"] > 10
+
+    code, out = run_json("weights-diff", hf_dir, tmp_path / "reloaded")
+    assert code == 0 and out["verdict"] == "ok" and out["passed"]
+    assert set(STABLE_KEYS) <= set(out)
+    assert set(out["tensors"][0]) >= TENSOR_KEYS
+
+
+def test_text_output_schema_first_then_conclusion(hf_dir, tmp_path):
+    r = run_cli("weights-diff", hf_dir, hf_dir / "model.safetensors")
+    assert r.exit_code == 0, r.stdout
+    assert r.stdout.lstrip().startswith("Schema")
+    assert r.stdout.strip().endswith("PASSED")
+
+
+# --- must show: model. prefix stripped --------------------------------------------------------
+
+
+def test_stripped_prefix_suggests_mapping_and_rerun_matches(hf_dir, hf_state, tmp_path):
+    stripped = {k.removeprefix("model."): v for k, v in hf_state.items()}
+    save_file(stripped, tmp_path / "stripped.safetensors")
+
+    code, out = run_json("weights-diff", hf_dir, tmp_path / "stripped.safetensors")
+    assert code == 1
+    n = sum(1 for k in hf_state if k.startswith("model."))
+    assert len(out["only_ref"]) == n and all(k.startswith("model.") for k in out["only_ref"])
+    assert len(out["only_target"]) == n
+    assert "lm_head.weight" not in out["only_ref"]  # it had no prefix: it still pairs
+    (rename,) = out["renames"]
+    assert rename["apply"] == "--strip-prefix model."
+    assert rename["matches"] == n and rename["to"] == "model.*"
+    assert out["apply"] == "--strip-prefix model."
+
+    text = run_cli("weights-diff", hf_dir, tmp_path / "stripped.safetensors").stdout
+    assert "only in ref" in text and "--strip-prefix model." in text and "FAILED" in text
+    # The schema is printed before any number.
+    assert text.index("suggestion") < text.index("compared tensors")
+
+    code, out = run_json(
+        "weights-diff", hf_dir, tmp_path / "stripped.safetensors", "--strip-prefix", "model."
+    )
+    assert code == 0 and out["verdict"] == "ok" and not out["only_ref"] and not out["only_target"]
+
+
+def test_layers_h_rename_and_map_option(hf_state, tmp_path):
+    ref = {k: v for k, v in hf_state.items() if ".layers." in k}
+    renamed = {
+        k.replace("model.layers.", "transformer.h.").replace(".self_attn.", ".attn."): v
+        for k, v in ref.items()
+    }
+    result = ffdebug.weights_diff(ref, renamed)
+    applies = [r["apply"] for r in result.renames]
+    assert any("transformer" in a and "{L}" in a and "self_attn" in a for a in applies), applies
+    assert any(a.startswith("--map '^transformer\\.h\\.") for a in applies)
+    # Applying every suggestion makes the sides match.
+    maps = [a.split(" ", 1)[1].strip("'") for a in applies]
+    assert ffdebug.weights_diff(ref, renamed, maps=maps)
+
+
+def test_fused_qkv_suggested_by_shape_and_fuse_option(hf_state):
+    ref = {k: v for k, v in hf_state.items() if ".layers." in k}
+    fused = {}
+    for k, v in ref.items():
+        if ".q_proj." in k:
+            parts = [ref[k.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            fused[k.replace("q_proj", "qkv_proj")] = torch.cat(parts, 0)
+        elif ".k_proj." not in k and ".v_proj." not in k:
+            fused[k] = v
+    result = ffdebug.weights_diff(ref, fused)
+    assert not result
+    (sug,) = result.renames
+    assert sug["kind"] == "fused" and sug["apply"] == "--fuse qkv_proj=q_proj+k_proj+v_proj"
+    assert sug["from"] == "model.layers.0.self_attn.qkv_proj.weight"
+    assert sug["to"] == [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert sug["matches"] == 2
+
+    ok = ffdebug.weights_diff(ref, fused, fuse=["qkv_proj=q_proj+k_proj+v_proj"])
+    assert ok, ok.to_json()
+    assert "model.layers.1.self_attn.v_proj.weight" in {t["name"] for t in ok.tensors}
+    # Reverse direction: the reference is fused, the target split.
+    assert ffdebug.weights_diff(fused, ref, fuse=["qkv_proj=q_proj+k_proj+v_proj"])
+
+
+def test_alias_file(hf_state, tmp_path):
+    renamed = {k.replace("model.layers.", "blocks."): v for k, v in hf_state.items()}
+    alias = tmp_path / "aliases.yaml"
+    alias.write_text('aliases:\n  "^blocks\\\\.{L}\\\\.": "model.layers.{L}."\n')
+    assert ffdebug.weights_diff(hf_state, renamed, alias_file=str(alias))
+    txt = tmp_path / "aliases.txt"
+    txt.write_text("# engine names\n^blocks\\.=model.layers.\n")
+    assert ffdebug.weights_diff(hf_state, renamed, alias_file=str(txt))
+
+
+# --- must show: transposed / sign flip / bf16 ---------------------------------------------------
+
+
+def test_findings_transposed_sign_flip_bf16(hf_dir, hf_state, tmp_path):
+    bad = dict(hf_state)
+    q = "model.layers.0.self_attn.q_proj.weight"  # square [32, 32]
+    norm = "model.layers.1.input_layernorm.weight"
+    up = "model.layers.0.mlp.up_proj.weight"
+    down = "model.layers.1.mlp.down_proj.weight"
+    bad[q] = hf_state[q].t().contiguous()
+    bad[norm] = -hf_state[norm]
+    bad[up] = hf_state[up].to(torch.bfloat16)
+    bad[down] = hf_state[down] * 1.5
+    save_file(bad, tmp_path / "bad.safetensors")
+
+    code, out = run_json("weights-diff", hf_dir, tmp_path / "bad.safetensors")
+    assert code == 1
+    by = {t["name"]: t for t in out["tensors"]}
+    assert (by[q]["finding"], by[q]["severity"]) == ("transposed", "scramble")
+    assert by[q]["after_transpose"]["cos"] == pytest.approx(1.0)
+    assert (by[norm]["finding"], by[norm]["severity"]) == ("sign_flip", "scramble")
+    assert by[norm]["cos"] == pytest.approx(-1.0)
+    assert (by[up]["finding"], by[up]["severity"]) == ("dtype_only", "ok")
+    assert by[up]["dtype_target"] == "bfloat16" and not by[up]["byte_equal"]
+    assert (by[down]["finding"], by[down]["severity"]) == ("scaled", "bug")
+    assert by[down]["scale_factor"] == pytest.approx(1.5)
+    assert out["dtype_mismatch"] == [{"name": up, "dtype_ref": "float32", "dtype_target": "bfloat16"}]
+    assert out["verdict"] == "scramble"
+    others = [t for n, t in by.items() if n not in (q, norm, up, down)]
+    assert others and all(t["finding"] == "equal" for t in others)
+
+
+def test_rounding_and_allow_dtype(hf_state):
+    ref = {k: v for k, v in hf_state.items() if "mlp" in k}
+    # Truncation instead of round-to-nearest: not the cast, but within one bf16 ulp.
+    tgt = {k: (v.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16) for k, v in ref.items()}
+    result = ffdebug.weights_diff(ref, tgt)
+    assert {t["finding"] for t in result.tensors} == {"rounding"}
+    assert {t["severity"] for t in result.tensors} == {"ok"}
+    assert not result  # dtype differences are schema differences ...
+    assert ffdebug.weights_diff(ref, tgt, allow_dtype=True)  # ... unless allowed
+
+
+def test_transform_transpose_and_user_function(hf_state, tmp_path, monkeypatch):
+    ref = {k: v for k, v in hf_state.items() if "self_attn" in k}
+    tgt = {k: v.t().contiguous() if "o_proj" in k else -v if "k_proj" in k else v for k, v in ref.items()}
+    assert not ffdebug.weights_diff(ref, tgt)
+    (tmp_path / "engine_layout.py").write_text("def unflip(t, name):\n    return -t\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = ffdebug.weights_diff(
+        ref, tgt, transforms=["*.o_proj.weight=transpose", "target:*.k_proj.weight=engine_layout:unflip"]
+    )
+    assert res, res.to_json()
+    assert all(t["finding"] == "equal" for t in res.tensors)
+
+
+def test_skip_and_layers(hf_state):
+    tgt = dict(hf_state)
+    tgt["model.layers.1.mlp.up_proj.weight"] = torch.zeros_like(tgt["model.layers.1.mlp.up_proj.weight"])
+    assert not ffdebug.weights_diff(hf_state, tgt)
+    assert ffdebug.weights_diff(hf_state, tgt, skip=["*.mlp.*"])
+    only0 = ffdebug.weights_diff(hf_state, tgt, layers="0")
+    assert only0
+    names = {t["name"] for t in only0.tensors}
+    assert "model.embed_tokens.weight" in names and not any(".layers.1." in n for n in names)
+    assert not ffdebug.weights_diff(hf_state, tgt, layers="-1")
+
+
+# --- every input kind ---------------------------------------------------------------------------
+
+
+def test_sharded_index_pt_and_bin(hf_dir, hf_state, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    assert ffdebug.weights_diff(hf_dir, tmp_path / "sharded")
+    assert ffdebug.weights_diff(hf_dir, tmp_path / "sharded" / "model.safetensors.index.json")
+    torch.save(hf_state, tmp_path / "sd.pt")
+    torch.save({"state_dict": hf_state}, tmp_path / "wrapped.bin")
+    assert ffdebug.weights_diff(tmp_path / "sd.pt", tmp_path / "wrapped.bin")
+    res = ffdebug.weights_diff(hf_dir, tmp_path / "sd.pt")
+    assert res and res.target["kind"] == "pt"
+
+
+def test_diffusers_component_and_pipeline_root(tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    cfg = dict(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
+    model = SD3Transformer2DModel(**cfg)
+    model.save_pretrained(tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "model_index.json").write_text(
+        json.dumps({"_class_name": "StableDiffusion3Pipeline"})
+    )
+    res = ffdebug.weights_diff(tmp_path / "pipe" / "transformer", model)
+    assert res and res.ref["kind"] == "diffusers"
+    r = run_cli("weights-diff", tmp_path / "pipe", tmp_path / "pipe" / "transformer")
+    assert r.exit_code == 2
+    assert "pass one component folder" in r.stderr and "transformer" in r.stderr
+    r = run_cli("inspect", tmp_path / "pipe" / "transformer", "--json")
+    assert r.exit_code == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["kind"] == "diffusers" and info["records"] == len(model.state_dict())
+
+
+def test_inspect_hf_folder_and_index(hf_dir, tmp_path):
+    r = run_cli("inspect", hf_dir, "--json")
+    assert r.exit_code == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["kind"] == "hf-folder"
+    row = next(t for t in info["tensors"] if t["key"] == "model.norm.weight")
+    assert row["stats"]["mean"] == pytest.approx(1.0) and row["shape"] == [32]
+
+
+def test_weight_dump_and_entry(hf_dir, tmp_path, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    from ffdebug.capture.weights import dump_weights
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir)
+    side = dump_weights(model, str(tmp_path / "dump"))
+    res = ffdebug.weights_diff(hf_dir, side)
+    # Dumps hold every buffer, checkpoints only persistent ones: the rotary tables are only-in.
+    assert not res and res.target["kind"] == "weight-dump" and res.target["world_size"] == 1
+    assert res.only_target and all("rotary_emb" in n for n in res.only_target)
+    assert all(t["finding"] == "equal" for t in res.tensors)
+    assert ffdebug.weights_diff(hf_dir, side, skip=["*rotary_emb*"])
+    assert ffdebug.weights_diff(hf_dir, tmp_path / "dump", skip=["*rotary_emb*"])  # DIR holding weights/
+
+    (tmp_path / "loader_mod.py").write_text(
+        "from transformers import LlamaForCausalLM\n"
+        f"def build():\n    return LlamaForCausalLM.from_pretrained({str(hf_dir)!r})\n"
+        "def state():\n    return build().state_dict()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert ffdebug.weights_diff(hf_dir, "loader_mod:build")
+    code, out = run_json("weights-diff", hf_dir, "loader_mod:state")
+    assert code == 0 and out["target"]["kind"] == "entry"
+    code, out = run_json("weights-diff", hf_dir, f"{tmp_path / 'loader_mod.py'}:build")
+    assert code == 0
+
+
+def test_streaming_reader_recycles_handles(hf_dir, monkeypatch):
+    from ffdebug.weights import sources
+
+    monkeypatch.setattr(sources, "RECYCLE_BYTES", 1)
+    f = sources.SafetensorsFile(str(hf_dir / "model.safetensors"))
+    entries = f.entries()
+    first = entries[0].load()
+    assert f._handle is None  # dropped after the read: its mapped pages leave the resident set
+    assert torch.equal(entries[0].load(), first)
