@@ -23,11 +23,16 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ffdebug.capture import session as _session
 from ffdebug.errors import FFDebugError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_MASK_ROWS = 8
 
@@ -119,7 +124,7 @@ class TraceResult:
         }
 
 
-def mask_summary(name: str, mask) -> MaskSummary:
+def mask_summary(name: str, mask: torch.Tensor) -> MaskSummary:
     """Summarise a loss / attention mask: nonzero (or, for additive float masks, zero) entries count."""
     import torch
 
@@ -143,20 +148,27 @@ def mask_summary(name: str, mask) -> MaskSummary:
     )
 
 
-def _tensor_leaves(obj, prefix: str = ""):
-    """(suffix, tensor) for a tensor, or the tensors directly inside a tuple / list / dict / ModelOutput."""
+def _tensor_leaves(obj, prefix: str = "", brackets: bool = False):
+    """(name, tensor) for a tensor, or the tensors directly inside a tuple / list / dict / ModelOutput.
+
+    Module outputs use brackets (`blocks.0[1]`, `model[sample]`) so an output index never reads as a
+    submodule path; returned dicts use dots (`return.loss`).
+    """
     import torch
+
+    def join(key) -> str:
+        return f"{prefix}[{key}]" if brackets else f"{prefix}.{key}"
 
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
             if isinstance(v, torch.Tensor):
-                yield f"{prefix}.{k}", v
+                yield join(k), v
     elif isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
             if isinstance(v, torch.Tensor):
-                yield f"{prefix}.{i}", v
+                yield join(i), v
 
 
 class Tracer:
@@ -176,6 +188,7 @@ class Tracer:
         self._stack: list[object] = []
         self._handles: list = []
         self._order = 0
+        self._first_seen: dict[str, int] = {}
 
     # -- naming ---------------------------------------------------------------------------------
     def _name_of(self, module) -> str:
@@ -207,7 +220,7 @@ class Tracer:
         return not self.modules or any(fnmatch.fnmatchcase(name, g) for g in self.modules)
 
     # -- recording ------------------------------------------------------------------------------
-    def record(self, name: str, kind: str, tensor, module_class: str | None = None) -> None:
+    def record(self, name: str, kind: str, tensor: torch.Tensor, module_class: str | None = None) -> None:
         """Add (or count) one tensor under `name` in the current grad mode and phase."""
         import torch
 
@@ -221,6 +234,7 @@ class Tracer:
             row.calls += 1
             return
         self._order += 1
+        order = self._first_seen.get(name.split("[")[0], self._order) if kind == "module" else self._order
         stats = tensor_stats(tensor) if not tensor.is_complex() else {}
         self.rows[key] = TraceRow(
             name=name,
@@ -232,18 +246,21 @@ class Tracer:
             grad_enabled=grad,
             phase=None if phase is None else str(phase),
             stats=stats,
-            order=self._order,
+            order=order,
         )
         if "mask" in name.lower():
             self.mask(name, tensor)
 
-    def mask(self, name: str, tensor) -> None:
+    def mask(self, name: str, tensor: torch.Tensor) -> None:
         """Keep a mask summary for `name` (first occurrence)."""
         if name not in self.masks and tensor.numel():
             self.masks[name] = mask_summary(name, tensor)
 
     def _pre(self, module, args) -> None:
-        self._name_of(module)
+        name = self._name_of(module)
+        if name not in self._first_seen:  # rows are listed in call order, parents before children
+            self._order += 1
+            self._first_seen[name] = self._order
         self._stack.append(module)
 
     def _post(self, module, args, kwargs, output) -> None:
@@ -261,8 +278,8 @@ class Tracer:
                 self.mask(f"{name}({key}=)", value)
         if output is None:
             return
-        for suffix, t in _tensor_leaves(output):
-            self.record(name + suffix, "module", t, type(module).__name__)
+        for leaf, t in _tensor_leaves(output, name, brackets=True):
+            self.record(leaf, "module", t, type(module).__name__)
 
     def __enter__(self) -> Tracer:
         from torch.nn.modules import module as nn_module
@@ -305,7 +322,7 @@ class _TraceSession(_session.Session):
                 _session._TAGS.pop()
 
 
-def resolve_entry(entry: str):
+def resolve_entry(entry: str) -> Callable[[], object]:
     """`package.module:function` or `path/to/file.py:function` -> the callable; errors name the part missing."""
     if ":" not in entry:
         raise FFDebugError(f"{entry!r}: give MODULE:FUNCTION (e.g. mypkg.debug:one_step) or FILE.py:FUNCTION")
@@ -368,7 +385,8 @@ def trace(
     returned = None
     _session.push_explicit(traced_session)
     try:
-        with tracer, _argv([entry, *args] if args else None):
+        # the traced code's prints go to stderr: stdout carries the trace (and its JSON)
+        with tracer, _argv([entry, *args] if args else None), contextlib.redirect_stdout(sys.stderr):
             try:
                 returned = fn()
             except SystemExit as exc:  # console-script entry points end with sys.exit

@@ -93,7 +93,7 @@ def resolve_invocation(program: str, args: list[str]) -> tuple[list[str], list[s
     return path, problems
 
 
-def verify_playbooks(books=None) -> list[str]:
+def verify_playbooks(books: dict | None = None) -> list[str]:
     """Every problem with what the playbooks name: commands, options, check ids, triage flags."""
     from ffdebug.review.checks import CHECKS
     from ffdebug.review.playbooks import parse_invocations, unknown_checks
@@ -219,6 +219,7 @@ def _print_triage(result) -> None:
 
 
 def register(app: typer.Typer) -> None:
+    """Add the `playbook` command group to `app`."""
     playbook_app = typer.Typer(help=HELP, no_args_is_help=True, rich_markup_mode="rich")
     app.add_typer(playbook_app, name="playbook")
 

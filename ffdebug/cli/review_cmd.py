@@ -114,6 +114,8 @@ def _markdown(report) -> str:
 
 
 def register(app: typer.Typer) -> None:
+    """Add the `review` command to `app`."""
+
     @app.command("review", help=HELP)
     @handles_errors
     def review_command(

@@ -287,6 +287,23 @@ def _mentions_float64(src: SourceFile, node: ast.AST) -> bool:
     return False
 
 
+def _float64_names(src: SourceFile, node: ast.AST) -> set[str]:
+    """Names assigned from a float64 expression in the function enclosing `node` (`r = ref.double()`)."""
+    scope = src.enclosing(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or src.tree
+    names: set[str] = set()
+    for stmt in ast.walk(scope):
+        if not isinstance(stmt, ast.Assign):
+            continue
+        for target in stmt.targets:
+            if isinstance(target, ast.Name) and _mentions_float64(src, stmt.value):
+                names.add(target.id)
+            elif isinstance(target, ast.Tuple) and isinstance(stmt.value, ast.Tuple):
+                for t, v in zip(target.elts, stmt.value.elts):
+                    if isinstance(t, ast.Name) and _mentions_float64(src, v):
+                        names.add(t.id)
+    return names
+
+
 def _is_norm(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and last_name(node.func) in _NORMS
 
@@ -329,6 +346,7 @@ def check_fp32_cosine(src: SourceFile, config: ReviewConfig) -> Iterator[Finding
             and not _is_norm(node.right)  # x / x.norm() normalises; dot / (‖a‖‖b‖) is a cosine
             and node.lineno not in seen
             and not _mentions_float64(src, node)
+            and not {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & _float64_names(src, node)
         ):
             yield _at(
                 "fp32-cosine",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def has_star_kwargs(call: ast.Call) -> bool:
     return any(kw.arg is None for kw in call.keywords)
 
 
-def walk_local(node: ast.AST):
+def walk_local(node: ast.AST) -> Iterator[ast.AST]:
     """`ast.walk` that does not descend into nested function or class definitions."""
     todo = list(ast.iter_child_nodes(node))
     while todo:
@@ -131,6 +132,7 @@ class SourceFile:
     # -- questions checks ask ----------------------------------------------------------------
     @property
     def is_test(self) -> bool:
+        """True for test modules (see `is_test_path`)."""
         return is_test_path(self.path)
 
     def resolve(self, node: ast.AST) -> str | None:
@@ -144,7 +146,7 @@ class SourceFile:
             return f"{full}.{rest}" if rest else full
         return name
 
-    def calls(self, *qualified: str):
+    def calls(self, *qualified: str) -> Iterator[ast.Call]:
         """Every Call node whose function resolves to one of `qualified` names."""
         wanted = set(qualified)
         for node in ast.walk(self.tree):
