@@ -362,7 +362,11 @@ def review(
             files = [
                 f for f in files if any(f == r or f.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
             ]
-        files = [f for f in files if not any(part in SKIP_DIRS for part in Path(f).parts)]
+        files = [
+            f
+            for f in files
+            if not any(part in SKIP_DIRS for part in Path(f).parts) and not _excluded(Path(f), config.exclude)
+        ]
         new = added
     else:
         files = collect(paths or ["."], config.exclude)

@@ -147,5 +147,8 @@ def test_diff_reviews_changed_and_untracked_files_only(tmp_path, monkeypatch):
     report = review([], "main", config)
     assert sorted(report.files) == ["kept.py", "new.py"]  # old.py unchanged: not reviewed
     assert found(report) == {("kept.py", 5, "silent-except"), ("new.py", 1, "license-header")}
+    (repo / "pyproject.toml").write_text('[tool.ffdebug.review]\nexclude = ["new.py"]\n')
+    report = review([], "main", None)
+    assert sorted(report.files) == ["kept.py"]  # excluded by the project's settings
     r = runner.invoke(app, ["review", "--diff", "no-such-branch"])
     assert r.exit_code == 2 and "not a commit" in r.output
