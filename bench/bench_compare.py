@@ -107,8 +107,10 @@ def main() -> None:
         print(f"ffdebug compare      {cmp_t:6.2f} s   peak RSS {cmp_rss / mib:7.1f} MiB")
         print(f"wall ratio           {cmp_t / base_t:6.2f}x  (target <= 1.5x)")
         print(f"throughput vs read   {base_t / cmp_t:6.2f}   (target >= 0.5)")
-        print(f"peak RSS             {cmp_rss / mib:6.0f} MiB = {cmp_rss / largest:.2f} x largest tensor "
-              f"(target <= 3 x largest + 300 MB; <= 600 MiB at 1 GiB)")
+        print(
+            f"peak RSS             {cmp_rss / mib:6.0f} MiB = {cmp_rss / largest:.2f} x largest tensor "
+            f"(target <= 3 x largest + 300 MB; <= 600 MiB at 1 GiB)"
+        )
         print(f"metric maths         {gbps:6.2f} GB/s in-process (target >= 4 GB/s)")
     finally:
         if not args.keep:

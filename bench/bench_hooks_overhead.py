@@ -39,9 +39,16 @@ def main() -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=4, num_attention_heads=4,
-                                         num_key_value_heads=2)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
     ids = torch.randint(0, 1000, (2, 32))
     none = timed(model, ids, args.iters)
     assert ffdebug.install(model) is None
@@ -54,7 +61,9 @@ def main() -> None:
     base = (none + none2) / 2
     print(f"hooks installed when disabled: {hooks}")
     print(f"no ffdebug          {base * 1e3:7.3f} ms/forward")
-    print(f"dumps disabled      {disabled * 1e3:7.3f} ms/forward  ratio {disabled / base:.3f} (target <= 1.01)")
+    print(
+        f"dumps disabled      {disabled * 1e3:7.3f} ms/forward  ratio {disabled / base:.3f} (target <= 1.01)"
+    )
     print(f"stats-only dumps    {stats * 1e3:7.3f} ms/forward  ratio {stats / base:.2f}")
 
 
