@@ -40,6 +40,8 @@ AGGREGATIONS = ("sum", "gdpo")
 
 @dataclass(frozen=True, kw_only=True)
 class AdvantageConfig:
+    """How ``AdvantageProcessor`` combines and normalises rewards (validated on construction)."""
+
     aggregation: str = "sum"
     """How several rewards combine: ``sum`` (weight, sum, group-normalise) or ``gdpo`` (see module doc)."""
     global_std: bool = False

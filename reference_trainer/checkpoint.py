@@ -107,6 +107,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore the torch (CPU), python ``random`` and numpy global RNG states saved by ``rng_state``."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -156,6 +157,7 @@ def file_digest(paths: list[Path], root: Path) -> dict[str, str]:
 
 
 def checkpoint_path(output_dir: Path, optimizer_step: int) -> Path:
+    """The directory of the checkpoint for ``optimizer_step``: ``output_dir/checkpoints/step-NNNNNN``."""
     return Path(output_dir) / CHECKPOINTS / f"step-{optimizer_step:06d}"
 
 

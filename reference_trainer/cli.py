@@ -166,6 +166,7 @@ def diff(
 
 
 def main() -> None:
+    """Entry point of the ``reference-trainer`` console script."""
     app(prog_name="reference-trainer")
 
 

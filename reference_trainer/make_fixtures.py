@@ -144,6 +144,7 @@ def make_dataset(root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """CLI: write the model fixtures, ``tiny_dataset/`` and ``prompts.txt`` under ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out", type=Path, default=FIXTURES, help="output directory (default: the package fixtures)"

@@ -71,13 +71,16 @@ class CompositeOptimizer:
                 group["params"] = params
 
     def zero_grad(self) -> None:
+        """Clear every child's gradients (set to ``None``)."""
         for child in self.children:
             child.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict:
+        """``{"composite": [child state_dict, ...]}`` in child order."""
         return {"composite": [child.state_dict() for child in self.children]}
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Load a ``state_dict()`` result into the children, in order; the child count must match."""
         states = state["composite"]
         if len(states) != len(self.children):
             raise ValueError(
@@ -169,7 +172,7 @@ class RolePhase:
                 f"loss.{self.role} is {loss.item()} at optimizer step {self.optimizer_step} "
                 f"(microbatch {self.backward_calls}); aborting"
             )
-        ffdebug.tap(f"loss.{self.role}", loss.detach(), microbatch=self.backward_calls)
+        ffdebug.tap(f"loss.{self.role}", loss, microbatch=self.backward_calls)
         loss.backward()
         self.loss += float(loss.detach())
         self.backward_calls += 1
@@ -177,6 +180,7 @@ class RolePhase:
             self.metric_sums[key] = self.metric_sums.get(key, 0.0) + float(value)
 
     def metrics(self) -> dict[str, float]:
+        """Each metric passed to ``backward`` averaged over the backward calls of this phase."""
         return {key: total / self.backward_calls for key, total in self.metric_sums.items()}
 
 

@@ -78,6 +78,10 @@ def registered_rewards() -> dict[str, str]:
 
 
 def build_reward(name: str, **kwargs: Any) -> Reward:
+    """An instance of the reward registered as ``name``, constructed with ``kwargs``.
+
+    Raises ``ValueError`` for an unknown name or arguments the reward does not accept.
+    """
     if name not in _REWARDS:
         raise ValueError(f"unknown reward {name!r}; registered: {sorted(_REWARDS)}")
     try:
@@ -218,6 +222,8 @@ def _checked(reward: Reward, values: Any, expected: int) -> torch.Tensor:
 
 @dataclass(frozen=True, kw_only=True)
 class RewardSpec:
+    """One configured reward for ``RewardProcessor``: registered name, chunk size, constructor kwargs."""
+
     name: str
     """Registered reward name."""
     batch_size: int = 8

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # transformers is imported lazily, inside the functions that use it
+    from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 MAX_LENGTH = 8
@@ -49,7 +53,7 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, [chr(code) for code in codes]))
 
 
-def build_tokenizer():
+def build_tokenizer() -> CLIPTokenizer:
     """The hand-built CLIP tokenizer: 2 special tokens + 256 byte symbols (+ ``</w>`` forms) + merges."""
     from transformers import CLIPTokenizer
 
@@ -70,15 +74,18 @@ def build_tokenizer():
     )
 
 
-def build_text_encoder():
+def build_text_encoder() -> CLIPTextModelWithProjection:
     """A randomly initialised tiny ``CLIPTextModelWithProjection`` (seed the RNG before calling)."""
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     return CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_TEXT_TINY))
 
 
-def load_text_stack(fixture_dir: Path):
-    """Load ``tokenizer/`` and ``text_encoder/`` from a fixture directory (frozen, eval mode)."""
+def load_text_stack(fixture_dir: Path) -> tuple[CLIPTokenizer, CLIPTextModelWithProjection]:
+    """(tokenizer, text encoder) loaded from ``fixture_dir/tokenizer`` and ``fixture_dir/text_encoder``.
+
+    The encoder is frozen (``requires_grad_(False)``) and in eval mode.
+    """
     from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
     tokenizer = CLIPTokenizer.from_pretrained(fixture_dir / "tokenizer")
@@ -88,7 +95,9 @@ def load_text_stack(fixture_dir: Path):
 
 
 @torch.no_grad()
-def encode_with_clip(tokenizer, encoder, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_with_clip(
+    tokenizer: CLIPTokenizer, encoder: CLIPTextModelWithProjection, prompts: Sequence[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(penultimate hidden states [B, L, 32], projected pooled output [B, 32]) as SD3 uses CLIP."""
     tokens = tokenizer(
         list(prompts), padding="max_length", max_length=MAX_LENGTH, truncation=True, return_tensors="pt"

@@ -325,6 +325,8 @@ class BaseTrainer(ABC):
 
     # ---------------------------------------------------------------- checkpoints
     def trainer_state(self) -> dict[str, Any]:
+        """The checkpoint's ``trainer_state.json``: counters, sampler position, trainer name, run identity
+        and its hash."""
         return {
             "optimizer_step": self.optimizer_step,
             "rollout_iteration": self.rollout_iteration,

@@ -166,7 +166,7 @@ class DMD2Trainer(BaseTrainer):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L_DM (module doc, step 3): teacher and fake score predictions under ``no_grad``."""
         x = self.generate(phase)  # with gradient to the generator
-        ffdebug.tap("rollout.latents", x.detach())
+        ffdebug.tap("rollout.latents", x)
         sigma, _, x_t = self.noised(x, generator)
         with torch.no_grad():
             x0_real = predicted_x0(x_t, self.teacher_velocity(x_t, sigma, phase.condition), sigma)

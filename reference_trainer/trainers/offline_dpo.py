@@ -100,7 +100,7 @@ class OfflineDPOTrainer(BaseTrainer):
 
         def policy_velocity(x_t: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             v = self.adapter.forward(x_t, sigma, condition2, module=policy)
-            ffdebug.tap("train.velocity", v.detach())
+            ffdebug.tap("train.velocity", v)
             return v
 
         def reference_velocity(x_t: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

@@ -208,7 +208,7 @@ class OnlineDPOTrainer(BaseTrainer):
                     lambda x_t, s2: self.adapter.forward(x_t, s2, condition2, module=policy),
                     lambda x_t, s2: self.adapter.forward(x_t, s2, condition2, parameters=reference),
                 )
-                ffdebug.tap("train.dpo_errors", torch.stack([e.detach() for e in errors]))
+                ffdebug.tap("train.dpo_errors", torch.stack(errors))
                 loss, metrics = diffusion_dpo_loss(*errors, beta=args.beta)
                 metrics.pop("loss")
                 phase.backward(loss, metrics)

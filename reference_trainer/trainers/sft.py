@@ -95,7 +95,7 @@ class SFTTrainer(BaseTrainer):
             x_t = interpolate(x0, noise, sigma)
             v_pred = self.adapter.forward(x_t, sigma, condition)
             ffdebug.tap("train.sigma", sigma, timestep_draw=k)
-            ffdebug.tap("train.velocity", v_pred.detach(), timestep_draw=k)
+            ffdebug.tap("train.velocity", v_pred, timestep_draw=k)
             loss_k, _ = flow_matching_loss(v_pred, noise, x0)
             losses.append(loss_k)
         # 4. average over the σ draws (the base scales by 1/gradient_accumulation_steps)
