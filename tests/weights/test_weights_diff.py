@@ -296,3 +296,25 @@ def test_streaming_reader_recycles_handles(hf_dir, monkeypatch):
     first = entries[0].load()
     assert f._handle is None  # dropped after the read: its mapped pages leave the resident set
     assert torch.equal(entries[0].load(), first)
+
+
+def test_h_n_suggestion_add_prefix_and_schema_only(hf_state, tmp_path):
+    layers = {k: v for k, v in hf_state.items() if ".layers." in k}
+    h = {k.replace("model.layers.", "h."): v for k, v in layers.items()}
+    res = ffdebug.weights_diff(layers, h, schema_only=True)
+    assert res.schema_only and not res.tensors and not res
+    assert [r["apply"] for r in res.renames] == ["--map '^h\\.=model.layers.'"]
+    save_file(h, tmp_path / "h.safetensors")
+    save_file(layers, tmp_path / "ref.safetensors")
+    code, out = run_json(
+        "weights-diff",
+        tmp_path / "ref.safetensors",
+        tmp_path / "h.safetensors",
+        "--map",
+        "^h\\.=model.layers.",
+    )
+    assert code == 0 and len(out["tensors"]) == len(layers)
+    bare = {k.removeprefix("model."): v for k, v in layers.items()}
+    assert ffdebug.weights_diff(layers, bare, add_prefix="model.")
+    r = run_cli("weights-diff", tmp_path / "ref.safetensors", tmp_path / "h.safetensors", "--schema-only")
+    assert r.exit_code == 1 and "--map" in r.stdout and "Numerics not run" in r.stdout
