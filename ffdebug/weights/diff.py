@@ -5,7 +5,7 @@ Per-tensor findings (DESIGN §5 `finding`):
 
 | finding      | meaning                                                              | severity      |
 |--------------|----------------------------------------------------------------------|---------------|
-| `equal`      | same dtype, same bytes                                               | ok            |
+| `equal`      | same dtype, same bytes (or same values: −0.0, NaN payloads)          | ok            |
 | `dtype_only` | dtypes differ; the finer side cast to the coarser dtype is bit-equal | ok            |
 | `rounding`   | every element within one ulp of the coarser (stored) dtype           | ok; fp8: bands |
 | `transposed` | equal to the other side transposed                                   | bands (scramble) |
@@ -224,7 +224,10 @@ def compare_pair(
     eps = _coarsest(dtype_ref, dtype_tgt)
     has_fp8 = quant.is_fp8(dtype_ref) or quant.is_fp8(dtype_tgt)
     finding = "mismatch"
-    if (
+    if m.max_abs == 0.0 and not (m.nan_mismatch or m.inf_mismatch) and not dequantized:
+        # Equal values, other bits: -0.0 vs 0.0, NaN payloads, or an integer / exact dtype change.
+        finding, sev = ("equal" if dtype_ref == dtype_tgt else "dtype_only"), "ok"
+    elif (
         dtype_ref != dtype_tgt
         and not dequantized
         and eps is not None

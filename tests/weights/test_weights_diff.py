@@ -318,3 +318,14 @@ def test_h_n_suggestion_add_prefix_and_schema_only(hf_state, tmp_path):
     assert ffdebug.weights_diff(layers, bare, add_prefix="model.")
     r = run_cli("weights-diff", tmp_path / "ref.safetensors", tmp_path / "h.safetensors", "--schema-only")
     assert r.exit_code == 1 and "--map" in r.stdout and "Numerics not run" in r.stdout
+
+
+def test_value_equal_other_bits():
+    ref = {"ids": torch.arange(6), "z": torch.zeros(4)}
+    tgt = {"ids": torch.arange(6, dtype=torch.int32), "z": -torch.zeros(4)}
+    res = ffdebug.weights_diff(ref, tgt, allow_dtype=True)
+    assert res, res.to_json()
+    by = {t["name"]: t for t in res.tensors}
+    assert (
+        by["ids"]["finding"] == "dtype_only" and by["z"]["finding"] == "equal" and not by["z"]["byte_equal"]
+    )
