@@ -129,8 +129,10 @@ def register(app: typer.Typer) -> None:
     @app.command("load-audit", help=AUDIT_HELP)
     @handles_errors
     def load_audit_command(
-        entry: str = typer.Argument(..., help="module:function returning the loaded model."),
-        checkpoint: str = typer.Argument(..., help="The checkpoint it should have loaded."),
+        entry: str = typer.Argument(..., metavar="ENTRY", help="module:function returning the loaded model."),
+        checkpoint: str = typer.Argument(
+            ..., metavar="CHECKPOINT", help="The checkpoint it should have loaded."
+        ),
         strip_prefix: list[str] = names["strip_prefix"],
         add_prefix: str = names["add_prefix"],
         maps: list[str] = names["maps"],
