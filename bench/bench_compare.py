@@ -53,6 +53,14 @@ def run(cmd: list[str]) -> tuple[float, int]:
     return wall, ru.ru_maxrss * 1024
 
 
+MAKE_STORES = r"""
+import sys
+sys.path.insert(0, sys.argv[4])
+from bench_compare import make_stores
+print(make_stores(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+"""
+
+
 def make_stores(root: str, size: int, tensor_mb: int) -> int:
     import torch
 
@@ -94,7 +102,23 @@ def main() -> None:
     size = parse_size(args.size)
     root = tempfile.mkdtemp(prefix="ffdebug-bench-")
     try:
-        largest = make_stores(root, size, min(args.tensor_mb, max(1, size >> 20)))
+        # Stores are written by a child process: a forked child inherits its parent's peak RSS,
+        # so this process must stay small for the children's ru_maxrss to mean anything.
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                MAKE_STORES,
+                root,
+                str(size),
+                str(min(args.tensor_mb, max(1, size >> 20))),
+                os.path.dirname(os.path.abspath(__file__)),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        largest = int(out.stdout.strip().splitlines()[-1])
         ref, tgt = os.path.join(root, "ref"), os.path.join(root, "target")
         subprocess.run(["sync"], check=False)
         run([sys.executable, "-c", READ_ONLY, ref, tgt])  # warm the page cache

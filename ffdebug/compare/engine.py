@@ -204,6 +204,7 @@ def compare(
     pairs_out: list[tuple] = []
     only_ref: list[str] = []
     only_target: list[str] = []
+    jobs: list[tuple] = []  # (ref group, record pair key, ref record, target record) in execution order
     for rg, tg in pairing.pairs:
         if rank is None:  # a multi-rank side against a single-rank one: fold its ranks per stage
             rg, tg = align_ranks(rg, tg), align_ranks(tg, rg)
@@ -213,18 +214,16 @@ def compare(
             if t is None:
                 only_ref.append(r.key)
                 continue
-            e = compare_records(r, t, thresholds, exact)
-            for side, rec in (("ref", r), ("target", t)):
-                if rec.get("unsharded"):
-                    e[f"unsharded_{side}"] = {"how": rec["unsharded"], "ranks": rec.get("ranks")}
-            if noise_index is not None:
-                _apply_noise(e, noise_index.get((rg.tags, rg.call, sk)))
-            e["_order"] = (r.get("seq") or 0, r.get("rank") or 0)
-            stages_out.append(e)
-            pairs_out.append((r, t))
+            jobs.append((rg, sk, r, t))
         only_target.extend(tg.records[sk].key for sk in tg.order if sk not in rg.records)
-    for e in stages_out:
-        e.pop("_order", None)
+    for (rg, sk, r, t), e in zip(jobs, _map_records(jobs, thresholds, exact)):
+        for side, rec in (("ref", r), ("target", t)):
+            if rec.get("unsharded"):
+                e[f"unsharded_{side}"] = {"how": rec["unsharded"], "ranks": rec.get("ranks")}
+        if noise_index is not None:
+            _apply_noise(e, noise_index.get((rg.tags, rg.call, sk)))
+        stages_out.append(e)
+        pairs_out.append((r, t))
     verdict = worst(*(e["severity"] for e in stages_out)) if stages_out else "ok"
     notes: list[str] = []
     if pairing.warmup_skipped:
@@ -251,6 +250,16 @@ def compare(
         and all(e.get("stats_only") for e in stages_out if e["key"] != "embed.input_ids"),
         records=pairs_out,
     )
+
+
+def _map_records(jobs: list[tuple], thresholds, exact: bool) -> list[dict]:
+    """`compare_records` over every pair, in order, one pair loaded at a time (memory stays
+    bounded by the largest pair). The chunk loop runs on one intra-op thread; a second Python
+    worker thread was measured here and gained under 10% while doubling the peak memory."""
+    from ffdebug.compare.metrics import _single_thread
+
+    with _single_thread():
+        return [compare_records(r, t, thresholds, exact) for _, _, r, t in jobs]
 
 
 def _noise_index(noise, ref_groups, filters) -> dict:

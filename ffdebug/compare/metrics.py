@@ -10,9 +10,10 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
 
 Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 64 Ki-element chunks copied into
 preallocated float64 buffers stay in cache and ran the maths at ~4 GB/s on our 2-core machine,
-while 1 Mi-element chunks fall to ~1 GB/s (DESIGN §8). The three inner products come from one
-3×m Gram product per chunk (rows r, t, t−r); a bit-identical chunk (checked with one memcmp-speed
-`torch.equal` on integer views) needs only ‖r‖². Non-finite values take a slow path only in the
+while 1 Mi-element chunks fall to ~1 GB/s (DESIGN §8). Per chunk: two copies, one subtraction,
+four dot products, one min/max and one |·| sum — each a single pass (on this machine `torch.mm` of
+a 3×m block and `vector_norm(·, 1)` were slower than dots and abs-sum); a bit-identical chunk
+(checked with one memcmp-speed `torch.equal` on integer views) needs only ‖r‖². Non-finite values take a slow path only in the
 chunks that hold them. `bit_equal` counts positions with identical bits (same dtype), or equal
 values (different dtypes).
 """
@@ -20,6 +21,7 @@ values (different dtypes).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import asdict, dataclass, field
 
 CHUNK = 1 << 16
@@ -70,22 +72,35 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+_threads_lock = threading.Lock()
+_threads_depth = 0
+_threads_prev = 1
+
+
 class _single_thread:
-    """Run the chunk loop on one intra-op thread: 64 Ki-element ops gain nothing from more, and an
-    OpenMP team spinning on a busy 2-core machine made them 20x slower."""
+    """Run the chunk loops on one intra-op thread: 64 Ki-element ops gain nothing from more, and an
+    OpenMP team spinning on a busy 2-core machine made them 20x slower. Re-entrant and safe across
+    Python threads (the outermost entry saves and restores the setting)."""
 
     def __enter__(self):
+        global _threads_depth, _threads_prev
         import torch
 
-        self.prev = torch.get_num_threads()
-        if self.prev != 1:
-            torch.set_num_threads(1)
+        with _threads_lock:
+            if _threads_depth == 0:
+                _threads_prev = torch.get_num_threads()
+                if _threads_prev != 1:
+                    torch.set_num_threads(1)
+            _threads_depth += 1
 
     def __exit__(self, *exc):
+        global _threads_depth
         import torch
 
-        if self.prev != 1:
-            torch.set_num_threads(self.prev)
+        with _threads_lock:
+            _threads_depth -= 1
+            if _threads_depth == 0 and _threads_prev != 1:
+                torch.set_num_threads(_threads_prev)
 
 
 def compare_tensors(ref, target) -> TensorMetrics:
@@ -114,9 +129,9 @@ def _compare_tensors(ref, target) -> TensorMetrics:
         raw_view = getattr(torch, _INT_VIEW[ref.element_size()])
 
     size = min(CHUNK, max(n, 1))
-    # rows: 0 = r, 1 = t, 2 = t - r; one 3x3 Gram product gives ‖r‖², ‖t‖², ⟨r,t⟩ and ‖t−r‖².
+    # float64 work rows: r, t, t − r (stay in cache at 64 Ki elements)
     x = torch.empty((3, size), dtype=torch.float64)
-    gram = torch.empty((3, 3), dtype=torch.float64)
+    bits = torch.empty(size, dtype=raw_view) if raw_view is not None else None
 
     nr2 = nt2 = dot = diff2 = sum_abs = 0.0
     max_abs, max_at = -1.0, 0
@@ -142,22 +157,23 @@ def _compare_tensors(ref, target) -> TensorMetrics:
                 continue
         xt.copy_(tc)
         torch.sub(xt, xr, out=xd)
-        torch.mm(x[:, :m], x[:, :m].t(), out=gram)
-        g = gram.tolist()
-        if all(math.isfinite(v) for row in g for v in row):
-            if raw_view is not None:
-                equal += m - int(torch.count_nonzero(rc.view(raw_view) != tc.view(raw_view)))
+        rr_, tt_, rt_, dd_ = (float(torch.dot(a, b)) for a, b in ((xr, xr), (xt, xt), (xr, xt), (xd, xd)))
+        if math.isfinite(rr_ + tt_ + rt_ + dd_):
+            if bits is not None:  # integer difference is zero exactly where the bits are equal
+                equal += m - int(
+                    torch.count_nonzero(torch.sub(rc.view(raw_view), tc.view(raw_view), out=bits[:m]))
+                )
             else:
                 equal += m - int(torch.count_nonzero(xd))
             lo, hi = torch.aminmax(xd)
             chunk_max = max(-float(lo), float(hi))
             if chunk_max > max_abs:
                 max_abs, max_at = chunk_max, i + int(torch.argmax(xd.abs()))
-            sum_abs += float(torch.linalg.vector_norm(xd, 1))
-            nr2 += g[0][0]
-            nt2 += g[1][1]
-            dot += g[0][1]
-            diff2 += g[2][2]
+            sum_abs += float(xd.abs_().sum())
+            nr2 += rr_
+            nt2 += tt_
+            dot += rt_
+            diff2 += dd_
             counted += m
             continue
         # Slow path: this chunk holds NaN/Inf on at least one side.
