@@ -63,6 +63,16 @@ def _known_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseExc
     )
 
 
+def _quiet_loading() -> None:
+    """Silence transformers' / diffusers' per-component "Loading weights" tqdm bars: the run has its own
+    progress bar, and the fixtures load in milliseconds."""
+    import diffusers.utils.logging
+    import transformers.utils.logging
+
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.disable_progress_bar()
+
+
 @app.command()
 def train(
     config: Annotated[
@@ -84,6 +94,7 @@ def train(
     """Train from CONFIG; writes run.json, metrics.jsonl and checkpoints/step-NNNNNN/ in the output dir."""
     usage, failures = _known_errors()
     output_dir = output_dir or Path("runs") / config.stem
+    _quiet_loading()
     try:
         from reference_trainer.config import load_config
         from reference_trainer.run import train as run_train
