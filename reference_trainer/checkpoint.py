@@ -7,6 +7,8 @@ Layout of ``DIR/checkpoints/step-NNNNNN/`` (NNNNNN = ``optimizer_step``)::
     state/variants.safetensors             # every variant's full state_dict and every snapshot
     state/optimizer.safetensors + .json    # CompositeOptimizer state (tensors + JSON skeleton)
     state/rng.safetensors + rng.json       # torch / python / numpy RNG states
+    state/cycle_start.safetensors          # only for a run stopped inside a cycle: the variants'
+                                           # weights at the cycle's start (``BaseTrainer`` docstring)
 
 No pickle anywhere: nested state (optimizer state dicts, RNG tuples) is split into a JSON skeleton and
 a flat safetensors file (``split_tensors`` / ``join_tensors``).
@@ -38,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state/trainer_state.json"
+CYCLE_START_FILE = "cycle_start.safetensors"
 
 
 class CheckpointError(RuntimeError):
@@ -196,6 +199,7 @@ def save_checkpoint(
     variants: Mapping[str, torch.nn.Module],
     variant_tensors: Mapping[str, torch.Tensor],
     optimizer_state: Mapping[str, Any],
+    cycle_start: Mapping[str, torch.Tensor] | None = None,
     keep_last: int = 0,
 ) -> Path:
     """Write a checkpoint for ``trainer_state["optimizer_step"]`` and publish it by rename."""
@@ -211,6 +215,8 @@ def save_checkpoint(
     save_file({k: v.contiguous() for k, v in variant_tensors.items()}, tmp / "state" / "variants.safetensors")
     _write_split(tmp / "state", "optimizer", optimizer_state)
     _write_split(tmp / "state", "rng", rng_state())
+    if cycle_start is not None:
+        save_file({k: v.contiguous() for k, v in cycle_start.items()}, tmp / "state" / CYCLE_START_FILE)
     (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))  # written last
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. a resumed run that stops at once)
@@ -269,3 +275,11 @@ def read_tensor_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], Any, A
         _read_split(state_dir, "optimizer"),
         _read_split(state_dir, "rng"),
     )
+
+
+def read_cycle_start(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The variants' weights at the start of the cycle a run was stopped in (``cycle.steps_done > 0``)."""
+    path = Path(checkpoint) / "state" / CYCLE_START_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint} was saved inside a cycle but has no state/{CYCLE_START_FILE}")
+    return load_file(path)

@@ -186,7 +186,7 @@ class RunConfig:
     trainer: str
     """A registered trainer name."""
     max_steps: int
-    """Stop at the first cycle boundary at or past this many optimizer steps."""
+    """Stop after exactly this many optimizer steps (inside a rollout iteration if need be)."""
     model: ModelConfig
     train: TrainingArguments
     data: DataConfig = field(default_factory=DataConfig)

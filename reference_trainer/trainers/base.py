@@ -5,7 +5,9 @@ declares its ``execution_contract`` (equal to its TrainingArguments'), its train
 
 * ``setup_roles()`` -> ``{role: variant}``: declare variants / snapshots in ``self.variants``;
 * generation acquisition: ``optimize(samples)`` after its own ``sample()``; every optimizer step is a
-  ``with self.optim.phase(role) as phase: ... phase.backward(loss, metrics)`` block;
+  ``with self.optim.phase(role) as phase: ... phase.backward(loss, metrics)`` block, one per item of
+  ``for item in self.cycle_steps(items)`` (which stops at ``max_steps`` and skips the steps done
+  before a mid-cycle resume);
 * dataset acquisition: ``optimize_batch(batch) -> (loss, metrics)`` for one microbatch; the base
   back-propagates ``loss / gradient_accumulation_steps`` inside the ``dataset_role`` phase and steps
   when the window closes.
@@ -19,6 +21,15 @@ declares its ``execution_contract`` (equal to its TrainingArguments'), its train
    loader is cleanly exhausted;
 3. after each cycle, the checkpoint boundary (every ``checkpoint.every`` optimizer steps);
 4. always a final checkpoint when the loop ends (max steps, epochs, or a signal).
+
+``max_steps`` is exact: a run stops after exactly ``max_steps`` optimizer steps, even inside a
+rollout iteration of several steps (DMD2's fake/generator phases, several GRPO minibatches). Such a
+*cut* cycle leaves ``rollout_iteration`` unadvanced, and its checkpoint records ``cycle.steps_done``
+plus the variants' weights at the cycle's start (``state/cycle_start.safetensors``, kept in memory
+only for a cycle that ``cycle_steps`` sees will be cut). Resuming replays ``sample()`` from those
+weights (it is a pure function of weights and counters), restores the current weights, and
+``cycle_steps`` skips the steps already done: the trajectory equals the uninterrupted one bit for
+bit. Signals stop at cycle boundaries.
 
 The three counters are independent. Each finished optimizer step appends one record to
 ``metrics.jsonl`` (``optimizer_step`` counts steps done, so the first record has 1). Everything a cycle
@@ -35,11 +46,11 @@ import sys
 import threading
 import time
 from abc import ABC
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -51,6 +62,8 @@ from reference_trainer.contracts import ExecutionContract
 from reference_trainer.data import ConditionCache, DatasetAcquisition, PromptSource
 from reference_trainer.optim import RoleOptimizer, StepResult, build_optimizer
 from reference_trainer.roles import ComponentVariantRegistry, check_ownership, role_parameters
+
+T = TypeVar("T")
 
 
 class BaseTrainer(ABC):
@@ -86,6 +99,10 @@ class BaseTrainer(ABC):
         self.rollout_iteration = 0
         self.data_epoch = 0
         self.batches_in_epoch = 0
+        self.cycle_step = 0
+        """Optimizer steps done in the current cycle (non-zero between cycles only for a cut cycle)."""
+        self._cycle_start: dict[str, torch.Tensor] | None = None
+        self._cycle_cut = False
         self.cycle_metrics: dict[str, float] = {}
         # roles: variants (live, trainable) vs snapshots (frozen), disjoint and exhaustive ownership
         self.variants = ComponentVariantRegistry(adapter.trainable_module(), adapter.trainable_component)
@@ -127,6 +144,31 @@ class BaseTrainer(ABC):
     def optimize_batch(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """Dataset trainers: the loss of one microbatch and its metrics (override)."""
         raise NotImplementedError
+
+    def cycle_steps(self, items: Sequence[T]) -> Iterator[T]:
+        """The items of this cycle's optimizer steps, in order, each to be exactly one optimizer step.
+
+        Skips the items whose steps were done before a mid-cycle resume, and stops once ``max_steps``
+        is reached (the cycle is then *cut*; module docstring). Before the first step of a cycle that
+        will be cut, the variants' weights are kept so that the cut cycle's ``sample()`` can be
+        replayed on resume.
+        """
+        items = list(items)
+        if self.cycle_step == 0 and self.optimizer_step + len(items) > self.config.max_steps:
+            self._cycle_start = {key: t.clone() for key, t in self.variants.state_tensors().items()}
+        for index, item in enumerate(items):
+            if index < self.cycle_step:
+                continue  # done before the resume
+            if self.optimizer_step >= self.config.max_steps:
+                self._cycle_cut = True
+                return
+            before = self.optimizer_step
+            yield item
+            if self.optimizer_step != before + 1:
+                raise RuntimeError(
+                    f"{type(self).__name__}.optimize: item {index} of cycle_steps() made "
+                    f"{self.optimizer_step - before} optimizer steps; each item must make exactly one"
+                )
 
     def _validate_hooks(self) -> None:
         """Generation trainers must override ``sample`` and ``optimize``; dataset trainers ``optimize_batch``."""
@@ -205,10 +247,34 @@ class BaseTrainer(ABC):
     def _generation_cycle(self) -> None:
         """One rollout iteration: sample (+ feedback inside ``sample``), then optimize."""
         self.cycle_metrics = {}
-        with ffdebug.step(**self.step_tags("rollout")):
+        self._cycle_cut = False
+        with self._weights_at_cycle_start(), ffdebug.step(**self.step_tags("rollout")):
             samples = self.sample()
         self.optimize(samples)
+        if self.optimizer_step > self.config.max_steps:
+            raise RuntimeError(
+                f"{type(self).__name__}.optimize stepped past max_steps: its optimizer steps must run "
+                "inside `for item in self.cycle_steps(items)`"
+            )
+        if self._cycle_cut:  # stopped at max_steps inside the cycle; resume finishes it
+            return
         self.rollout_iteration += 1
+        self.cycle_step = 0
+        self._cycle_start = None
+
+    @contextmanager
+    def _weights_at_cycle_start(self) -> Iterator[None]:
+        """Resumed inside a cut cycle: run the cycle's ``sample()`` on the weights it started from."""
+        if self.cycle_step == 0:
+            yield
+            return
+        assert self._cycle_start is not None
+        current = {key: t.clone() for key, t in self.variants.state_tensors().items()}
+        self.variants.load_state_tensors(self._cycle_start)
+        try:
+            yield
+        finally:
+            self.variants.load_state_tensors(current)
 
     def _dataset_cycle(self) -> None:
         """One accumulation window = one optimizer step; the epoch advances on clean exhaustion."""
@@ -217,6 +283,7 @@ class BaseTrainer(ABC):
         if self._epoch_batches is None:
             self._epoch_batches = self.dataset.epoch(self.data_epoch, self.batches_in_epoch)
         self.cycle_metrics = {}
+        self.cycle_step = 0
         with self.optim.phase(self.dataset_role) as phase:
             for _ in range(accumulation):  # check_accumulation guarantees the window closes
                 batch = next(self._epoch_batches)
@@ -240,6 +307,7 @@ class BaseTrainer(ABC):
     def _record_step(self, result: StepResult) -> None:
         """Called by ``RoleOptimizer`` after each optimizer step: count it and log one record."""
         self.optimizer_step += 1
+        self.cycle_step += 1
         record: dict[str, Any] = {
             "optimizer_step": self.optimizer_step,
             "role": result.role,
@@ -332,6 +400,7 @@ class BaseTrainer(ABC):
             "rollout_iteration": self.rollout_iteration,
             "data_epoch": self.data_epoch,
             "sampler": {"data_epoch": self.data_epoch, "batches_in_epoch": self.batches_in_epoch},
+            "cycle": {"steps_done": self.cycle_step},
             "trainer": self.registry_name,
             "identity": self.identity,
             "identity_hash": ckpt.identity_hash(self.identity),
@@ -345,6 +414,7 @@ class BaseTrainer(ABC):
             variants=self.variants.variants,
             variant_tensors=self.variants.state_tensors(),
             optimizer_state=self.optim.optimizer.state_dict(),
+            cycle_start=self._cycle_start if self.cycle_step else None,
             keep_last=self.config.checkpoint.keep_last,
         )
         self._last_saved_step = self.optimizer_step
@@ -368,6 +438,8 @@ class BaseTrainer(ABC):
         self.rollout_iteration = state["rollout_iteration"]
         self.data_epoch = state["sampler"]["data_epoch"]
         self.batches_in_epoch = state["sampler"]["batches_in_epoch"]
+        self.cycle_step = state["cycle"]["steps_done"]
+        self._cycle_start = ckpt.read_cycle_start(checkpoint) if self.cycle_step else None
         self._last_saved_step = self.optimizer_step
         self._truncate_metrics()
 

@@ -131,7 +131,7 @@ class DMD2Trainer(BaseTrainer):
 
     # ---------------------------------------------------------------- optimisation
     def optimize(self, phases: list[DMD2Phase]) -> None:
-        for index, phase in enumerate(phases):
+        for index, phase in self.cycle_steps(list(enumerate(phases))):
             generator = self.generator("dmd2", self.rollout_iteration, index, "noise")
             with ffdebug.step(**self.step_tags(phase.role)), self.optim.phase(phase.role) as step:
                 if phase.role == "fake":

@@ -191,7 +191,7 @@ class GRPOTrainer(BaseTrainer):
         batch = len(samples.prompts)
         trained_steps = math.ceil(args.timestep_fraction * args.num_inference_steps)
         order = torch.randperm(batch, generator=self.generator("shuffle", self.rollout_iteration))
-        for minibatch in order.chunk(args.gradient_steps_per_iteration):
+        for minibatch in self.cycle_steps(order.chunk(args.gradient_steps_per_iteration)):
             micro_size = args.microbatch_size or len(minibatch)
             microbatches = minibatch.split(micro_size)
             terms = len(microbatches) * trained_steps

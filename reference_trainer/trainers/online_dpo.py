@@ -193,7 +193,7 @@ class OnlineDPOTrainer(BaseTrainer):
         condition = samples.condition.select(chosen)  # chosen and rejected share the group's prompt
         condition2 = Condition.cat([condition, condition])
         policy, reference = self.variants.variant("policy"), self.variants.snapshot("reference")
-        for s in range(args.gradient_steps_per_iteration):
+        for s in self.cycle_steps(range(args.gradient_steps_per_iteration)):
             generator = self.generator("online_dpo", self.rollout_iteration, s)
             sigma = sample_sigmas(
                 len(chosen), args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
