@@ -41,13 +41,14 @@ class BisectResult:
     calls: list[dict] = field(default_factory=list)
     reason: str = ""
     signal: str | None = None
+    judgement: str | None = None  # the verdict, raised to `bug` when `signal` is set; decides the exit code
     shards: list[dict] = field(default_factory=list)
     attribution: list[dict] | None = None
     warmup_skipped: int = 0
     notes: list[str] = field(default_factory=list)
 
     def failed(self, fail_on: str | None = None) -> bool:
-        return at_least(self.verdict, fail_on or self.fail_on)
+        return at_least(self.judgement or self.verdict, fail_on or self.fail_on)
 
     def __bool__(self) -> bool:
         return not self.failed()
@@ -67,6 +68,7 @@ class BisectResult:
             "sub_stage": self.sub_stage,
             "reason": self.reason,
             "signal": self.signal,
+            "judgement": self.judgement or self.verdict,
             "layers": self.layers,
             "call": self.call,
             "calls": self.calls,
@@ -118,6 +120,26 @@ def _entry(e: dict | None) -> dict | None:
     return {k: e.get(k) for k in ("layer", "layer_class", "stage", "key", "severity", "cos", "rel")}
 
 
+EXACT_PREFIX_SIGNAL = "error appears after exactly equal stages in the same dtype"
+
+
+def break_in_exact_prefix(stages: list[dict]) -> dict | None:
+    """The first stage (execution order) that is not exactly equal while every earlier one is, in
+    the same dtype on both sides and outside the noise run's reach; None when there is no such
+    stage. Nothing upstream differs, so this stage's own computation does: a bug signal however
+    small its error (DESIGN §4)."""
+    for e in stages:
+        if pat.is_exact(e):
+            continue
+        same_dtype = e.get("dtype_ref") == e.get("dtype_target")
+        return e if same_dtype and e.get("rel") is not None and not pat.within_noise(e) else None
+    return None
+
+
+def _in_layer(stages: list[dict], layer) -> list[dict]:
+    return [e for e in stages if layer is not None and e.get("layer") == layer]
+
+
 def _analyse_call(stages: list[dict], attribution: list[dict] | None) -> dict:
     rows = pat.layer_rows(stages)
     by_key = {e["key"]: e for e in stages}
@@ -127,38 +149,49 @@ def _analyse_call(stages: list[dict], attribution: list[dict] | None) -> dict:
             row.local = a["verdict"]
     pat.mark_introducing(rows, by_key)
     p = pat.decide(rows)
-    first = sub = None
-    why_sub = ""
-    if p.focus is not None:
-        in_layer = [e for e in stages if e.get("layer") == p.focus.layer]
-        first, _ = first_lossy(in_layer, block_only=True)
-        first = first or by_key.get(f"L{p.focus.layer:03d}.hidden_out")
-        sub, why_sub = first_lossy(in_layer)
-    if p.name in ("match", "drift"):  # no single layer to blame: the first stage outside the ok band
+    signal = p.signal
+    if p.focus is not None and p.name != "drift":
+        in_layer = _in_layer(stages, p.focus.layer)
+        first = first_lossy(in_layer, block_only=True)[0] or by_key.get(f"L{p.focus.layer:03d}.hidden_out")
+    else:  # no single layer to blame: the first stage outside the ok band
         first = next((e for e in stages if e["severity"] != "ok"), None)
-        sub = None
-        if first is not None and first.get("layer") is not None:
-            sub, why_sub = first_lossy([e for e in stages if e.get("layer") == first["layer"]])
-    return {"rows": rows, "pattern": p, "first": first, "sub": sub, "why_sub": why_sub}
+        if p.name == "match" and first is None:
+            first = break_in_exact_prefix(stages)
+            signal = EXACT_PREFIX_SIGNAL if first is not None else None
+    sub, why_sub = first_lossy(_in_layer(stages, (first or {}).get("layer")))
+    return {"rows": rows, "pattern": p, "first": first, "sub": sub, "why_sub": why_sub, "signal": signal}
 
 
 def _per_class(rows: list[pat.LayerRow], p: pat.Pattern) -> list[dict]:
+    """Per layer class: its layers, the first bad layer, the layers introducing error.
+
+    `first_bad_layer` is the first layer of the class that the pattern blames when it localises
+    the error (jump: the focus; layer_class: the introducing layers), so a class that merely
+    carries inherited error has none; for drift and match it is the first layer whose block output
+    is outside the ok band. `first_over_threshold` is always the latter."""
     out: dict[str, dict] = {}
-    implicated = set(p.introducing) if p.name in ("layer_class", "jump") else set()
-    if p.name == "jump" and p.focus is not None:
-        implicated = {p.focus.layer}
+    blamed = {p.focus.layer} if p.name == "jump" else set(p.introducing) if p.name == "layer_class" else None
     for r in rows:
         cls = r.layer_class or "?"
         c = out.setdefault(
             cls,
-            {"layer_class": cls, "layers": [], "first_bad_layer": None, "introducing": [], "max_added": None},
+            {
+                "layer_class": cls,
+                "layers": [],
+                "first_bad_layer": None,
+                "first_over_threshold": None,
+                "introducing": [],
+                "max_added": None,
+            },
         )
         c["layers"].append(r.layer)
         if r.introduces:
             c["introducing"].append(r.layer)
         if r.added is not None:
             c["max_added"] = r.added if c["max_added"] is None else max(c["max_added"], r.added)
-        bad = r.severity != "ok" or r.layer in implicated
+        if r.severity != "ok" and c["first_over_threshold"] is None:
+            c["first_over_threshold"] = r.layer
+        bad = r.severity != "ok" if blamed is None else r.layer in blamed
         if bad and c["first_bad_layer"] is None:
             c["first_bad_layer"] = r.layer
     return list(out.values())
@@ -227,18 +260,7 @@ def bisect(
 
     p = analysis["pattern"]
     verdict = worst(*(e["severity"] for e in result.stages)) if result.stages else "ok"
-    first, sub = analysis["first"], analysis["sub"]
-    signal = None
-    if (
-        p.name in ("jump", "layer_class")
-        and p.clean_prefix
-        and first is not None
-        and first["severity"] == "ok"
-    ):
-        signal = (
-            "error appears from exactly equal inputs in the same dtype: a bug signal although every "
-            "stage is inside the ok band"
-        )
+    first, sub, signal = analysis["first"], analysis["sub"], analysis["signal"]
     sub_out = None
     if sub is not None:
         sub_out = {k: sub.get(k) for k in ("stage", "key", "severity", "cos", "rel")}
@@ -269,6 +291,7 @@ def bisect(
         calls=calls,
         reason=p.reason,
         signal=signal,
+        judgement=worst(verdict, "bug") if signal else verdict,
         shards=shard_info,
         attribution=attribution,
         warmup_skipped=result.warmup_skipped,

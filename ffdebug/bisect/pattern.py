@@ -7,18 +7,24 @@ For every layer L with a block input and output dumped on both sides (rel agains
     added(L)   = rel_out(L) - rel_in(L)        (error it adds; DESIGN: error out - error in)
 
 A layer *introduces* error when `added` is beyond noise: above k x the noise run's added error
-(k = 2 for fp32, 3 for bf16/fp16) when a noise run is given, else above 0, and in both cases above
-10% of what the layer inherits (a healthy layer fed a slightly wrong input passes the error on
-roughly unchanged; the residual stream usually dilutes it). When attribution re-ran the layers on
-the reference's inputs, its verdict (local / inherited) replaces this estimate.
+for that layer (k = 2 for fp32, 3 for bf16/fp16) when a noise run is given, else above 0, and in
+both cases above 10% of what the layer inherits (a healthy layer fed a slightly wrong input passes
+the error on roughly unchanged; the residual stream usually dilutes it). When attribution re-ran
+the layers on the reference's inputs, its verdict (local / inherited) replaces this estimate.
 
 Pattern, in this order:
   match       no layer introduces error;
   layer_class two or more layers introduce error, all of one class, while the layers of the other
               classes stay at noise (needs two classes or more);
   jump        one layer introduces far more than the rest (10x the next), or it is the first to
-              show any error after an exactly equal prefix in the same dtype;
+              show any error after an exactly equal prefix in the same dtype (past layer 0: error
+              that starts at layer 0 is a jump only by the ratio, else drift);
   drift       otherwise: error present from the first layer, growing smoothly.
+
+A localised pattern (jump, layer_class) carries a bug *signal* when its focus layer got an exactly
+equal input in the same dtype (nothing but that layer can explain the error, however small), when
+attribution found the error local to it, or when a noise run was given and the layer adds more than
+k x the noise run's error.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+from ffdebug.compare.engine import LOW_PRECISION
+
 INHERIT_SHARE = 0.1  # a layer must add more than this share of the error it inherits
 JUMP_RATIO = 10.0  # one layer adds this many times more than any other: a jump
 
@@ -45,7 +52,7 @@ class LayerRow:
     cos_out: float | None = None
     added: float | None = None
     severity: str = "ok"  # of hidden_out (bands, after noise)
-    exact_in: bool = False  # hidden_in bit-equal, same dtype on both sides
+    exact_in: bool = False  # hidden_in (or embed.out) dumped, bit-equal, same dtype on both sides
     exact_out: bool = False
     noise_added: float | None = None
     noise_rel_out: float | None = None
@@ -60,6 +67,12 @@ class LayerRow:
 def noise_factor(stage: dict) -> float:
     dtypes = (stage.get("dtype_ref"), stage.get("dtype_target"))
     return 3.0 if any(d in LOW_PRECISION for d in dtypes) else 2.0
+
+
+def within_noise(e: dict) -> bool:
+    """The stage's error is no more than k x the noise run's at the same stage."""
+    rel, noise = e.get("rel"), e.get("noise_rel")
+    return noise is not None and rel is not None and rel <= noise_factor(e) * noise
 
 
 def is_exact(e: dict | None) -> bool:
@@ -91,8 +104,8 @@ def layer_rows(stages: list[dict]) -> list[LayerRow]:
         if e_in is not None:
             row.rel_in, row.cos_in, row.exact_in = e_in.get("rel"), e_in.get("cos"), is_exact(e_in)
         elif not rows:
-            row.rel_in, row.cos_in, row.exact_in = 0.0, 1.0, True
-            row.notes.append("no block input dumped: assumed exact")
+            row.rel_in, row.cos_in = 0.0, 1.0
+            row.notes.append("no block input dumped: assumed error-free (not evidence of an exact input)")
         if e_out is not None:
             row.rel_out, row.cos_out = e_out.get("rel"), e_out.get("cos")
             row.severity, row.exact_out = e_out["severity"], is_exact(e_out)
@@ -116,16 +129,19 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, dict]) -> No
         if row.added is None:
             row.introduces = row.severity != "ok"
             continue
-        out = stages_by_key.get(f"L{row.layer:03d}.hidden_out") or {}
-        k = noise_factor(out)
-        floor = 0.0
-        if row.noise_added is not None:
-            floor = k * max(row.noise_added, 0.0)
-            if row.rel_out is not None and row.noise_rel_out is not None:
-                if row.rel_out <= k * row.noise_rel_out:
-                    row.introduces = False
-                    continue
-        row.introduces = row.added > max(floor, INHERIT_SHARE * (row.rel_in or 0.0))
+        row.introduces = row.added > max(noise_floor(row, stages_by_key), INHERIT_SHARE * (row.rel_in or 0.0))
+
+
+def noise_floor(row: LayerRow, stages_by_key: dict[str, dict]) -> float:
+    """k x the error the noise run adds at this layer (0 without a noise run).
+
+    Judged on the error *added*, not on the error carried: a layer that adds 10x the noise is
+    introducing error even while its output, carrying less inherited error than k x the noise
+    run's, still reads "within noise"."""
+    if row.noise_added is None:
+        return 0.0
+    out = stages_by_key.get(f"L{row.layer:03d}.hidden_out") or {}
+    return noise_factor(out) * max(row.noise_added, 0.0)
 
 
 @dataclass
@@ -134,7 +150,26 @@ class Pattern:
     focus: LayerRow | None  # the layer the pattern points at
     introducing: list[int]
     reason: str
-    clean_prefix: bool = False  # every earlier layer exactly equal, same dtype
+    signal: str | None = None  # why the focus is a bug however small its error (see module doc)
+
+
+def _also(intro: list[LayerRow], focus: LayerRow) -> str:
+    rest = [str(r.layer) for r in intro if r is not focus]
+    return f"; also introducing error: layer {', '.join(rest)}" if rest else ""
+
+
+def _signal(focus: LayerRow) -> str | None:
+    if focus.exact_in:
+        return "error appears from exactly equal inputs in the same dtype"
+    if focus.local == "local":
+        return "the target block re-run on the reference's input reproduces the error"
+    if focus.noise_added is not None:
+        return "the layer adds more error than the noise run allows"
+    return None
+
+
+def _localised(name: str, focus: LayerRow, intro: list[LayerRow], reason: str) -> Pattern:
+    return Pattern(name, focus, [r.layer for r in intro], reason, _signal(focus))
 
 
 def decide(rows: list[LayerRow]) -> Pattern:
@@ -143,35 +178,20 @@ def decide(rows: list[LayerRow]) -> Pattern:
     if not intro:
         return Pattern("match", None, [], "no layer introduces error beyond noise")
     first = intro[0]
-    clean = first.exact_in and first is not rows[0]
     classes = {r.layer_class for r in rows}
-    intro_classes = {r.layer_class for r in intro}
-    if len(intro) >= 2 and len(classes) >= 2 and len(intro_classes) == 1:
-        cls = first.layer_class
-        n_cls = sum(1 for r in rows if r.layer_class == cls)
-        return Pattern(
-            "layer_class",
-            first,
-            [r.layer for r in intro],
-            f"{len(intro)} of the {n_cls} {cls} layers introduce error while the other classes stay at noise",
-            clean,
-        )
-    added = sorted(((r.added or 0.0), r.layer) for r in intro)
-    top_added, top_layer = added[-1]
-    others = [max(r.added or 0.0, 0.0) for r in rows if r.layer != top_layer]
-    top = next(r for r in rows if r.layer == top_layer)
-    if clean:
-        return Pattern(
-            "jump",
-            first,
-            [r.layer for r in intro],
-            "error appears from exactly equal inputs (same dtype) at this layer",
-            True,
-        )
-    if len(intro) == 1 or top_added >= JUMP_RATIO * max(others or [0.0]):
-        ratio = top_added / max(others) if others and max(others) > 0 else float("inf")
+    if len(intro) >= 2 and len(classes) >= 2 and len({r.layer_class for r in intro}) == 1:
+        n_cls = sum(1 for r in rows if r.layer_class == first.layer_class)
+        why = f"{len(intro)} of the {n_cls} {first.layer_class} layers introduce error while the other classes stay at noise"
+        return _localised("layer_class", first, intro, why)
+    if first.exact_in and first is not rows[0]:
+        why = "the first layer to show any error, after exactly equal layers"
+        return _localised("jump", first, intro, why + _also(intro, first))
+    top = max(intro, key=lambda r: r.added or 0.0)
+    others = [max(r.added or 0.0, 0.0) for r in rows if r is not top]
+    if len(intro) == 1 or (top.added or 0.0) >= JUMP_RATIO * max(others or [0.0]):
+        ratio = (top.added or 0.0) / max(others) if others and max(others) > 0 else float("inf")
         why = "the only layer that introduces error" if len(intro) == 1 else f"adds {ratio:.3g}x the next"
-        return Pattern("jump", top, [r.layer for r in intro], why)
+        return _localised("jump", top, intro, why + _also(intro, top))
     return Pattern(
         "drift",
         first,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from ffdebug.bisect.pattern import is_exact, noise_factor
+from ffdebug.bisect.pattern import is_exact, within_noise
 
 COS_STEP = 0.001
 REL_STEP = 0.01
@@ -51,8 +51,7 @@ def lossy_step(e: dict, base: dict | None) -> tuple[bool, str]:
         return True, "shape mismatch or no numbers"
     b_cos = 1.0 if base is None or base.get("cos") is None else base["cos"]
     b_rel = 0.0 if base is None or base.get("rel") is None else base["rel"]
-    noisy = e.get("noise_rel") is not None and rel is not None and rel <= noise_factor(e) * e["noise_rel"]
-    if noisy:
+    if within_noise(e):
         return False, "within noise"
     if cos is not None and b_cos - cos > COS_STEP:
         return True, f"cos drops {b_cos - cos:.3g}"

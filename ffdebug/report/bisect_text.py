@@ -55,11 +55,16 @@ def bisect_sentence(result) -> str:
         pattern = f"pattern drift: {result.reason}"
     else:
         pattern = "pattern match: no layer introduces error, the difference is outside the layers"
-    signal = f" ({result.signal})" if result.signal else ""
+    signal = f" (bug signal: {result.signal})" if result.signal else ""
     return (
         f"First divergence at {where}{inside}; {pattern}{signal}; "
-        f"{first['severity']} ({_nums(first)}), verdict {result.verdict}. {word}"
+        f"{first['severity']} ({_nums(first)}), {_verdict(result)}. {word}"
     )
+
+
+def _verdict(result) -> str:
+    judged = result.judgement or result.verdict
+    return f"verdict {result.verdict}" + (f", judged {judged}" if judged != result.verdict else "")
 
 
 def layers_table(result) -> Table:

@@ -178,7 +178,8 @@ def bisect_html(data: dict) -> str:
         f"<style>{CSS}</style></head><body>",
         "<h1>ffdebug bisect</h1>",
         f"<p>reference <code>{_esc(data.get('ref'))}</code> vs target <code>{_esc(data.get('target'))}</code>"
-        f" &middot; verdict <b>{_esc(data.get('verdict'))}</b> &middot; pattern <b>{_esc(data.get('pattern'))}</b></p>",
+        f" &middot; verdict <b>{_esc(data.get('verdict'))}</b> &middot; judgement <b>{_esc(data.get('judgement'))}</b>"
+        f" &middot; pattern <b>{_esc(data.get('pattern'))}</b></p>",
         f'<p class="conclusion {word}" id="conclusion">{_esc(data.get("conclusion"))}</p>',
         "<h2>Per-layer error of the block output, per layer class</h2>",
         '<div class="plots">',

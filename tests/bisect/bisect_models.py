@@ -104,3 +104,44 @@ def dump(model, directory, side: str, ids, classes=None, **options):
     with ffdebug.capture(model, dir=directory, side=side, classes=classes, **options), torch.no_grad():
         model(input_ids=ids)
     return f"{directory}/{side}"
+
+
+def llama_scaled(model, name: str, factor: float):
+    """A target whose parameter `name` (e.g. `lm_head.weight`) is scaled by `factor`."""
+    target = copy.deepcopy(model)
+    with torch.no_grad():
+        target.get_parameter(name).mul_(factor)
+    return target
+
+
+def qwen2_sliding(num_layers: int = 6, window: int = 4):
+    """Qwen2-style LM alternating sliding-window and full attention (`layer_types` in the config)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        use_sliding_window=True,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+    return model
+
+
+def wrong_sliding_window(model, window: int = 8):
+    """The port's bug: the sliding-window layers attend over the wrong window (full layers fine)."""
+    target = copy.deepcopy(model)
+    target.config.sliding_window = window
+    return target

@@ -63,6 +63,7 @@ def test_html_report_is_self_contained_with_an_svg_plot(ds_dir, tmp_path):
     assert "dense" in page and "moe" in page
     assert re.search(r"https?:|<script|<link|<img|@import|url\(", page) is None
     assert 'id="conclusion"' in page and "FAILED" in page and "layer 1 (moe)" in page
+    assert "judgement <b>bug</b>" in page
 
 
 @pytest.mark.chromium
