@@ -14,9 +14,6 @@ and returns the model (an `nn.Module`), or `(model, forward_kwargs)` for models 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
 import re
 
 from ffdebug.bisect.pattern import noise_factor
@@ -27,29 +24,16 @@ LOCAL_SHARE = 0.1  # local error must be at least this share of the dumped outpu
 
 
 def load_entry(spec: str, flag: str):
-    """(model, forward_kwargs or None) from a `module:function` entry."""
-    if ":" not in spec:
-        raise FFDebugError(f"{flag} {spec!r}: use 'module:function' or 'path/to/file.py:function'")
-    mod_name, fn_name = spec.rsplit(":", 1)
+    """(model, forward_kwargs or None) from a `module:function` entry (no arguments)."""
+    from ffdebug.weights.sources import call_entry
+
     try:
-        if mod_name.endswith(".py") or os.sep in mod_name:
-            if not os.path.exists(mod_name):
-                raise FFDebugError(f"{flag} {spec!r}: {mod_name} does not exist")
-            name = "_ffdebug_entry_" + re.sub(r"\W", "_", os.path.abspath(mod_name))
-            loader_spec = importlib.util.spec_from_file_location(name, mod_name)
-            module = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod_name)
-    except ImportError as err:
-        raise FFDebugError(f"{flag} {spec!r}: cannot import {mod_name} ({err}); check PYTHONPATH") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise FFDebugError(f"{flag} {spec!r}: {mod_name} has no function {fn_name!r}")
-    out = fn()
+        out = call_entry(spec)
+    except FFDebugError as err:
+        raise FFDebugError(f"{flag} {err}") from None
     model, kwargs = out if isinstance(out, tuple) else (out, None)
     if not hasattr(model, "named_modules"):
-        raise FFDebugError(f"{flag} {spec!r}: {fn_name}() must return an nn.Module or (module, kwargs)")
+        raise FFDebugError(f"{flag} {spec!r}: the function must return an nn.Module or (module, kwargs)")
     return model, kwargs
 
 

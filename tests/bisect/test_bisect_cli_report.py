@@ -51,6 +51,10 @@ def test_bisect_cli_usage_errors_exit_2(ds_dir, tmp_path):
     assert res.exit_code == 2 and "--layer-class" in res.output
     res = runner.invoke(app, ["bisect", "--dir", ds_dir, "--model-target", "nomodule"])
     assert res.exit_code == 2 and "--model-target" in res.output
+    res = runner.invoke(app, ["bisect", "--dir", ds_dir, "--model-target", "os:getcwd"])
+    assert res.exit_code == 2 and "--model-target 'os:getcwd'" in res.output and "nn.Module" in res.output
+    res = runner.invoke(app, ["bisect", "--dir", ds_dir, "--model-target", "no_such_module_xyz:build"])
+    assert res.exit_code == 2 and "--model-target" in res.output and "cannot import" in res.output
 
 
 def test_html_report_is_self_contained_with_an_svg_plot(ds_dir, tmp_path):
