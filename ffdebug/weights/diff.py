@@ -11,9 +11,13 @@ Per-tensor findings (DESIGN §5 `finding`):
 | `transposed` | equal to the other side transposed                                   | bands (scramble) |
 | `sign_flip`  | cos ≈ −1: the negated tensor                                         | scramble      |
 | `scaled`     | cos ≈ 1 but the norms differ: a constant factor (`scale_factor`)     | bands (bug)   |
-| `mismatch`   | anything else                                                        | bands         |
+| `mismatch`   | anything else                                                        | bands; same dtype: ≥ bug |
 
 "bands" = `classify(cos, rel)` of the comparison as loaded (DESIGN §4), with --threshold overrides.
+Same dtype on both sides and not dequantized: a difference beyond one ulp is never `ok`. Within one
+ulp of bf16 / fp16 (a round trip through it) it is `rounding`, at least `drift`; otherwise the
+loader changed the values, `mismatch` at least `bug`, however small cos / rel make it look (a few
+embedding rows left at their initialisation change the norm of a large table by 0.1%).
 """
 
 from __future__ import annotations
@@ -261,9 +265,26 @@ def compare_pair(
         ):
             finding = "scaled"
             entry["scale_factor"] = c
+    if finding == "mismatch" and dtype_ref == dtype_tgt and not dequantized and ref.dtype.is_floating_point:
+        finding, raised, note = _same_dtype_change(ref, tgt, dtype_ref)
+        sev = worst(sev, raised)
+        entry.setdefault("notes", []).append(note)
     entry["finding"] = finding
     entry["severity"] = sev
     return entry
+
+
+def _same_dtype_change(ref, tgt, dtype: str) -> tuple[str, str, str]:
+    """(finding, lowest severity, note) for a same-dtype pair that differs beyond one ulp.
+
+    Values within one ulp of a coarser float went through it on the way (a bf16 round trip):
+    `rounding`, at least drift. Anything else the loader changed, however small the error looks
+    (a few rows left at their initialisation hide in a large tensor's norm): at least a bug."""
+    for coarse in ("float16", "bfloat16"):
+        eps = quant.ulp(coarse)
+        if quant.ulp(dtype) < eps and _within_rounding(ref, tgt, eps):
+            return "rounding", "drift", f"same dtype, but the target's values were rounded through {coarse}"
+    return "mismatch", "bug", "same dtype, values differ beyond rounding: the loader changed them"
 
 
 # ------------------------------------------------------------------------------------------------

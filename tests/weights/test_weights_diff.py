@@ -329,3 +329,55 @@ def test_value_equal_other_bits():
     assert (
         by["ids"]["finding"] == "dtype_only" and by["z"]["finding"] == "equal" and not by["z"]["byte_equal"]
     )
+
+
+# --- same dtype: any change beyond one ulp is the loader's ------------------------------------------
+
+
+def test_same_dtype_rows_left_at_init_are_a_bug_however_small(tmp_path):
+    """Three added-token rows of a 4000-row embedding not loaded: rel 3.5% (the `drift` band), but
+    both sides are fp32 and the other rows are bit-equal, so the loader changed them: a bug."""
+    torch.manual_seed(0)
+    emb = torch.randn(4000, 32) * 0.02
+    bad = emb.clone()
+    bad[-3:] = torch.randn(3, 32) * 0.02
+    save_file({"embed.weight": emb}, tmp_path / "ref.safetensors")
+    save_file({"embed.weight": bad}, tmp_path / "tgt.safetensors")
+    code, out = run_json("weights-diff", tmp_path / "ref.safetensors", tmp_path / "tgt.safetensors")
+    (t,) = out["tensors"]
+    assert 0.01 < t["rel"] < 0.1  # the bands alone would say drift and pass
+    assert (t["finding"], t["severity"], code) == ("mismatch", "bug", 1)
+    assert t["max_abs_at"][0] >= 3997  # the coordinate points at the unloaded rows
+
+
+def test_same_dtype_bf16_round_trip_is_rounding_drift():
+    torch.manual_seed(0)
+    w = torch.randn(64, 64)
+    res = ffdebug.weights_diff({"w": w}, {"w": w.to(torch.bfloat16).float()})
+    (t,) = res.tensors
+    assert (t["finding"], t["severity"]) == ("rounding", "drift")
+    assert any("bfloat16" in n for n in t["notes"])
+    assert res and res.failed("drift")  # passes the default --fail-on diverge, not --fail-on drift
+    one_ulp = ffdebug.weights_diff({"w": w}, {"w": w.nextafter(torch.tensor(float("inf")))})
+    assert (one_ulp.tensors[0]["finding"], one_ulp.tensors[0]["severity"]) == ("rounding", "ok")
+
+
+def test_hand_quantised_deepseek_fp8_blocks_match_at_e4m3_precision():
+    """DeepSeek-V3 layout, quantised here without ffdebug: 128x128 blocks, `weight_scale_inv`
+    (dequant = q * scale_inv per block), e4m3 (3 mantissa bits: |error| <= 2^-4 |w| + subnormals)."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 384) * 0.02
+    blocks = w.reshape(2, 128, 3, 128)
+    scale_inv = blocks.abs().amax(dim=(1, 3)) / 448.0
+    q = (blocks / scale_inv[:, None, :, None]).reshape(256, 384).to(torch.float8_e4m3fn)
+    deq = (q.float().reshape(2, 128, 3, 128) * scale_inv[:, None, :, None]).reshape(256, 384)
+    res = ffdebug.weights_diff(
+        {"l.weight": w}, {"l.weight": q, "l.weight_scale_inv": scale_inv}, allow_dtype=True
+    )
+    assert res, res.to_json()
+    (t,) = res.tensors
+    assert (t["finding"], t["dtype_target"]) == ("rounding", "float8_e4m3fn")
+    assert t["severity"] in ("ok", "drift")
+    assert t["max_abs"] == pytest.approx(float((deq.double() - w.double()).abs().max()), rel=1e-6)
+    assert t["rel"] == pytest.approx(float((deq.double() - w.double()).norm() / w.double().norm()), rel=1e-6)
+    assert t["rel"] < 2.0**-4
