@@ -104,39 +104,56 @@ def _plot(title: str, series: dict[str, list[tuple[int, float]]], log: bool, y_l
     return "\n".join(out)
 
 
+def _table(headers: tuple[str, ...], rows: list[tuple[str, list]]) -> str:
+    """An HTML table; each row is (severity, cells), the severity drawn in its colour first."""
+    out = ["<table><tr><th></th>" + "".join(f"<th>{h}</th>" for h in headers) + "</tr>"]
+    for sev, cells in rows:
+        out.append(
+            f'<tr><td style="color:{SEV_COLOUR.get(sev, "#000")}">{_esc(sev)}</td>'
+            + "".join(f"<td>{c}</td>" for c in cells)
+            + "</tr>"
+        )
+    out.append("</table>")
+    return "\n".join(out)
+
+
 def _stage_table(stages: list[dict]) -> str:
     rows = [
-        "<table><tr><th></th><th>layer</th><th>class</th><th>stage</th><th>cos</th><th>rel</th>"
-        "<th>max_abs</th></tr>"
-    ]
-    for e in stages:
-        sev = e.get("severity", "ok")
-        rows.append(
-            f'<tr><td style="color:{SEV_COLOUR.get(sev, "#000")}">{_esc(sev)}</td>'
-            f"<td>{_esc(e.get('layer'))}</td><td>{_esc(e.get('layer_class'))}</td>"
-            f"<td>{_esc(e.get('stage') or e.get('key'))}</td><td>{_num(e.get('cos'))}</td>"
-            f"<td>{_num(e.get('rel'), '%')}</td><td>{_num(e.get('max_abs'), '.3g')}</td></tr>"
+        (
+            e.get("severity", "ok"),
+            [
+                _esc(e.get("layer")),
+                _esc(e.get("layer_class")),
+                _esc(e.get("stage") or e.get("key")),
+                _num(e.get("cos")),
+                _num(e.get("rel"), "%"),
+                _num(e.get("max_abs"), ".3g"),
+            ],
         )
-    rows.append("</table>")
-    return "\n".join(rows)
+        for e in stages
+    ]
+    return _table(("layer", "class", "stage", "cos", "rel", "max_abs"), rows)
 
 
 def _layer_table(layers: list[dict]) -> str:
     rows = [
-        "<table><tr><th></th><th>layer</th><th>class</th><th>cos out</th><th>rel in</th>"
-        "<th>rel out</th><th>added</th><th>introduces</th><th>attribution</th></tr>"
-    ]
-    for r in layers:
-        sev = r.get("severity", "ok")
-        rows.append(
-            f'<tr><td style="color:{SEV_COLOUR.get(sev, "#000")}">{_esc(sev)}</td><td>{r["layer"]}</td>'
-            f"<td>{_esc(r.get('layer_class'))}</td><td>{_num(r.get('cos_out'))}</td>"
-            f"<td>{_num(r.get('rel_in'), '%')}</td><td>{_num(r.get('rel_out'), '%')}</td>"
-            f"<td>{_num(r.get('added'), '%')}</td><td>{'yes' if r.get('introduces') else ''}</td>"
-            f"<td>{_esc(r.get('local') or '')}</td></tr>"
+        (
+            r.get("severity", "ok"),
+            [
+                str(r["layer"]),
+                _esc(r.get("layer_class")),
+                _num(r.get("cos_out")),
+                _num(r.get("rel_in"), "%"),
+                _num(r.get("rel_out"), "%"),
+                _num(r.get("added"), "%"),
+                "yes" if r.get("introduces") else "",
+                _esc(r.get("local") or ""),
+            ],
         )
-    rows.append("</table>")
-    return "\n".join(rows)
+        for r in layers
+    ]
+    headers = ("layer", "class", "cos out", "rel in", "rel out", "added", "introduces", "attribution")
+    return _table(headers, rows)
 
 
 CSS = """
