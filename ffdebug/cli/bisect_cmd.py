@@ -30,9 +30,7 @@ Dump sub-stages by naming more classes: FFDEBUG_FWD_DUMP_BLOCK_CLASS=DecoderLaye
 Per-rank target dumps are folded as their manifest says (reduction='partial': summed; shard: concatenated);
 undeclared ones are tested as partial sums and shards. Warm-up calls are set aside.
 
-Judgement: when the error is localised after an exactly equal prefix in the same dtype (or beyond
-a --noise run, or found local by --model-target), that is a bug signal however small its band: the
-result's judgement is raised to bug ('signal' in --json; 'verdict' stays the worst band).
+Judgement: error localised after an exactly equal prefix in the same dtype (or beyond a --noise run, or found local by --model-target) is a bug signal however small its band: the judgement is raised to bug ('signal' in --json; 'verdict' stays the worst band).
 
 Exit codes: 0 judgement below --fail-on; 1 at or above it; 2 bad input; 3 input ids differ.
 """
