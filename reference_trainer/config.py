@@ -10,6 +10,7 @@ A config file has these top-level keys (example: ``examples/grpo/full/sd3_tiny/d
     train:       {...}      # algorithm-specific TrainingArguments
     optimizers:  [{role: policy, optimizer: adamw, lr: 1.0e-3}]
     checkpoint:  {every: 4, keep_last: 0}
+    eval:        {every: 4, prompts: [...], rewards: [{name: brightness}]}
     runtime:     {threads: 1, deterministic: true}
 
 Every error names the offending field by its dotted path (``train.group_size: must be >= 2, got 1``);
@@ -131,6 +132,65 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RewardSpec:
+    """One configured reward for ``rewards.RewardProcessor``: registered name, chunk size, kwargs."""
+
+    name: str
+    """Registered reward name (``reference-trainer list``)."""
+    batch_size: int = 8
+    """Chunk size for pointwise rewards (the last chunk may be smaller)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Constructor arguments of the reward."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.name), "name", "must be a registered reward name")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Periodic evaluation on fixed prompts and fixed noise (``reference_trainer.evaluation``).
+
+    It never changes the training trajectory (no RNG, weight or counter is touched); its records go
+    to ``DIR/eval.jsonl``. Everything but ``every`` is part of the run identity (a resumed run replays
+    the same evaluation).
+    """
+
+    every: int = 0
+    """0 = no evaluation; else evaluate before the first step, at the first cycle boundary at or past
+    every multiple of this many optimizer steps, and when the run ends."""
+    prompts: tuple[str, ...] = ()
+    """Evaluation prompts; empty = the packaged tiny prompt list."""
+    samples_per_prompt: int = 2
+    """Samples per prompt (one fixed noise each; a groupwise reward sees them as one group)."""
+    num_inference_steps: int = 8
+    """ODE steps of a multi-step policy's samples (DMD2: of its teacher's samples)."""
+    seed: int = 0
+    """Seeds the fixed evaluation noise and the held-out loss draws (independent of ``seed``)."""
+    heldout_draws: int = 4
+    """Dataset trainers: (σ, ε) draws per held-out record for the held-out loss."""
+    rewards: tuple[RewardSpec, ...] = (RewardSpec(name="brightness"),)
+    """Evaluation rewards, configured independently of any training reward."""
+
+    def __post_init__(self) -> None:
+        require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
+        require(
+            self.samples_per_prompt >= 1,
+            "samples_per_prompt",
+            f"must be >= 1, got {self.samples_per_prompt}",
+        )
+        require(
+            self.num_inference_steps >= 1,
+            "num_inference_steps",
+            f"must be >= 1, got {self.num_inference_steps}",
+        )
+        require(self.heldout_draws >= 1, "heldout_draws", f"must be >= 1, got {self.heldout_draws}")
+        require(len(self.rewards) >= 1, "rewards", "needs at least one reward")
+        for index, prompt in enumerate(self.prompts):
+            require(bool(prompt.strip()), f"prompts[{index}]", "must be a non-empty string")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
     """Process-level numerics settings; part of the run identity (they change the bits)."""
 
@@ -193,6 +253,7 @@ class RunConfig:
     optimizers: tuple[OptimizerConfig, ...] = ()
     """One entry per trainable role; roles left out get the ``OptimizerConfig`` defaults (AdamW)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:

@@ -100,20 +100,23 @@ class ConditionCache:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_records(config: DataConfig, supervision: str) -> list[dict[str, Any]]:
+def load_records(config: DataConfig, supervision: str, split: str = "train") -> list[dict[str, Any]]:
     """Records of ``supervision`` kind (``demonstration`` or ``preference``) with their image tensors.
 
-    Images are uint8 [3, H, W]; demonstration records get ``image``, preference records ``chosen`` and
-    ``rejected``.
+    ``split``: ``train`` (``demonstrations.jsonl`` / ``preferences.jsonl``) or ``heldout``
+    (``demonstrations_heldout.jsonl`` / ``preferences_heldout.jsonl``, for evaluation). Images are
+    uint8 [3, H, W]; demonstration records get ``image``, preference records ``chosen`` and ``rejected``.
     """
     from safetensors.torch import load_file
 
     if config.dataset is None:
         raise ConfigError("data.dataset", "a dataset trainer needs a dataset directory (or `tiny`)")
     directory = TINY_DATASET if config.dataset == "tiny" else Path(config.dataset)
-    filename = {"demonstration": "demonstrations.jsonl", "preference": "preferences.jsonl"}[supervision]
+    stem = {"demonstration": "demonstrations", "preference": "preferences"}[supervision]
+    filename = {"train": f"{stem}.jsonl", "heldout": f"{stem}_heldout.jsonl"}[split]
     if not (directory / filename).is_file():
-        raise ConfigError("data.dataset", f"{directory / filename} not found")
+        needed = " (eval.every > 0 needs held-out records)" if split == "heldout" else ""
+        raise ConfigError("data.dataset", f"{directory / filename} not found{needed}")
     images = load_file(directory / "images.safetensors")["images"]
     records = []
     for line in (directory / filename).read_text().splitlines():

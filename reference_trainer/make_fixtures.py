@@ -13,9 +13,15 @@ torch / diffusers / transformers versions (``tests/trainer/test_fixtures.py`` re
   rewards almost constant; the fitted one decodes latents to distinct colours (std ~0.06), so a reward
   on decoded images gives the trainers a real signal.
 * ``prompts.txt``: the tiny generation prompt list.
-* ``tiny_dataset/``: ``images.safetensors`` (``images`` uint8 [8, 3, 32, 32], procedural colour
-  gradients), ``demonstrations.jsonl`` (``{"prompt", "image"}``) and ``preferences.jsonl``
-  (``{"prompt", "chosen", "rejected"}``; ``chosen``/``rejected`` index ``images``).
+* ``tiny_dataset/``: ``images.safetensors`` (``images`` uint8 [12, 3, 32, 32], procedural colour
+  gradients: 8 training colours, which the VAE is fitted to, then 4 held-out colours);
+  ``demonstrations.jsonl`` (``{"prompt", "image"}``, the 8 training images) and
+  ``demonstrations_heldout.jsonl`` (the 4 held-out ones); ``preferences.jsonl`` and
+  ``preferences_heldout.jsonl`` (``{"prompt", "chosen", "rejected"}``, indices into ``images``): pairs of
+  training images under one neutral prompt, ``chosen`` = the image the registered ``brightness``
+  reward (target 1) scores higher, so the preference is a known, learnable rule. Training pairs are
+  the 8 cyclic neighbours (i, i+1 mod 8); the 8 held-out pairs (i, i+3 mod 8) are pairs never
+  trained on, of the same images.
 
 Run it after changing a tiny config; commit the result. Total size ~1.6 MB.
 """
@@ -57,6 +63,9 @@ COLOURS = (
 )
 
 
+HELDOUT_PROMPTS = ("a pink flower", "a cyan sky", "an olive leaf", "a slate roof")
+HELDOUT_COLOURS = ((220, 120, 150), (60, 200, 200), (130, 130, 40), (90, 90, 170))
+PREFERENCE_PROMPT = "a bright picture"
 VAE_FIT_STEPS = 200
 
 
@@ -115,14 +124,28 @@ def make_model_fixtures(root: Path) -> None:
         build().save_pretrained(directory / "transformer")
 
 
-def procedural_images() -> torch.Tensor:
-    """uint8 [8, 3, 32, 32]: colour i, brightened left to right by a linear ramp."""
+def procedural_images(colours: tuple[tuple[int, int, int], ...] = COLOURS) -> torch.Tensor:
+    """uint8 [N, 3, 32, 32]: colour i, brightened left to right by a linear ramp."""
     ramp = torch.linspace(0.6, 1.0, 32).view(1, 1, 32)
     images = [
         (torch.tensor(colour, dtype=torch.float32).view(3, 1, 1) * ramp).expand(3, 32, 32)
-        for colour in COLOURS
+        for colour in colours
     ]
     return torch.stack(images).round().clamp(0, 255).to(torch.uint8)
+
+
+def preference_pairs(images: torch.Tensor, offset: int) -> list[dict]:
+    """Pairs (i, i + offset mod 8) of training images; ``chosen`` = the higher ``brightness`` reward."""
+    from reference_trainer.rewards import build_reward
+
+    scores = build_reward("brightness", target=1.0)(images.float() / 255.0, [""] * len(images))
+    count = len(COLOURS)
+    records = []
+    for i in range(count):
+        j = (i + offset) % count
+        chosen, rejected = (i, j) if scores[i] > scores[j] else (j, i)
+        records.append({"prompt": PREFERENCE_PROMPT, "chosen": chosen, "rejected": rejected})
+    return records
 
 
 def make_dataset(root: Path) -> None:
@@ -132,14 +155,17 @@ def make_dataset(root: Path) -> None:
     (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     directory = root / "tiny_dataset"
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({"images": procedural_images()}, directory / "images.safetensors")
-    demonstrations = [{"prompt": prompt, "image": i} for i, prompt in enumerate(PROMPTS)]
-    # preference: the image matching the prompt is chosen; the next one (cyclically) is rejected
-    preferences = [
-        {"prompt": prompt, "chosen": i, "rejected": (i + 1) % len(PROMPTS)}
-        for i, prompt in enumerate(PROMPTS)
-    ]
-    for filename, records in (("demonstrations.jsonl", demonstrations), ("preferences.jsonl", preferences)):
+    images = torch.cat([procedural_images(), procedural_images(HELDOUT_COLOURS)])
+    save_file({"images": images}, directory / "images.safetensors")
+    files = {
+        "demonstrations.jsonl": [{"prompt": prompt, "image": i} for i, prompt in enumerate(PROMPTS)],
+        "demonstrations_heldout.jsonl": [
+            {"prompt": prompt, "image": len(PROMPTS) + i} for i, prompt in enumerate(HELDOUT_PROMPTS)
+        ],
+        "preferences.jsonl": preference_pairs(images, offset=1),
+        "preferences_heldout.jsonl": preference_pairs(images, offset=3),
+    }
+    for filename, records in files.items():
         (directory / filename).write_text("".join(json.dumps(record) + "\n" for record in records))
 
 

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from PIL import Image
 
-from reference_trainer.config import require
+from reference_trainer.config import RewardSpec
 
 REWARD_KINDS = ("pointwise", "groupwise")
 
@@ -218,22 +217,6 @@ def _checked(reward: Reward, values: Any, expected: int) -> torch.Tensor:
             f"reward '{reward.name}' returned non-finite values at positions {bad}: {values[bad].tolist()}"
         )
     return values.detach().float().cpu()
-
-
-@dataclass(frozen=True, kw_only=True)
-class RewardSpec:
-    """One configured reward for ``RewardProcessor``: registered name, chunk size, constructor kwargs."""
-
-    name: str
-    """Registered reward name."""
-    batch_size: int = 8
-    """Chunk size for pointwise rewards (the last chunk may be smaller)."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Constructor arguments of the reward."""
-
-    def __post_init__(self) -> None:
-        require(bool(self.name), "name", "must be a registered reward name")
-        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
 
 
 class RewardProcessor:

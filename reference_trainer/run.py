@@ -5,7 +5,7 @@
 2. check the ``optimizers:`` roles against the trainer's roles;
 3. pin threads and determinism, seed the global RNGs;
 4. acquisition inputs: prompts (generation), or the dataset plus the accumulation-window check
-   (dataset) — still before any model loads;
+   and, with evaluation, the held-out records (dataset) — still before any model loads;
 5. on resume, compare the config part of the run identity with the checkpoint's — before loading;
 6. load the adapter's pipeline from its fixture, build the trainer (roles, optimizer);
 7. on resume, check the full identity (incl. parameter / optimizer layout) and restore the state.
@@ -63,7 +63,7 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
     apply_runtime(config)
     rank, world_size = distributed_rank_and_size()
     # 4. acquisition inputs
-    prompts, dataset = None, None
+    prompts, dataset, heldout = None, None, None
     if trainer_cls.execution_contract.acquisition == "generation":
         prompts = PromptSource(
             config.data.prompts or default_prompts(), config.seed, rank=rank, world_size=world_size
@@ -79,6 +79,8 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
             world_size=world_size,
         )
         dataset.check_accumulation(config.train.gradient_accumulation_steps)  # type: ignore[attr-defined]
+        if config.eval.every:
+            heldout = load_records(config.data, trainer_cls.supervision, "heldout")
     # 5. resume pre-check on the config part of the identity
     adapter_cls = resolve_adapter(config.model.adapter)
     adapter = adapter_cls(config.model.fixture_dir)
@@ -97,7 +99,9 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
             )
     # 6. models, roles, optimizer
     adapter.load_pipeline()
-    trainer = trainer_cls(config, adapter, output_dir, prompts=prompts, dataset=dataset, identity=identity)
+    trainer = trainer_cls(
+        config, adapter, output_dir, prompts=prompts, dataset=dataset, heldout=heldout, identity=identity
+    )
     # 7. full identity check, then state
     if checkpoint is not None:
         trainer.resume(checkpoint)

@@ -19,7 +19,9 @@ declares its ``execution_contract`` (equal to its TrainingArguments'), its train
    generation — one rollout iteration (``sample`` -> ``optimize``), then ``rollout_iteration += 1``;
    dataset — one accumulation window (one optimizer step); ``data_epoch += 1`` only after the
    loader is cleanly exhausted;
-3. after each cycle, the checkpoint boundary (every ``checkpoint.every`` optimizer steps);
+3. after each cycle, the periodic boundaries: evaluation (every ``eval.every`` optimizer steps, also
+   before the first step and at the end; ``evaluate()`` -> ``DIR/eval.jsonl``), then checkpoint
+   (every ``checkpoint.every`` optimizer steps);
 4. always a final checkpoint when the loop ends (max steps, epochs, or a signal).
 
 ``max_steps`` is exact: a run stops after exactly ``max_steps`` optimizer steps, even inside a
@@ -56,6 +58,7 @@ import torch
 
 import ffdebug
 from reference_trainer import checkpoint as ckpt
+from reference_trainer import evaluation
 from reference_trainer.adapters.base import BaseAdapter
 from reference_trainer.config import RunConfig
 from reference_trainer.contracts import ExecutionContract
@@ -64,6 +67,7 @@ from reference_trainer.optim import RoleOptimizer, StepResult, build_optimizer
 from reference_trainer.roles import ComponentVariantRegistry, check_ownership, role_parameters
 
 T = TypeVar("T")
+EVAL_FILE = "eval.jsonl"
 
 
 class BaseTrainer(ABC):
@@ -86,6 +90,7 @@ class BaseTrainer(ABC):
         *,
         prompts: PromptSource | None = None,
         dataset: DatasetAcquisition | None = None,
+        heldout: list[dict[str, Any]] | None = None,
         identity: Mapping[str, Any] | None = None,
     ):
         self._validate_hooks()
@@ -93,6 +98,8 @@ class BaseTrainer(ABC):
         self.adapter = adapter
         self.output_dir = Path(output_dir)
         self.prompts, self.dataset = prompts, dataset
+        self.heldout = heldout
+        """Dataset trainers with evaluation: the held-out records (``load_records(..., "heldout")``)."""
         self.conditions = ConditionCache(adapter)
         # counters: independent; only the base advances them
         self.optimizer_step = 0
@@ -125,6 +132,7 @@ class BaseTrainer(ABC):
         self._stop_signal: int | None = None
         self._epoch_batches: Iterator[dict[str, Any]] | None = None
         self._last_saved_step = -1
+        self._last_eval_step = -1
         self._progress = None
 
     # ---------------------------------------------------------------- subclass hooks
@@ -169,6 +177,23 @@ class BaseTrainer(ABC):
                     f"{type(self).__name__}.optimize: item {index} of cycle_steps() made "
                     f"{self.optimizer_step - before} optimizer steps; each item must make exactly one"
                 )
+
+    def evaluate(self) -> dict[str, float]:
+        """Metrics of one evaluation (``reference_trainer.evaluation``), run under ``no_grad``.
+
+        Default: the evaluation rewards of the first role's ODE samples from the fixed evaluation
+        noise. Dataset trainers add a held-out loss; DMD2 evaluates its one-step generator.
+        """
+        eval_config = self.config.eval
+        prompts, group_ids = evaluation.eval_prompts(eval_config)
+        trajectory = self.adapter.inference(
+            self.conditions.get(prompts),
+            num_steps=eval_config.num_inference_steps,
+            noise_level=0.0,
+            generator=evaluation.eval_generator(eval_config),
+            module=self.variants.variant(self.role_variants[self.roles[0]]),
+        )
+        return evaluation.reward_metrics(self.adapter, eval_config, trajectory.final, prompts, group_ids)
 
     def _validate_hooks(self) -> None:
         """Generation trainers must override ``sample`` and ``optimize``; dataset trainers ``optimize_batch``."""
@@ -222,12 +247,16 @@ class BaseTrainer(ABC):
         handle = ffdebug.install(self.adapter.trainable_module())
         try:
             with self._signals(), self._progress_bar():
+                if self._last_eval_step < 0:  # a fresh run: evaluate the initial weights
+                    self._eval_boundary(force=True)
                 while not self._should_stop():
                     if self.execution_contract.acquisition == "generation":
                         self._generation_cycle()
                     else:
                         self._dataset_cycle()
-                    self._boundaries()
+                    self._eval_boundary()
+                    self._checkpoint_boundary()
+                self._eval_boundary(force=True)
                 self.save()
         finally:
             if handle is not None:
@@ -298,10 +327,29 @@ class BaseTrainer(ABC):
             self.batches_in_epoch = 0
             self._epoch_batches = None
 
-    def _boundaries(self) -> None:
+    def _checkpoint_boundary(self) -> None:
         every = self.config.checkpoint.every
         if every and self.optimizer_step // every > max(self._last_saved_step, 0) // every:
             self.save()
+
+    def _eval_boundary(self, *, force: bool = False) -> None:
+        """Evaluate when a multiple of ``eval.every`` was crossed (or ``force``), once per step."""
+        every = self.config.eval.every
+        if not every or self.optimizer_step == self._last_eval_step:
+            return
+        if not force and self.optimizer_step // every <= max(self._last_eval_step, 0) // every:
+            return
+        with torch.no_grad(), ffdebug.step(**self.step_tags("eval")):
+            metrics = self.evaluate()
+        record = {
+            "optimizer_step": self.optimizer_step,
+            "rollout_iteration": self.rollout_iteration,
+            "data_epoch": self.data_epoch,
+            **{f"eval.{key}": value for key, value in metrics.items()},
+        }
+        with open(self.output_dir / EVAL_FILE, "a") as stream:
+            stream.write(json.dumps(record) + "\n")
+        self._last_eval_step = self.optimizer_step
 
     # ---------------------------------------------------------------- metrics
     def _record_step(self, result: StepResult) -> None:
@@ -441,11 +489,12 @@ class BaseTrainer(ABC):
         self.cycle_step = state["cycle"]["steps_done"]
         self._cycle_start = ckpt.read_cycle_start(checkpoint) if self.cycle_step else None
         self._last_saved_step = self.optimizer_step
-        self._truncate_metrics()
+        self._last_eval_step = self.optimizer_step  # evaluated when the checkpointed run ended
+        for name in ("metrics.jsonl", EVAL_FILE):
+            self._truncate_log(self.output_dir / name)
 
-    def _truncate_metrics(self) -> None:
-        """Drop metrics records past the resumed step (written after the checkpoint by a killed run)."""
-        path = self.output_dir / "metrics.jsonl"
+    def _truncate_log(self, path: Path) -> None:
+        """Drop records past the resumed step (written after the checkpoint by a killed run)."""
         if not path.is_file():
             return
         kept = [
@@ -466,11 +515,10 @@ def config_identity(config: RunConfig, fixture_digest: Mapping[str, str], world_
         "trainer": config.trainer,
         "seed": config.seed,
         "model": asdict(config.model),
-        "train": json.loads(json.dumps(asdict(config.train), default=list)),
-        "data": json.loads(json.dumps(asdict(config.data), default=list)),
-        "optimizers": {
-            role: json.loads(json.dumps(asdict(config.optimizer_for(role)))) for role in _roles_of(config)
-        },
+        "train": _plain(asdict(config.train)),
+        "data": _plain(asdict(config.data)),
+        "eval": {key: value for key, value in _plain(asdict(config.eval)).items() if key != "every"},
+        "optimizers": {role: _plain(asdict(config.optimizer_for(role))) for role in _roles_of(config)},
         "runtime": {
             **asdict(config.runtime),
             "deterministic_enabled": torch.are_deterministic_algorithms_enabled(),
@@ -484,6 +532,11 @@ def config_identity(config: RunConfig, fixture_digest: Mapping[str, str], world_
             "transformers": transformers.__version__,
         },
     }
+
+
+def _plain(value: Any) -> Any:
+    """JSON-normal form (tuples as lists), as stored in a checkpoint's identity."""
+    return json.loads(json.dumps(value, default=list))
 
 
 def _roles_of(config: RunConfig) -> tuple[str, ...]:

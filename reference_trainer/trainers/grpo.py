@@ -31,12 +31,12 @@ import torch
 import ffdebug
 from reference_trainer.adapters.base import Condition, Trajectory
 from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor
-from reference_trainer.config import TrainingArguments, require
+from reference_trainer.config import RewardSpec, TrainingArguments, require
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.data import repeat_groups
 from reference_trainer.losses import grpo as grpo_losses
 from reference_trainer.registry import register_arguments, register_trainer
-from reference_trainer.rewards import RewardProcessor, RewardSpec
+from reference_trainer.rewards import RewardProcessor
 from reference_trainer.sde import flow_sde_step
 from reference_trainer.trainers.base import BaseTrainer
 

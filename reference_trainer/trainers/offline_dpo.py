@@ -19,6 +19,9 @@ One microbatch (``optimize_batch``), B pairs:
    e = mean ‖v − (ε − x_0)‖² go into L_k = −log σ(−β/2·((e_θ^w − e_ref^w) − (e_θ^l − e_ref^l)));
 4. L = mean_k L_k; the base back-propagates L / gradient_accumulation_steps in the ``policy`` phase.
 
+``evaluate`` adds the same loss on the held-out pairs with fixed evaluation draws, and its metrics: the
+implicit-reward accuracy (fraction of pairs with r^w > r^l) and the mean margin r^w − r^l.
+
 Roles: ``policy`` (trainable, the base variant) and ``reference`` (a frozen snapshot of the initial
 policy, used through ``functional_call``; never a variant).
 """
@@ -32,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 import ffdebug
+from reference_trainer import evaluation
 from reference_trainer.adapters.base import Condition
 from reference_trainer.adapters.sampling import VelocityFn
 from reference_trainer.config import DatasetTrainingArguments, require
@@ -111,6 +115,20 @@ class OfflineDPOTrainer(BaseTrainer):
         return policy_velocity, reference_velocity
 
     def optimize_batch(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.batch_loss(batch, self.generator("offline_dpo", self.data_epoch, self.batches_in_epoch))
+
+    def evaluate(self) -> dict[str, float]:
+        """The evaluation rewards of ODE samples, and the DPO loss, implicit-reward accuracy and margin on
+        the held-out pairs (at θ = ref the margin is exactly 0)."""
+        assert self.heldout is not None
+        metrics = super().evaluate()
+        metrics.update(evaluation.heldout_metrics(self.heldout, self.batch_loss, self.config.eval))
+        return metrics
+
+    def batch_loss(
+        self, batch: Mapping[str, Any], generator: torch.Generator
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Steps 1-4 of the module docstring, σ and ε drawn from ``generator``."""
         args: OfflineDPOArguments = self.args  # type: ignore[assignment]
         # 1. one condition state for the batch, shared by both arms
         condition = self.conditions.get(batch["prompts"])
@@ -119,7 +137,6 @@ class OfflineDPOTrainer(BaseTrainer):
         x0_l = self.adapter.encode_images(batch["rejected"])
         ffdebug.tap("batch.x0_chosen", x0_w)
         ffdebug.tap("batch.x0_rejected", x0_l)
-        generator = self.generator("offline_dpo", self.data_epoch, self.batches_in_epoch)
         # 3. one (σ, ε) per pair and draw, shared by both arms
         losses, metric_sums = [], {}
         for _ in range(args.num_train_timesteps):

@@ -30,13 +30,13 @@ import torch
 import ffdebug
 from reference_trainer.adapters.base import Condition
 from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor
-from reference_trainer.config import TrainingArguments, require
+from reference_trainer.config import RewardSpec, TrainingArguments, require
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.data import repeat_groups
 from reference_trainer.flow_matching import SIGMA_SCHEMES, sample_sigmas
 from reference_trainer.losses.dpo import diffusion_dpo_loss, pair_errors
 from reference_trainer.registry import register_arguments, register_trainer
-from reference_trainer.rewards import RewardProcessor, RewardSpec
+from reference_trainer.rewards import RewardProcessor
 from reference_trainer.trainers.base import BaseTrainer
 
 

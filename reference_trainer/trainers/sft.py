@@ -15,7 +15,8 @@ One microbatch (``optimize_batch``), notation as in the paper:
 4. L = mean_k L_k; the base back-propagates L / gradient_accumulation_steps in the ``policy`` phase.
 
 All randomness comes from ``self.generator("sft", data_epoch, batch index)``, so a resumed run draws
-the same σ and ε as the uninterrupted one.
+the same σ and ε as the uninterrupted one. ``evaluate`` adds ``heldout.loss``, the same loss on the
+held-out demonstrations with the fixed evaluation draws.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 import ffdebug
+from reference_trainer import evaluation
 from reference_trainer.config import DatasetTrainingArguments, require
 from reference_trainer.contracts import DATASET, ExecutionContract
 from reference_trainer.flow_matching import SIGMA_SCHEMES, interpolate, sample_sigmas
@@ -79,12 +81,24 @@ class SFTTrainer(BaseTrainer):
     supervision: ClassVar[str | None] = "demonstration"
 
     def optimize_batch(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.batch_loss(batch, self.generator("sft", self.data_epoch, self.batches_in_epoch))
+
+    def evaluate(self) -> dict[str, float]:
+        """The evaluation rewards of ODE samples, and the velocity MSE on the held-out demonstrations."""
+        assert self.heldout is not None
+        metrics = super().evaluate()
+        metrics.update(evaluation.heldout_metrics(self.heldout, self.batch_loss, self.config.eval))
+        return metrics
+
+    def batch_loss(
+        self, batch: Mapping[str, Any], generator: torch.Generator
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Steps 1-4 of the module docstring, σ and ε drawn from ``generator``."""
         args: SFTArguments = self.args  # type: ignore[assignment]
         # 1-2. condition (cached) and target latents (encoded on demand)
         condition = self.conditions.get(batch["prompts"])
         x0 = self.adapter.encode_images(batch["image"])  # [B, C, H, W]
         ffdebug.tap("batch.x0", x0)
-        generator = self.generator("sft", self.data_epoch, self.batches_in_epoch)
         # 3. one flow-matching term per σ draw
         losses = []
         for k in range(args.num_train_timesteps):

@@ -1,5 +1,7 @@
-"""Offline Diffusion-DPO on the packaged preference pairs: starts at log 2, reference frozen, policy moves."""
+"""Offline Diffusion-DPO on the packaged preference pairs (chosen = the brighter image): starts at log 2,
+the reference stays frozen, the policy moves, and it learns the preference on held-out pairs."""
 
+import json
 import math
 
 import pytest
@@ -26,11 +28,21 @@ def test_offline_dpo_trains_against_a_frozen_reference(tmp_path):
 
     Step 1 is at θ = ref, so Δ = 0 and L = −log σ(0) = log 2 exactly (averaged over its 2 microbatches).
     """
-    trainer = make_trainer("offline_dpo", tmp_path, 8)
+    trainer = make_trainer("offline_dpo", tmp_path, 8, "eval.every=8")
     frozen, initial = frozen_state(trainer), variant_state(trainer)
     trainer.start()
     records = metrics(tmp_path)
     print(f"offline DPO losses {[round(r['loss'], 4) for r in records]}")
+    # held-out pairs (never trained on): at θ = ref every implicit reward is exactly 0; after training
+    # the policy prefers the brighter image on most of them
+    start, end = (json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines())
+    print(
+        "offline DPO held-out pairs: implicit-reward accuracy "
+        f"{start['eval.heldout.implicit_acc']:.3f} -> {end['eval.heldout.implicit_acc']:.3f}, margin "
+        f"{start['eval.heldout.margin']:.3f} -> {end['eval.heldout.margin']:.3f}"
+    )
+    assert start["eval.heldout.margin"] == 0.0 and start["eval.heldout.implicit_acc"] == 0.0
+    assert end["eval.heldout.implicit_acc"] > 0.6 and end["eval.heldout.margin"] > 0.5
     assert len(records) == 8 and records[-1]["data_epoch"] == 3
     assert records[0]["loss"] == pytest.approx(math.log(2.0), abs=1e-6)
     assert all(math.isfinite(r["loss"]) for r in records)
