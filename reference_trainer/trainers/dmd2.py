@@ -24,8 +24,9 @@ One rollout iteration (``sample`` then ``optimize``); every optimizer step is on
    guided, DMD2 asserts ``fake_guidance_scale == 1``), both without gradient;
    L_DM = ½·mean (x − sg(x − g)),  g = (x̂_0^fake − x̂_0^real)/mean|x − x̂_0^real|.
 
-All randomness comes from ``self.generator("dmd2", rollout_iteration, phase, ...)``: a run resumed at a
-rollout boundary is bit-identical to the uninterrupted one.
+All randomness comes from ``self.generator("dmd2", rollout_iteration, phase, ...)``: a resumed run is
+bit-identical to the uninterrupted one. ``evaluate`` measures the distillation itself: the distance
+between the one-step generator's samples and the teacher's multi-step samples (MMD², per-noise MSE).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import ClassVar
 import torch
 
 import ffdebug
+from reference_trainer import evaluation
 from reference_trainer.adapters.base import Condition
 from reference_trainer.config import TrainingArguments, require
 from reference_trainer.contracts import GENERATION_NO_FEEDBACK, ExecutionContract
@@ -175,6 +177,33 @@ class DMD2Trainer(BaseTrainer):
         ffdebug.tap("train.x0_real", x0_real)
         ffdebug.tap("train.x0_fake", x0_fake)
         return dmd_generator_loss(x, x0_real, x0_fake)
+
+    def evaluate(self) -> dict[str, float]:
+        """The one-step generator against its teacher, on the fixed evaluation noise z:
+
+        * ``reward.*``: evaluation rewards of the one-step samples x = G(z);
+        * ``teacher_mmd``: MMD² between {G(z)} and the teacher's ``eval.num_inference_steps``-step ODE
+          samples from the same z (RBF bandwidth: their median squared distance) — what distribution
+          matching minimises, so it falls as the generator distils the teacher;
+        * ``teacher_paired_mse``: mean (G(z) − ODE_teacher(z))², the per-noise gap.
+        """
+        eval_config = self.config.eval
+        prompts, group_ids = evaluation.eval_prompts(eval_config)
+        condition = self.conditions.get(prompts)
+        z = evaluation.eval_noise(eval_config, len(prompts), self.adapter.latent_shape)
+        x = self.generate(DMD2Phase("generator", condition, z))
+        x_teacher = self.adapter.inference(
+            condition,
+            num_steps=eval_config.num_inference_steps,
+            noise_level=0.0,
+            generator=evaluation.eval_generator(eval_config),  # first draw: the same z
+            parameters=self.variants.snapshot("teacher"),
+        ).final
+        metrics = evaluation.reward_metrics(self.adapter, eval_config, x, prompts, group_ids)
+        bandwidth = evaluation.median_sq_distance(x_teacher)
+        metrics["teacher_mmd"] = evaluation.mmd(x, x_teacher, bandwidth)
+        metrics["teacher_paired_mse"] = float((x - x_teacher).square().mean())
+        return metrics
 
     def teacher_velocity(self, x_t: torch.Tensor, sigma: torch.Tensor, condition: Condition) -> torch.Tensor:
         """v_real, classifier-free guided when ``real_guidance_scale`` s > 1: v_u + s·(v_c − v_u)."""
