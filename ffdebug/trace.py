@@ -23,11 +23,10 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ffdebug._entry import resolve_entry
 from ffdebug.capture import session as _session
 from ffdebug.errors import FFDebugError
 
@@ -320,33 +319,6 @@ class _TraceSession(_session.Session):
                 self.tracer.record(stage, "tap", tensor)
             finally:
                 _session._TAGS.pop()
-
-
-def resolve_entry(entry: str) -> Callable[[], object]:
-    """`package.module:function` or `path/to/file.py:function` -> the callable; errors name the part missing."""
-    if ":" not in entry:
-        raise FFDebugError(f"{entry!r}: give MODULE:FUNCTION (e.g. mypkg.debug:one_step) or FILE.py:FUNCTION")
-    target, func = entry.rsplit(":", 1)
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise FFDebugError(f"{target}: no such file")
-        spec = importlib.util.spec_from_file_location(f"_ffdebug_trace_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(path.resolve().parent))
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            sys.path.pop(0)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as err:
-            raise FFDebugError(f"{entry}: cannot import {target!r} ({err})") from None
-    fn = getattr(module, func, None)
-    if not callable(fn):
-        raise FFDebugError(f"{entry}: {target!r} has no function {func!r}")
-    return fn
 
 
 @contextlib.contextmanager

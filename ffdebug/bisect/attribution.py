@@ -25,7 +25,7 @@ LOCAL_SHARE = 0.1  # local error must be at least this share of the dumped outpu
 
 def load_entry(spec: str, flag: str):
     """(model, forward_kwargs or None) from a `module:function` entry (no arguments)."""
-    from ffdebug.weights.sources import call_entry
+    from ffdebug._entry import call_entry
 
     try:
         out = call_entry(spec)

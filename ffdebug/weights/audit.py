@@ -93,7 +93,7 @@ def _resolve_model(model, checkpoint):
     if isinstance(model, torch.nn.Module):
         return model, f"<{type(model).__name__}>"
     if isinstance(model, str):
-        from ffdebug.weights.sources import call_entry, is_entry_spec
+        from ffdebug._entry import call_entry, is_entry_spec
 
         if not is_entry_spec(model):
             raise FFDebugError(

@@ -77,7 +77,7 @@ def parse_transform(spec) -> Transform:
     if func in BUILTINS:
         fn = BUILTINS[func]
     else:
-        from ffdebug.weights.sources import resolve_entry
+        from ffdebug._entry import resolve_entry
 
         fn = resolve_entry(func)
     return Transform(side, glob, fn, spec)
