@@ -38,14 +38,16 @@ def test_multi_chunk_matches_direct_float64_and_coordinate():
 
 
 def test_fp32_cos_above_one_is_clamped():
-    """Identical-direction fp32 vectors where fp32 arithmetic gives cos > 1."""
-    x = torch.full((4097,), 0.1, dtype=torch.float32) * torch.linspace(1, 3, 4097)
-    y = x * 1.0000001
-    fp32 = torch.nn.functional.cosine_similarity(x, y, dim=0)
-    m = compare_tensors(x, y)
-    assert m.cos <= 1.0
-    assert m.cos == pytest.approx(1.0, abs=1e-12)
-    assert float(fp32) >= 0.99999  # the fp32 value is near 1 (often above it); ours never exceeds 1
+    """A vector against itself: float32 arithmetic gives cos 1.0000001; float64 unclamped gives
+    1 + 4e-15 on the scaled pair below. Ours is exactly <= 1 in both cases."""
+    x = torch.tensor([1.5409960746765137, -0.293428897857666, -2.1787893772125244])
+    assert float(torch.nn.functional.cosine_similarity(x, x.clone(), dim=0)) > 1.0  # the fp32 problem
+    assert compare_tensors(x, x.clone()).cos == 1.0
+    a = torch.full((4097,), 0.1, dtype=torch.float32) * torch.linspace(1, 3, 4097)
+    b = a * 1.0000001
+    a64, b64 = a.double(), b.double()
+    assert float(a64 @ b64) / (math.sqrt(float(a64 @ a64)) * math.sqrt(float(b64 @ b64))) > 1.0
+    assert compare_tensors(a, b).cos <= 1.0
 
 
 def test_zero_tensors_explicit():
@@ -116,3 +118,38 @@ def test_logits_metrics():
     p = torch.softmax(torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64), 0)
     kl0 = float((p * (p.log() - p.flip(0).log())).sum())
     assert m2["kl_mean"] == pytest.approx(kl0 / 2, rel=1e-12)
+
+
+def test_float64_overflow_gives_finite_exact_metrics():
+    """|values| ~1e300 overflow float64 sums of squares; scaled by a power of two the metrics stay
+    exact: r = (1, -1)·1e300, t = (1, 1)·1e300 -> dot 0 -> cos 0; |t-r| = 2e300, |r| = sqrt2·1e300
+    -> rel sqrt2; max_abs 2e300 at index 1; mean_abs 1e300."""
+    r = torch.tensor([1e300, -1e300], dtype=torch.float64)
+    t = torch.tensor([1e300, 1e300], dtype=torch.float64)
+    m = compare_tensors(r, t)
+    assert m.cos == 0.0 and m.rel == pytest.approx(math.sqrt(2), rel=1e-15)
+    assert m.max_abs == 2e300 and m.max_abs_at == [1] and m.mean_abs == 1e300
+    assert m.ref_norm == pytest.approx(math.sqrt(2) * 1e300, rel=1e-15)
+
+
+def test_equal_integer_tensors_have_positive_zero_max_abs():
+    m = compare_tensors(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3]))
+    assert m.max_abs == 0.0 and math.copysign(1.0, m.max_abs) == 1.0  # printed "0", not "-0"
+
+
+def test_logits_kl_masked_and_infinite():
+    """Entries both sides mask (-inf) add 0 to KL; a target that masks what the reference does not
+    is infinitely far: null in JSON (never 1.8e308), counted in kl_inf_rows."""
+    masked = torch.tensor([[float("-inf"), 1.0, 2.0], [0.0, 1.0, 2.0]])
+    same = logits_metrics(masked, masked.clone())
+    assert same["kl_mean"] == 0.0 and same["kl_max"] == 0.0 and same["kl_inf_rows"] == 0
+    ref = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]])
+    far = logits_metrics(ref, masked)
+    assert far["kl_mean"] is None and far["kl_max"] is None and far["kl_inf_rows"] == 1
+
+
+def test_threshold_bounds_validated():
+    with pytest.raises(FFDebugError, match=r"outside \[-1, 1\]"):
+        parse_threshold("L*:cos>=2")
+    with pytest.raises(FFDebugError, match=">= 0"):
+        parse_threshold("L*:rel<=-0.1")

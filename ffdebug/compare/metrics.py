@@ -105,19 +105,32 @@ class _single_thread:
 
 def compare_tensors(ref, target) -> TensorMetrics:
     """Compare two tensors of equal shape in float64 (any dtypes); shape mismatch is reported."""
-    with _single_thread():
-        return _compare_tensors(ref, target)
-
-
-def _compare_tensors(ref, target) -> TensorMetrics:
-    import torch
-
     if tuple(ref.shape) != tuple(target.shape):
         return TensorMetrics(
             shape_mismatch=True,
             numel=ref.numel(),
             notes=[f"shape mismatch: ref {list(ref.shape)} vs target {list(target.shape)}"],
         )
+    with _single_thread():
+        metrics = _compare_tensors(ref, target)
+        if metrics is None:  # float64 sums overflowed (|values| past ~1e154): redo on scaled values
+            metrics = _compare_tensors(ref, target, scale=_pow2_scale(ref, target))
+        return metrics
+
+
+def _pow2_scale(ref, target) -> float:
+    """A power of two that brings the largest finite |value| of either side to at most 1 (exact)."""
+    import torch
+
+    absmax = max(float(x[torch.isfinite(x)].abs().max()) for x in (ref.double(), target.double()))
+    return 2.0 ** -math.ceil(math.log2(absmax))
+
+
+def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
+    """The chunk loop; None when unscaled float64 sums overflow. Values are multiplied by `scale`
+    (a power of two) and norms / absolute errors divided back."""
+    import torch
+
     r = ref.detach().reshape(-1)
     t = target.detach().reshape(-1)
     if r.is_complex() or t.is_complex():
@@ -144,6 +157,8 @@ def _compare_tensors(ref, target) -> TensorMetrics:
         rc, tc = r[i : i + m], t[i : i + m]
         xr, xt, xd = x[0, :m], x[1, :m], x[2, :m]
         xr.copy_(rc)
+        if scale != 1.0:
+            xr.mul_(scale)
         if raw_view is not None and torch.equal(rc.view(raw_view), tc.view(raw_view)):
             # bit-identical chunk (the common case before the first divergence): one norm suffices
             sq = float(torch.dot(xr, xr))
@@ -156,6 +171,8 @@ def _compare_tensors(ref, target) -> TensorMetrics:
                 max_abs = max(max_abs, 0.0)
                 continue
         xt.copy_(tc)
+        if scale != 1.0:
+            xt.mul_(scale)
         torch.sub(xt, xr, out=xd)
         rr_, tt_, rt_, dd_ = (float(torch.dot(a, b)) for a, b in ((xr, xr), (xt, xt), (xr, xt), (xd, xd)))
         if math.isfinite(rr_ + tt_ + rt_ + dd_):
@@ -166,7 +183,7 @@ def _compare_tensors(ref, target) -> TensorMetrics:
             else:
                 equal += m - int(torch.count_nonzero(xd))
             lo, hi = torch.aminmax(xd)
-            chunk_max = max(-float(lo), float(hi))
+            chunk_max = max(float(hi), -float(lo))  # hi first: +0.0, not -0.0, when both are 0
             if chunk_max > max_abs:
                 max_abs, max_at = chunk_max, i + int(torch.argmax(xd.abs()))
             sum_abs += float(xd.abs_().sum())
@@ -202,18 +219,20 @@ def _compare_tensors(ref, target) -> TensorMetrics:
             max_at = i + int(torch.nonzero(ok)[int(mi)])
         counted += rr.numel()
 
+    if not math.isfinite(nr2 + nt2 + diff2 + abs(dot)):
+        return None
     res = TensorMetrics(numel=n, nan_mismatch=nan_mismatch, inf_mismatch=inf_mismatch, nan_both=nan_both)
     res.bit_equal = equal / n if n else 1.0
-    res.ref_norm = math.sqrt(nr2)
-    res.target_norm = math.sqrt(nt2)
+    res.ref_norm = math.sqrt(nr2) / scale
+    res.target_norm = math.sqrt(nt2) / scale
     if counted == 0:
         res.notes.append("no finite positions to compare" if n else "empty tensors")
         if n == 0:
             res.cos, res.rel, res.rel_diff, res.max_abs, res.mean_abs = 1.0, 0.0, 0.0, 0.0, 0.0
         return res
-    res.max_abs = max_abs
+    res.max_abs = max_abs / scale
     res.max_abs_at = _unravel(max_at, tuple(ref.shape))
-    res.mean_abs = sum_abs / counted
+    res.mean_abs = sum_abs / counted / scale
     if nr2 == 0.0 and nt2 == 0.0:
         res.cos, res.rel, res.rel_diff, res.norm_ratio = 1.0, 0.0, 0.0, 1.0
         res.notes.append("both sides are all zeros")
@@ -244,7 +263,9 @@ def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:
 
 
 def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int = 256) -> dict:
-    """Argmax agreement, top-k overlap and KL(ref ‖ target) over the last dim, in float64."""
+    """Argmax agreement, top-k overlap and KL(ref ‖ target) over the last dim, in float64.
+
+    `kl_mean` / `kl_max` are null when a row's KL is infinite (`kl_inf_rows` counts them)."""
     import torch
 
     if tuple(ref.shape) != tuple(target.shape) or ref.dim() == 0:
@@ -257,6 +278,7 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int = 256) -> dic
     agree = overlap = 0
     kl_sum = 0.0
     kl_max = 0.0
+    kl_inf = 0
     for i in range(0, rows, rows_per_chunk):
         rc = r[i : i + rows_per_chunk].to(torch.float64)
         tc = t[i : i + rows_per_chunk].to(torch.float64)
@@ -266,13 +288,18 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int = 256) -> dic
         overlap += int((ri.unsqueeze(-1) == ti.unsqueeze(-2)).any(-1).sum())
         lp = torch.log_softmax(rc, -1)
         lq = torch.log_softmax(tc, -1)
-        kl = (lp.exp() * (lp - lq)).sum(-1)
-        kl = torch.nan_to_num(kl, nan=float("inf"))
+        p = lp.exp()
+        # 0·log(0/q) = 0: entries the reference masks (-inf logits) add nothing; a NaN row counts as
+        # infinitely far, like a target that gives zero probability where the reference does not
+        kl = torch.where(p > 0, p * (lp - lq), 0.0).sum(-1)
+        kl = torch.nan_to_num(kl, nan=math.inf, posinf=math.inf)
+        kl_inf += int(torch.isinf(kl).sum())
         kl_sum += float(kl.sum())
         kl_max = max(kl_max, float(kl.max()))
     return {
         "argmax_agree": agree / rows if rows else 1.0,
         f"top{k}_overlap": overlap / (rows * k) if rows else 1.0,
         "kl_mean": _finite(kl_sum / rows) if rows else 0.0,
-        "kl_max": _finite(kl_max),
+        "kl_max": _finite(kl_max),  # null when some row is infinitely far
+        "kl_inf_rows": kl_inf,
     }

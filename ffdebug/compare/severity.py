@@ -34,6 +34,12 @@ def at_least(severity: str, threshold: str) -> bool:
     return RANK[severity] >= RANK[threshold]
 
 
+def check_fail_on(value: str) -> str:
+    if value not in SEVERITIES[1:]:
+        raise FFDebugError(f"--fail-on {value!r} is invalid: use {', '.join(SEVERITIES[1:])}")
+    return value
+
+
 def cos_band(cos: float) -> str:
     for bound, name in COS_BANDS:
         if cos >= bound:
@@ -79,6 +85,10 @@ def parse_threshold(spec: str) -> Threshold:
                 rel = float(pm.group(4))
         except ValueError:
             raise FFDebugError(f"--threshold {spec!r}: {part.strip()!r} is not a number") from None
+    if cos is not None and not -1.0 <= cos <= 1.0:
+        raise FFDebugError(f"--threshold {spec!r}: cos bound {cos:g} is outside [-1, 1]")
+    if rel is not None and not rel >= 0.0:
+        raise FFDebugError(f"--threshold {spec!r}: rel bound {rel:g} must be >= 0 (0.05 is 5%)")
     return Threshold(glob=glob, cos=cos, rel=rel)
 
 
