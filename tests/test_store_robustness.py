@@ -147,3 +147,36 @@ def test_two_ranks_write_one_side_without_collision(tmp_path):
         (1, 2, 1.0),
     ]
     assert (tmp_path / "target" / "run.json").exists() and len(store.status) == 2
+
+
+def _write_rank(side_dir, rank, world_size, overwrite=False):
+    from ffdebug.store.writer import StoreWriter
+
+    w = StoreWriter(str(side_dir), side="target", rank=rank, world_size=world_size, overwrite=overwrite)
+    w.write("x", torch.ones(2), {})
+    w.close()
+
+
+def test_mixed_world_sizes_exit_2(tmp_path):
+    """Rank directories of runs with different world sizes must not be folded together."""
+    side = tmp_path / "target"
+    _write_rank(side, 0, 1)
+    _write_rank(side, 3, 4)  # a stale rank of an earlier 4-rank run
+    _one_line_error(runner.invoke(app, ["inspect", str(side)]), "mixed world sizes", "rank003 says 4")
+
+
+def test_overwrite_drops_ranks_beyond_world_size(tmp_path):
+    side = tmp_path / "target"
+    for rank in range(4):
+        _write_rank(side, rank, 4)
+    _write_rank(side, 0, 1, overwrite=True)  # the re-run has one rank
+    assert sorted(p.name for p in side.iterdir() if p.is_dir()) == ["rank000"]
+    assert [r["world_size"] for r in open_side(side).records] == [1]
+
+
+def test_garbage_run_json_and_missing_dir_exit_2(tmp_path):
+    (tmp_path / "ref" / "rank000").mkdir(parents=True)
+    (tmp_path / "ref" / "run.json").write_text("not json")
+    _one_line_error(runner.invoke(app, ["inspect", str(tmp_path / "ref")]), "run.json", "re-run the dump")
+    r = runner.invoke(app, ["compare", "ref-vs-target", "--dir", str(tmp_path / "nope")])
+    _one_line_error(r, "nope", "does not exist")

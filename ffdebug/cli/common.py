@@ -9,6 +9,7 @@ import sys
 
 import typer
 
+from ffdebug.compare.severity import check_fail_on  # noqa: F401 (the commands import it from here)
 from ffdebug.errors import FFDebugError
 
 FAIL_ON_HELP = "Exit 1 when a stage is at or above this severity: drift, diverge, bug, scramble."
@@ -50,6 +51,10 @@ def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, s
         )
     if directory is None:
         raise FFDebugError(f"'{pair}' needs --dir D (the FFDEBUG_FWD_DUMP_DIR both sides wrote to)")
+    if not os.path.isdir(directory):
+        raise FFDebugError(
+            f"--dir {directory}: directory does not exist; give the FFDEBUG_FWD_DUMP_DIR of the dumps"
+        )
     a, b = pair.split("-vs-", 1)
     ref, tgt = os.path.join(directory, a), os.path.join(directory, b)
     found = sides_in(directory)
@@ -71,12 +76,6 @@ def parse_step_filter(items: list[str] | None) -> dict:
         k, v = item.split("=", 1)
         out[k.strip()] = v.strip()
     return out
-
-
-def check_fail_on(value: str) -> str:
-    if value not in ("drift", "diverge", "bug", "scramble"):
-        raise FFDebugError(f"--fail-on {value!r} is invalid: use drift, diverge, bug or scramble")
-    return value
 
 
 def emit_json(obj) -> None:

@@ -186,6 +186,20 @@ def open_side(path: str) -> SideStore:
     )
 
 
+def _check_one_world_size(path: str, records: list[Record]) -> None:
+    """Rank directories of one side must come from one run: stale ranks of an earlier, larger run
+    would be folded in as if they were shards of this one."""
+    sizes: dict = {}
+    for rec in records:
+        sizes.setdefault(rec.get("world_size"), os.path.basename(rec.rank_dir or ""))
+    if len(sizes) > 1:
+        seen = ", ".join(f"{where} says {size}" for size, where in sizes.items())
+        raise FFDebugError(
+            f"{path}: mixed world sizes ({seen}); rank directories from different runs are mixed — "
+            "delete the side directory and re-run the dump"
+        )
+
+
 def _open_store_dir(path: str) -> SideStore:
     run: dict = {}
     run_path = os.path.join(path, "run.json")
@@ -214,5 +228,6 @@ def _open_store_dir(path: str) -> SideStore:
                     status[os.path.basename(rank_dir)] = json.load(f)
             except json.JSONDecodeError:
                 status[os.path.basename(rank_dir)] = {"complete": False}
+    _check_one_world_size(path, records)
     records.sort(key=lambda r: (r.get("rank") or 0, r.get("seq") or 0))
     return SideStore(path=path, records=records, run=run, status=status, incomplete_lines=partial)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -35,6 +36,16 @@ RECORD_KEYS = (
     "shard",  # {dim, index, count} or null
     "reduction",  # full | partial
 )
+
+# Record `phase` values that mark a warm-up call: tagged by the engine, or guessed (a dummy batch).
+WARMUP_PHASES = ("warmup", "warmup_guess")
+
+
+def looks_like_dummy_ids(ids) -> bool:
+    """A warm-up batch: more than one id, all equal (zeros, pad, BOS repeated)."""
+    flat = ids.reshape(-1)
+    return flat.numel() > 1 and bool((flat == flat[0]).all())
+
 
 STAT_KEYS = ("mean", "std", "min", "max", "absmax", "l2", "nan", "inf", "zero", "numel")
 
@@ -78,18 +89,24 @@ def _tensor_stats(tensor) -> dict:
         absmax = max(absmax, float(c.abs().max()))
     mean = total / finite_n if finite_n else None
     var = max(total_sq / finite_n - mean * mean, 0.0) if finite_n else None
+    # Sums of squares of float64 values beyond ~1e154 overflow: such a stat is null, never Infinity
+    # (the manifest is strict JSON, and a capture must not crash the run it observes).
     return {
-        "mean": mean,
-        "std": var**0.5 if var is not None else None,
+        "mean": _finite_or_none(mean),
+        "std": _finite_or_none(var**0.5 if var is not None else None),
         "min": lo if finite_n else None,
         "max": hi if finite_n else None,
         "absmax": absmax if finite_n else None,
-        "l2": total_sq**0.5,
+        "l2": _finite_or_none(total_sq**0.5),
         "nan": nan,
         "inf": inf,
         "zero": zero,
         "numel": n,
     }
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
 
 
 def _git_info() -> dict:

@@ -86,11 +86,20 @@ class StoreWriter:
             # Each rank replaces only its own directory (rank 0 also run.json): deleting other
             # ranks' directories would race with ranks that started first.
             shutil.rmtree(self.rank_dir, ignore_errors=True)
-            if self.rank == 0 and os.path.exists(run_json):
-                os.remove(run_json)
+            if self.rank == 0:
+                self._remove_ranks_beyond_world()
+                if os.path.exists(run_json):
+                    os.remove(run_json)
         os.makedirs(self.rank_dir, exist_ok=True)
         if self.rank == 0:
             atomic_write_json(run_json, run_info(self.side, self.world_size, run_extra))
+
+    def _remove_ranks_beyond_world(self) -> None:
+        """Rank directories no rank of this run will write (an earlier run had more ranks)."""
+        for name in os.listdir(self.side_dir):
+            match = re.fullmatch(r"rank(\d+)", name)
+            if match and int(match.group(1)) >= self.world_size:
+                shutil.rmtree(os.path.join(self.side_dir, name), ignore_errors=True)
 
     def update_run_info(self, **fields) -> None:
         """Merge fields into run.json (rank 0 only), e.g. the sha256 of the input ids."""
