@@ -65,16 +65,12 @@ def tap(stage: str, tensor, **tags):
     """Dump `tensor` under the stage name `stage` (free tap); returns `tensor` unchanged.
 
     Reserved tags: `shard={"dim", "index", "count"}` and `reduction="partial"` describe sharded and
-    pre-all-reduce tensors; `layer=` sets the layer; other tags are step tags for this capture.
+    pre-all-reduce tensors; `layer=` sets the layer; `input_ids=True` marks token ids (compared
+    first, exit 3 when they differ); other tags are step tags for this capture.
     """
-    s = _session._explicit[-1] if _session._explicit else _session._ENV_SESSION
-    if s is None:
-        if _session._ENV_READ:
-            return tensor
-        s = _session.env_session()
-        if s is None:
-            return tensor
-    s.tap(stage, tensor, tags)
+    s = _session.active_session()
+    if s is not None:
+        s.tap(stage, tensor, tags)
     return tensor
 
 
@@ -113,7 +109,7 @@ def capture(
         if handle is not None:
             handle.remove()
         _session.pop_explicit(s)
-        s.report_if_empty()
+        s.report_problems()
         s.close()
 
 

@@ -98,7 +98,12 @@ def parse_layers(spec: str | None, variable: str = "--layers") -> LayerSelection
             )
         start = int(m.group(1))
         if m.group(2) is not None:
-            items.append((start, int(m.group(2))))
+            end = int(m.group(2))
+            if (start < 0) == (end < 0) and start > end:
+                raise FFDebugError(
+                    f"{variable}={spec!r} is invalid: range {part!r} is reversed; write it low-high"
+                )
+            items.append((start, end))
         elif part.endswith("-") and not part.startswith("-"):
             items.append((start, None))
         else:
@@ -188,7 +193,22 @@ def _int(name: str, value: str | None, minimum: int = 0) -> int | None:
     return number
 
 
-def _split(value: str | None) -> tuple[str, ...]:
+def check_side(side: str, variable: str) -> str:
+    if not _SIDE_RE.match(side):
+        raise FFDebugError(
+            f"{variable}={side!r} is invalid: use a short label such as ref or target "
+            "(letters, digits, '_', '-', '.')"
+        )
+    return side
+
+
+def check_mode(mode: str, variable: str) -> str:
+    if mode not in ("full", "stats"):
+        raise FFDebugError(f"{variable}={mode!r} is invalid: use 'full' or 'stats'")
+    return mode
+
+
+def split_list(value: str | None) -> tuple[str, ...]:
     if not value:
         return ()
     return tuple(v.strip() for v in value.split(",") if v.strip())
@@ -200,23 +220,16 @@ def read_dump_config(environ: dict[str, str] | None = None) -> DumpConfig | None
     directory = _get("FFDEBUG_FWD_DUMP_DIR", env)
     if not directory:
         return None
-    side = _get("FFDEBUG_FWD_DUMP_SIDE", env) or "target"
-    if not _SIDE_RE.match(side):
-        raise FFDebugError(
-            f"FFDEBUG_FWD_DUMP_SIDE={side!r} is invalid: use a short label such as ref or target "
-            "(letters, digits, '_', '-', '.')"
-        )
-    mode = _get("FFDEBUG_FWD_DUMP_MODE", env) or "full"
-    if mode not in ("full", "stats"):
-        raise FFDebugError(f"FFDEBUG_FWD_DUMP_MODE={mode!r} is invalid: use 'full' or 'stats'")
-    attrs = _split(_get("FFDEBUG_FWD_DUMP_LAYER_ATTR", env)) or ("layer_id", "layer_idx", "layer_number")
+    side = check_side(_get("FFDEBUG_FWD_DUMP_SIDE", env) or "target", "FFDEBUG_FWD_DUMP_SIDE")
+    mode = check_mode(_get("FFDEBUG_FWD_DUMP_MODE", env) or "full", "FFDEBUG_FWD_DUMP_MODE")
+    attrs = split_list(_get("FFDEBUG_FWD_DUMP_LAYER_ATTR", env)) or ("layer_id", "layer_idx", "layer_number")
     return DumpConfig(
         dir=directory,
         side=side,
         layers=parse_layers(_get("FFDEBUG_FWD_DUMP_LAYERS", env), "FFDEBUG_FWD_DUMP_LAYERS"),
-        block_classes=tuple(c for c in _split(_get("FFDEBUG_FWD_DUMP_BLOCK_CLASS", env)) if c != "auto"),
+        block_classes=tuple(c for c in split_list(_get("FFDEBUG_FWD_DUMP_BLOCK_CLASS", env)) if c != "auto"),
         layer_attrs=attrs,
-        stages=_split(_get("FFDEBUG_FWD_DUMP_STAGES", env)),
+        stages=split_list(_get("FFDEBUG_FWD_DUMP_STAGES", env)),
         calls=parse_calls(_get("FFDEBUG_FWD_DUMP_CALLS", env)),
         mode=mode,
         grads=_bool("FFDEBUG_FWD_DUMP_GRADS", _get("FFDEBUG_FWD_DUMP_GRADS", env), False),

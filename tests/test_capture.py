@@ -236,3 +236,102 @@ def test_blocks_and_layer_classes_diffusers():
         (1, "FluxSingleTransformerBlock"),
     ]
     assert find_blocks(flux, declared="double:0,single:1-")[1].layer_class == "single"
+
+
+def test_first_real_per_step_tags_and_warmup_guess_recorded(tmp_path, tiny_llama, input_ids):
+    """first-real takes the first non-warm-up call of each step-tag set; an untagged dummy batch is a
+    warm-up guess whose input ids alone are written, marked phase=warmup_guess."""
+    dummy = torch.zeros_like(input_ids)
+    opts = dict(dir=tmp_path, side="s", calls="first-real", stages="final.logits")
+    with ffdebug.capture(tiny_llama, **opts), torch.no_grad():
+        tiny_llama(input_ids=dummy)
+        for k in range(2):
+            with ffdebug.step(optimizer_step=k):
+                tiny_llama(input_ids=input_ids)
+                tiny_llama(input_ids=input_ids)
+    recs = open_side(tmp_path / "s").records
+    logits = [(r["step"], r["call"]) for r in recs if r.key == "final.logits"]
+    assert logits == [({"optimizer_step": 0}, 0), ({"optimizer_step": 1}, 0)]
+    guessed = [r for r in recs if r["phase"] == "warmup_guess"]
+    assert [r.key for r in guessed] == ["embed.input_ids"] and torch.equal(guessed[0].load(), dummy)
+
+
+def test_tap_tags_do_not_leak_and_input_ids_tag(tmp_path):
+    """Per-tap tags tag that capture only; `input_ids=True` marks token ids (payload kept even in
+    stats mode) instead of becoming a step tag."""
+    with ffdebug.capture(None, dir=tmp_path, side="s", mode="stats"), ffdebug.step(optimizer_step=2):
+        ffdebug.tap("reward", torch.ones(2), role="policy")
+        ffdebug.tap("tokens", torch.tensor([[5, 6, 7]]), input_ids=True)
+        ffdebug.tap("loss", torch.ones(1))
+    recs = {r.key: r for r in open_side(tmp_path / "s").records}
+    assert recs["reward"]["step"] == {"optimizer_step": 2, "role": "policy"}
+    assert recs["loss"]["step"] == {"optimizer_step": 2}
+    assert recs["tokens"]["step"] == {"optimizer_step": 2} and recs["tokens"]["extra"] == {"input_ids": True}
+    assert recs["tokens"].has_payload and not recs["loss"].has_payload
+
+
+def test_stats_of_huge_float64_do_not_crash_capture(tmp_path):
+    """Sums of squares of 1e300 overflow; the stat is null and the capture goes through."""
+    with ffdebug.capture(None, dir=tmp_path, side="s"):
+        ffdebug.tap("big", torch.tensor([1e300, -1e300], dtype=torch.float64))
+    stats = open_side(tmp_path / "s").records[0]["stats"]
+    assert stats["l2"] is None and stats["max"] == 1e300 and stats["absmax"] == 1e300
+
+
+def test_run_json_has_input_ids_sha(tmp_path, tiny_llama, input_ids):
+    from ffdebug.store.schema import sha256_of_tensor
+
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="s", stages="final.logits"), torch.no_grad():
+        tiny_llama(input_ids=input_ids)
+    run = json.loads((tmp_path / "s" / "run.json").read_text())
+    assert run["input_ids_sha256"] == sha256_of_tensor(input_ids)
+
+
+def test_grads_follow_call_selection_and_forward_tags(tmp_path, tiny_llama, input_ids):
+    """Gradients of an unselected call are not written; a gradient keeps its forward's step tags."""
+    with ffdebug.capture(
+        tiny_llama, dir=tmp_path, side="g", grads=True, calls="1", stages="L000.hidden_out*"
+    ):
+        with ffdebug.step(optimizer_step=7):
+            outs = [tiny_llama(input_ids=input_ids) for _ in range(2)]
+        sum(o.logits.sum() for o in outs).backward()  # outside the step context
+    grads = [r for r in open_side(tmp_path / "g").records if r["io"] == "grad"]
+    assert [(r.key, r["call"], r["step"]) for r in grads] == [
+        ("L000.hidden_out.grad", 1, {"optimizer_step": 7})
+    ]
+
+
+def test_no_blocks_found_is_reported(tmp_path, capsys):
+    """Wrong block class names: the final output is still captured, but stderr says no blocks."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    with ffdebug.capture(model, dir=tmp_path, side="s", classes="NoSuchBlock"), torch.no_grad():
+        model(torch.ones(1, 3))
+    assert "final.out" in open_side(tmp_path / "s").keys()
+    assert "no blocks were found" in capsys.readouterr().err
+
+
+def test_capture_options_validated_like_env(tmp_path):
+    """ffdebug.capture rejects what the env vars reject, and unknown options (a typo is not ignored)."""
+    import pytest
+
+    from ffdebug.errors import FFDebugError
+
+    cases = [
+        ({"side": "../elsewhere"}, FFDebugError),
+        ({"mode": "everything"}, FFDebugError),
+        ({"stage": "L*"}, TypeError),
+    ]
+    for kwargs, err in cases:
+        with pytest.raises(err), ffdebug.capture(None, dir=tmp_path, **kwargs):
+            pass
+    assert not any(tmp_path.iterdir())
+
+
+def test_topk_of_logits(tmp_path, tiny_llama, input_ids):
+    """FFDEBUG_DEBUG_TOPK / topk=k: the top-k ids and softmax probabilities of the final logits."""
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="s", topk=3, stages="final.*"), torch.no_grad():
+        logits = tiny_llama(input_ids=input_ids).logits
+    recs = {r.key: r for r in open_side(tmp_path / "s").records}
+    probs, ids = torch.softmax(logits, dim=-1).topk(3, dim=-1)
+    assert torch.equal(recs["final.topk_ids"].load(), ids)
+    torch.testing.assert_close(recs["final.topk_probs"].load(), probs)

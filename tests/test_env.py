@@ -68,3 +68,30 @@ def test_atom_aliases_and_precedence(capsys):
     assert c3.calls.spec == "all"
     w = read_weight_dump_config({"ATOM_WEIGHT_DUMP_DIR": "/w", "ATOM_WEIGHT_DUMP_EXIT": "0"})
     assert w.dir == "/w" and not w.exit
+
+
+def test_reversed_layer_range_is_an_error():
+    """`5-2` selects nothing; it must not silently compare only embed/final stages."""
+    with pytest.raises(FFDebugError, match="reversed"):
+        parse_layers("5-2", "--layers")
+    assert [i for i in range(8) if parse_layers("-3--1").contains(i, 8)] == [5, 6, 7]
+
+
+def test_ranks_selection_from_env(tmp_path, monkeypatch):
+    """FFDEBUG_FWD_DUMP_RANKS=1: rank 0 writes nothing, rank 1 writes its own rank directory."""
+    import torch
+
+    import ffdebug
+    from ffdebug import _env
+    from ffdebug.capture import session
+
+    monkeypatch.setenv("FFDEBUG_FWD_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("FFDEBUG_FWD_DUMP_RANKS", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        _env.reset_for_tests()
+        session.reset_for_tests()
+        ffdebug.tap("x", torch.ones(2))
+        session.active_session().close()
+    assert sorted(p.name for p in (tmp_path / "target").iterdir()) == ["rank001"]

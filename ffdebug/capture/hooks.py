@@ -98,14 +98,14 @@ def install(
         session.num_layers = max(b.layer for b in blocks) + 1
 
     def capture(key, tensor, **meta):
-        if isinstance(tensor, torch.Tensor):
-            session.capture(key, tensor, **meta)
-            if config.grads and tensor.requires_grad:
-                grad_meta = dict(meta, io="grad", invocation=meta.get("invocation", 0))
-                call = session.call
-                tensor.register_hook(
-                    lambda g, k=key, m=grad_meta, c=call: session.capture(f"{k}.grad", g, **dict(m, call=c))
-                )
+        if not isinstance(tensor, torch.Tensor):
+            return
+        session.capture(key, tensor, **meta)
+        grad_key = f"{key}.grad"
+        if config.grads and tensor.requires_grad and session.wants(grad_key, meta.get("layer")):
+            # the gradient arrives after the forward: it keeps the forward's call and step tags
+            grad_meta = dict(meta, io="grad", call=session.call, tags=sess.current_tags())
+            tensor.register_hook(lambda g: session.capture(grad_key, g, **grad_meta))
 
     # root: call counter, input ids, final output
     def root_pre(module, args, kwargs):

@@ -12,9 +12,9 @@ import atexit
 import os
 import sys
 import threading
-from dataclasses import replace
 
 from ffdebug._env import DumpConfig, dump_config
+from ffdebug.store.schema import looks_like_dummy_ids, sha256_of_tensor
 
 # Step tags pushed by `ffdebug.step(...)`, outermost first. Module-level so that tags work before any
 # session exists and cost nothing when dumps are off.
@@ -86,7 +86,7 @@ class Session:
         self.call_depth = 0
         self.call_selected = True
         self.call_warmup_guess = False
-        self.first_real_done = False
+        self.first_real_done: set[tuple] = set()  # step-tag sets whose first real call was taken
         self.invocations: dict[tuple, int] = {}
         self.input_ids_sha: str | None = None
         self.closed = False
@@ -123,17 +123,18 @@ class Session:
         self.invocations = {}
         self.call_warmup_guess = False
         calls = self.config.calls
-        if calls.first_real:
-            warm = tags.get("phase") == "warmup"
-            if not warm and "phase" not in tags and input_ids is not None:
-                # Engines that do not tag: a dummy batch (one repeated id) is a warm-up guess.
-                warm = input_ids.numel() > 1 and bool((input_ids == input_ids.reshape(-1)[0]).all())
-                self.call_warmup_guess = warm
-            self.call_selected = not warm and not self.first_real_done
-            if self.call_selected:
-                self.first_real_done = True
-        else:
+        if not calls.first_real:
             self.call_selected = calls.contains(self.call)
+            return
+        # first-real: the first call of each step-tag set not tagged phase=warmup. Engines that do not
+        # tag: a dummy batch (one repeated id) is guessed to be a warm-up; its ids alone are written,
+        # with phase "warmup_guess", so the store shows what was skipped and why.
+        warm = tags.get("phase") == "warmup"
+        if "phase" not in tags and input_ids is not None:
+            warm = self.call_warmup_guess = looks_like_dummy_ids(input_ids)
+        self.call_selected = not warm and key not in self.first_real_done
+        if self.call_selected:
+            self.first_real_done.add(key)
 
     def end_call(self) -> None:
         self.call_depth = max(0, self.call_depth - 1)
@@ -147,57 +148,55 @@ class Session:
         return n
 
     # -- capture ----------------------------------------------------------------------------
-    def wants(self, key: str, layer: int | None) -> bool:
+    def wants(self, key: str, layer: int | None, ids: bool = False) -> bool:
         if not self.enabled_rank or self.closed:
             return False
         if self.call_depth > 0 and not self.call_selected:
-            return False
+            return ids and self.call_warmup_guess
         if layer is not None and not self.config.layers.contains(layer, self.num_layers):
             return False
         # input ids are always kept (tiny, and the compare gate needs them)
-        return key == "embed.input_ids" or self.config.keep_stage(key)
+        return ids or self.config.keep_stage(key)
 
-    def capture(self, key: str, tensor, **meta) -> None:
-        """Clone-on-capture: the dump must not see later in-place ops."""
-        layer = meta.get("layer")
-        if not self.wants(key, layer):
+    def capture(self, key: str, tensor, tags: dict | None = None, **meta) -> None:
+        """Write one tensor, cloned (the dump must not see later in-place ops). `tags` are step tags
+        of this capture only, on top of the `ffdebug.step(...)` ones."""
+        ids = key == "embed.input_ids" or bool((meta.get("extra") or {}).get("input_ids"))
+        if not self.wants(key, meta.get("layer"), ids):
             self.filtered += 1
             return
         if _graph_capturing():
             self.writer().count_skip("skipped_graph_capture")
             return
-        tags = current_tags()
+        tags = {**current_tags(), **(tags or {})}
         meta.setdefault("call", self.call)
         meta.setdefault("invocation", 0)
         meta["step"] = {k: v for k, v in tags.items() if k not in ("phase", "shard", "reduction")}
-        meta["phase"] = tags.get("phase")
-        if self.call_warmup_guess:
-            meta["phase"] = meta["phase"] or "warmup_guess"
+        meta["phase"] = tags.get("phase") or ("warmup_guess" if self.call_warmup_guess else None)
         for reserved in ("shard", "reduction"):
             if reserved in tags:
                 meta.setdefault(reserved, tags[reserved])
-        ids = key == "embed.input_ids"
         t = tensor.detach()
         if self.config.mode == "full" or ids:
             t = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
         self.writer().write(key, t, meta, always_payload=ids)
         self.captured += 1
+        if ids and self.input_ids_sha is None:  # run.json identifies the run by its first input ids
+            self.input_ids_sha = sha256_of_tensor(t)
+            self.writer().update_run_info(input_ids_sha256=self.input_ids_sha)
 
     def tap(self, stage: str, tensor, tags: dict) -> None:
-        meta: dict = {"io": tags.pop("io", "out")}
-        for reserved in ("shard", "reduction", "layer", "layer_class"):
+        """A free tap. Reserved tags describe the tensor (`io`, `shard`, `reduction`, `layer`,
+        `layer_class`, `input_ids=True`: these are token ids for the compare gate); the others are
+        step tags of this capture."""
+        tags = dict(tags)
+        meta: dict = {"io": tags.pop("io", "out"), "layer": tags.pop("layer", current_layer())}
+        for reserved in ("shard", "reduction", "layer_class"):
             if reserved in tags:
                 meta[reserved] = tags.pop(reserved)
-        if "layer" not in meta and current_layer() is not None:
-            meta["layer"] = current_layer()
-        if tags:  # per-tap tags apply to this capture only
-            _TAGS.append(tags)
-            try:
-                self.capture(stage, tensor, **meta)
-            finally:
-                _TAGS.pop()
-        else:
-            self.capture(stage, tensor, **meta)
+        if tags.pop("input_ids", False):
+            meta["extra"] = {"input_ids": True}
+        self.capture(stage, tensor, tags=tags, **meta)
 
     def close(self) -> None:
         if self.closed:
@@ -206,13 +205,17 @@ class Session:
         if self._writer is not None:
             self._writer.close()
 
-    def report_if_empty(self) -> None:
-        if self.captured or not self.enabled_rank:
+    def report_problems(self) -> None:
+        """At the end of a run, say on stderr when it captured nothing or found no blocks, and why."""
+        if not self.enabled_rank:
             return
-        if self.installs and not self.blocks_found:
+        no_blocks = self.installs and not self.blocks_found
+        if self.captured and not no_blocks:
+            return
+        if no_blocks:
             why = (
-                "no blocks were found: set FFDEBUG_FWD_DUMP_BLOCK_CLASS to the decoder layer class "
-                "(e.g. LlamaDecoderLayer)"
+                "no blocks were found, so no layer stage was dumped: set FFDEBUG_FWD_DUMP_BLOCK_CLASS "
+                "(or capture(classes=...)) to the decoder layer class, e.g. LlamaDecoderLayer"
             )
         elif self.installs and self.filtered:
             why = "every capture was filtered out: check FFDEBUG_FWD_DUMP_LAYERS / _STAGES / _CALLS"
@@ -223,7 +226,8 @@ class Session:
             )
         else:
             why = "ffdebug.install(model) was never called and no ffdebug.tap ran"
-        print(f"ffdebug: warning: side '{self.config.side}' captured nothing: {why}", file=sys.stderr)
+        done = f"captured {self.captured} tensor(s)" if self.captured else "captured nothing"
+        print(f"ffdebug: warning: side '{self.config.side}' {done}: {why}", file=sys.stderr)
 
 
 _ENV_SESSION: Session | None = None
@@ -244,7 +248,7 @@ def env_session() -> Session | None:
 
 def _close_env_session() -> None:
     if _ENV_SESSION is not None:
-        _ENV_SESSION.report_if_empty()
+        _ENV_SESSION.report_problems()
         _ENV_SESSION.close()
 
 
@@ -274,26 +278,39 @@ def reset_for_tests() -> None:
     _TAGS.clear()
 
 
-def explicit_config(directory: str, side: str, **kw) -> DumpConfig:
-    from ffdebug._env import parse_calls, parse_layers
+CAPTURE_OPTIONS = (
+    "layers",
+    "classes",
+    "stages",
+    "calls",
+    "mode",
+    "grads",
+    "max_bytes",
+    "overwrite",
+    "topk",
+    "layer_attrs",
+)
 
-    base = DumpConfig(dir=os.fspath(directory), side=side)
-    fields = {}
-    if kw.get("layers") is not None:
-        fields["layers"] = (
-            kw["layers"] if not isinstance(kw["layers"], str) else parse_layers(kw["layers"], "layers")
+
+def explicit_config(directory: str, side: str, **options) -> DumpConfig:
+    """The settings of `ffdebug.capture(...)`, validated like their environment variables."""
+    from ffdebug._env import check_mode, check_side, parse_calls, parse_layers, split_list
+
+    unknown = sorted(set(options) - set(CAPTURE_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"ffdebug.capture(): unknown option(s) {', '.join(unknown)}; use {', '.join(CAPTURE_OPTIONS)}"
         )
-    if kw.get("classes"):
-        c = kw["classes"]
-        fields["block_classes"] = tuple(c.split(",")) if isinstance(c, str) else tuple(c)
-    if kw.get("stages"):
-        s = kw["stages"]
-        fields["stages"] = tuple(s.split(",")) if isinstance(s, str) else tuple(s)
-    if kw.get("calls") is not None:
-        fields["calls"] = parse_calls(str(kw["calls"]), "calls")
-    for name in ("mode", "grads", "max_bytes", "overwrite", "topk"):
-        if kw.get(name) is not None:
-            fields[name] = kw[name]
-    if kw.get("layer_attrs"):
-        fields["layer_attrs"] = tuple(kw["layer_attrs"])
-    return replace(base, **fields)
+    fields = {k: v for k, v in options.items() if v is not None}
+    if isinstance(fields.get("layers"), str):
+        fields["layers"] = parse_layers(fields["layers"], "layers")
+    if "calls" in fields:
+        fields["calls"] = parse_calls(str(fields["calls"]), "calls")
+    for name in ("classes", "stages", "layer_attrs"):
+        if name in fields:
+            value = fields.pop(name)
+            fields["block_classes" if name == "classes" else name] = (
+                split_list(value) if isinstance(value, str) else tuple(value)
+            )
+    check_mode(fields.get("mode", "full"), "mode")
+    return DumpConfig(dir=os.fspath(directory), side=check_side(side, "side"), **fields)
