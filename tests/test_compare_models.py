@@ -103,6 +103,13 @@ def test_cli_json_keys_and_exit_codes(tmp_path, tiny_llama, input_ids):
         "shape_target",
     }
     assert data["verdict"] == "drift" and data["first_divergence"]["key"] == "L003.ffn_out"
+    logits = data["stages"][-1]
+    assert logits["key"] == "final.logits" and set(logits["logits"]) >= {
+        "argmax_agree",
+        "top5_overlap",
+        "kl_mean",
+    }
+    assert 0 < logits["logits"]["kl_mean"] < 1e-3  # a 2% scale at the last MLP: tiny but non-zero KL
     assert r.exit_code == 0  # drift is below the default fail-on (diverge)
     r2 = runner.invoke(
         app, ["compare", str(tmp_path / "ref"), str(tmp_path / "target"), "--fail-on", "drift"]
@@ -129,6 +136,11 @@ def test_warmup_call_set_aside(tmp_path, tiny_llama, input_ids):
         tiny_llama(input_ids=input_ids)
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.verdict == "ok" and res.warmup_skipped == 1
+    # the real call (call 0 of the untagged set, like the warm-up is call 0 of its own) was compared
+    assert [(s["key"], s["bit_equal"]) for s in res.stages] == [
+        ("embed.input_ids", 1.0),
+        ("final.logits", 1.0),
+    ]
 
 
 def test_shape_mismatch_reported(tmp_path):
@@ -150,6 +162,9 @@ def test_stats_only_compared_on_stats(tmp_path, tiny_llama, input_ids):
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.stats_only
     assert res.first_divergence["key"] == "L002.ffn_out"
+    from ffdebug.report.text import compare_conclusion
+
+    assert "on statistics only" in compare_conclusion(res)  # the verdict sentence says so
 
 
 def test_noise_calibration(tmp_path, input_ids):
@@ -162,3 +177,90 @@ def test_noise_calibration(tmp_path, input_ids):
     res = ffdebug.compare(ref, tgt, noise=noise)
     assert res.verdict == "ok"  # the target is exactly as far from ref as the noise run
     assert any(s.get("within_noise") for s in res.stages)
+
+
+def _taps(directory, side, calls):
+    """One call group per (tags, ids, value): ids tagged as input ids, then a stage `h`."""
+    with ffdebug.capture(None, dir=directory, side=side):
+        for tags, ids, value in calls:
+            with ffdebug.step(**tags):
+                ffdebug.tap("tokens", torch.tensor(ids), input_ids=True)
+                ffdebug.tap("h", torch.full((4,), value))
+    return directory / side
+
+
+def test_calls_pair_by_tags_and_input_ids_not_order(tmp_path):
+    ref = _taps(tmp_path, "ref", [({"request": "a"}, [1, 2], 1.0), ({"request": "b"}, [3, 4], 2.0)])
+    tgt = _taps(tmp_path, "target", [({"request": "b"}, [3, 4], 2.0), ({"request": "a"}, [1, 2], 1.0)])
+    res = ffdebug.compare(ref, tgt)
+    assert res.verdict == "ok" and len(res.stages) == 4
+
+
+def test_tensor_tagged_as_input_ids_gates_exit_3(tmp_path):
+    _taps(tmp_path, "ref", [({}, [1, 2, 3], 1.0)])
+    _taps(tmp_path, "target", [({}, [1, 2, 4], 1.0)])
+    r = CliRunner().invoke(app, ["compare", "ref-vs-target", "--dir", str(tmp_path)])
+    assert r.exit_code == 3 and "input ids differ" in r.output and "position [2]" in r.output
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ([], "calls do not pair"),  # different step tags: nothing pairs, which is no PASS
+        (["--stages", "zzz*"], "no stage matches"),
+        (["--layers", "7"], "selects none of the dumped layers"),
+    ],
+)
+def test_nothing_to_compare_is_exit_2(tmp_path, tiny_llama, input_ids, args, needle):
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="ref"), torch.no_grad():
+        with ffdebug.step(optimizer_step=0 if args else 1):
+            tiny_llama(input_ids=input_ids)
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="target"), torch.no_grad():
+        with ffdebug.step(optimizer_step=0):
+            tiny_llama(input_ids=input_ids)
+    r = CliRunner().invoke(app, ["compare", "ref-vs-target", "--dir", str(tmp_path), *args])
+    assert r.exit_code == 2 and needle in r.output and "PASSED" not in r.output
+
+
+def test_noise_factor_two_for_fp32_three_for_bf16(tmp_path):
+    """Target error 2.5x the noise run's: beyond k=2 (fp32), within k=3 (bf16)."""
+    x = torch.linspace(1.0, 2.0, 64)
+    e = 0.02 * torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0) * x  # noise rel 2%, target 5%
+    for dtype, within in ((torch.float32, False), (torch.bfloat16, True)):
+        d = tmp_path / str(dtype)
+        for side, value in (("ref", x), ("noise", x + e), ("target", x + 2.5 * e)):
+            with ffdebug.capture(None, dir=d, side=side):
+                ffdebug.tap("h", value.to(dtype))
+        stage = ffdebug.compare(d / "ref", d / "target", noise=d / "noise").stages[0]
+        assert stage["within_noise"] is within and stage["severity"] == ("ok" if within else "drift"), stage
+
+
+def test_json_budget_note(tmp_path, tiny_llama, input_ids):
+    """The store says when FFDEBUG_FWD_DUMP_MAX_BYTES turned captures into statistics, and so does
+    compare: which side, and that those stages were compared on statistics."""
+    _dump(tiny_llama, input_ids, tmp_path, "ref")
+    _dump(tiny_llama, input_ids, tmp_path, "target", max_bytes=20_000)
+    r = CliRunner().invoke(app, ["compare", "ref-vs-target", "--dir", str(tmp_path), "--json"])
+    data = json.loads(r.output)
+    assert any("byte budget" in n and "target" in n for n in data["notes"])
+    over = [s for s in data["stages"] if s.get("stats_only")]
+    assert over and over[-1]["key"] == "final.logits" and over[-1]["severity"] == "ok"
+
+
+def test_text_table_keeps_stage_keys_and_says_why(tmp_path):
+    """An 80-column terminal never cuts a stage key; a NaN row says NaN."""
+    from rich.console import Console
+
+    from ffdebug.report.text import print_compare
+
+    long_key = "L012.self_attn.rotary_emb.out.cos_cached"
+    for side, v in (("ref", 1.0), ("target", float("nan"))):
+        with ffdebug.capture(None, dir=tmp_path, side=side):
+            ffdebug.tap(
+                long_key, torch.tensor([1.0, v]), layer=12, layer_class="Qwen3MoeDecoderLayer[mlp=Sparse]"
+            )
+    console = Console(width=80, record=True)
+    print_compare(ffdebug.compare(tmp_path / "ref", tmp_path / "target"), console=console)
+    text = console.export_text()
+    assert "self_attn.rotary_emb.out.cos_cached" in text and "NaN differs at 1" in text
+    assert text.rstrip().endswith("FAILED") and "First divergence at layer 12" in text

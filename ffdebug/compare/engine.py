@@ -9,9 +9,9 @@ from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, align_ranks, check_input_ids, group_calls, pair_calls
 from ffdebug.compare.severity import (
     RANK,
-    SEVERITIES,
     Threshold,
     at_least,
+    check_fail_on,
     classify,
     parse_threshold,
     rel_band,
@@ -181,8 +181,7 @@ def compare(
     """
     from ffdebug._env import parse_layers
 
-    if fail_on not in SEVERITIES[1:]:
-        raise FFDebugError(f"--fail-on {fail_on!r} is invalid: use one of {', '.join(SEVERITIES[1:])}")
+    check_fail_on(fail_on)
     ref_store, tgt_store = _as_store(ref), _as_store(target)
     if isinstance(layers, str):
         layers = parse_layers(layers)
@@ -224,16 +223,18 @@ def compare(
             _apply_noise(e, noise_index.get((rg.tags, rg.call, sk)))
         stages_out.append(e)
         pairs_out.append((r, t))
-    verdict = worst(*(e["severity"] for e in stages_out)) if stages_out else "ok"
+    if not any(e["key"] != "embed.input_ids" for e in stages_out):
+        raise FFDebugError(_nothing_paired(ref_store, tgt_store, pairing, filters))
+    if layers is not None and not any(e["layer"] is not None for e in stages_out):
+        _no_layer_selected(layers, ref_store)
     notes: list[str] = []
     if pairing.warmup_skipped:
         notes.append(f"{len(pairing.warmup_skipped)} warm-up call(s) on the target side were set aside")
     if any(e.get("stats_only") for e in stages_out):
         notes.append("some stages were dumped as statistics only and compared on their stats")
-    if not stages_out:
-        notes.append("no stage appears on both sides")
+    notes.extend(_budget_notes(pairs_out))
     return CompareResult(
-        verdict=verdict,
+        verdict=worst(*(e["severity"] for e in stages_out)),
         stages=stages_out,
         ref_path=ref_store.path,
         target_path=tgt_store.path,
@@ -250,6 +251,45 @@ def compare(
         and all(e.get("stats_only") for e in stages_out if e["key"] != "embed.input_ids"),
         records=pairs_out,
     )
+
+
+def _nothing_paired(ref: SideStore, tgt: SideStore, pairing, filters: Filters) -> str:
+    """The one-line error when no stage (besides input ids) is on both sides."""
+    if filters.stages or filters.layers is not None:
+        why = "no stage matches --stages / --layers on both sides"
+    elif pairing.unpaired_ref or pairing.unpaired_target:
+        tags = sorted({str(dict(g.tags)) for g in pairing.unpaired_ref})[:3]
+        other = sorted({str(dict(g.tags)) for g in pairing.unpaired_target})[:3]
+        why = f"the calls do not pair: reference step tags {', '.join(tags) or '-'} vs target {', '.join(other) or '-'}"
+    else:
+        why = "the two sides share no stage key"
+    return (
+        f"{ref.path} and {tgt.path}: nothing to compare ({why}); dump both sides with the same stages and "
+        "ffdebug.step(...) tags, or loosen --stages / --layers / --step"
+    )
+
+
+def _no_layer_selected(layers, store: SideStore) -> None:
+    """`--layers` that names none of the dumped layers is a usage error, not a pass."""
+    dumped = sorted({r.get("layer") for r in store.records if r.get("layer") is not None})
+    if dumped:
+        raise FFDebugError(
+            f"--layers {layers.spec!r} selects none of the dumped layers ({dumped[0]}-{dumped[-1]} in "
+            f"{store.path}); pick layers in that range"
+        )
+
+
+def _budget_notes(pairs: list[tuple[Record, Record]]) -> list[str]:
+    """Say which side's FFDEBUG_FWD_DUMP_MAX_BYTES budget turned stages into statistics-only ones."""
+    notes = []
+    for i, side in enumerate(("reference", "target")):
+        n = sum(1 for pair in pairs if pair[i].get("over_budget"))
+        if n:
+            notes.append(
+                f"{n} stage(s) were over the {side}'s byte budget (FFDEBUG_FWD_DUMP_MAX_BYTES): "
+                "only their statistics were written and compared"
+            )
+    return notes
 
 
 def _map_records(jobs: list[tuple], thresholds, exact: bool) -> list[dict]:

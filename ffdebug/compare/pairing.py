@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 from ffdebug.errors import InputIdsMismatch
 from ffdebug.store.reader import Record, SideStore
-
-WARMUP_PHASES = ("warmup", "warmup_guess")
+from ffdebug.store.schema import WARMUP_PHASES, looks_like_dummy_ids
 
 
 def _tags_key(rec: Record) -> tuple:
@@ -58,12 +57,6 @@ class CallGroup:
         return None
 
 
-def looks_like_dummy_ids(ids) -> bool:
-    """A warm-up batch: more than one id, all equal (zeros, pad, BOS repeated)."""
-    flat = ids.reshape(-1)
-    return flat.numel() > 1 and bool((flat == flat[0]).all())
-
-
 @dataclass
 class Filters:
     layers: object = None  # LayerSelection
@@ -96,12 +89,11 @@ def group_calls(store: SideStore, filters: Filters) -> list[CallGroup]:
     for rec in store.records:
         if not filters.keep(rec, num_layers):
             continue
-        gk = (_tags_key(rec), rec.get("call"))
+        # calls are numbered per tag set, phase included: warm-up call 0 and real call 0 are two calls
+        gk = (_tags_key(rec), rec.get("phase"), rec.get("call"))
         g = groups.get(gk)
         if g is None:
-            g = groups[gk] = CallGroup(tags=gk[0], call=gk[1], phase=rec.get("phase"))
-        if rec.get("phase") in WARMUP_PHASES:
-            g.phase = rec.get("phase")
+            g = groups[gk] = CallGroup(tags=gk[0], call=gk[2], phase=gk[1])
         sk = (rec.key, rec.get("invocation") or 0, rec.get("rank") or 0)
         if sk in g.records:  # same key twice in one call (free taps in a loop): number them
             n = 1
@@ -169,6 +161,7 @@ def pair_calls(ref_groups: list[CallGroup], tgt_groups: list[CallGroup]) -> Pair
 
     for rg in ref_groups:
         cands = [i for i in by_tags.get(rg.tags, []) if i not in used]
+        cands = [i for i in cands if tgt_groups[i].phase == rg.phase] or cands
         if not cands:
             unpaired_ref.append(rg)
             continue
