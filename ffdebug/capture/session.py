@@ -14,7 +14,6 @@ import sys
 import threading
 
 from ffdebug._env import DumpConfig, dump_config
-from ffdebug.store.schema import looks_like_dummy_ids, sha256_of_tensor
 
 # Step tags pushed by `ffdebug.step(...)`, outermost first. Module-level so that tags work before any
 # session exists and cost nothing when dumps are off.
@@ -129,6 +128,8 @@ class Session:
         # first-real: the first call of each step-tag set not tagged phase=warmup. Engines that do not
         # tag: a dummy batch (one repeated id) is guessed to be a warm-up; its ids alone are written,
         # with phase "warmup_guess", so the store shows what was skipped and why.
+        from ffdebug.store.schema import looks_like_dummy_ids
+
         warm = tags.get("phase") == "warmup"
         if "phase" not in tags and input_ids is not None:
             warm = self.call_warmup_guess = looks_like_dummy_ids(input_ids)
@@ -182,6 +183,8 @@ class Session:
         self.writer().write(key, t, meta, always_payload=ids)
         self.captured += 1
         if ids and self.input_ids_sha is None:  # run.json identifies the run by its first input ids
+            from ffdebug.store.schema import sha256_of_tensor
+
             self.input_ids_sha = sha256_of_tensor(t)
             self.writer().update_run_info(input_ids_sha256=self.input_ids_sha)
 
