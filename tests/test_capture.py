@@ -164,12 +164,20 @@ def test_patch_helpers_restore_and_dump(tmp_path, tiny_llama, input_ids):
     def boom(orig, self, *a, **k):
         raise RuntimeError("boom")
 
+    norm_forward = LlamaRMSNorm.__dict__["forward"]
     try:
         with ffdebug.patch_method(LlamaRMSNorm, "forward", boom):
             tiny_llama(input_ids=input_ids)
     except RuntimeError:
         pass
-    assert LlamaRMSNorm.forward is not None and "forward" in LlamaRMSNorm.__dict__
+    assert LlamaRMSNorm.__dict__["forward"] is norm_forward  # restored after the exception
+
+    class Child(LlamaRMSNorm):  # an inherited method: restored by removing the override
+        pass
+
+    with ffdebug.patch_method(Child, "forward", boom):
+        assert "forward" in Child.__dict__
+    assert "forward" not in Child.__dict__ and Child.forward is norm_forward
     with torch.no_grad():
         tiny_llama(input_ids=input_ids)  # restored: runs
 
@@ -335,3 +343,22 @@ def test_topk_of_logits(tmp_path, tiny_llama, input_ids):
     probs, ids = torch.softmax(logits, dim=-1).topk(3, dim=-1)
     assert torch.equal(recs["final.topk_ids"].load(), ids)
     torch.testing.assert_close(recs["final.topk_probs"].load(), probs)
+
+
+def test_patch_block_forward_layer_index(tmp_path):
+    """The index attribute names the layer; without one, the order of first execution does."""
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    blocks = [Block(), Block(), Block()]
+    blocks[0].layer_id, blocks[1].layer_id = 7, 2
+    with (
+        ffdebug.capture(None, dir=tmp_path, side="p"),
+        ffdebug.patch_block_forward(Block, layer_attr="layer_id"),
+    ):
+        for b in blocks:
+            b(torch.zeros(2))
+    keys = [r.key for r in open_side(tmp_path / "p").records]
+    assert keys == [f"L{i:03d}.{s}" for i in (7, 2, 0) for s in ("hidden_in", "hidden_out")]

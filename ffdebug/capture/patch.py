@@ -38,13 +38,11 @@ def patch_method(cls, name: str, wrapper):
 
 
 def _layer_of(module, layer_attr: str | tuple[str, ...], counter: dict) -> int:
-    attrs = (layer_attr,) if isinstance(layer_attr, str) else layer_attr
-    for a in attrs:
-        v = getattr(module, a, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    # no attribute: order of first execution
-    return counter.setdefault(id(module), len(counter))
+    """The block's index attribute, else its order of first execution."""
+    from ffdebug.models.blocks import index_attribute
+
+    index = index_attribute(module, (layer_attr,) if isinstance(layer_attr, str) else tuple(layer_attr))
+    return index if index is not None else counter.setdefault(id(module), len(counter))
 
 
 @contextlib.contextmanager

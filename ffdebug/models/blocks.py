@@ -191,6 +191,15 @@ def structural_classes(modules: list[object]) -> list[str]:
     return labels
 
 
+def index_attribute(module, layer_attrs: tuple[str, ...]) -> int | None:
+    """The first of `layer_attrs` that the module holds as an int (its own layer index), else None."""
+    for attr in layer_attrs:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def find_blocks(
     model,
     class_globs: tuple[str, ...] = (),
@@ -203,12 +212,7 @@ def find_blocks(
         return []
     layers = []
     for pos, (_, m) in enumerate(mods):
-        idx = None
-        for attr in layer_attrs:
-            value = getattr(m, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                idx = value
-                break
+        idx = index_attribute(m, layer_attrs)
         layers.append(pos if idx is None else idx)
     if len(set(layers)) != len(layers):  # attributes that repeat (per-list counters): use position
         layers = list(range(len(mods)))
