@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from ffdebug.compare.engine import LOW_PRECISION
+from ffdebug.compare.severity import noise_factor as _noise_factor
 
 INHERIT_SHARE = 0.1  # a layer must add more than this share of the error it inherits
 JUMP_RATIO = 10.0  # one layer adds this many times more than any other: a jump
@@ -65,8 +65,8 @@ class LayerRow:
 
 
 def noise_factor(stage: dict) -> float:
-    dtypes = (stage.get("dtype_ref"), stage.get("dtype_target"))
-    return 3.0 if any(d in LOW_PRECISION for d in dtypes) else 2.0
+    """The noise rule's k for one stage entry (see `compare.severity.noise_factor`)."""
+    return _noise_factor(stage.get("dtype_ref"), stage.get("dtype_target"))
 
 
 def within_noise(e: dict) -> bool:

@@ -13,14 +13,13 @@ from ffdebug.compare.severity import (
     at_least,
     check_fail_on,
     classify,
+    noise_factor,
     parse_threshold,
     rel_band,
     worst,
 )
 from ffdebug.errors import FFDebugError
 from ffdebug.store.reader import Record, SideStore, open_side
-
-LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass
@@ -330,7 +329,7 @@ def _apply_noise(entry: dict, noise: tuple | None) -> None:
     if noise_rel is None or entry["rel"] is None or entry["severity"] == "ok":
         return
     dtype = entry.get("dtype_target") or noise_dtype
-    k = 3.0 if dtype in LOW_PRECISION or noise_dtype in LOW_PRECISION else 2.0
+    k = noise_factor(entry.get("dtype_ref"), dtype, noise_dtype)
     if entry["rel"] <= k * noise_rel and RANK[entry["severity"]] < RANK["bug"]:
         entry["within_noise"] = True
         entry["notes"].append(f"within noise: rel {entry['rel']:.3g} <= {k:g} x noise rel {noise_rel:.3g}")

@@ -26,6 +26,15 @@ COS_BANDS = ((0.9999, "ok"), (0.99, "drift"), (0.9, "diverge"))
 REL_BANDS = ((0.01, "ok"), (0.10, "drift"), (0.30, "diverge"))
 
 
+LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def noise_factor(*dtypes: str | None) -> float:
+    """k of the noise rule "within noise when error <= k x noise error" (DESIGN §4): 3 when any
+    side involved runs in a low-precision dtype (bf16 / fp16 / fp8), else 2 (fp32 and wider)."""
+    return 3.0 if any(d in LOW_PRECISION for d in dtypes) else 2.0
+
+
 def worst(*severities: str) -> str:
     return max(severities, key=lambda s: RANK[s]) if severities else "ok"
 
