@@ -96,7 +96,7 @@ def capture(
     if dir is None:
         raise TypeError("ffdebug.capture(...) needs dir=")
     config = _session.explicit_config(dir, side, layers=layers, classes=classes, **options)
-    s = _session.Session(config, source="capture", declared_classes=layer_class)
+    s = _session.Session(config, declared_classes=layer_class)
     _session.push_explicit(s)
     handle = None
     try:

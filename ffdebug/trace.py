@@ -299,7 +299,7 @@ class _TraceSession(_session.Session):
     """A capture session that sends taps to the tracer and writes nothing to disk."""
 
     def __init__(self, tracer: Tracer) -> None:
-        super().__init__(_session.explicit_config("<trace>", "trace", mode="stats"), source="trace")
+        super().__init__(_session.explicit_config("<trace>", "trace", mode="stats"))
         self.tracer = tracer
 
     def capture(

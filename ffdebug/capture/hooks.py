@@ -187,126 +187,93 @@ def _capture_topk(capture, logits, k: int) -> None:
 
 
 def _install_block(handle: Handle, session, capture, block, sub_globs: tuple[str, ...]) -> None:
-    import fnmatch
+    """Hooks of one block: its input/output, its direct children, and sub-stage classes inside it."""
+    base = {"layer": block.layer, "layer_class": block.layer_class}
+    prefix = f"L{block.layer:03d}"
+    _hook_block_io(handle, session, capture, block, prefix, base)
+    _hook_children(handle, session, capture, block, prefix, base)
+    if sub_globs:
+        _hook_substages(handle, session, capture, block, prefix, base, sub_globs)
 
+
+def _capture_outputs(capture, key: str, output, **meta) -> None:
+    """First tensor of a module output as `key`, the others as `key.<field>`."""
+    for i, (suffix, t) in enumerate(_tensors(output)):
+        capture(key if i == 0 else f"{key}{suffix}", t, **meta)
+
+
+def _hook_block_io(handle: Handle, session, capture, block, prefix: str, base: dict) -> None:
+    """`L{NNN}.hidden_in` (+ `encoder_hidden_in`) before the block, `L{NNN}.hidden_out` after.
+
+    A tuple output names `hidden_out` the one tensor shaped like the input (diffusers' joint
+    blocks return (encoder_hidden_states, hidden_states)); the others keep a field suffix.
+    """
     import torch
 
-    layer = block.layer
-    prefix = f"L{layer:03d}"
-    base = {"layer": layer, "layer_class": block.layer_class}
-    shape_in: dict = {}
+    meta = dict(base, module_class=block.class_name, module_path=block.path)
+    state: dict = {}  # invocation index and input shape of the call in flight
 
     def pre(module, args, kwargs):
-        sess.push_layer(layer)
-        inv = session.next_invocation(block.path)
-        shape_in["inv"] = inv
+        sess.push_layer(block.layer)
+        state["inv"] = inv = session.next_invocation(block.path)
         h = _first_tensor(args, kwargs)
         if h is not None:
-            shape_in["shape"] = tuple(h.shape)
-            capture(
-                f"{prefix}.hidden_in",
-                h,
-                io="in",
-                invocation=inv,
-                module_class=block.class_name,
-                module_path=block.path,
-                **base,
-            )
+            state["shape"] = tuple(h.shape)
+            capture(f"{prefix}.hidden_in", h, io="in", invocation=inv, **meta)
         enc = kwargs.get("encoder_hidden_states")
         if isinstance(enc, torch.Tensor):
-            capture(
-                f"{prefix}.encoder_hidden_in",
-                enc,
-                io="in",
-                invocation=inv,
-                module_class=block.class_name,
-                module_path=block.path,
-                **base,
-            )
+            capture(f"{prefix}.encoder_hidden_in", enc, io="in", invocation=inv, **meta)
 
     def post(module, args, kwargs, output):
         try:
-            inv = shape_in.get("inv", 0)
             pairs = list(_tensors(output))
-            if len(pairs) == 1:
-                capture(
-                    f"{prefix}.hidden_out",
-                    pairs[0][1],
-                    invocation=inv,
-                    module_class=block.class_name,
-                    module_path=block.path,
-                    **base,
-                )
-            else:
-                same = [t for _, t in pairs if tuple(t.shape) == shape_in.get("shape")]
-                for suffix, t in pairs:
-                    key = (
-                        f"{prefix}.hidden_out"
-                        if len(same) == 1 and t is same[0]
-                        else f"{prefix}.hidden_out{suffix}"
-                    )
-                    capture(
-                        key, t, invocation=inv, module_class=block.class_name, module_path=block.path, **base
-                    )
+            same = [t for _, t in pairs if tuple(t.shape) == state.get("shape")]
+            for suffix, t in pairs:
+                main = len(pairs) == 1 or (len(same) == 1 and t is same[0])
+                key = f"{prefix}.hidden_out" if main else f"{prefix}.hidden_out{suffix}"
+                capture(key, t, invocation=state.get("inv", 0), **meta)
         finally:
             sess.pop_layer()
 
     handle.add(block.module.register_forward_pre_hook(pre, with_kwargs=True))
     handle.add(block.module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
+
+def _hook_children(handle: Handle, session, capture, block, prefix: str, base: dict) -> None:
+    """Direct children: canonical names (`attn_out`, `ffn_out`, …) where known, else `{name}.out`."""
     used: set[str] = set()
     for name, child in block.module.named_children():
         stage = CANONICAL_CHILDREN.get(name)
         if stage is None or stage in used:
             stage = f"{name}.out"
         used.add(stage)
-        key = f"{prefix}.{stage}"
-        path = f"{block.path}.{name}"
+        meta = dict(base, module_class=type(child).__name__, module_path=f"{block.path}.{name}")
 
-        def child_post(m, a, o, key=key, path=path):
-            pairs = list(_tensors(o))
-            for i, (suffix, t) in enumerate(pairs):
-                k = key if i == 0 else f"{key}{suffix}"
-                capture(
-                    k,
-                    t,
-                    invocation=session.invocations.get(block.path, 1) - 1,
-                    module_class=type(m).__name__,
-                    module_path=path,
-                    **base,
-                )
+        def child_post(m, a, o, key=f"{prefix}.{stage}", meta=meta):
+            _capture_outputs(capture, key, o, invocation=session.invocations.get(block.path, 1) - 1, **meta)
 
         handle.add(child.register_forward_hook(child_post))
 
-    if sub_globs:
-        for rel, sub in block.module.named_modules():
-            if not rel or not any(fnmatch.fnmatchcase(type(sub).__name__, g) for g in sub_globs):
-                continue
 
-            def sub_pre(m, a, kw, rel=rel):
-                h = _first_tensor(a, kw)
-                if h is not None:
-                    capture(
-                        f"{prefix}.{rel}.in",
-                        h,
-                        io="in",
-                        invocation=session.next_invocation(f"{block.path}.{rel}"),
-                        module_class=type(m).__name__,
-                        module_path=f"{block.path}.{rel}",
-                        **base,
-                    )
+def _hook_substages(handle: Handle, session, capture, block, prefix: str, base: dict, sub_globs) -> None:
+    """Modules inside the block whose class matches a sub-stage glob: `L{NNN}.{path}.in` / `.out`."""
+    import fnmatch
 
-            def sub_post(m, a, kw, o, rel=rel):
-                for i, (suffix, t) in enumerate(_tensors(o)):
-                    k = f"{prefix}.{rel}.out" if i == 0 else f"{prefix}.{rel}.out{suffix}"
-                    capture(
-                        k,
-                        t,
-                        invocation=session.invocations.get(f"{block.path}.{rel}", 1) - 1,
-                        module_class=type(m).__name__,
-                        module_path=f"{block.path}.{rel}",
-                        **base,
-                    )
+    for rel, sub in block.module.named_modules():
+        if not rel or not any(fnmatch.fnmatchcase(type(sub).__name__, g) for g in sub_globs):
+            continue
+        path = f"{block.path}.{rel}"
+        meta = dict(base, module_class=type(sub).__name__, module_path=path)
 
-            handle.add(sub.register_forward_pre_hook(sub_pre, with_kwargs=True))
-            handle.add(sub.register_forward_hook(sub_post, with_kwargs=True))
+        def sub_pre(m, a, kw, rel=rel, path=path, meta=meta):
+            h = _first_tensor(a, kw)
+            if h is not None:
+                inv = session.next_invocation(path)
+                capture(f"{prefix}.{rel}.in", h, io="in", invocation=inv, **meta)
+
+        def sub_post(m, a, kw, o, rel=rel, path=path, meta=meta):
+            inv = session.invocations.get(path, 1) - 1
+            _capture_outputs(capture, f"{prefix}.{rel}.out", o, invocation=inv, **meta)
+
+        handle.add(sub.register_forward_pre_hook(sub_pre, with_kwargs=True))
+        handle.add(sub.register_forward_hook(sub_post, with_kwargs=True))

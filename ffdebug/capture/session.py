@@ -67,9 +67,8 @@ def _graph_capturing() -> bool:
 class Session:
     """Filters and writes captures for one side."""
 
-    def __init__(self, config: DumpConfig, source: str = "env", declared_classes: str | None = None) -> None:
+    def __init__(self, config: DumpConfig, declared_classes: str | None = None) -> None:
         self.config = config
-        self.source = source
         self.declared_classes = declared_classes
         self.rank, self.world_size = _dist_coords()
         self.enabled_rank = config.ranks.contains(self.rank, self.world_size)
