@@ -6,7 +6,15 @@ from __future__ import annotations
 import typer
 
 from ffdebug.cli.common import (
+    DIR_OPT,
     FAIL_ON_HELP,
+    JSON_OPT,
+    LAYERS_OPT,
+    NOISE_OPT,
+    SIDES_ARG,
+    STAGES_OPT,
+    STEP_OPT,
+    THRESHOLD_OPT,
     check_fail_on,
     emit_json,
     handles_errors,
@@ -40,20 +48,14 @@ def register(app: typer.Typer) -> None:
     @app.command("bisect", help=HELP)
     @handles_errors
     def bisect_command(
-        sides: list[str] = typer.Argument(
-            None, help="'ref-vs-target' (with --dir) or REF_SIDE_DIR TARGET_SIDE_DIR"
-        ),
-        dir: str = typer.Option(None, "--dir", help="Dump directory holding the side folders."),
-        layers: str = typer.Option(None, "--layers", help="Layers to consider: '0,2,5-7,-1'."),
-        stages: list[str] = typer.Option(None, "--stages", help="Glob over stage keys (repeatable)."),
-        step: list[str] = typer.Option(None, "--step", help="Keep records tagged key=value (repeatable)."),
+        sides: list[str] = SIDES_ARG,
+        dir: str = DIR_OPT,
+        layers: str = LAYERS_OPT,
+        stages: list[str] = STAGES_OPT,
+        step: list[str] = STEP_OPT,
         rank: int = typer.Option(None, "--rank", help="Use this rank only (no folding of ranks)."),
-        threshold: list[str] = typer.Option(
-            None, "--threshold", help="'GLOB:cos>=X,rel<=Y' ok band per stage."
-        ),
-        noise: str = typer.Option(
-            None, "--noise", help="A noise side: the reference run twice, or in the target's dtype."
-        ),
+        threshold: list[str] = THRESHOLD_OPT,
+        noise: str = NOISE_OPT,
         layer_class: str = typer.Option(
             None, "--layer-class", help="Declare layer classes by hand: 'hash:0-2,routed:3-'."
         ),
@@ -70,7 +72,7 @@ def register(app: typer.Typer) -> None:
             False, "--all", help="Show every stage, not only the first bad layer."
         ),
         fail_on: str = typer.Option("diverge", "--fail-on", help=FAIL_ON_HELP),
-        json_out: bool = typer.Option(False, "--json", help="Machine-readable output with the stable keys."),
+        json_out: bool = JSON_OPT,
     ) -> None:
         from ffdebug.bisect.engine import bisect
 

@@ -14,6 +14,19 @@ from ffdebug.errors import FFDebugError
 
 FAIL_ON_HELP = "Exit 1 when a stage is at or above this severity: drift, diverge, bug, scramble."
 
+# Options shared by the commands that read two sides (compare, bisect) or filter records
+# (slot-invariance): one definition each, so names and help stay identical everywhere.
+SIDES_ARG = typer.Argument(None, help="'ref-vs-target' (with --dir) or REF_SIDE_DIR TARGET_SIDE_DIR")
+DIR_OPT = typer.Option(None, "--dir", help="Dump directory holding the side folders.")
+LAYERS_OPT = typer.Option(None, "--layers", help="Layers to use: '0,2,5-7,-1'.")
+STAGES_OPT = typer.Option(None, "--stages", help="Glob over stage keys (repeatable).")
+STEP_OPT = typer.Option(None, "--step", help="Keep records tagged key=value (repeatable).")
+THRESHOLD_OPT = typer.Option(None, "--threshold", help="'GLOB:cos>=X,rel<=Y' ok band per stage (repeatable).")
+NOISE_OPT = typer.Option(
+    None, "--noise", help="A noise side: the reference run twice, or in the target's dtype."
+)
+JSON_OPT = typer.Option(False, "--json", help="Machine-readable output with the stable keys.")
+
 
 def handles_errors(fn):
     """Map FFDebugError to a one-line message and its exit code (2, or 3 for input ids)."""

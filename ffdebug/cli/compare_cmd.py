@@ -5,7 +5,15 @@ from __future__ import annotations
 import typer
 
 from ffdebug.cli.common import (
+    DIR_OPT,
     FAIL_ON_HELP,
+    JSON_OPT,
+    LAYERS_OPT,
+    NOISE_OPT,
+    SIDES_ARG,
+    STAGES_OPT,
+    STEP_OPT,
+    THRESHOLD_OPT,
     check_fail_on,
     emit_json,
     handles_errors,
@@ -31,26 +39,20 @@ def register(app: typer.Typer) -> None:
     @app.command("compare", help=HELP)
     @handles_errors
     def compare_command(
-        sides: list[str] = typer.Argument(
-            None, help="'ref-vs-target' (with --dir) or REF_SIDE_DIR TARGET_SIDE_DIR"
-        ),
-        dir: str = typer.Option(None, "--dir", help="Dump directory holding the side folders."),
-        layers: str = typer.Option(None, "--layers", help="Layers to compare: '0,2,5-7,-1'."),
-        stages: list[str] = typer.Option(None, "--stages", help="Glob over stage keys (repeatable)."),
-        step: list[str] = typer.Option(None, "--step", help="Keep records tagged key=value (repeatable)."),
+        sides: list[str] = SIDES_ARG,
+        dir: str = DIR_OPT,
+        layers: str = LAYERS_OPT,
+        stages: list[str] = STAGES_OPT,
+        step: list[str] = STEP_OPT,
         rank: int = typer.Option(None, "--rank", help="Compare this rank only."),
-        threshold: list[str] = typer.Option(
-            None, "--threshold", help="'GLOB:cos>=X,rel<=Y' ok band per stage."
-        ),
-        noise: str = typer.Option(
-            None, "--noise", help="A noise side (ref run twice or in the target dtype)."
-        ),
+        threshold: list[str] = THRESHOLD_OPT,
+        noise: str = NOISE_OPT,
         exact: bool = typer.Option(False, "--exact", help="Any bit difference counts (determinism check)."),
         fail_on: str = typer.Option(
             None, "--fail-on", help=FAIL_ON_HELP + " Default diverge (drift with --exact)."
         ),
         problems: bool = typer.Option(False, "--problems", help="Show only stages that are not ok."),
-        json_out: bool = typer.Option(False, "--json", help="Machine-readable output with the stable keys."),
+        json_out: bool = JSON_OPT,
     ) -> None:
         from ffdebug.compare.engine import compare
 

@@ -6,7 +6,15 @@ import os
 
 import typer
 
-from ffdebug.cli.common import FAIL_ON_HELP, check_fail_on, emit_json, handles_errors, parse_step_filter
+from ffdebug.cli.common import (
+    FAIL_ON_HELP,
+    STAGES_OPT,
+    STEP_OPT,
+    check_fail_on,
+    emit_json,
+    handles_errors,
+    parse_step_filter,
+)
 
 HELP = """Batch invariance: run the same prompt in every slot of a batch (and once alone), dump it,
 and check that every slot gives the same tensors as slot 0, stage by stage. Names the first stage
@@ -61,8 +69,8 @@ def register(app: typer.Typer) -> None:
         slots: int = typer.Option(..., "--slots", help="Batch size of the run (every slot the same prompt)."),
         slot_dim: int = typer.Option(0, "--slot-dim", help="Dim of the batch slots in the dumped tensors."),
         single: str = typer.Option(None, "--single", help="Side directory of a single-prompt run."),
-        stages: list[str] = typer.Option(None, "--stages", help="Glob over stage keys (repeatable)."),
-        step: list[str] = typer.Option(None, "--step", help="Keep records tagged key=value (repeatable)."),
+        stages: list[str] = STAGES_OPT,
+        step: list[str] = STEP_OPT,
         call: int = typer.Option(None, "--call", help="Which call (default: the first non-warm-up one)."),
         exact: bool = typer.Option(False, "--exact", help="Any bit difference fails."),
         fail_on: str = typer.Option(
