@@ -37,7 +37,8 @@ import torch
 
 from reference_trainer.adapters.base import FIXTURES
 from reference_trainer.adapters.flux import FLUX_TINY
-from reference_trainer.adapters.sd3 import SCHEDULER, SD3_TINY, VAE_TINY
+from reference_trainer.adapters.latent_flow import SCHEDULER, VAE_TINY
+from reference_trainer.adapters.sd3 import SD3_TINY
 from reference_trainer.adapters.text import build_text_encoder, build_tokenizer
 
 SEED = 1234

@@ -4,20 +4,19 @@ Conventions follow diffusers ``FluxPipeline``: latents [B, C, H, W] are packed i
 [B, (H/2)(W/2), 4C] (``_pack_latents``), with 2-D position ids ``img_ids`` [(H/2)(W/2), 3] (row, column in
 channels 1 and 2) and ``txt_ids`` [L, 3] of zeros; ``timestep`` is σ in [0, 1]; no guidance embedding
 (FLUX.1-schnell style). The real Flux takes T5 hidden states and CLIP's pooled output; the tiny model
-takes both from the one tiny CLIP. Shapes: latents [B, 4, 8, 8] -> packed [B, 16, 16].
+takes both from the one tiny CLIP. The text stack, the VAE and sampling are ``LatentFlowAdapter``'s
+(``adapters.latent_flow``). Shapes: latents [B, 4, 8, 8] -> packed [B, 16, 16].
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from reference_trainer.adapters.base import BaseAdapter, Condition, Trajectory, call_module
-from reference_trainer.adapters.sampling import sample_trajectory
-from reference_trainer.adapters.sd3 import decode_with_vae, encode_with_vae, load_vae_and_scheduler
-from reference_trainer.adapters.text import encode_with_clip, load_text_stack
+from reference_trainer.adapters.base import Condition, call_module
+from reference_trainer.adapters.latent_flow import LatentFlowAdapter
 from reference_trainer.registry import register_adapter
 
 FLUX_TINY = dict(
@@ -61,34 +60,18 @@ def image_ids(height: int, width: int) -> torch.Tensor:
 
 
 @register_adapter("flux-tiny")
-class FluxTinyAdapter(BaseAdapter):
+class FluxTinyAdapter(LatentFlowAdapter):
     """Tiny Flux: one double-stream and one single-stream block on packed 4×8×8 latents."""
 
     fixture_name = "flux_tiny"
 
-    def load_pipeline(self) -> None:
+    def load_transformer(self) -> nn.Module:
         from diffusers import FluxTransformer2DModel
 
-        tokenizer, text_encoder = load_text_stack(self.fixture_dir)
-        self.register_component("tokenizer", tokenizer)
-        self.register_component("text_encoder", text_encoder)
-        load_vae_and_scheduler(self)
         transformer = FluxTransformer2DModel.from_pretrained(self.fixture_dir / "transformer")
-        self.register_component("transformer", transformer.requires_grad_(True).eval())
         self._latent_shape = LATENT_SHAPE
-        self._img_ids = image_ids(LATENT_SHAPE[1], LATENT_SHAPE[2])
-
-    def encode_prompt(self, prompts: Sequence[str]) -> Condition:
-        embeds, pooled = encode_with_clip(
-            self._require_component("tokenizer"), self._require_component("text_encoder"), prompts
-        )
-        return Condition(prompt_embeds=embeds, pooled=pooled)
-
-    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return decode_with_vae(self, latents)
-
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        return encode_with_vae(self, images)
+        self._img_ids = image_ids(LATENT_SHAPE[1], LATENT_SHAPE[2])  # [(H/2)(W/2), 3]
+        return transformer
 
     def forward(
         self,
@@ -114,25 +97,3 @@ class FluxTinyAdapter(BaseAdapter):
             return_dict=False,
         )
         return unpack_latents(output[0], height, width).float()  # type: ignore[index]
-
-    def inference(
-        self,
-        condition: Condition,
-        *,
-        num_steps: int,
-        noise_level: float,
-        generator: torch.Generator,
-        module: nn.Module | None = None,
-        parameters: Mapping[str, torch.Tensor] | None = None,
-    ) -> Trajectory:
-        def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            return self.forward(x, sigma, condition, module=module, parameters=parameters)
-
-        return sample_trajectory(
-            velocity,
-            batch_size=len(condition),
-            latent_shape=self.latent_shape,
-            sigmas=self.sigmas(num_steps),
-            noise_level=noise_level,
-            generator=generator,
-        )
