@@ -18,7 +18,20 @@ from __future__ import annotations
 
 import torch
 
+from reference_trainer.config import require
+
 SIGMA_SCHEMES = ("logit_normal", "uniform")
+
+
+def check_sigma_sampling(scheme: str, sigma_min: float, sigma_max: float) -> None:
+    """Config validation of a trainer's ``sigma_scheme`` / ``sigma_min`` / ``sigma_max`` fields (a
+    ``ConfigError`` naming the field), so a bad value fails at load time, not at the first step."""
+    require(scheme in SIGMA_SCHEMES, "sigma_scheme", f"must be one of {SIGMA_SCHEMES}, got {scheme!r}")
+    require(
+        0.0 <= sigma_min < sigma_max <= 1.0,
+        "sigma_min",
+        f"need 0 <= sigma_min < sigma_max <= 1, got {sigma_min}, {sigma_max}",
+    )
 
 
 def _bcast(sigma: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

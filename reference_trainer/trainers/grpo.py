@@ -10,7 +10,7 @@ One rollout iteration (``sample`` then ``optimize``):
 1. draw P prompts and repeat each K times (``group_size``): B = P·K samples in P contiguous groups;
 2. roll out with the Flow-SDE from the current policy (no grad), keeping every latent x_0..x_T and the
    per-step log-probs log p_old(x_{j+1} | x_j) [B, T];
-3. decode x_T, compute the rewards, and the group-normalised advantages A [B] (``AdvantageProcessor``);
+3. decode x_T, compute the rewards, and the group-normalised advantages A [B] (``feedback.RewardFeedback``);
 4. shuffle the samples and split them into ``gradient_steps_per_iteration`` minibatches; each is one
    optimizer step of the ``policy`` role, accumulating over microbatches and over the trained steps
    j < ⌈timestep_fraction·T⌉: recompute log p_θ(x_{j+1} | x_j) with gradients and minimise
@@ -23,38 +23,34 @@ policy, declared only when ``kl_beta > 0``, used through ``functional_call``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 
 import ffdebug
 from reference_trainer.adapters.base import Condition, Trajectory
-from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor
-from reference_trainer.config import RewardSpec, TrainingArguments, require
+from reference_trainer.config import require
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.data import repeat_groups
+from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
 from reference_trainer.losses import grpo as grpo_losses
 from reference_trainer.registry import register_arguments, register_trainer
-from reference_trainer.rewards import RewardProcessor
 from reference_trainer.sde import flow_sde_step
 from reference_trainer.trainers.base import BaseTrainer
 
 
 @register_arguments("grpo")
 @dataclass(frozen=True, kw_only=True)
-class GRPOArguments(TrainingArguments):
-    """``train:`` section of a GRPO run (defaults: flow_grpo ``config/base.py`` where it has one)."""
+class GRPOArguments(GenerationRewardArguments):
+    """``train:`` section of a GRPO run (defaults: flow_grpo ``config/base.py`` where it has one).
+
+    Rollout, reward and advantage fields (``group_size`` K, ``prompts_per_iteration`` P,
+    ``num_inference_steps`` T, ``noise_level`` a > 0, ``rewards``, ``advantage``): see
+    ``GenerationRewardArguments``.
+    """
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
-    group_size: int = 4
-    """K: samples per prompt (one advantage group)."""
-    prompts_per_iteration: int = 2
-    """P: distinct prompts per rollout iteration (rank-local)."""
-    num_inference_steps: int = 4
-    """T: denoising steps of a rollout."""
-    noise_level: float = 0.7
-    """a: the Flow-SDE noise scale (flow_grpo ``noise_level``)."""
     timestep_fraction: float = 1.0
     """Train the first ⌈fraction·T⌉ steps of each trajectory (flow_grpo ``timestep_fraction``)."""
     gradient_steps_per_iteration: int = 1
@@ -69,28 +65,9 @@ class GRPOArguments(TrainingArguments):
     """β: weight of the KL to the frozen reference; 0 = no reference snapshot."""
     kl_std: Literal["step_std", "std_dev_t"] = "step_std"
     """KL denominator: the exact transition std σ_t√(−Δt), or flow_grpo's σ_t (omits Δt, its issue #78)."""
-    rewards: tuple[RewardSpec, ...] = (RewardSpec(name="brightness"),)
-    """Rewards computed on the decoded images (``reference-trainer list``)."""
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    """How rewards become advantages (group normalisation, aggregation, weights)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(
-            self.group_size >= 2,
-            "group_size",
-            f"must be >= 2 (advantages are group-relative), got {self.group_size}",
-        )
-        require(
-            self.prompts_per_iteration >= 1,
-            "prompts_per_iteration",
-            f"must be >= 1, got {self.prompts_per_iteration}",
-        )
-        require(
-            self.num_inference_steps >= 2,
-            "num_inference_steps",
-            f"must be >= 2, got {self.num_inference_steps}",
-        )
         require(
             self.noise_level > 0,
             "noise_level",
@@ -104,7 +81,6 @@ class GRPOArguments(TrainingArguments):
         require(self.clip_range > 0, "clip_range", f"must be > 0, got {self.clip_range}")
         require(self.adv_clip_max > 0, "adv_clip_max", f"must be > 0, got {self.adv_clip_max}")
         require(self.kl_beta >= 0, "kl_beta", f"must be >= 0, got {self.kl_beta}")
-        require(len(self.rewards) >= 1, "rewards", "needs at least one reward")
         batch = self.group_size * self.prompts_per_iteration
         steps = self.gradient_steps_per_iteration
         require(
@@ -141,8 +117,7 @@ class GRPOTrainer(BaseTrainer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.reward_processor = RewardProcessor(self.args.rewards)
-        self.advantage_processor = AdvantageProcessor(self.args.advantage)
+        self.feedback = RewardFeedback(self.args)
 
     def setup_roles(self) -> dict[str, str]:
         self.variants.declare_variant("policy")
@@ -169,20 +144,7 @@ class GRPOTrainer(BaseTrainer):
         ffdebug.tap("rollout.log_prob", trajectory.log_probs)
         # 3. rewards on the decoded images, then group-relative advantages
         images = self.adapter.decode_latents(trajectory.final)
-        rewards = self.reward_processor(images, repeated, group_ids)
-        weights = args.advantage.weights
-        total = sum(float(weights.get(name, 1.0)) * values for name, values in rewards.items())
-        ffdebug.tap("reward", total)
-        advantages, advantage_metrics = self.advantage_processor(rewards, group_ids)
-        ffdebug.tap("advantage", advantages)
-        self.cycle_metrics = {
-            "reward_mean": float(total.mean()),
-            "reward_std": float(total.std(unbiased=False)),
-        }
-        self.cycle_metrics.update(
-            {f"reward.{name}": float(values.mean()) for name, values in rewards.items()}
-        )
-        self.cycle_metrics.update(advantage_metrics)
+        advantages, self.cycle_metrics = self.feedback(images, repeated, group_ids)
         return GRPOSamples(repeated, group_ids, condition, trajectory, advantages)
 
     # ---------------------------------------------------------------- optimisation

@@ -10,7 +10,7 @@ One rollout iteration:
 
 1. ``sample``: draw P prompts, repeat each K times (contiguous groups); roll out from the current
    policy (Flow-SDE with ``noise_level > 0``, else the ODE), keep the final latents x_0 [B, C, H, W];
-   decode, compute rewards and group-normalised advantages (``AdvantageProcessor``);
+   decode, compute rewards and group-normalised advantages (``feedback.RewardFeedback``);
 2. ``optimize``: in every group take w = argmax A, l = argmin A (a group whose advantages are all
    equal has no preference and is skipped); the pair shares its prompt, hence its condition. Then
    ``gradient_steps_per_iteration`` optimizer steps of the ``policy`` role, each with fresh (σ, ε)
@@ -22,38 +22,36 @@ policy, used through ``functional_call``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 import ffdebug
 from reference_trainer.adapters.base import Condition
-from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor
-from reference_trainer.config import RewardSpec, TrainingArguments, require
+from reference_trainer.config import require
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.data import repeat_groups
-from reference_trainer.flow_matching import SIGMA_SCHEMES, sample_sigmas
+from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
+from reference_trainer.flow_matching import check_sigma_sampling, sample_sigmas
 from reference_trainer.losses.dpo import diffusion_dpo_loss, pair_errors
 from reference_trainer.registry import register_arguments, register_trainer
-from reference_trainer.rewards import RewardProcessor
 from reference_trainer.trainers.base import BaseTrainer
 
 
 @register_arguments("online_dpo")
 @dataclass(frozen=True, kw_only=True)
-class OnlineDPOArguments(TrainingArguments):
-    """``train:`` section of an online Diffusion-DPO run."""
+class OnlineDPOArguments(GenerationRewardArguments):
+    """``train:`` section of an online Diffusion-DPO run.
+
+    Rollout, reward and advantage fields (``group_size`` K, ``num_inference_steps`` T, ``noise_level``
+    a, 0 = ODE, ``rewards``, ``advantage``): see ``GenerationRewardArguments``; the pair of a group is
+    its arg-max / arg-min advantage.
+    """
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
-    group_size: int = 4
-    """K: samples per prompt; the best and the worst of each group form one pair."""
     prompts_per_iteration: int = 4
     """P: distinct prompts (= at most P pairs) per rollout iteration (rank-local)."""
-    num_inference_steps: int = 4
-    """T: denoising steps of a rollout."""
-    noise_level: float = 0.7
-    """a: Flow-SDE noise scale of the rollout; 0 = deterministic ODE sampling."""
     gradient_steps_per_iteration: int = 1
     """Optimizer steps per rollout iteration, each on all pairs with fresh (σ, ε)."""
     beta: float = 2000.0
@@ -64,46 +62,16 @@ class OnlineDPOArguments(TrainingArguments):
     """Lower clamp of the training σ."""
     sigma_max: float = 0.99
     """Upper clamp of the training σ (Flow-Factory ``timestep_range`` 0.99)."""
-    rewards: tuple[RewardSpec, ...] = (RewardSpec(name="brightness"),)
-    """Rewards computed on the decoded images (``reference-trainer list``)."""
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    """How rewards become advantages; the pair is the arg-max / arg-min advantage of each group."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(
-            self.group_size >= 2,
-            "group_size",
-            f"must be >= 2 (a pair needs two samples), got {self.group_size}",
-        )
-        require(
-            self.prompts_per_iteration >= 1,
-            "prompts_per_iteration",
-            f"must be >= 1, got {self.prompts_per_iteration}",
-        )
-        require(
-            self.num_inference_steps >= 1,
-            "num_inference_steps",
-            f"must be >= 1, got {self.num_inference_steps}",
-        )
-        require(self.noise_level >= 0, "noise_level", f"must be >= 0, got {self.noise_level}")
         require(
             self.gradient_steps_per_iteration >= 1,
             "gradient_steps_per_iteration",
             f"must be >= 1, got {self.gradient_steps_per_iteration}",
         )
         require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
-        require(
-            self.sigma_scheme in SIGMA_SCHEMES,
-            "sigma_scheme",
-            f"must be one of {SIGMA_SCHEMES}, got {self.sigma_scheme!r}",
-        )
-        require(
-            0.0 <= self.sigma_min < self.sigma_max <= 1.0,
-            "sigma_min",
-            f"need 0 <= sigma_min < sigma_max <= 1, got {self.sigma_min}, {self.sigma_max}",
-        )
-        require(len(self.rewards) >= 1, "rewards", "needs at least one reward")
+        check_sigma_sampling(self.sigma_scheme, self.sigma_min, self.sigma_max)
 
 
 @dataclass(frozen=True)
@@ -140,8 +108,7 @@ class OnlineDPOTrainer(BaseTrainer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.reward_processor = RewardProcessor(self.args.rewards)
-        self.advantage_processor = AdvantageProcessor(self.args.advantage)
+        self.feedback = RewardFeedback(self.args)
 
     def setup_roles(self) -> dict[str, str]:
         self.variants.declare_variant("policy")
@@ -166,20 +133,7 @@ class OnlineDPOTrainer(BaseTrainer):
         if trajectory.log_probs is not None:
             ffdebug.tap("rollout.log_prob", trajectory.log_probs)
         images = self.adapter.decode_latents(x0)
-        rewards = self.reward_processor(images, repeated, group_ids)
-        weights = args.advantage.weights
-        total = sum(float(weights.get(name, 1.0)) * values for name, values in rewards.items())
-        ffdebug.tap("reward", total)
-        advantages, advantage_metrics = self.advantage_processor(rewards, group_ids)
-        ffdebug.tap("advantage", advantages)
-        self.cycle_metrics = {
-            "reward_mean": float(total.mean()),
-            "reward_std": float(total.std(unbiased=False)),
-        }
-        self.cycle_metrics.update(
-            {f"reward.{name}": float(values.mean()) for name, values in rewards.items()}
-        )
-        self.cycle_metrics.update(advantage_metrics)
+        advantages, self.cycle_metrics = self.feedback(images, repeated, group_ids)
         return OnlineDPOSamples(condition, x0, group_ids, advantages)
 
     # ---------------------------------------------------------------- optimisation

@@ -31,7 +31,7 @@ import ffdebug
 from reference_trainer import evaluation
 from reference_trainer.config import DatasetTrainingArguments, require
 from reference_trainer.contracts import DATASET, ExecutionContract
-from reference_trainer.flow_matching import SIGMA_SCHEMES, interpolate, sample_sigmas
+from reference_trainer.flow_matching import check_sigma_sampling, interpolate, sample_sigmas
 from reference_trainer.losses.sft import flow_matching_loss
 from reference_trainer.registry import register_arguments, register_trainer
 from reference_trainer.trainers.base import BaseTrainer
@@ -59,16 +59,7 @@ class SFTArguments(DatasetTrainingArguments):
             "num_train_timesteps",
             f"must be >= 1, got {self.num_train_timesteps}",
         )
-        require(
-            self.sigma_scheme in SIGMA_SCHEMES,
-            "sigma_scheme",
-            f"must be one of {SIGMA_SCHEMES}, got {self.sigma_scheme!r}",
-        )
-        require(
-            0.0 <= self.sigma_min < self.sigma_max <= 1.0,
-            "sigma_min",
-            f"need 0 <= sigma_min < sigma_max <= 1, got {self.sigma_min}, {self.sigma_max}",
-        )
+        check_sigma_sampling(self.sigma_scheme, self.sigma_min, self.sigma_max)
 
 
 @register_trainer("sft")

@@ -51,5 +51,5 @@ def eval_reward(trainer, samples_per_prompt: int = 4, seed: int = 1234) -> float
     )
     images = trainer.adapter.decode_latents(trajectory.final)
     group_ids = torch.arange(len(prompts)).repeat_interleave(samples_per_prompt)
-    rewards = trainer.reward_processor(images, repeated, group_ids)
+    rewards = trainer.feedback.reward_processor(images, repeated, group_ids)
     return float(sum(values for values in rewards.values()).mean())
