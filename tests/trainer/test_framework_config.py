@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
-from framework_utils import GRPO_CONFIG, load
+from framework_utils import GRPO_CONFIG, REPO, load
 
 
 def test_validation_errors_name_the_field():
@@ -29,6 +29,21 @@ def test_validation_errors_name_the_field():
             load(GRPO_CONFIG, override)
     with pytest.raises(ConfigError, match=r"^max_steps: must be >= 1"):
         load(GRPO_CONFIG, max_steps=0)
+
+
+def test_sde_rollouts_need_two_steps_and_sigma_ranges_are_checked_at_load():
+    """A one-step Flow-SDE rollout has no σ_1 to stand in at σ = 1: a config error, not a failure at step 1."""
+    from reference_trainer.config import ConfigError
+
+    online_dpo = REPO / "examples/online_dpo/full/sd3_tiny/default.yaml"
+    with pytest.raises(ConfigError, match=r"^train\.num_inference_steps: must be >= 2 with noise_level=0\.7"):
+        load(online_dpo, "train.num_inference_steps=1")
+    assert load(online_dpo, "train.num_inference_steps=1", "train.noise_level=0").train.noise_level == 0
+    with pytest.raises(ConfigError, match=r"^train\.sigma_scheme: must be one of"):
+        load(online_dpo, "train.sigma_scheme=cosine")
+    sft = REPO / "examples/sft/full/sd3_tiny/default.yaml"
+    with pytest.raises(ConfigError, match=r"^train\.sigma_min: need 0 <= sigma_min < sigma_max <= 1"):
+        load(sft, "train.sigma_min=0.9", "train.sigma_max=0.5")
 
 
 def test_yaml_numbers_and_overrides():
@@ -56,6 +71,32 @@ def test_trainer_list_is_derived_from_both_registries(monkeypatch):
     assert "orphan" not in registry.trainer_names()
     with pytest.raises(registry.RegistryError, match="no registered trainer class"):
         registry.resolve_trainer("orphan")
+
+
+# every registered trainer: (name, the contract both of its classes declare, dataset supervision)
+CONTRACTS = [
+    ("dmd2", "generation+none", None),
+    ("grpo", "generation+runtime_reward", None),
+    ("offline_dpo", "dataset+none", "preference"),
+    ("online_dpo", "generation+runtime_reward", None),
+    ("sft", "dataset+none", "demonstration"),
+]
+
+
+@pytest.mark.parametrize(("name", "contract", "supervision"), CONTRACTS)
+def test_each_trainer_and_its_arguments_declare_the_same_contract(name, contract, supervision):
+    from reference_trainer import registry
+
+    trainer_cls, arguments_cls = registry.resolve_trainer(name)
+    assert trainer_cls.execution_contract == arguments_cls.execution_contract
+    assert trainer_cls.execution_contract.describe() == contract
+    assert trainer_cls.supervision == supervision
+
+
+def test_the_contract_table_lists_every_registered_trainer():
+    from reference_trainer import registry
+
+    assert [row[0] for row in CONTRACTS] == registry.trainer_names()
 
 
 def test_contract_mismatch_fails_before_any_model_loads(monkeypatch, tmp_path):

@@ -13,7 +13,6 @@ from trainer_utils import (
 
 from reference_trainer.flow_matching import interpolate, predicted_x0
 from reference_trainer.losses.dmd2 import fake_score_loss
-from reference_trainer.trainers.dmd2 import DMD2Arguments, DMD2Trainer
 
 EVAL_PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"] * 2
 
@@ -35,11 +34,6 @@ def fake_score_error(trainer, fake_parameters) -> float:
     fake = trainer.variants.variant("fake")
     v = trainer.adapter.forward(x_t, sigma, condition, module=fake, parameters=fake_parameters)
     return fake_score_loss(v, noise, x)[0].item()
-
-
-def test_contract_of_trainer_and_arguments_agree():
-    assert DMD2Trainer.execution_contract == DMD2Arguments.execution_contract
-    assert DMD2Trainer.execution_contract.describe() == "generation+none"
 
 
 def test_dmd2_trains_fake_then_generator(tmp_path):

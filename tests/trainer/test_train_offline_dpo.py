@@ -15,12 +15,6 @@ from trainer_utils import (
 )
 
 from reference_trainer.config import ConfigError
-from reference_trainer.trainers.offline_dpo import OfflineDPOArguments, OfflineDPOTrainer
-
-
-def test_contract_of_trainer_and_arguments_agree():
-    assert OfflineDPOTrainer.execution_contract == OfflineDPOArguments.execution_contract
-    assert OfflineDPOTrainer.supervision == "preference"
 
 
 def test_offline_dpo_trains_against_a_frozen_reference(tmp_path):

@@ -10,7 +10,7 @@ from trainer_utils import (
     variant_state,
 )
 
-from reference_trainer.trainers.online_dpo import OnlineDPOArguments, OnlineDPOTrainer, best_worst_pairs
+from reference_trainer.trainers.online_dpo import best_worst_pairs
 
 EVAL_PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"] * 4
 
@@ -35,11 +35,6 @@ def test_best_worst_pairs_hand_example():
     advantages = torch.tensor([0.1, 0.9, -1.0, 2.0, -2.0, 0.5, 0.5])
     chosen, rejected = best_worst_pairs(advantages, torch.tensor([0, 0, 0, 1, 1, 2, 2]))
     assert chosen.tolist() == [1, 3] and rejected.tolist() == [2, 4]
-
-
-def test_contract_of_trainer_and_arguments_agree():
-    assert OnlineDPOTrainer.execution_contract == OnlineDPOArguments.execution_contract
-    assert OnlineDPOTrainer.execution_contract.describe() == "generation+runtime_reward"
 
 
 def test_online_dpo_raises_mean_reward(tmp_path):

@@ -9,13 +9,6 @@ from trainer_utils import (
     variant_state,
 )
 
-from reference_trainer.trainers.sft import SFTArguments, SFTTrainer
-
-
-def test_contract_of_trainer_and_arguments_agree():
-    assert SFTTrainer.execution_contract == SFTArguments.execution_contract
-    assert SFTTrainer.execution_contract.describe() == "dataset+none"
-
 
 def test_sft_lowers_the_flow_matching_loss(tmp_path):
     """24 steps (8 demonstrations, batch 2, no accumulation): mean of the last 6 losses < first 6."""
