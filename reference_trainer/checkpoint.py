@@ -149,6 +149,16 @@ def identity_differences(stored: Mapping[str, Any], current: Mapping[str, Any]) 
     return lines
 
 
+def require_same_identity(checkpoint: Path, stored: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """``CheckpointError`` listing the differing fields (at most 20) unless the identities are equal."""
+    differences = identity_differences(stored, current)
+    if differences:
+        raise CheckpointError(
+            f"refusing to resume from {checkpoint}: the run identity differs:\n  "
+            + "\n  ".join(differences[:20])
+        )
+
+
 def file_digest(paths: list[Path], root: Path) -> dict[str, str]:
     """``{relative path: sha256}`` of fixture files (part of the identity: same init weights)."""
     return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest() for path in paths}

@@ -1,7 +1,8 @@
 """Generate the seeded init fixtures: ``python -m reference_trainer.make_fixtures [--out DIR]``.
 
 Writes, under ``reference_trainer/fixtures/`` (default) — every file deterministic given the pinned
-torch / diffusers / transformers versions (``tests/trainer/test_fixtures.py`` regenerates and compares):
+torch / diffusers / transformers versions (no test regenerates them: run it with ``--out`` to a scratch
+directory and diff against the committed files after a version bump):
 
 * ``sd3_tiny/`` and ``flux_tiny/``: ``transformer/``, ``vae/``, ``text_encoder/`` (config.json +
   safetensors), ``tokenizer/`` (hand-built CLIP BPE), ``scheduler/scheduler_config.json``. Each

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,27 +64,9 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
     apply_runtime(config)
     rank, world_size = distributed_rank_and_size()
     # 4. acquisition inputs
-    prompts, dataset, heldout = None, None, None
-    if trainer_cls.execution_contract.acquisition == "generation":
-        prompts = PromptSource(
-            config.data.prompts or default_prompts(), config.seed, rank=rank, world_size=world_size
-        )
-    else:
-        records = load_records(config.data, trainer_cls.supervision)
-        dataset = DatasetAcquisition(
-            records,
-            batch_size=config.data.batch_size,
-            seed=config.seed,
-            shuffle=config.data.shuffle,
-            rank=rank,
-            world_size=world_size,
-        )
-        dataset.check_accumulation(config.train.gradient_accumulation_steps)  # type: ignore[attr-defined]
-        if config.eval.every:
-            heldout = load_records(config.data, trainer_cls.supervision, "heldout")
+    prompts, dataset, heldout = _acquisition_inputs(config, trainer_cls, rank, world_size)
     # 5. resume pre-check on the config part of the identity
-    adapter_cls = resolve_adapter(config.model.adapter)
-    adapter = adapter_cls(config.model.fixture_dir)
+    adapter = resolve_adapter(config.model.adapter)(config.model.fixture_dir)
     identity = config_identity(
         config, ckpt.file_digest(adapter.fixture_files(), adapter.fixture_dir), world_size
     )
@@ -91,12 +74,7 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
     if checkpoint is not None:
         stored = ckpt.read_trainer_state(checkpoint)["identity"]
         stored_config = {key: value for key, value in stored.items() if key != "schema"}
-        differences = ckpt.identity_differences(stored_config, identity)
-        if differences:
-            raise ckpt.CheckpointError(
-                f"refusing to resume from {checkpoint}: the run identity differs:\n  "
-                + "\n  ".join(differences[:20])
-            )
+        ckpt.require_same_identity(checkpoint, stored_config, identity)
     # 6. models, roles, optimizer
     adapter.load_pipeline()
     trainer = trainer_cls(
@@ -106,6 +84,30 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
     if checkpoint is not None:
         trainer.resume(checkpoint)
     return trainer
+
+
+def _acquisition_inputs(
+    config: RunConfig, trainer_cls: type[BaseTrainer], rank: int, world_size: int
+) -> tuple[PromptSource | None, DatasetAcquisition | None, list[dict[str, Any]] | None]:
+    """(prompts, dataset, held-out records): prompts for generation trainers; for dataset trainers the
+    rank-sharded dataset, whose accumulation windows must close, and, with evaluation, the held-out records."""
+    if trainer_cls.execution_contract.acquisition == "generation":
+        prompts = PromptSource(
+            config.data.prompts or default_prompts(), config.seed, rank=rank, world_size=world_size
+        )
+        return prompts, None, None
+    records = load_records(config.data, trainer_cls.supervision)
+    dataset = DatasetAcquisition(
+        records,
+        batch_size=config.data.batch_size,
+        seed=config.seed,
+        shuffle=config.data.shuffle,
+        rank=rank,
+        world_size=world_size,
+    )
+    dataset.check_accumulation(config.train.gradient_accumulation_steps)  # type: ignore[attr-defined]
+    heldout = load_records(config.data, trainer_cls.supervision, "heldout") if config.eval.every else None
+    return None, dataset, heldout
 
 
 def train(config: RunConfig, output_dir: str | Path, *, resume: str | None = None) -> BaseTrainer:

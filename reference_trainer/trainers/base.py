@@ -60,7 +60,7 @@ import ffdebug
 from reference_trainer import checkpoint as ckpt
 from reference_trainer import evaluation
 from reference_trainer.adapters.base import BaseAdapter
-from reference_trainer.config import RunConfig
+from reference_trainer.config import DatasetTrainingArguments, RunConfig
 from reference_trainer.contracts import ExecutionContract
 from reference_trainer.data import ConditionCache, DatasetAcquisition, PromptSource
 from reference_trainer.optim import RoleOptimizer, StepResult, build_optimizer
@@ -93,7 +93,7 @@ class BaseTrainer(ABC):
         heldout: list[dict[str, Any]] | None = None,
         identity: Mapping[str, Any] | None = None,
     ):
-        self._validate_hooks()
+        self._validate_subclass(config.train)
         self.config, self.args = config, config.train
         self.adapter = adapter
         self.output_dir = Path(output_dir)
@@ -114,20 +114,7 @@ class BaseTrainer(ABC):
         # roles: variants (live, trainable) vs snapshots (frozen), disjoint and exhaustive ownership
         self.variants = ComponentVariantRegistry(adapter.trainable_module(), adapter.trainable_component)
         self.role_variants = dict(self.setup_roles())
-        if set(self.role_variants) != set(self.roles):
-            raise RuntimeError(
-                f"{type(self).__name__}.setup_roles() returned roles {list(self.role_variants)}, declared {list(self.roles)}"
-            )
-        role_params = role_parameters(self.variants, self.role_variants)
-        check_ownership(role_params, self._all_modules())
-        optimizer = build_optimizer(role_params, {role: config.optimizer_for(role) for role in self.roles})
-        self.optim = RoleOptimizer(
-            optimizer,
-            role_params,
-            max_grad_norm=self.args.max_grad_norm,
-            next_step=lambda: self.optimizer_step + 1,
-            on_step=self._record_step,
-        )
+        self.optim = self._build_optimizer()
         self.identity = {**(identity or {}), "schema": self._schema()}
         self._stop_signal: int | None = None
         self._epoch_batches: Iterator[dict[str, Any]] | None = None
@@ -195,9 +182,34 @@ class BaseTrainer(ABC):
         )
         return evaluation.reward_metrics(self.adapter, eval_config, trajectory.final, prompts, group_ids)
 
-    def _validate_hooks(self) -> None:
-        """Generation trainers must override ``sample`` and ``optimize``; dataset trainers ``optimize_batch``."""
+    def _build_optimizer(self) -> RoleOptimizer:
+        """The one optimizer root over the declared roles, once their ownership is checked."""
+        if set(self.role_variants) != set(self.roles):
+            raise RuntimeError(
+                f"{type(self).__name__}.setup_roles() returned roles {list(self.role_variants)}, declared {list(self.roles)}"
+            )
+        role_params = role_parameters(self.variants, self.role_variants)
+        check_ownership(role_params, self._all_modules())
+        optimizer = build_optimizer(
+            role_params, {role: self.config.optimizer_for(role) for role in self.roles}
+        )
+        return RoleOptimizer(
+            optimizer,
+            role_params,
+            max_grad_norm=self.args.max_grad_norm,
+            next_step=lambda: self.optimizer_step + 1,
+            on_step=self._record_step,
+        )
+
+    def _validate_subclass(self, args: Any) -> None:
+        """Generation trainers must override ``sample`` and ``optimize``; dataset trainers ``optimize_batch``
+        and take ``DatasetTrainingArguments`` (the loop reads their accumulation and epoch budget)."""
         cls = type(self)
+        if cls.execution_contract.acquisition == "dataset" and not isinstance(args, DatasetTrainingArguments):
+            raise TypeError(
+                f"{cls.__name__} is a dataset trainer: its arguments must subclass DatasetTrainingArguments, "
+                f"got {type(args).__name__}"
+            )
         needed = (
             ("sample", "optimize")
             if cls.execution_contract.acquisition == "generation"
@@ -270,8 +282,9 @@ class BaseTrainer(ABC):
     def _should_stop(self) -> bool:
         if self._stop_signal is not None or self.optimizer_step >= self.config.max_steps:
             return True
-        max_epochs = getattr(self.args, "max_epochs", None)
-        return self.execution_contract.acquisition == "dataset" and self.data_epoch >= max_epochs
+        if self.execution_contract.acquisition == "dataset":
+            return self.data_epoch >= self.args.max_epochs  # type: ignore[attr-defined]
+        return False
 
     def _generation_cycle(self) -> None:
         """One rollout iteration: sample (+ feedback inside ``sample``), then optimize."""
@@ -472,12 +485,7 @@ class BaseTrainer(ABC):
         """Validate the run identity, then restore weights, snapshots, optimizer, RNG and counters."""
         checkpoint = Path(checkpoint)
         state = ckpt.read_trainer_state(checkpoint)
-        differences = ckpt.identity_differences(state["identity"], self.identity)
-        if differences:  # nothing has been touched yet
-            raise ckpt.CheckpointError(
-                f"refusing to resume from {checkpoint}: the run identity differs:\n  "
-                + "\n  ".join(differences[:20])
-            )
+        ckpt.require_same_identity(checkpoint, state["identity"], self.identity)  # nothing touched yet
         variant_tensors, optimizer_state, rng = ckpt.read_tensor_state(checkpoint)
         self.variants.load_state_tensors(variant_tensors)
         self.optim.optimizer.load_state_dict(optimizer_state)

@@ -132,3 +132,18 @@ def test_invalid_contracts_are_rejected():
         ExecutionContract(acquisition="dataset", feedback="runtime_reward")
     with pytest.raises(ContractError, match="acquisition must be one of"):
         ExecutionContract(acquisition="rollout", feedback="none")
+
+
+def test_dataset_trainer_needs_dataset_arguments():
+    """The loop reads ``gradient_accumulation_steps`` and ``max_epochs``: a dataset trainer whose arguments
+    lack them is refused when it is built, not when its first epoch ends."""
+    from types import SimpleNamespace
+
+    from reference_trainer.config import TrainingArguments
+    from reference_trainer.trainers.sft import SFTTrainer
+
+    class PlainArgumentsSFT(SFTTrainer):
+        pass
+
+    with pytest.raises(TypeError, match="must subclass DatasetTrainingArguments, got TrainingArguments"):
+        PlainArgumentsSFT(SimpleNamespace(train=TrainingArguments()), adapter=None, output_dir="unused")
