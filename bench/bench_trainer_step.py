@@ -1,6 +1,6 @@
 """Time per optimizer step: the reference trainer's GRPO vs a minimal hand-written loop (same maths).
 
-    python bench/bench_trainer_step.py [--steps 20] [--warmup 3] [--repeats 5] [--threads 1]
+    python bench/bench_trainer_step.py [--steps 10] [--warmup 3] [--repeats 15] [--threads 1] [--profile]
 
 Both sides run Flow-GRPO on the tiny SD3 model from the same fixture weights, with the example config
 (``examples/grpo/full/sd3_tiny/default.yaml``: 2 prompts × 4 samples, 4 SDE steps, brightness reward,
@@ -8,16 +8,27 @@ AdamW): rollout with per-step log-probs, decode, reward, group-normalised advant
 accumulated over the 4 trained steps, clip, AdamW step. The hand-written loop calls the model and the
 maths directly (no registries, roles, phases, taps, metrics file). Printed: ms/step for each and the
 ratio framework / hand-written (issue target ≤ 1.15). Not part of CI.
+
+Method: both sides are built once, warmed up, then run in alternating blocks of ``--steps`` optimizer
+steps (which side goes first alternates too); a framework block is one ``trainer.start()`` with
+``max_steps`` raised by ``--steps`` (its per-start cost, ~1.5 ms, is counted). Each block is timed by
+the wall clock and by the process CPU clock; the ratio of each pair of neighbouring blocks is reported
+with its median and its spread. On a shared machine the CPU-clock ratios are the steadier ones: a
+block that waited for a core does not count the wait. ``--profile`` adds a cProfile of one framework
+block and of one hand-written block: the per-step self time of the functions that differ most.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,25 +40,30 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples/grpo/full/sd3_tiny/default.yaml"
 
 
-def framework_ms_per_step(steps: int, warmup: int) -> float:
-    from reference_trainer.config import load_config
-    from reference_trainer.run import build_trainer
+class Framework:
+    """The reference trainer on the example config, checkpoints off."""
 
-    output = Path(tempfile.mkdtemp(prefix="bench-framework-"))
-    try:
-        trainer = build_trainer(load_config(CONFIG, max_steps=warmup), output)
-        trainer.start()  # warm-up steps (+ its final checkpoint, outside the timed part)
-        trainer.config = load_config(CONFIG, overrides=("checkpoint.every=0",), max_steps=warmup + steps)
-        trainer.save = lambda: None  # time the steps, not the end-of-run checkpoint
-        start = time.perf_counter()
-        trainer.start()
-        return (time.perf_counter() - start) / steps * 1e3
-    finally:
-        shutil.rmtree(output, ignore_errors=True)
+    def __init__(self, output: Path) -> None:
+        from reference_trainer.config import load_config
+        from reference_trainer.run import build_trainer
+
+        self.load_config = load_config
+        self.trainer = build_trainer(
+            load_config(CONFIG, overrides=("checkpoint.every=0",), max_steps=1), output
+        )
+        self.trainer.save = lambda: None  # time the steps, not the end-of-run checkpoints
+
+    def block(self, steps: int) -> Callable[[], None]:
+        """Raise ``max_steps`` by ``steps`` (not timed) and return the timed part: one ``trainer.start()``."""
+        done = self.trainer.optimizer_step
+        self.trainer.config = self.load_config(
+            CONFIG, overrides=("checkpoint.every=0",), max_steps=done + steps
+        )
+        return self.trainer.start
 
 
-def hand_written_ms_per_step(steps: int, warmup: int) -> float:
-    """The same Flow-GRPO step written inline on the same model."""
+def hand_written_step() -> Callable[[int], None]:
+    """The same Flow-GRPO step written inline on the same model: ``one_step(iteration)``."""
     from reference_trainer.adapters.sd3 import SD3TinyAdapter
     from reference_trainer.sde import flow_sde_step
 
@@ -123,39 +139,87 @@ def hand_written_ms_per_step(steps: int, warmup: int) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for i in range(warmup):
-        one_step(i)
-    start = time.perf_counter()
-    for i in range(steps):
-        one_step(warmup + i)
-    return (time.perf_counter() - start) / steps * 1e3
+    return one_step
+
+
+def timed(block: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of ``block()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    block()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def profile_block(block: Callable[[], None], steps: int) -> dict[str, float]:
+    """Self time per step (ms) of every function called by ``block()``, keyed ``file:function``."""
+    profiler = cProfile.Profile()
+    profiler.runcall(block)
+    per_step: dict[str, float] = {}
+    for (filename, _, name), (_, _, self_time, _, _) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+        key = f"{Path(filename).name}:{name}"
+        per_step[key] = per_step.get(key, 0.0) + self_time / steps * 1e3
+    return per_step
+
+
+def print_profile_difference(framework: dict[str, float], hand: dict[str, float], rows: int = 20) -> None:
+    total_f, total_h = sum(framework.values()), sum(hand.values())
+    print(f"cProfile self time per step: framework {total_f:.2f} ms, hand-written {total_h:.2f} ms")
+    keys = sorted(set(framework) | set(hand), key=lambda k: -abs(framework.get(k, 0) - hand.get(k, 0)))
+    for key in keys[:rows]:
+        f, h = framework.get(key, 0.0), hand.get(key, 0.0)
+        print(f"  {f - h:+7.3f} ms  (framework {f:6.3f}, hand {h:6.3f})  {key}")
+
+
+def summary(name: str, values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{name}: median {statistics.median(values):.3f}, range {low:.3f}-{high:.3f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="framework vs hand-written GRPO step time")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per timed block")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions; medians reported")
+    parser.add_argument("--repeats", type=int, default=15, help="pairs of blocks; medians reported")
     parser.add_argument("--threads", type=int, default=1, help="must match the config's runtime.threads (1)")
+    parser.add_argument("--profile", action="store_true", help="also cProfile one block of each side")
     args = parser.parse_args()
-    # the example config pins 1 thread and deterministic algorithms: give the hand-written loop the same;
-    # alternate the two sides and report each side's median and the median of the per-repeat ratios,
-    # so neither warm-up order nor a burst of load on a shared machine decides the result
+    # the example config pins 1 thread and deterministic algorithms: give the hand-written loop the same
     torch.use_deterministic_algorithms(True)
-    hand, framework = [], []
-    for _ in range(args.repeats):
-        torch.set_num_threads(args.threads)
-        hand.append(hand_written_ms_per_step(args.steps, args.warmup))
-        framework.append(framework_ms_per_step(args.steps, args.warmup))
-    ratios = [f / h for f, h in zip(framework, hand)]
-    print(f"hand-written loop: {statistics.median(hand):8.2f} ms/step  {[round(v, 1) for v in hand]}")
-    print(
-        f"reference trainer: {statistics.median(framework):8.2f} ms/step  {[round(v, 1) for v in framework]}"
-    )
-    print(
-        f"ratio framework / hand-written: median {statistics.median(ratios):.3f} (target <= 1.15), "
-        f"per repeat {[round(r, 3) for r in ratios]}"
-    )
+    torch.set_num_threads(args.threads)
+    output = Path(tempfile.mkdtemp(prefix="bench-framework-"))
+    try:
+        framework = Framework(output)
+        hand_step = hand_written_step()
+        hand_done = 0
+
+        def hand_block(steps: int = args.steps) -> None:
+            nonlocal hand_done
+            for _ in range(steps):
+                hand_step(hand_done)
+                hand_done += 1
+
+        framework.block(args.warmup)()
+        hand_block(args.warmup)
+        blocks = {"framework": [], "hand": []}
+        for repeat in range(args.repeats):
+            order = ("hand", "framework") if repeat % 2 == 0 else ("framework", "hand")
+            for side in order:
+                blocks[side].append(timed(hand_block if side == "hand" else framework.block(args.steps)))
+        if args.profile:
+            print_profile_difference(
+                profile_block(framework.block(args.steps), args.steps),
+                profile_block(hand_block, args.steps),
+            )
+    finally:
+        shutil.rmtree(output, ignore_errors=True)
+    for clock, index in (("wall", 0), ("cpu", 1)):
+        hand = [block[index] / args.steps * 1e3 for block in blocks["hand"]]
+        fw = [block[index] / args.steps * 1e3 for block in blocks["framework"]]
+        ratios = [f / h for f, h in zip(fw, hand)]
+        print(f"[{clock} clock] {summary('hand-written ms/step', hand)}; {summary('framework ms/step', fw)}")
+        print(
+            f"[{clock} clock] {summary('ratio framework / hand-written', ratios)} (target <= 1.15); "
+            f"per repeat {[round(r, 3) for r in ratios]}"
+        )
 
 
 if __name__ == "__main__":
