@@ -11,7 +11,8 @@ HELP = """Print shape, dtype and statistics of every tensor in a dump store or t
 [bold]Examples[/bold]
 
   ffdebug inspect /tmp/dump/ref
-  ffdebug inspect model.safetensors --stages 'L00*' --json
+  ffdebug inspect /tmp/dump/target --stages 'L00*' --json
+  ffdebug inspect model.safetensors --stages 'model.layers.0.*'
   ffdebug inspect hf_model/                  # also a sharded index or a diffusers component folder
 
 Reads stores left by killed runs: only complete tensors are listed.

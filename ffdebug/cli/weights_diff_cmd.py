@@ -14,12 +14,12 @@ Name options rewrite target names into reference names (--strip-prefix applies t
 
 [bold]Examples[/bold]
 
-  ffdebug weights-diff hf_model/ engine_dump/weights
+  ffdebug weights-diff hf_model/ engine_dump/weights --skip '*rotary_emb*'   # dumps hold non-persistent buffers
   ffdebug weights-diff hf_model/ converted.safetensors --strip-prefix model.
   ffdebug weights-diff hf_model/ gpt2_like.pt --map '^transformer\\.h\\.{L}\\.=model.layers.{L}.'
   ffdebug weights-diff hf_model/ engine.safetensors --fuse qkv_proj=q_proj+k_proj+v_proj
-  ffdebug weights-diff full/ tp_dump/weights --tp-merge auto --skip '*.experts.*' --layers 0-3
-  ffdebug weights-diff bf16/ fp8/ --dequant auto --json
+  ffdebug weights-diff full/ tp_dump/weights --tp-merge auto --skip '*rotary_emb*' --skip '*.experts.*' --layers 0-3
+  ffdebug weights-diff bf16/ fp8/ --dequant auto --allow-dtype --json
   ffdebug weights-diff ref/ engine/ --transform '*.o_proj.weight=transpose'
   ffdebug weights-diff ref/ engine/ --transform 'ref:*.experts.*=mylib.layout:shuffle'
 
