@@ -5,7 +5,8 @@ Layers, imports pointing down only (DESIGN.md §9):
 1. ``contracts`` (``ExecutionContract``), ``registry`` (trainers, TrainingArguments, adapters),
    ``config`` (YAML -> frozen dataclasses);
 2. ``adapters/`` (tiny SD3 and Flux), ``sde`` / ``flow_matching`` (sampling maths), ``data``
-   (grouped prompts, ``DistributedSampler`` datasets), ``rewards`` / ``advantages``, ``roles``
+   (grouped prompts, ``DistributedSampler`` datasets), ``rewards`` / ``advantages`` / ``feedback``
+   (runtime-reward scoring of generation trainers), ``roles``
    (variants vs snapshots), ``optim`` (``CompositeOptimizer``, role phases), ``checkpoint``;
 3. ``trainers/base.py`` (``BaseTrainer``: the loop, counters, boundaries, resume);
 4. ``trainers/<algorithm>.py``: one algorithm per file (arguments + trainer), on ``losses/``;

@@ -94,9 +94,10 @@ def best_worst_pairs(advantages: torch.Tensor, group_ids: torch.Tensor) -> tuple
         if bool(values.max() > values.min()):
             chosen.append(members[values.argmax()])
             rejected.append(members[values.argmin()])
-    return torch.stack(chosen) if chosen else torch.empty(0, dtype=torch.long), (
-        torch.stack(rejected) if rejected else torch.empty(0, dtype=torch.long)
-    )
+    if not chosen:  # every group tied
+        empty = torch.empty(0, dtype=torch.long)
+        return empty, empty
+    return torch.stack(chosen), torch.stack(rejected)
 
 
 @register_trainer("online_dpo")
