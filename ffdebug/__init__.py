@@ -16,9 +16,8 @@ Analysis::
 This module imports neither torch nor any heavy dependency at import time.
 """
 
-from __future__ import annotations
 
-import contextlib
+import contextlib as _contextlib
 import importlib as _importlib
 import importlib.util as _importlib_util
 
@@ -74,7 +73,7 @@ def tap(stage: str, tensor, **tags):
     return tensor
 
 
-@contextlib.contextmanager
+@_contextlib.contextmanager
 def step(**tags):
     """Tag everything captured inside, e.g. `with ffdebug.step(optimizer_step=3, phase="rollout"):`."""
     _session._TAGS.append(tags)
@@ -84,7 +83,7 @@ def step(**tags):
         _session._TAGS.pop()
 
 
-@contextlib.contextmanager
+@_contextlib.contextmanager
 def capture(
     model=None, dir=None, side: str = "target", layers=None, classes=None, layer_class=None, **options
 ):
@@ -114,24 +113,31 @@ def capture(
 
 
 def maybe_dump_weights_and_exit(model):
+    """Env-gated (FFDEBUG_WEIGHT_DUMP_DIR): dump parameters and buffers per rank under DIR/weights/,
+    then exit 0 after a barrier unless FFDEBUG_WEIGHT_DUMP_EXIT=0. Returns None when disabled."""
     from ffdebug.capture.weights import maybe_dump_weights_and_exit as _dump
 
     return _dump(model)
 
 
 def patch_method(cls, name, wrapper):
+    """Context manager: replace `cls.name` by `wrapper(original, self, *args, **kwargs)`; restored on exit."""
     from ffdebug.capture.patch import patch_method as _p
 
     return _p(cls, name, wrapper)
 
 
 def patch_block_forward(block_cls, layer_attr="layer_id", side=None):
+    """Context manager: dump `L{NNN}.hidden_in` / `.hidden_out` around every `block_cls.forward` (layer
+    from `layer_attr`, else execution order); `side` guards against dumping into the wrong side."""
     from ffdebug.capture.patch import patch_block_forward as _p
 
     return _p(block_cls, layer_attr=layer_attr, side=side)
 
 
 def patch_module_dump(cls, stage: str, io: str = "out"):
+    """Context manager: dump the output (or first input, `io="in"`) of every `cls` instance as `stage`
+    (`L{NNN}.{stage}` inside a known block)."""
     from ffdebug.capture.patch import patch_module_dump as _p
 
     return _p(cls, stage=stage, io=io)
@@ -156,18 +162,21 @@ def assert_match(ref, target, fail_on: str = "drift", **opts):
 
 
 def bisect(ref, target, **opts):
+    """Localise the first layer that introduces error, its class pattern and sub-stage (`BisectResult`)."""
     from ffdebug.bisect.engine import bisect as _bisect
 
     return _bisect(ref, target, **opts)
 
 
 def weights_diff(a, b, **opts):
+    """Schema then numerics of two checkpoints / weight dumps (`WeightsDiffResult`, truthy when they match)."""
     from ffdebug.weights.diff import weights_diff as _wd
 
     return _wd(a, b, **opts)
 
 
 def load_audit(model, checkpoint, **opts):
+    """Which checkpoint tensors `model` really loaded (never-loaded keys, params left at init, skipped shapes)."""
     from ffdebug.weights.audit import load_audit as _la
 
     return _la(model, checkpoint, **opts)
