@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from ffdebug.errors import FFDebugError
+from ffdebug.errors import FFDebugError, short_reason
 from ffdebug.store.reader import Record, SideStore
 
 # ref_layer03_Block__attn_out_rank0.pt  |  target_layer3_attn_out_rank1.pt  |  anything_else.pt
@@ -27,13 +27,12 @@ def load_pt_weights_only(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0][:140] if str(err).strip() else "not weights-only"
         raise FFDebugError(
-            f"{path}: refused to load: not a weights-only checkpoint ({first}); "
+            f"{path}: refused to load: not a weights-only checkpoint ({short_reason(err)}); "
             "re-save it as a state dict of tensors or as safetensors"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise FFDebugError(f"{path}: unreadable .pt file ({str(err).splitlines()[0][:140]})") from None
+        raise FFDebugError(f"{path}: unreadable .pt file ({short_reason(err)})") from None
 
 
 def _flatten(prefix: str, obj, out: dict) -> None:
@@ -113,6 +112,6 @@ def import_safetensors_file(path: str) -> SideStore:
                 records.append(_record(name, f.get_tensor(name), len(records), "file", None, 0, {}))
     except (SafetensorError, OSError, ValueError) as err:
         raise FFDebugError(
-            f"{path}: unreadable safetensors file ({str(err).splitlines()[0][:120]}); it may be truncated"
+            f"{path}: unreadable safetensors file ({short_reason(err)}); it may be truncated"
         ) from None
     return SideStore(path=path, records=records, run={"side": os.path.basename(path)}, kind="safetensors")

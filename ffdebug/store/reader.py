@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ffdebug.errors import FFDebugError
+from ffdebug.errors import FFDebugError, short_reason
 
 
 @dataclass
@@ -71,7 +71,7 @@ def verify_safetensors(path: str) -> None:
             list(f.keys())
     except (SafetensorError, OSError, ValueError) as err:
         raise FFDebugError(
-            f"{path}: unreadable safetensors file ({str(err).splitlines()[0][:120]}); "
+            f"{path}: unreadable safetensors file ({short_reason(err)}); "
             "it may be truncated — re-run the dump"
         ) from None
 
@@ -86,7 +86,7 @@ def load_safetensors_tensor(path: str, name: str):
             return f.get_tensor(name)
     except (SafetensorError, OSError, ValueError) as err:
         raise FFDebugError(
-            f"{path}: unreadable safetensors file ({str(err).splitlines()[0][:120]}); "
+            f"{path}: unreadable safetensors file ({short_reason(err)}); "
             "it may be truncated — re-run the dump"
         ) from None
 

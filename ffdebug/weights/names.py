@@ -20,7 +20,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ffdebug.errors import FFDebugError
+from ffdebug.errors import FFDebugError, short_reason
 
 _PLACEHOLDER = re.compile(r"\{(L|N)\}")
 
@@ -77,7 +77,7 @@ def read_alias_file(path: str) -> list[MapRule]:
 
                 data = yaml.safe_load(text)
         except Exception as err:
-            raise FFDebugError(f"{path}: unreadable alias file ({str(err).splitlines()[0][:120]})") from None
+            raise FFDebugError(f"{path}: unreadable alias file ({short_reason(err)})") from None
         if isinstance(data, dict) and isinstance(data.get("aliases"), dict):
             data = data["aliases"]
         if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):

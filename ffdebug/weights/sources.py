@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ffdebug._entry import call_entry, is_entry_spec
-from ffdebug.errors import FFDebugError
+from ffdebug.errors import FFDebugError, short_reason
 
 RECYCLE_BYTES = 64 << 20
 
@@ -164,9 +164,8 @@ def _getter(file: SafetensorsFile, name: str):
 
 
 def _unreadable(path: str, err: Exception) -> FFDebugError:
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:140]
     return FFDebugError(
-        f"{path}: unreadable safetensors file ({first}); it may be truncated or not safetensors — "
+        f"{path}: unreadable safetensors file ({short_reason(err)}); it may be truncated or not safetensors — "
         "re-save or re-download it"
     )
 
@@ -180,7 +179,7 @@ def _safetensors_index(index_path: str, rank: int = 0) -> list[Entry]:
             raise TypeError("weight_map is not an object")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise FFDebugError(
-            f"{index_path}: not a valid shard index ({type(err).__name__}: {str(err)[:100]}); it needs a "
+            f"{index_path}: not a valid shard index ({type(err).__name__}: {short_reason(err)}); it needs a "
             '"weight_map" object {tensor name: shard file}'
         ) from None
     folder = os.path.dirname(index_path)
@@ -261,7 +260,7 @@ def _bin_index(index_path: str, rank: int = 0) -> list[Entry]:
         with open(index_path, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise FFDebugError(f"{index_path}: not a valid shard index ({str(err)[:100]})") from None
+        raise FFDebugError(f"{index_path}: not a valid shard index ({short_reason(err)})") from None
     folder = os.path.dirname(index_path)
     entries = []
     for shard in dict.fromkeys(weight_map.values()):
