@@ -28,9 +28,12 @@ RESUME_CASES = {
 
 
 @pytest.mark.parametrize("algorithm", sorted(RESUME_CASES))
-def test_resume_is_bitwise_exact(algorithm, tmp_path):
-    """Same losses, metrics and final weights / optimizer state whether or not the run was interrupted."""
+def test_resume_is_bitwise_exact(algorithm, tmp_path, monkeypatch):
+    """Same losses, metrics and final weights / optimizer state whether or not the run was interrupted,
+    and the resumed run really continues: it runs only the N − M remaining optimizer steps (a resume
+    that silently restarted from step 0 would reproduce the same numbers)."""
     from reference_trainer.cli import first_difference
+    from reference_trainer.optim import RoleOptimizer
     from reference_trainer.run import train
 
     config_path, overrides, steps, cut = RESUME_CASES[algorithm]
@@ -38,10 +41,19 @@ def test_resume_is_bitwise_exact(algorithm, tmp_path):
     train(load(config_path, *overrides, max_steps=steps), straight)
     first = train(load(config_path, *overrides, max_steps=cut), interrupted)
     assert first.optimizer_step == cut and len(metrics(interrupted)) == cut  # --max-steps is exact
+    phases: list[str] = []  # the optimizer steps the resumed process runs, counted outside the trainer
+    phase = RoleOptimizer.phase
+
+    def counted_phase(self, role):
+        phases.append(role)
+        return phase(self, role)
+
+    monkeypatch.setattr(RoleOptimizer, "phase", counted_phase)
     train(load(config_path, *overrides, max_steps=steps), interrupted, resume="latest")
 
     a, b = metrics(straight), metrics(interrupted)
     assert len(a) == steps
+    assert phases == [record["role"] for record in a[cut:]]  # N − M steps, the roles of the straight run
     assert first_difference(a, b) is None
     final = f"checkpoints/step-{steps:06d}/state"
     for name in ("variants.safetensors", "optimizer.safetensors"):
