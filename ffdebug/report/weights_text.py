@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ffdebug.compare.severity import RANK
 from ffdebug.report.text import fmt, severity_cell
 
 LIST_LIMIT = 12
@@ -136,9 +137,13 @@ def weights_conclusion(res: dict) -> str:
         schema.append(f"{len(res['only_target'])} only in target")
     if res["shape_mismatch"]:
         schema.append(f"{len(res['shape_mismatch'])} shape mismatch(es)")
+    allowed = ""
     if res["dtype_mismatch"]:
-        schema.append(f"{len(res['dtype_mismatch'])} dtype mismatch(es)")
-    parts = []
+        if res.get("allow_dtype"):
+            allowed = f"{len(res['dtype_mismatch'])} dtype difference(s) allowed (--allow-dtype)."
+        else:
+            schema.append(f"{len(res['dtype_mismatch'])} dtype mismatch(es)")
+    parts = [allowed] if allowed else []
     if schema:
         fix = " — apply the suggested mapping and re-run" if res.get("apply") else ""
         parts.append(f"Schema differs: {', '.join(schema)}{fix}.")
@@ -151,18 +156,39 @@ def weights_conclusion(res: dict) -> str:
     if res.get("schema_only"):
         parts.append("Numerics not run (--schema-only).")
     elif tensors:
-        bad = [t for t in tensors if t["finding"] != "equal" and t["severity"] != "ok"]
-        if bad:
-            first = bad[0]
-            parts.append(
-                f"{len(bad)} of {len(tensors)} tensors differ beyond rounding, worst {res['verdict']}; first "
-                f"{first['name']} ({first['finding']}, {first['severity']}) [{summary}]."
-            )
-        else:
-            parts.append(f"All {len(tensors)} compared tensors match ({summary}).")
+        parts.append(_numerics_sentence(res, tensors, summary))
     elif not schema:
         parts.append("No tensors to compare.")
     return " ".join(parts) + f" {word}"
+
+
+LOADED = ("equal", "dtype_only", "rounding")
+
+
+def _numerics_sentence(res: dict, tensors: list[dict], summary: str) -> str:
+    """Beyond-rounding differences (a layout, sign, scale or value change) are counted apart from
+    rounding-level ones, which the cos / rel bands may still grade drift (fp8, a bf16 round trip)."""
+    beyond = [t for t in tensors if t["finding"] not in LOADED and t["severity"] != "ok"]
+    graded = [t for t in tensors if t["finding"] in LOADED and t["severity"] != "ok"]
+    if beyond:
+        first = beyond[0]
+        worst = max(beyond, key=lambda t: RANK[t["severity"]])["severity"]
+        more = f"; {len(graded)} more within rounding but graded {_sev(graded)}" if graded else ""
+        return (
+            f"{len(beyond)} of {len(tensors)} tensors differ beyond rounding, worst {worst}; first "
+            f"{first['name']} ({first['finding']}, {first['severity']}){more} [{summary}]."
+        )
+    if graded:
+        return (
+            f"All {len(tensors)} compared tensors match within rounding; {len(graded)} of them graded "
+            f"{_sev(graded)} by cos / rel (the precision of the coarser side) [{summary}]."
+        )
+    return f"All {len(tensors)} compared tensors match ({summary})."
+
+
+def _sev(tensors: list[dict]) -> str:
+    sevs = sorted({t["severity"] for t in tensors}, key=RANK.get)
+    return " to ".join([sevs[0], sevs[-1]]) if len(sevs) > 1 else sevs[0]
 
 
 def print_weights_numerics(res: dict, console: Console | None = None, show_all: bool = False) -> None:

@@ -104,6 +104,7 @@ class WeightsDiffResult:
             "passed": not self.failed(),
             "schema_clean": self.schema_clean,
             "fail_on": self.fail_on,
+            "allow_dtype": self.allow_dtype,
             "apply": apply_hint(self.renames) if self.renames else None,
             "ref": self.ref,
             "target": self.target,

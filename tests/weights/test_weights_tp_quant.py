@@ -166,3 +166,28 @@ def test_e8m0_decoding_and_scale_expansion():
     assert s.tolist() == [[1, 1, 1, 1, 2], [1, 1, 1, 1, 2], [3, 3, 3, 3, 4]]
     assert quant.block_size(7168, 56) == 128 and quant.block_size(40, 3) == 16
     assert quant.expand_scale(torch.tensor([2.0, 3.0]), (2, 4)).tolist() == [[2.0], [3.0]]  # per channel
+
+
+def test_fp8_conclusion_counts_rounding_apart_from_real_differences():
+    """bf16 vs fp8: every tensor is `rounding` (graded drift by the bands); the sentence must not
+    call them differences beyond rounding. One sign flip among them is counted alone."""
+    from ffdebug.report.weights_text import weights_conclusion
+
+    torch.manual_seed(0)
+    ref = {f"layers.{i}.w": torch.randn(64, 64).to(torch.bfloat16) for i in range(3)}
+    ref["norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    tgt = {"norm.weight": ref["norm.weight"]}
+    for k in list(ref)[:3]:
+        tgt[k], tgt[k + "_scale"] = quant.quantize_fp8(ref[k].float(), "float8_e4m3fn", None)
+    res = ffdebug.weights_diff(ref, tgt, allow_dtype=True)
+    assert [t["finding"] for t in res.tensors] == ["rounding"] * 3 + ["equal"]
+    assert {t["severity"] for t in res.tensors[:3]} == {"drift"}
+    text = weights_conclusion(res.to_json())
+    assert "beyond rounding" not in text and "Schema differs" not in text, text
+    assert "All 4 compared tensors match within rounding; 3 of them graded drift" in text
+    assert "3 dtype difference(s) allowed" in text and text.endswith("PASSED")
+
+    tgt["norm.weight"] = -ref["norm.weight"]
+    text = weights_conclusion(ffdebug.weights_diff(ref, tgt, allow_dtype=True).to_json())
+    assert "1 of 4 tensors differ beyond rounding, worst scramble; first norm.weight (sign_flip" in text
+    assert "3 more within rounding but graded drift" in text and text.endswith("FAILED")
