@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 import ffdebug
@@ -77,14 +78,27 @@ def test_clone_on_capture(tmp_path):
     del lin
 
 
-def test_disabled_installs_no_hooks_and_tap_is_noop(tiny_llama, input_ids, tmp_path):
+def test_disabled_installs_no_hooks_and_tap_is_noop(tiny_llama, input_ids, tmp_path, monkeypatch):
+    """No FFDEBUG_* variable: no hook on any module (nor a global one), no session, and a tap writes
+    nothing — not even relative to the working directory, which is tmp_path here."""
+    from torch.nn.modules import module as nn_module
+
+    from ffdebug.capture.session import active_session
+
+    monkeypatch.chdir(tmp_path)
+    global_hooks = (nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks)
+    before = [dict(h) for h in global_hooks]
     assert ffdebug.install(tiny_llama) is None
     for m in tiny_llama.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
+        assert not m._forward_hooks_with_kwargs and not m._backward_hooks
+    assert [dict(h) for h in global_hooks] == before
     x = torch.ones(3)
     assert ffdebug.tap("anything", x) is x
-    with ffdebug.step(optimizer_step=1):
+    with ffdebug.step(optimizer_step=1), torch.no_grad():
         ffdebug.tap("anything", x)
+        tiny_llama(input_ids=input_ids)
+    assert active_session() is None
     assert not any(tmp_path.iterdir())
 
 
@@ -165,11 +179,8 @@ def test_patch_helpers_restore_and_dump(tmp_path, tiny_llama, input_ids):
         raise RuntimeError("boom")
 
     norm_forward = LlamaRMSNorm.__dict__["forward"]
-    try:
-        with ffdebug.patch_method(LlamaRMSNorm, "forward", boom):
-            tiny_llama(input_ids=input_ids)
-    except RuntimeError:
-        pass
+    with pytest.raises(RuntimeError, match="boom"), ffdebug.patch_method(LlamaRMSNorm, "forward", boom):
+        tiny_llama(input_ids=input_ids)  # the replacement really runs
     assert LlamaRMSNorm.__dict__["forward"] is norm_forward  # restored after the exception
 
     class Child(LlamaRMSNorm):  # an inherited method: restored by removing the override
@@ -362,3 +373,21 @@ def test_patch_block_forward_layer_index(tmp_path):
             b(torch.zeros(2))
     keys = [r.key for r in open_side(tmp_path / "p").records]
     assert keys == [f"L{i:03d}.{s}" for i in (7, 2, 0) for s in ("hidden_in", "hidden_out")]
+
+
+def test_stats_only_record_holds_hand_derived_statistics(tmp_path):
+    """x = [1, −2, 0, NaN, +Inf, 3]: the finite values 1, −2, 0, 3 give mean 2/4 = 0.5,
+    E[x²] = (1 + 4 + 0 + 9)/4 = 3.5, population variance 3.5 − 0.25 = 3.25 → std √3.25;
+    min −2, max 3, absmax 3, l2 √14; one NaN, one Inf, one zero, six elements."""
+    import math
+
+    x = torch.tensor([1.0, -2.0, 0.0, float("nan"), float("inf"), 3.0])
+    with ffdebug.capture(None, dir=tmp_path, side="s", mode="stats"):
+        ffdebug.tap("h", x)
+    (rec,) = open_side(tmp_path / "s").records
+    assert not rec.has_payload
+    st = rec["stats"]
+    assert st["mean"] == 0.5 and st["std"] == math.sqrt(3.25)
+    assert (st["min"], st["max"], st["absmax"]) == (-2.0, 3.0, 3.0)
+    assert st["l2"] == math.sqrt(14.0)
+    assert (st["nan"], st["inf"], st["zero"], st["numel"]) == (1, 1, 1, 6)
