@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from bisect_models import dump, input_ids, llama
@@ -117,3 +118,83 @@ def test_input_ids_differ_exit_3(tmp_path):
     dump(model, tmp_path, "target", input_ids(seed=8))
     res = CliRunner().invoke(app, ["bisect", "--dir", str(tmp_path)])
     assert res.exit_code == 3 and "fix tokenization first" in res.output
+
+
+def _rank_taps(directory, side: str, monkeypatch, pieces) -> str:
+    """Free taps only (no model): `L000.hidden_in` (replicated, equal on every rank) and, per rank,
+    `L000.mlp.proj.out` = pieces[rank] = (tensor, tags)."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 4, 8, generator=g)
+    monkeypatch.setenv("WORLD_SIZE", str(len(pieces)))
+    for rank, (tensor, tags) in enumerate(pieces):
+        monkeypatch.setenv("RANK", str(rank))
+        with ffdebug.capture(None, dir=directory, side=side):
+            ffdebug.tap("L000.hidden_in", hidden, layer=0)
+            ffdebug.tap("L000.mlp.proj.out", tensor, layer=0, **tags)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    return f"{directory}/{side}"
+
+
+def _column_parallel(tmp_path, monkeypatch, declare: bool):
+    """Reference: the full [2, 4, 8] output; TP=2 target: each rank dumps a [2, 4, 4] slice along dim 2
+    before the all-gather. Declared with shard={dim, index, count}, rank 0 holds shard index 1 (folding
+    must follow the declared index, not the rank)."""
+    full = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2))
+    ref = _rank_taps(tmp_path, "ref", monkeypatch, [(full, {})])
+    pieces = []
+    for rank in (0, 1):
+        index = 1 - rank if declare else rank
+        tags = {"shard": {"dim": 2, "index": index, "count": 2}} if declare else {}
+        pieces.append((full[..., index * 4 : (index + 1) * 4], tags))
+    return ref, _rank_taps(tmp_path, "target", monkeypatch, pieces)
+
+
+def test_declared_shards_are_concatenated_in_shard_index_order(tmp_path, monkeypatch):
+    ref, target = _column_parallel(tmp_path, monkeypatch, declare=True)
+    res = ffdebug.compare(ref, target)
+    assert res.verdict == "ok" and all(s["bit_equal"] == 1.0 for s in res.stages)
+    r = ffdebug.bisect(ref, target)
+    (shard,) = r.shards
+    assert (shard["key"], shard["declared"], shard["matches"], shard["rel"]) == (
+        "L000.mlp.proj.out",
+        "cat:2",
+        True,
+        0.0,
+    )
+    assert (r.pattern, r.verdict, r.judgement, r.failed()) == ("match", "ok", "ok", False)
+
+
+def test_undeclared_shards_are_found_as_a_concatenation(tmp_path, monkeypatch):
+    ref, target = _column_parallel(tmp_path, monkeypatch, declare=False)
+    plain = ffdebug.compare(ref, target)  # rank 0 alone: half the reference's last dim
+    assert plain.first_divergence["key"] == "L000.mlp.proj.out"
+    assert plain.first_divergence["finding"] == "shape_mismatch"
+    r = ffdebug.bisect(ref, target)
+    (shard,) = r.shards
+    assert shard["matches"] and shard["reading"] == "cat:2" and shard["rel"] == 0.0
+    assert shard["explained_by"] == "concatenation of 2 shards along dim 2"
+    assert (r.pattern, r.verdict) == ("match", "ok")
+    assert any("shard={dim,index,count}" in n for n in r.notes)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG (ffdebug/bisect/engine.py, _analyse_call / break_in_exact_prefix): a target stage folded "
+    "from ranks (partial sums, or undeclared shards) that matches the reference is still taken for an "
+    "error after an exact prefix, so bisect judges `bug` and FAILS (exit 1) a correct TP=2 dump",
+)
+@pytest.mark.parametrize("case", ["declared_partial_sums", "undeclared_shards"])
+def test_tp2_dumps_that_match_once_folded_pass_bisect(tmp_path, monkeypatch, case):
+    if case == "undeclared_shards":
+        ref, target = _column_parallel(tmp_path, monkeypatch, declare=False)
+    else:  # row-parallel: each rank's partial product x[..., half] @ W[:, half]^T, before the all-reduce
+        g = torch.Generator().manual_seed(3)
+        x, w = torch.randn(2, 4, 8, generator=g), torch.randn(8, 8, generator=g)
+        ref = _rank_taps(tmp_path, "ref", monkeypatch, [(F.linear(x, w), {})])
+        halves = (slice(0, 4), slice(4, 8))
+        parts = [(F.linear(x[..., h], w[:, h]), {"reduction": "partial"}) for h in halves]
+        target = _rank_taps(tmp_path, "target", monkeypatch, parts)
+    r = ffdebug.bisect(ref, target)
+    assert all(s["matches"] for s in r.shards) and (r.pattern, r.verdict) == ("match", "ok")
+    assert (r.judgement, r.failed()) == ("ok", False)
