@@ -18,6 +18,7 @@ Name options rewrite target names into reference names (--strip-prefix applies t
   ffdebug weights-diff hf_model/ converted.safetensors --strip-prefix model.
   ffdebug weights-diff hf_model/ gpt2_like.pt --map '^transformer\\.h\\.{L}\\.=model.layers.{L}.'
   ffdebug weights-diff hf_model/ engine.safetensors --fuse qkv_proj=q_proj+k_proj+v_proj
+  ffdebug weights-diff moe_dump/weights hf_moe/ --stack 'experts.down_proj=experts.{E}.down_proj.weight'
   ffdebug weights-diff full/ tp_dump/weights --tp-merge auto --skip '*rotary_emb*' --skip '*.experts.*' --layers 0-3
   ffdebug weights-diff bf16/ fp8/ --dequant auto --allow-dtype --json
   ffdebug weights-diff ref/ engine/ --transform '*.o_proj.weight=transpose'
@@ -27,7 +28,7 @@ Exit codes: 0 match; 1 a schema difference (only-in, shape, dtype unless --allow
 
 AUDIT_HELP = """Audit what a model really loaded from a checkpoint: checkpoint tensors never loaded, model tensors the checkpoint does not hold (left at their initialisation), shape mismatches a non-strict load skipped, and tensors whose loaded values differ from the checkpoint.
 
-ENTRY is module:function (or path/to/file.py:function); it is called with the checkpoint path when it takes an argument, and returns the loaded nn.Module. CHECKPOINT is any weights-diff input.
+ENTRY is module:function (or path/to/file.py:function); it is called with the checkpoint path when it takes an argument, and returns the loaded nn.Module. CHECKPOINT is any weights-diff input. MoE experts that the model holds stacked (transformers 5: experts.gate_up_proj [E, 2I, H]) and the checkpoint per expert are paired automatically (from transformers' own conversion mapping for a PreTrainedModel, else by name and shape) and compared expert by expert.
 
 [bold]Examples[/bold]
 
@@ -49,6 +50,13 @@ def _name_options():
             help="OLD=NEW regex on target names (repeatable); {L} stands for a layer number.",
         ),
         alias_file=typer.Option(None, "--alias-file", help="File of OLD=NEW rules (text, JSON or YAML)."),
+        stack=typer.Option(
+            None,
+            "--stack",
+            help="STACKED=PART+PART\\[@DIM] with {E} in each part: pair a stacked MoE tensor [E, …] with "
+            "one tensor per expert and part, e.g. 'experts.gate_up_proj=experts.{E}.gate_proj.weight"
+            "+experts.{E}.up_proj.weight' (repeatable).",
+        ),
     )
 
 
@@ -67,6 +75,7 @@ def register(app: typer.Typer) -> None:
         fuse: list[str] = typer.Option(
             None, "--fuse", help="FUSED=PART+PART\\[@DIM]: pair a fused tensor with its parts (repeatable)."
         ),
+        stack: list[str] = names["stack"],
         skip: list[str] = typer.Option(
             None, "--skip", help="Glob of tensor names to leave out (repeatable)."
         ),
@@ -103,6 +112,7 @@ def register(app: typer.Typer) -> None:
             maps=tuple(maps or ()),
             alias_file=alias_file,
             fuse=tuple(fuse or ()),
+            stack=tuple(stack or ()),
             skip=tuple(skip or ()),
             layers=layers,
             transforms=tuple(transform or ()),
@@ -137,6 +147,7 @@ def register(app: typer.Typer) -> None:
         add_prefix: str = names["add_prefix"],
         maps: list[str] = names["maps"],
         alias_file: str = names["alias_file"],
+        stack: list[str] = names["stack"],
         skip: list[str] = typer.Option(
             None, "--skip", help="Glob of tensor names to leave out (repeatable)."
         ),
@@ -152,6 +163,7 @@ def register(app: typer.Typer) -> None:
             add_prefix=add_prefix,
             maps=tuple(maps or ()),
             alias_file=alias_file,
+            stack=tuple(stack or ()),
             skip=tuple(skip or ()),
             fail_on=check_fail_on(fail_on),
         )

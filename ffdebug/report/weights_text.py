@@ -236,6 +236,8 @@ def print_load_audit(res: dict, console: Console | None = None) -> None:
         console.print(
             f"  [cyan]suggestion:[/cyan] apply with [bold]{r['apply']}[/bold] ({r['matches']} matches)"
         )
+    for note in res.get("notes") or []:
+        console.print(f"  [dim]note: {note}[/dim]", highlight=False)
     word = "PASSED" if res["passed"] else "FAILED"
     problems = []
     if res["shape_mismatch"]:

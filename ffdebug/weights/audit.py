@@ -11,17 +11,27 @@ model's state dict (as loaded) with the checkpoint and reports:
 - `value_mismatch`: tensors whose loaded values differ from the checkpoint (findings and
   severities as in weights-diff; dtype casts and rounding are not mismatches).
 Checkpoint names are mapped into model names with the weights-diff options (`strip_prefix`,
-`add_prefix`, `maps`, `alias_file`).
+`add_prefix`, `maps`, `alias_file`, `stack`).
+
+Stacked MoE experts: transformers 5 holds all experts of a layer in one tensor
+(`experts.gate_up_proj` [E, 2I, H]) and converts the per-expert tensors of a checkpoint on load.
+For a `PreTrainedModel` the audit reads that conversion from transformers itself
+(`conversion_mapping.get_model_conversion_mapping`: stack over experts, then concatenate) and
+turns it into `--stack` rules; for any model, stacked tensors that the only-in lists show by
+name and shape are paired the same way (a note says so). Each expert's part is then compared on
+its own, so an expert left unloaded or changed is named (`experts.3.up_proj.weight`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 from ffdebug.compare.severity import at_least, worst
-from ffdebug.errors import FFDebugError
+from ffdebug.errors import FFDebugError, short_reason
 from ffdebug.weights.diff import WeightsDiff
+from ffdebug.weights.names import StackRule
 from ffdebug.weights.schema import apply_hint
 
 LOADED_FINDINGS = ("equal", "dtype_only", "rounding")
@@ -110,15 +120,75 @@ def _resolve_model(model, checkpoint):
     )
 
 
+def transformers_stack_rules(model) -> tuple[list[StackRule], list[str]]:
+    """`--stack` rules from transformers' own checkpoint conversion for `model` (MoE experts
+    stacked with `MergeModulelist(dim=0)`, then optionally `Concatenate(dim≥1)`), and notes on
+    conversions that cannot be expressed as one. ([], []) for other models or transformers < 5."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return [], []
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+    except ImportError:
+        return [], []
+    if not isinstance(model, PreTrainedModel):
+        return [], []
+    try:
+        conversions = get_model_conversion_mapping(model)
+    except Exception as err:  # an API change in transformers: fall back to shape inference
+        return [], [f"transformers conversion mapping unavailable ({short_reason(err)})"]
+    rules, notes = [], []
+    for conv in conversions:
+        if not isinstance(conv, WeightConverter):
+            continue
+        src = list(getattr(conv, "_original_source_patterns", conv.source_patterns))
+        tgt = list(getattr(conv, "_original_target_patterns", conv.target_patterns))
+        ops = list(conv.operations)
+        plain = len(tgt) == 1 and re.fullmatch(r"\w+(\.\w+)*", tgt[0]) is not None
+        plain = plain and all(re.fullmatch(r"[\w.]*\*[\w.]*", p) and p.count("*") == 1 for p in src)
+        merge = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+        if merge and len(ops) == 1 and len(src) == 1:
+            dim = 0
+        elif merge and len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim >= 1:
+            dim = ops[1].dim - 1
+        else:
+            plain = False
+        if not plain:
+            notes.append(
+                f"transformers converts {'+'.join(src)} → {'+'.join(tgt)} with "
+                f"{[type(o).__name__ for o in ops]}; not audited as a stack"
+            )
+            continue
+        parts = tuple(p.replace("*", "{E}") for p in src)
+        spec = f"{tgt[0]}={'+'.join(parts)}" + (f"@{dim}" if dim else "")
+        rules.append(StackRule(tgt[0], parts, dim, spec))
+    return rules, notes
+
+
 def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
     """Audit what `model` (an nn.Module, or an entry `module:function` called with the checkpoint
     path and returning the loaded model) took from `checkpoint` (any weights-diff input).
 
-    Options: strip_prefix, add_prefix, maps, alias_file, skip, dequant, thresholds, fail_on.
+    Options: strip_prefix, add_prefix, maps, alias_file, stack, skip, dequant, thresholds, fail_on.
+    Stacked MoE experts are paired automatically (see the module docstring).
     """
     module, label = _resolve_model(model, checkpoint)
     fail_on = opts.get("fail_on", "diverge")
-    diff = WeightsDiff(module, checkpoint, **opts)
+    stack = opts.pop("stack", ()) or ()
+    stack = (stack,) if isinstance(stack, (str, StackRule)) else tuple(stack)
+    hf_rules, hf_notes = transformers_stack_rules(module)
+    diff = WeightsDiff(module, checkpoint, stack=stack + tuple(hf_rules), auto_stack=True, **opts)
+    used = {t.stacked_from for t in diff.ref.values() if t.stacked_from}
+    if hf_rules and used:
+        diff.notes.insert(
+            0,
+            f"{len(used)} stacked expert tensor(s) compared expert by expert, as transformers converts "
+            f"them on load ({'; '.join(r.spec for r in hf_rules)})",
+        )
+    diff.notes.extend(hf_notes)
 
     params = dict(module.named_parameters(remove_duplicate=False))
     buffers = dict(module.named_buffers(remove_duplicate=False))
@@ -130,7 +200,7 @@ def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
     covered = set(diff.common)
     not_covered, tied = [], []
     for name in diff.only_ref:
-        src = diff.ref[name].source_name
+        src = diff.ref[name].stored_name
         tensor = params.get(src, buffers.get(src))
         partners = [n for n in by_storage.get(tensor.data_ptr(), []) if n != src] if src in params else []
         partner = next((n for n in partners if diff.ref_name(n) in covered), None)
@@ -160,14 +230,14 @@ def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
             "name": s["name"],
             "shape_model": s["shape_ref"],
             "shape_checkpoint": s["shape_target"],
-            **_module_info(module, diff.ref[s["name"]].source_name),
+            **_module_info(module, diff.ref[s["name"]].stored_name),
         }
         for s in diff.shape_mismatch
     ]
     result = diff.run()
     value_mismatch = [t for t in result.tensors if t["finding"] not in LOADED_FINDINGS]
     for v in value_mismatch:
-        v.update(_module_info(module, diff.ref[v["name"]].source_name))
+        v.update(_module_info(module, diff.ref[v["name"]].stored_name))
     return LoadAuditResult(
         never_loaded=never_loaded,
         not_covered=not_covered,

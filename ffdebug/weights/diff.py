@@ -30,8 +30,8 @@ from ffdebug.compare.metrics import CHUNK, compare_tensors, iter_chunks
 from ffdebug.compare.severity import RANK, at_least, classify, parse_threshold, worst
 from ffdebug.errors import FFDebugError
 from ffdebug.weights import quant
-from ffdebug.weights.names import NameMap, build_name_map, parse_fuse
-from ffdebug.weights.schema import apply_hint, suggest_renames
+from ffdebug.weights.names import NameMap, StackRule, build_name_map, parse_fuse, parse_stack
+from ffdebug.weights.schema import apply_hint, stacked_suggestions, suggest_renames
 from ffdebug.weights.sources import Entry, WeightSource, open_source
 from ffdebug.weights.tp import Logical, load_logical, plan_merge
 from ffdebug.weights.transforms import apply_transforms, parse_transform
@@ -339,6 +339,8 @@ class WeightsDiff:
         maps=(),
         alias_file: str | None = None,
         fuse=(),
+        stack=(),
+        auto_stack: bool = False,
         skip=(),
         layers=None,
         transforms=(),
@@ -359,6 +361,10 @@ class WeightsDiff:
         self.thresholds = tuple(parse_threshold(t) if isinstance(t, str) else t for t in thresholds or ())
         self.transforms = tuple(parse_transform(t) for t in transforms or ())
         self.fuse_rules = tuple(parse_fuse(f) if isinstance(f, str) else f for f in fuse or ())
+        if isinstance(stack, (str, StackRule)):
+            stack = (stack,)
+        self.stack_rules = tuple(parse_stack(r) if isinstance(r, str) else r for r in stack or ())
+        self._stack_cache: tuple = (None, None)
         self.skip = (skip,) if isinstance(skip, str) else tuple(skip or ())
         self.layers = parse_layers(layers) if isinstance(layers, (str, type(None))) else layers
         tgt_map = build_name_map(strip_prefix, add_prefix, maps, alias_file)
@@ -380,6 +386,9 @@ class WeightsDiff:
         self.ref = self._logicals(ref_groups, tgt_groups)
         self.tgt = self._logicals(tgt_groups, ref_groups)
         self.dequantized: list[dict] = []
+        self._apply_stack(self.stack_rules)
+        if auto_stack:
+            self._auto_stack()
         self._attach_scales()
         self._apply_fuse()
         self._schema()
@@ -513,6 +522,75 @@ class WeightsDiff:
                     build=_cat_builder(self, pieces, rule.dim),
                 )
 
+    def _apply_stack(self, rules) -> None:
+        """Cut each stacked tensor ([E, …], all experts of one MoE layer) into one logical tensor
+        per expert and part, under the other side's per-expert names (either side may be stacked)."""
+        for rule in rules:
+            for side, mine, other in (("target", self.tgt, self.ref), ("ref", self.ref, self.tgt)):
+                for name in list(mine):
+                    lg = mine[name]
+                    if name in other or len(lg.shape) < 2 or rule.split(name) is None:
+                        continue
+                    experts = rule.expert_parts(name, lg.shape[0], other)
+                    if not any(p in other for names in experts for p in names):
+                        continue
+                    if any(p in mine for names in experts for p in names):
+                        continue
+                    sizes, problem = _stack_sizes(rule, lg, experts, other)
+                    if problem:
+                        self.notes.append(f"--stack {rule.spec}: {name} {problem}")
+                        continue
+                    parts: dict[str, Logical] = {}
+                    d = rule.dim % (len(lg.shape) - 1)
+                    for e, names in enumerate(experts):
+                        offset = 0
+                        for part, size in zip(names, sizes):
+                            shape = list(lg.shape[1:])
+                            shape[d] = size
+                            index = [str(e)] + [":"] * d + [f"{offset}:{offset + size}"]
+                            parts[part] = Logical(
+                                name=part,
+                                source_name=f"{lg.source_name}[{', '.join(index if len(names) > 1 else index[:1])}]",
+                                entries=lg.entries,
+                                shape=tuple(shape),
+                                dtype=lg.dtype,
+                                layer=lg.layer,
+                                build=self._stack_view(lg, side, e, d, offset, size, len(names) > 1),
+                                stacked_from=lg.source_name,
+                            )
+                            offset += size
+                    items = list(mine.items())
+                    mine.clear()
+                    for n, t in items:  # the parts take the stacked tensor's place
+                        mine.update(parts if n == name else {n: t})
+
+    def _stack_view(self, lg: Logical, side: str, expert: int, dim: int, offset: int, size: int, cut: bool):
+        """Builder of one expert's part: the stacked tensor is loaded once and kept while its
+        parts are compared (the comparison order keeps them together), then replaced."""
+
+        def build():
+            key = (side, lg.name)
+            if self._stack_cache[0] != key:
+                self._stack_cache = (None, None)
+                self._stack_cache = (key, self._load_raw(lg, side))
+            x = self._stack_cache[1][expert]
+            return x.narrow(dim, offset, size).contiguous() if cut else x.contiguous()
+
+        return build
+
+    def _auto_stack(self) -> None:
+        """Apply stacking the only-in lists show by name and shape (load-audit: layout only;
+        every expert's values are still compared)."""
+        found = stacked_suggestions(
+            {n: t.shape for n, t in self.ref.items() if n not in self.tgt},
+            {n: t.shape for n, t in self.tgt.items() if n not in self.ref},
+        )
+        rules = [parse_stack(s["apply"].split(" ", 1)[1].strip("'")) for s in found]
+        if rules:
+            self._apply_stack(rules)
+            for s in found:
+                self.notes.append(f"paired {s['matches']} stacked expert tensor(s) by shape: {s['apply']}")
+
     def _schema(self) -> None:
         self.only_ref = [n for n in self.ref if n not in self.tgt]
         self.only_target = [n for n in self.tgt if n not in self.ref]
@@ -578,10 +656,14 @@ class WeightsDiff:
         return self.result()
 
     def load(self, t: Logical, side: str):
+        return apply_transforms(self.transforms, side, t.name, self._load_raw(t, side))
+
+    def _load_raw(self, t: Logical, side: str):
+        """Merged and dequantised, before any --transform."""
         x = load_logical(t, _dequant_piece if t.scale is not None or self._wants_cast(t, side) else None)
         if quant.is_fp8(t.dtype) and self._wants_cast(t, side) and t.scale is None:
             x = x.float()
-        return apply_transforms(self.transforms, side, t.name, x)
+        return x
 
     def _wants_cast(self, t: Logical, side: str) -> bool:
         return any(d["name"] == t.name and d["side"] == side for d in self.dequantized)
@@ -600,12 +682,30 @@ class WeightsDiff:
             return self._run(on_tensor)
         finally:
             torch.set_num_threads(threads)
+            self._stack_cache = (None, None)
+
+    def _order(self) -> list[str]:
+        """Common names in reference order, except that the parts cut from one stacked tensor are
+        compared one after the other (the stacked tensor is in memory once)."""
+        first: dict = {}
+        keyed = []
+        for i, n in enumerate(self.common):
+            r, t = self.ref[n], self.tgt[n]
+            key = (
+                ("ref", r.stacked_from)
+                if r.stacked_from
+                else ("target", t.stacked_from)
+                if t.stacked_from
+                else n
+            )
+            keyed.append((first.setdefault(key, i), i, n))
+        return [n for *_, n in sorted(keyed)]
 
     def _run(self, on_tensor) -> WeightsDiffResult:
         tensors = []
         replica = []
         deq = {d["name"] for d in self.dequantized}
-        for name in self.common:
+        for name in self._order():
             r, t = self.ref[name], self.tgt[name]
             transposable = len(r.shape) == 2 and t.shape == r.shape[::-1]
             if r.shape != t.shape and not transposable:
@@ -632,6 +732,35 @@ class WeightsDiff:
             if on_tensor is not None:
                 on_tensor(entry)
         return self.result(tensors, replica)
+
+
+def _stack_sizes(rule: StackRule, lg: Logical, experts: list[list[str]], other: dict) -> tuple:
+    """(sizes of the parts along the rule's dim, None) or (None, why the stacked tensor does not
+    hold the other side's parts); one part's size may be inferred as the remainder."""
+    expert_shape = tuple(lg.shape[1:])
+    nd = len(expert_shape)
+    if not -nd <= rule.dim < nd:
+        return None, f"dim {rule.dim} is out of range for an expert of shape {list(expert_shape)}"
+    d = rule.dim % nd
+    shapes = []
+    for i in range(len(rule.parts)):
+        shapes.append(next((tuple(other[n[i]].shape) for n in experts if n[i] in other), None))
+    for s in shapes:
+        if s is not None and (len(s) != nd or s[:d] + s[d + 1 :] != expert_shape[:d] + expert_shape[d + 1 :]):
+            return None, (
+                f"{list(lg.shape)}: one expert {list(expert_shape)} does not hold parts of shape "
+                f"{[list(x) for x in shapes if x is not None]} along dim {d}"
+            )
+    known = sum(s[d] for s in shapes if s is not None)
+    missing = [i for i, s in enumerate(shapes) if s is None]
+    if len(missing) > 1 or (not missing and known != expert_shape[d]) or known > expert_shape[d]:
+        return None, (
+            f"{list(lg.shape)}: the parts add up to {known} along dim {d}, one expert holds {expert_shape[d]}"
+        )
+    sizes = [s[d] if s is not None else expert_shape[d] - known for s in shapes]
+    if any(x <= 0 for x in sizes):
+        return None, f"{list(lg.shape)}: no room for part {rule.parts[missing[0]]}"
+    return sizes, None
 
 
 def _dequant_piece(x, scale, name):

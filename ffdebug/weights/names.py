@@ -11,6 +11,14 @@ an `aliases:` key) of OLD to NEW.
 `--fuse FUSED=PART+PART[+…][@DIM]` pairs a fused tensor on one side with its parts on the other
 (`qkv_proj=q_proj+k_proj+v_proj`): the fused tensor is split (or the parts concatenated) along
 DIM (default 0) by the shapes found on the other side.
+
+`--stack STACKED=PART+PART[+…][@DIM]` pairs a stacked tensor holding all experts of an MoE layer
+(`experts.gate_up_proj` [E, 2I, H], as transformers 5 holds them) with one tensor per expert and
+part (`experts.{E}.gate_proj.weight` [I, H], `experts.{E}.up_proj.weight`, as checkpoints store
+them): expert e of the stacked tensor is its parts concatenated along DIM (default 0, a dim of one
+expert's tensor). `{E}` stands for the expert number in every part. A part without `.weight` gets
+the stacked name's ending; a bare stacked parameter (`experts.down_proj`) also finds `….weight`
+parts.
 """
 
 from __future__ import annotations
@@ -150,3 +158,52 @@ def parse_fuse(spec: str) -> FuseRule:
         )
     parts = tuple(p.strip() for p in m.group(2).split("+"))
     return FuseRule(m.group(1), parts, int(m.group(3) or 0), spec)
+
+
+@dataclass(frozen=True)
+class StackRule:
+    stacked: str  # dotted components, e.g. "experts.gate_up_proj"
+    parts: tuple[str, ...]  # each with {E}, e.g. ("experts.{E}.gate_proj.weight", …)
+    dim: int = 0  # concatenation dim of the parts, within one expert
+    spec: str = ""
+
+    def split(self, name: str) -> tuple[str, str] | None:
+        """(prefix, ending) around the stacked components in `name`, else None."""
+        comps, want = name.split("."), self.stacked.split(".")
+        k = len(want)
+        for i in range(len(comps) - k + 1):
+            if comps[i : i + k] == want:
+                prefix = ".".join(comps[:i]) + ("." if i else "")
+                rest = comps[i + k :]
+                return prefix, ("." + ".".join(rest)) if rest else ""
+        return None
+
+    def expert_parts(self, name: str, count: int, present) -> list[list[str]] | None:
+        """Part names of stacked tensor `name` for experts 0..count-1 (None when the stacked
+        components are not in `name`). A bare stacked parameter (no ending) whose parts are not in
+        `present` (the other side's names) looks for parts ending in `.weight` instead."""
+        got = self.split(name)
+        if got is None:
+            return None
+        prefix, ending = got
+        out = [[prefix + p.replace("{E}", str(e)) + ending for p in self.parts] for e in range(count)]
+        if not ending and not any(n in present for names in out for n in names):
+            alt = [[n if n.endswith((".weight", ".bias")) else n + ".weight" for n in names] for names in out]
+            if any(n in present for names in alt for n in names):
+                return alt
+        return out
+
+
+def parse_stack(spec: str) -> StackRule:
+    part = r"[\w.-]*\{E\}[\w.-]*"
+    m = re.fullmatch(rf"\s*([\w.-]+)\s*=\s*({part}(?:\s*\+\s*{part})*)\s*(?:@\s*(-?\d+))?\s*", spec)
+    if not m or m.group(1).startswith(".") or m.group(1).endswith("."):
+        raise FFDebugError(
+            f"--stack {spec!r} is invalid: use STACKED=PART+PART[@DIM] with {{E}} for the expert "
+            "number in every part, e.g. 'experts.gate_up_proj=experts.{E}.gate_proj.weight+"
+            "experts.{E}.up_proj.weight'"
+        )
+    parts = tuple(p.strip() for p in m.group(2).split("+"))
+    if any(p.count("{E}") != 1 for p in parts):
+        raise FFDebugError(f"--stack {spec!r}: every part needs {{E}} exactly once")
+    return StackRule(m.group(1), parts, int(m.group(3) or 0), spec)

@@ -7,6 +7,10 @@ Suggestions come from the only-in lists (names with their shapes):
   `model.layers.{L}.`) → `--map`;
 - fused tensors: one name whose component (`qkv_proj`) stands where the other side has several
   (`q_proj`, `k_proj`, `v_proj`) and whose dim 0 is the sum of theirs → `--fuse`.
+- stacked experts: a tensor [E, …] (`experts.gate_up_proj`) on one side where the other has E
+  tensors per part (`experts.{E}.gate_proj.weight`, `experts.{E}.up_proj.weight`, numbered 0..E-1)
+  whose leaf names it spells and whose shapes make up one expert along one dim (one part: the
+  same leaf name, or the only part of that shape) → `--stack`.
 Rounds repeat on what is left after applying the previous round's suggestions (at most 3).
 """
 
@@ -166,6 +170,126 @@ def _fused_suggestions(only_ref: dict, only_tgt: dict) -> list[dict]:
     return out
 
 
+def _expert_groups(side: dict) -> dict[tuple[str, str], tuple[int, tuple]]:
+    """{(before, after): (E, shape)}: names equal but for one number component, numbered 0..E-1
+    (E ≥ 2), all of one shape (`model.layers.1.mlp.experts`, `gate_proj.weight`)."""
+    groups: dict[tuple[str, str], dict[int, tuple]] = defaultdict(dict)
+    for name, shape in side.items():
+        comps = name.split(".")
+        for i, c in enumerate(comps[1:-1], start=1):
+            if _NUM.match(c):
+                groups[(".".join(comps[:i]), ".".join(comps[i + 1 :]))][int(c)] = tuple(shape)
+    out = {}
+    for key, members in groups.items():
+        shapes = set(members.values())
+        if len(members) >= 2 and sorted(members) == list(range(len(members))) and len(shapes) == 1:
+            out[key] = (len(members), shapes.pop())
+    return out
+
+
+def _spelled(leaf: str, leaves: list[str]) -> list[str] | None:
+    """The leaves, in order, whose cores spell `leaf` (`gate_up_proj` → gate_proj, up_proj)."""
+    suffix = ""
+    for cand in ("_proj", "_weight", ""):
+        if leaf.endswith(cand) and all(x.endswith(cand) for x in leaves):
+            suffix = cand
+            break
+    cores = {x: x[: len(x) - len(suffix)].replace("_", "") for x in leaves}
+    body = leaf[: len(leaf) - len(suffix)].replace("_", "")
+    order: list[str] = []
+    while body:
+        nxt = max(
+            (x for x in leaves if x not in order and cores[x] and body.startswith(cores[x])),
+            key=lambda x: len(cores[x]),
+            default=None,
+        )
+        if nxt is None:
+            return None
+        order.append(nxt)
+        body = body[len(cores[nxt]) :]
+    return order if len(order) >= 2 else None
+
+
+def _stacked_one_way(stacked_side: dict, expert_side: dict) -> list[tuple[str, str, list[str], int]]:
+    """[(stacked name, rule spec, part names of expert 0, dim)] found by name and shape."""
+    groups = _expert_groups(expert_side)
+    by_before: dict[str, list[tuple[str, int, tuple]]] = defaultdict(list)
+    for (before, after), (count, shape) in groups.items():
+        by_before[before].append((after, count, shape))
+    found = []
+    for name, shape in stacked_side.items():
+        shape = tuple(shape)
+        comps = name.split(".")
+        if len(shape) < 2:
+            continue
+        for k in (1, 2):
+            before, rest = ".".join(comps[:-k]), comps[-k:]
+            cands = [
+                (after, s)
+                for after, count, s in by_before.get(before, ())
+                if count == shape[0] and len(s) == len(shape) - 1
+            ]
+            if not cands:
+                continue
+            hit = _stack_parts(rest[0], shape[1:], cands)
+            if hit is None:
+                continue
+            parts, dim = hit
+            anchor = before.rsplit(".", 1)[-1]
+            spec = f"{anchor}.{'.'.join(rest)}=" + "+".join(f"{anchor}.{{E}}.{a}" for a in parts)
+            if dim:
+                spec += f"@{dim}"
+            found.append((name, spec, [f"{before}.0.{a}" for a in parts], dim))
+            break
+    return found
+
+
+def _stack_parts(leaf: str, expert_shape: tuple, cands: list[tuple[str, tuple]]):
+    """(part 'after' names, concat dim) making up one expert of a stacked tensor, else None."""
+    same_leaf = [a for a, s in cands if a.split(".")[0] == leaf and s == expert_shape]
+    if len(same_leaf) == 1:
+        return same_leaf, 0
+    by_ending: dict[str, dict[str, tuple]] = defaultdict(dict)
+    for a, s in cands:
+        head, _, ending = a.partition(".")
+        by_ending[ending][head] = s
+    for ending, members in by_ending.items():
+        order = _spelled(leaf, list(members))
+        if order is None:
+            continue
+        shapes = [members[h] for h in order]
+        for d in range(len(expert_shape)):
+            if sum(s[d] for s in shapes) == expert_shape[d] and all(
+                s[:d] + s[d + 1 :] == expert_shape[:d] + expert_shape[d + 1 :] for s in shapes
+            ):
+                return [h + ("." + ending if ending else "") for h in order], d
+    by_shape = [a for a, s in cands if s == expert_shape]
+    return (by_shape, 0) if len(by_shape) == 1 else None
+
+
+def stacked_suggestions(only_ref: dict, only_tgt: dict) -> list[dict]:
+    """`--stack` suggestions for stacked expert tensors on one side, per-expert ones on the other."""
+    out: dict[str, dict] = {}
+    for stacked_side, expert_side, stacked_is_ref in (
+        (only_ref, only_tgt, True),
+        (only_tgt, only_ref, False),
+    ):
+        for name, spec, parts, _ in _stacked_one_way(stacked_side, expert_side):
+            s = out.get(spec)
+            if s is None:
+                frm, to = (parts, name) if stacked_is_ref else (name, parts)
+                out[spec] = {
+                    "from": frm,
+                    "to": to,
+                    "matches": 1,
+                    "kind": "stacked",
+                    "apply": f"--stack '{spec}'",
+                }
+            else:
+                s["matches"] += 1
+    return list(out.values())
+
+
 def suggest_renames(only_ref: dict, only_tgt: dict, rounds: int = 3) -> list[dict]:
     """Suggestions `{from, to, matches, kind, apply, …}` for two only-in lists ({name: shape})."""
     only_ref, only_tgt = dict(only_ref), dict(only_tgt)
@@ -180,6 +304,7 @@ def suggest_renames(only_ref: dict, only_tgt: dict, rounds: int = 3) -> list[dic
         only_ref, only_tgt = _apply(found, only_ref, only_tgt)
     if only_ref and only_tgt:
         out.extend(_fused_suggestions(only_ref, only_tgt))
+        out.extend(stacked_suggestions(only_ref, only_tgt))
     return out
 
 
@@ -204,4 +329,4 @@ def apply_hint(suggestions: list[dict]) -> str:
     return " ".join(dict.fromkeys(s["apply"] for s in suggestions))
 
 
-__all__ = ["FuseRule", "apply_hint", "parse_fuse", "suggest_renames"]
+__all__ = ["FuseRule", "apply_hint", "parse_fuse", "stacked_suggestions", "suggest_renames"]

@@ -32,6 +32,12 @@ class Logical:
     scale: Logical | None = None  # fp8 scale companion, when dequantised
     replica_mismatch: list[int] = field(default_factory=list)  # ranks differing from rank 0
     build: object = None  # override: a callable returning the tensor (fused views)
+    stacked_from: str | None = None  # source name of the stacked tensor this expert's part is cut from
+
+    @property
+    def stored_name(self) -> str:
+        """The name of the tensor as stored on its side (the whole stacked tensor for a part)."""
+        return self.stacked_from or self.source_name
 
     @property
     def ranks(self) -> list[int]:

@@ -76,6 +76,7 @@ def test_index_with_missing_shard(hf_dir, tmp_path):
         (["--map", "no-equals-sign"], "--map"),
         (["--map", "(=x"], "invalid regular expression"),
         (["--fuse", "qkv"], "--fuse"),
+        (["--stack", "experts.w13=experts.w1+experts.w3"], "{E}"),
         (["--transform", "*.w=nosuchmodule_xyz:fn"], "cannot import"),
         (["--layers", "a-b"], "--layers"),
         (["--fail-on", "ok"], "--fail-on"),
