@@ -30,4 +30,6 @@ def test_review_tooling_passes_its_own_review(monkeypatch):
         "ffdebug/cli/trace_cmd.py",
     ]
     report = review(paths, config=ReviewConfig())
+    expected = {str(p) for p in Path("ffdebug/review").rglob("*.py")} | set(paths[1:])
+    assert set(report.files) == expected  # every file was reviewed: a pass over nothing is no pass
     assert report.passed, _failures(report)
