@@ -12,14 +12,16 @@ A and B may each be a .safetensors file, a Hugging Face model folder (single fil
 
 Name options rewrite target names into reference names (--strip-prefix applies to both sides).
 
+A weight dump written with FFDEBUG_WEIGHT_DUMP_LAYERS restricts the other side to those layers; buffers only a dump holds (rotary inv_freq, …) are listed as buffers not in checkpoints, not as a schema difference.
+
 [bold]Examples[/bold]
 
-  ffdebug weights-diff hf_model/ engine_dump/weights --skip '*rotary_emb*'   # dumps hold non-persistent buffers
+  ffdebug weights-diff hf_model/ engine_dump/weights   # a layer-selected dump restricts hf_model to its layers
   ffdebug weights-diff hf_model/ converted.safetensors --strip-prefix model.
   ffdebug weights-diff hf_model/ gpt2_like.pt --map '^transformer\\.h\\.{L}\\.=model.layers.{L}.'
   ffdebug weights-diff hf_model/ engine.safetensors --fuse qkv_proj=q_proj+k_proj+v_proj
   ffdebug weights-diff moe_dump/weights hf_moe/ --stack 'experts.down_proj=experts.{E}.down_proj.weight'
-  ffdebug weights-diff full/ tp_dump/weights --tp-merge auto --skip '*rotary_emb*' --skip '*.experts.*' --layers 0-3
+  ffdebug weights-diff full/ tp_dump/weights --tp-merge auto --skip '*.experts.*' --layers 0-3
   ffdebug weights-diff bf16/ fp8/ --dequant auto --allow-dtype --json
   ffdebug weights-diff ref/ engine/ --transform '*.o_proj.weight=transpose'
   ffdebug weights-diff ref/ engine/ --transform 'ref:*.experts.*=mylib.layout:shuffle'

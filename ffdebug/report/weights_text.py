@@ -35,6 +35,21 @@ def print_weights_schema(res: dict, console: Console | None = None) -> None:
             + ")",
         )
     )
+    for r in res.get("restricted") or []:
+        other = "target" if r["side"] == "reference" else "reference"
+        console.print(
+            f"  [dim]{r['side']} restricted to layers {', '.join(map(str, r['layers'])) or 'none'}: the {other} "
+            f"is a weight dump of FFDEBUG_WEIGHT_DUMP_LAYERS={r['because']} ({r['left_out']} tensor(s) of "
+            "other layers left out)[/dim]",
+            highlight=False,
+        )
+    buffers = res.get("buffers_not_in_checkpoint") or []
+    if buffers:
+        console.print(
+            f"  [dim]buffers not in checkpoints ({len(buffers)}, dump only, not compared): "
+            f"{_names([b['name'] for b in buffers])}[/dim]",
+            highlight=False,
+        )
     clean = True
     if res["only_ref"]:
         clean = False

@@ -68,6 +68,8 @@ class WeightsDiffResult:
     dequantized: list[dict] = field(default_factory=list)
     replica_mismatch: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    buffers_not_in_checkpoint: list[dict] = field(default_factory=list)
+    restricted: list[dict] = field(default_factory=list)
 
     @property
     def schema_clean(self) -> bool:
@@ -113,6 +115,8 @@ class WeightsDiffResult:
             "replica_mismatch": self.replica_mismatch,
             "schema_only": self.schema_only,
             "notes": self.notes,
+            "buffers_not_in_checkpoint": self.buffers_not_in_checkpoint,
+            "restricted": self.restricted,
         }
 
 
@@ -379,6 +383,9 @@ class WeightsDiff:
         self.notes: list[str] = []
         ref_groups = self._filter(ref_groups)
         tgt_groups = self._filter(tgt_groups)
+        self.restricted: list[dict] = []
+        ref_groups = self._restrict_to_dump(ref_groups, "reference", self.tgt_src)
+        tgt_groups = self._restrict_to_dump(tgt_groups, "target", self.ref_src)
         rw, tw = self.ref_src.world_size, self.tgt_src.world_size
         if rw > 1 and rw == tw and self.tp_merge == "auto":
             ref_groups, tgt_groups = _split_ranks(ref_groups), _split_ranks(tgt_groups)
@@ -415,6 +422,37 @@ class WeightsDiff:
                 continue
             out[name] = entries
         return out
+
+    def _restrict_to_dump(self, groups: dict, side: str, dump: WeightSource) -> dict:
+        """When the other side is a weight dump written with FFDEBUG_WEIGHT_DUMP_LAYERS, leave out
+        this side's tensors of layers the dump did not select (it cannot hold them); tensors
+        outside blocks are kept. Said in `restricted` and a note."""
+        from ffdebug._env import parse_layers
+
+        if dump.kind != "weight-dump" or not dump.layer_spec:
+            return groups
+        try:
+            selection = parse_layers(dump.layer_spec, "FFDEBUG_WEIGHT_DUMP_LAYERS")
+        except FFDebugError:
+            self.notes.append(
+                f"{dump.path}: run.json FFDEBUG_WEIGHT_DUMP_LAYERS={dump.layer_spec!r} unreadable"
+            )
+            return groups
+        known = [e[0].layer for e in groups.values() if e[0].layer is not None]
+        num_layers = max(known) + 1 if known else None
+        kept, left_out = {}, 0
+        for name, entries in groups.items():
+            layer = entries[0].layer
+            if layer is not None and not selection.contains(layer, num_layers):
+                left_out += 1
+                continue
+            kept[name] = entries
+        if left_out:
+            layers = sorted({e[0].layer for e in kept.values() if e[0].layer is not None})
+            self.restricted.append(
+                {"side": side, "layers": layers, "left_out": left_out, "because": dump.layer_spec}
+            )
+        return kept
 
     def _logicals(self, mine: dict, other: dict) -> dict[str, Logical]:
         out = {}
@@ -594,6 +632,17 @@ class WeightsDiff:
     def _schema(self) -> None:
         self.only_ref = [n for n in self.ref if n not in self.tgt]
         self.only_target = [n for n in self.tgt if n not in self.ref]
+        self.buffers_not_in_checkpoint = []
+        for side, src, other, only in (
+            ("ref", self.ref_src, self.tgt_src, self.only_ref),
+            ("target", self.tgt_src, self.ref_src, self.only_target),
+        ):
+            if src.kind != "weight-dump" or other.kind == "weight-dump":
+                continue
+            mine = self.ref if side == "ref" else self.tgt
+            for n in [n for n in only if _non_persistent(mine[n])]:
+                only.remove(n)
+                self.buffers_not_in_checkpoint.append({"name": n, "side": side})
         self.shape_mismatch = []
         self.dtype_mismatch = []
         self.common = [n for n in self.ref if n in self.tgt]
@@ -650,6 +699,8 @@ class WeightsDiff:
             dequantized=list(self.dequantized),
             replica_mismatch=list(replica or []),
             notes=list(self.notes),
+            buffers_not_in_checkpoint=list(self.buffers_not_in_checkpoint),
+            restricted=list(self.restricted),
         )
 
     def schema_result(self) -> WeightsDiffResult:
@@ -732,6 +783,29 @@ class WeightsDiff:
             if on_tensor is not None:
                 on_tensor(entry)
         return self.result(tensors, replica)
+
+
+# Buffers models register with persistent=False: in a weight dump (named_buffers), never in a
+# checkpoint or a state_dict(). Used when the dump record does not say `persistent` itself.
+NON_PERSISTENT_BUFFERS = frozenset(
+    {
+        "inv_freq",
+        "original_inv_freq",
+        "cos_cached",
+        "sin_cached",
+        "_cos_cached",
+        "_sin_cached",
+        "cos_sin_cache",
+        "position_ids",
+    }
+)
+
+
+def _non_persistent(t: Logical) -> bool:
+    flags = {e.persistent for e in t.entries}
+    if flags == {False}:
+        return True
+    return None in flags and t.source_name.rsplit(".", 1)[-1] in NON_PERSISTENT_BUFFERS
 
 
 def _stack_sizes(rule: StackRule, lg: Logical, experts: list[list[str]], other: dict) -> tuple:

@@ -76,6 +76,7 @@ class Entry:
     layer: int | None = None
     shard: dict | None = None  # {dim, index, count} from a dump manifest
     origin: str = ""  # the file it lives in, for messages
+    persistent: bool | None = None  # a dump record's `persistent` (False: a non-persistent buffer)
 
     def load(self):
         return self.loader()
@@ -89,6 +90,7 @@ class WeightSource:
     kind: str
     entries: list[Entry]
     world_size: int = 1
+    layer_spec: str | None = None  # a weight dump's FFDEBUG_WEIGHT_DUMP_LAYERS, from its run.json
 
     @property
     def label(self) -> str:
@@ -275,7 +277,8 @@ def _bin_index(index_path: str, rank: int = 0) -> list[Entry]:
 # weight dump stores
 
 
-def _dump_entries(path: str) -> tuple[list[Entry], int]:
+def _dump_entries(path: str) -> tuple[list[Entry], int, str | None]:
+    """(entries, world size, the layer selection the dump was written with, if any)."""
     from ffdebug.store.reader import open_side
 
     store = open_side(path)
@@ -305,9 +308,13 @@ def _dump_entries(path: str) -> tuple[list[Entry], int]:
                 layer=layer if layer is not None else layer_of(rec.key),
                 shard=rec.get("shard"),
                 origin=rec.rank_dir or path,
+                persistent=rec.get("persistent"),
             )
         )
-    return entries, world
+    env = store.run.get("env") if isinstance(store.run, dict) else None
+    env = env if isinstance(env, dict) else {}
+    spec = env.get("FFDEBUG_WEIGHT_DUMP_LAYERS") or env.get("ATOM_WEIGHT_DUMP_LAYERS")
+    return entries, world, spec if isinstance(spec, str) and spec.strip() not in ("", "all") else None
 
 
 def _is_store(path: str) -> bool:
@@ -429,12 +436,12 @@ def _per_rank(path: str) -> tuple[list[Entry], int] | None:
 
 def _open_dir(path: str) -> WeightSource:
     if _is_store(path):
-        entries, world = _dump_entries(path)
-        return WeightSource(path, "weight-dump", entries, world)
+        entries, world, spec = _dump_entries(path)
+        return WeightSource(path, "weight-dump", entries, world, spec)
     if _is_store(os.path.join(path, "weights")):
         sub = os.path.join(path, "weights")
-        entries, world = _dump_entries(sub)
-        return WeightSource(sub, "weight-dump", entries, world)
+        entries, world, spec = _dump_entries(sub)
+        return WeightSource(sub, "weight-dump", entries, world, spec)
     if os.path.exists(os.path.join(path, "model_index.json")):
         comps = _pipeline_components(path)
         example = os.path.join(path, comps[0]) if comps else os.path.join(path, "transformer")

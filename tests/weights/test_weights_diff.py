@@ -267,11 +267,17 @@ def test_weight_dump_and_entry(hf_dir, tmp_path, monkeypatch):
     model = LlamaForCausalLM.from_pretrained(hf_dir)
     side = dump_weights(model, str(tmp_path / "dump"))
     res = ffdebug.weights_diff(hf_dir, side)
-    # Dumps hold every buffer, checkpoints only persistent ones: the rotary tables are only-in.
-    assert not res and res.target["kind"] == "weight-dump" and res.target["world_size"] == 1
-    assert res.only_target and all("rotary_emb" in n for n in res.only_target)
+    # Dumps hold every buffer, checkpoints only persistent ones: the rotary tables are listed apart.
+    assert res and res.target["kind"] == "weight-dump" and res.target["world_size"] == 1
+    assert not res.only_target and res.buffers_not_in_checkpoint == [
+        {"name": "model.rotary_emb.inv_freq", "side": "target"},
+        {"name": "model.rotary_emb.original_inv_freq", "side": "target"},
+    ]
     assert all(t["finding"] == "equal" for t in res.tensors)
     assert ffdebug.weights_diff(hf_dir, side, skip=["*rotary_emb*"])
+    # A module's state_dict() has no non-persistent buffers either; two dumps compare them.
+    assert ffdebug.weights_diff(side, model).buffers_not_in_checkpoint
+    assert not ffdebug.weights_diff(side, side).buffers_not_in_checkpoint
     assert ffdebug.weights_diff(hf_dir, tmp_path / "dump", skip=["*rotary_emb*"])  # DIR holding weights/
 
     (tmp_path / "loader_mod.py").write_text(
@@ -381,3 +387,42 @@ def test_hand_quantised_deepseek_fp8_blocks_match_at_e4m3_precision():
     assert t["max_abs"] == pytest.approx(float((deq.double() - w.double()).abs().max()), rel=1e-6)
     assert t["rel"] == pytest.approx(float((deq.double() - w.double()).norm() / w.double().norm()), rel=1e-6)
     assert t["rel"] < 2.0**-4
+
+
+def test_layer_selected_dump_restricts_the_other_side(hf_dir, tmp_path, monkeypatch):
+    """`FFDEBUG_WEIGHT_DUMP_LAYERS=1` (playbook phase 1): the checkpoint's other layers cannot be in
+    the dump, so they are left out (and said so); a buffer-only difference does not fail."""
+    from transformers import LlamaForCausalLM
+
+    from ffdebug import maybe_dump_weights_and_exit
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir)
+    monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_DIR", str(tmp_path / "wd"))
+    monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_LAYERS", "-1")  # the last of 2 layers
+    monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_EXIT", "0")
+    side = maybe_dump_weights_and_exit(model)
+    r = run_cli("weights-diff", side, hf_dir)
+    assert r.exit_code == 0, r.stdout
+    text = " ".join(r.stdout.split())
+    assert (
+        "target restricted to layers 1: the reference is a weight dump of FFDEBUG_WEIGHT_DUMP_LAYERS=-1"
+        in text
+    )
+    assert "(9 tensor(s) of other layers left out)" in text
+    assert "buffers not in checkpoints (2, dump only, not compared): model.rotary_emb.inv_freq" in text
+    assert text.index("restricted") < text.index("byte-equal") and text.endswith("PASSED")
+    code, out = run_json("weights-diff", hf_dir, side)  # either side may be the dump
+    assert code == 0 and out["restricted"] == [
+        {"side": "reference", "layers": [1], "left_out": 9, "because": "-1"}
+    ]
+    assert {t.get("layer") for t in out["tensors"]} == {None, 1}
+
+    # A layer the dump should hold but does not is still reported.
+    import shutil
+
+    shutil.copytree(side, tmp_path / "partial")
+    manifest = tmp_path / "partial" / "rank000" / "manifest.jsonl"
+    lines = manifest.read_text().splitlines()
+    manifest.write_text("\n".join(x for x in lines if "layers.1.mlp.up_proj" not in x) + "\n")
+    res = ffdebug.weights_diff(tmp_path / "partial", hf_dir)
+    assert not res and res.only_target == ["model.layers.1.mlp.up_proj.weight"]
