@@ -877,7 +877,7 @@ def _split_ranks(groups: dict[str, list[Entry]]) -> dict[str, list[Entry]]:
 def weights_diff(a, b, **opts) -> WeightsDiffResult:
     """Compare two checkpoints (any kind `open_source` reads, or modules / state dicts).
 
-    Options: strip_prefix, add_prefix, maps, alias_file, fuse, skip, layers, transforms, dequant
+    Options: strip_prefix, add_prefix, maps, alias_file, fuse, stack, skip, layers, transforms, dequant
     ("auto" | "always" | "none"), tp_merge ("auto" | dim), thresholds, fail_on, allow_dtype,
     schema_only. The result is truthy when the sides match; `.to_json()` has DESIGN §5's keys.
     """
