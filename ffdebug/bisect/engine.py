@@ -123,6 +123,12 @@ def _entry(e: dict | None) -> dict | None:
 EXACT_PREFIX_SIGNAL = "error appears after exactly equal stages in the same dtype"
 
 
+def _folded_from_ranks(e: dict) -> bool:
+    """A stage whose tensor ffdebug assembled from per-rank dumps (declared and folded by compare,
+    or explained by a shard reading here)."""
+    return bool(e.get("unsharded_ref") or e.get("unsharded_target") or e.get("finding") == "shard_reading")
+
+
 def break_in_exact_prefix(stages: list[dict]) -> dict | None:
     """The first stage (execution order) that is not exactly equal while every earlier one is, in
     the same dtype on both sides and outside the noise run's reach; None when there is no such
@@ -131,6 +137,10 @@ def break_in_exact_prefix(stages: list[dict]) -> dict | None:
     for e in stages:
         if pat.is_exact(e):
             continue
+        if _folded_from_ranks(e):
+            # ffdebug itself summed or joined per-rank pieces for this stage: its bits are not the
+            # engine's, so an ok-band difference here ends the exact prefix without a signal.
+            return None if e["severity"] == "ok" else e
         same_dtype = e.get("dtype_ref") == e.get("dtype_target")
         return e if same_dtype and e.get("rel") is not None and not pat.within_noise(e) else None
     return None

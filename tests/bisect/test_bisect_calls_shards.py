@@ -178,12 +178,6 @@ def test_undeclared_shards_are_found_as_a_concatenation(tmp_path, monkeypatch):
     assert any("shard={dim,index,count}" in n for n in r.notes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (ffdebug/bisect/engine.py, _analyse_call / break_in_exact_prefix): a target stage folded "
-    "from ranks (partial sums, or undeclared shards) that matches the reference is still taken for an "
-    "error after an exact prefix, so bisect judges `bug` and FAILS (exit 1) a correct TP=2 dump",
-)
 @pytest.mark.parametrize("case", ["declared_partial_sums", "undeclared_shards"])
 def test_tp2_dumps_that_match_once_folded_pass_bisect(tmp_path, monkeypatch, case):
     if case == "undeclared_shards":
