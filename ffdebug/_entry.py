@@ -11,7 +11,7 @@ import os
 import re
 import sys
 
-from ffdebug.errors import FFDebugError
+from ffdebug.errors import FFDebugError, short_reason
 
 ENTRY_RE = re.compile(r"^(?P<module>[A-Za-z_][\w.]*|[^:]+\.py):(?P<func>[A-Za-z_][\w.]*)$")
 
@@ -78,6 +78,4 @@ def call_entry(spec: str, *args):
     except FFDebugError:
         raise
     except Exception as err:
-        raise FFDebugError(
-            f"{spec}: raised {type(err).__name__}: {str(err).splitlines()[0][:140] if str(err) else ''}"
-        ) from err
+        raise FFDebugError(f"{spec}: raised {type(err).__name__}: {short_reason(err)}") from err

@@ -204,6 +204,11 @@ def test_weight_dump(tmp_path, monkeypatch, tiny_llama):
     assert not any(k.startswith("model.layers.1.") for k in keys)
     rec = next(r for r in store.records if r.key == "model.layers.0.mlp.up_proj.weight")
     assert torch.equal(rec.load(), tiny_llama.model.layers[0].mlp.up_proj.weight)
+    # non-persistent buffers (never in a checkpoint) are marked so weights-diff can set them aside
+    persistent = {r.key: r["persistent"] for r in store.records}
+    assert (
+        persistent["model.rotary_emb.inv_freq"] is False and persistent["model.embed_tokens.weight"] is True
+    )
     monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_EXIT", "1")
     monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_DIR", str(tmp_path / "w2"))
     try:

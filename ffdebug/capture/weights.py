@@ -37,6 +37,12 @@ def dump_weights(model, directory: str, layers=None, overwrite: bool = True) -> 
         for name, _ in b.module.named_buffers(recurse=True):
             owner[f"{b.path}.{name}"] = b
     num_layers = max((b.layer for b in blocks), default=-1) + 1
+    # buffers registered with persistent=False live in named_buffers() but never in a checkpoint
+    transient = {
+        f"{path}.{buf}" if path else buf
+        for path, module in model.named_modules()
+        for buf in getattr(module, "_non_persistent_buffers_set", ())
+    }
     try:
         items = list(model.named_parameters()) + list(model.named_buffers())
         for name, t in items:
@@ -48,6 +54,7 @@ def dump_weights(model, directory: str, layers=None, overwrite: bool = True) -> 
                 "module_path": name.rsplit(".", 1)[0] if "." in name else "",
                 "layer": b.layer if b else None,
                 "layer_class": b.layer_class if b else None,
+                "persistent": name not in transient,
             }
             writer.write(name, t.detach().clone(), meta)
     finally:

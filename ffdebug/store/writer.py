@@ -152,6 +152,8 @@ class StoreWriter:
             record["io"] = record["io"] or "out"
             record["shard"] = meta.get("shard")
             record["reduction"] = meta.get("reduction") or "full"
+            if "persistent" in meta:  # weight dumps: False for buffers a checkpoint never holds
+                record["persistent"] = meta["persistent"]
             if meta.get("extra"):
                 record["extra"] = meta["extra"]
             nbytes = t.numel() * t.element_size()
