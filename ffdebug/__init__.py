@@ -16,7 +16,6 @@ Analysis::
 This module imports neither torch nor any heavy dependency at import time.
 """
 
-
 import contextlib as _contextlib
 import importlib as _importlib
 import importlib.util as _importlib_util
