@@ -223,37 +223,16 @@ def test_blocks_and_layer_classes_diffusers():
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     from ffdebug.models.blocks import find_blocks
+    from reference_trainer.adapters.flux import FLUX_TINY
+    from reference_trainer.adapters.sd3 import SD3_TINY
 
-    sd3 = SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        joint_attention_dim=32,
-        caption_projection_dim=32,
-        pooled_projection_dim=64,
-        out_channels=4,
-        pos_embed_max_size=16,
-    )
+    sd3 = SD3Transformer2DModel(**SD3_TINY)
     blocks = find_blocks(sd3)
     assert [(b.layer, b.class_name) for b in blocks] == [
         (0, "JointTransformerBlock"),
         (1, "JointTransformerBlock"),
     ]
-    flux = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        guidance_embeds=False,
-        axes_dims_rope=(4, 4, 8),
-    )
+    flux = FluxTransformer2DModel(**FLUX_TINY)
     fb = find_blocks(flux)
     assert [(b.layer, b.class_name) for b in fb] == [
         (0, "FluxTransformerBlock"),

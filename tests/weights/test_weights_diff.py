@@ -220,21 +220,10 @@ def test_sharded_index_pt_and_bin(hf_dir, hf_state, tmp_path):
 def test_diffusers_component_and_pipeline_root(tmp_path):
     from diffusers import SD3Transformer2DModel
 
+    from reference_trainer.adapters.sd3 import SD3_TINY
+
     torch.manual_seed(0)
-    cfg = dict(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        joint_attention_dim=32,
-        caption_projection_dim=32,
-        pooled_projection_dim=64,
-        out_channels=4,
-        pos_embed_max_size=16,
-    )
-    model = SD3Transformer2DModel(**cfg)
+    model = SD3Transformer2DModel(**SD3_TINY)
     model.save_pretrained(tmp_path / "pipe" / "transformer")
     (tmp_path / "pipe" / "model_index.json").write_text(
         json.dumps({"_class_name": "StableDiffusion3Pipeline"})
