@@ -264,3 +264,15 @@ def test_text_table_keeps_stage_keys_and_says_why(tmp_path):
     text = console.export_text()
     assert "self_attn.rotary_emb.out.cos_cached" in text and "NaN differs at 1" in text
     assert text.rstrip().endswith("FAILED") and "First divergence at layer 12" in text
+
+
+def test_one_side_all_zeros_is_bug_not_scramble(tmp_path):
+    """A stage that is all zeros on one side only has no direction to compare: graded bug."""
+    for side, x, y in (("ref", torch.zeros(8), torch.ones(8)), ("target", torch.ones(8), torch.zeros(8))):
+        d = tmp_path / side
+        with ffdebug.capture(None, dir=d, side="ref"):
+            ffdebug.tap("x", x)
+        with ffdebug.capture(None, dir=d, side="target"):
+            ffdebug.tap("x", y)
+        s = ffdebug.compare(d / "ref", d / "target").stages[0]
+        assert (s["severity"], s["cos"]) == ("bug", 0.0), side

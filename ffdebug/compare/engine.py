@@ -149,6 +149,10 @@ def compare_records(
         e["nan_mismatch"] = m.nan_mismatch
         e["inf_mismatch"] = m.inf_mismatch
     severity = classify(m.cos, m.rel, key, thresholds)
+    if (m.ref_norm == 0.0) != (m.target_norm == 0.0) and m.numel:
+        # one side all zeros: no direction to compare (cos is set to 0), so not a "scramble" —
+        # a computation that is missing (or spurious) on one side: a bug
+        severity = "bug"
     if m.nan_mismatch or m.inf_mismatch:
         severity = worst(severity, "bug")
     if exact and (m.bit_equal or 0.0) < 1.0:
