@@ -34,21 +34,9 @@ def _clean_ffdebug_state(monkeypatch):
 @pytest.fixture
 def tiny_llama():
     """A tiny LlamaForCausalLM from config (no download), eval mode, seeded weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_llama as build
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return build(num_layers=4)
 
 
 @pytest.fixture

@@ -43,19 +43,9 @@ def test_scaled_mlp_at_layer_k_is_first_divergence(tmp_path, tiny_llama, input_i
 
 
 def _llama8():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(num_layers=8, hidden=64)
 
 
 def test_bf16_target_is_drift_not_bug(tmp_path, input_ids):

@@ -44,20 +44,9 @@ def deepseek_missing_routed_scaling(model):
 
 def llama(num_layers: int = 5):
     """Llama-style LM with sharpened q/k projections so that rotary positions matter."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(num_layers=num_layers)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(6.0)
@@ -116,21 +105,15 @@ def llama_scaled(model, name: str, factor: float):
 
 def qwen2_sliding(num_layers: int = 6, window: int = 4):
     """Qwen2-style LM alternating sliding-window and full attention (`layer_types` in the config)."""
+    from tiny_models import lm_tiny
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
-        vocab_size=1000,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
+        **lm_tiny(num_layers),
         use_sliding_window=True,
         sliding_window=window,
         layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
-        tie_word_embeddings=False,
     )
     model = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():

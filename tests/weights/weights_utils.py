@@ -4,21 +4,9 @@ from __future__ import annotations
 
 
 def tiny_llama_model(seed: int = 0, layers: int = 2):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_llama
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(num_layers=layers, vocab=256, max_positions=64, seed=seed)
 
 
 def run_cli(*args):

@@ -1,0 +1,32 @@
+"""Tiny Hugging Face causal LMs built from configs (no download), shared by the test suites.
+
+Imported by name (`from tiny_models import tiny_llama`): pytest puts `tests/` on sys.path for the
+top-level conftest. Sizes follow ../shared/reference/build-machine.md §4 (`LM_TINY`).
+"""
+
+from __future__ import annotations
+
+
+def lm_tiny(num_layers: int = 4, hidden: int = 32, vocab: int = 1000, max_positions: int = 128) -> dict:
+    """Config kwargs of a tiny decoder LM: 4 heads, 2 KV heads, MLP width 2 × hidden, untied head."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_llama(
+    num_layers: int = 4, hidden: int = 32, vocab: int = 1000, max_positions: int = 128, seed: int = 0
+):
+    """A seeded `LlamaForCausalLM` in eval mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**lm_tiny(num_layers, hidden, vocab, max_positions))).eval()
