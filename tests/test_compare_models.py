@@ -266,3 +266,34 @@ def test_one_side_all_zeros_is_bug_not_scramble(tmp_path):
             ffdebug.tap("x", y)
         s = ffdebug.compare(d / "ref", d / "target").stages[0]
         assert (s["severity"], s["cos"]) == ("bug", 0.0), side
+
+
+def test_exact_classifies_first_non_invariant_stage(tmp_path, tiny_llama, input_ids):
+    """Run-to-run determinism (`compare --exact`): a rounding-level difference at layer 2 is
+    `numerical`; a real change at layer 1 is `divergent`; identical runs pass."""
+    _dump(tiny_llama, input_ids, tmp_path, "run1")
+    same = _dump(copy.deepcopy(tiny_llama), input_ids, tmp_path, "run2")
+    assert ffdebug.compare(tmp_path / "run1", same, exact=True, fail_on="drift").first_non_invariant is None
+
+    wobbly = copy.deepcopy(tiny_llama)  # one ulp-scale change at layer 2: the bits differ, the band is ok
+    wobbly.model.layers[2].mlp.register_forward_hook(lambda m, a, o: o * (1 + 2**-20))
+    _dump(wobbly, input_ids, tmp_path, "run3")
+    r = CliRunner().invoke(
+        app, ["compare", str(tmp_path / "run1"), str(tmp_path / "run3"), "--exact", "--json"]
+    )
+    data = json.loads(r.stdout)
+    assert r.exit_code == 1
+    inv = data["first_non_invariant"]
+    assert (inv["key"], inv["invariance"]) == ("L002.ffn_out", "numerical")
+
+    broken = copy.deepcopy(tiny_llama)
+    broken.model.layers[1].mlp.register_forward_hook(lambda m, a, o: o * 1.5)
+    _dump(broken, input_ids, tmp_path, "run4")
+    res = ffdebug.compare(tmp_path / "run1", tmp_path / "run4", exact=True)
+    assert (res.first_non_invariant["key"], res.first_non_invariant["invariance"]) == (
+        "L001.ffn_out",
+        "divergent",
+    )
+    from ffdebug.report.text import compare_conclusion
+
+    assert "First non-invariant stage: layer 1, ffn_out (divergent" in compare_conclusion(res)

@@ -43,6 +43,12 @@ class CompareResult:
     def first_divergence(self) -> dict | None:
         return next((s for s in self.stages if s["severity"] != "ok"), None)
 
+    @property
+    def first_non_invariant(self) -> dict | None:
+        """With `exact`: the first stage that is not bit-identical and its class
+        (`numerical` inside the ok band, `divergent` outside it)."""
+        return next((s for s in self.stages if s.get("invariance")), None)
+
     def first_at_or_above(self, severity: str) -> dict | None:
         return next((s for s in self.stages if at_least(s["severity"], severity)), None)
 
@@ -57,6 +63,7 @@ class CompareResult:
             "verdict": self.verdict,
             "stages": self.stages,
             "first_divergence": self.first_divergence,
+            "first_non_invariant": self.first_non_invariant,
             "ref": self.ref_path,
             "target": self.target_path,
             "only_ref": self.only_ref,
@@ -156,8 +163,11 @@ def compare_records(
     if m.nan_mismatch or m.inf_mismatch:
         severity = worst(severity, "bug")
     if exact and (m.bit_equal or 0.0) < 1.0:
+        # run-to-run invariance: inside the ok band the runs differ only numerically
+        # (nondeterministic kernels, reduction order); outside it they compute different things
+        e["invariance"] = "numerical" if severity == "ok" else "divergent"
         severity = worst(severity, "drift")
-        e["notes"].append("not bit-equal (--exact)")
+        e["notes"].append(f"not bit-equal (--exact): {e['invariance']}")
     e["severity"] = severity
     if key.endswith("logits") and rt.is_floating_point() and rt.dim() >= 1:
         e["logits"] = logits_metrics(rt, tt)

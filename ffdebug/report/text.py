@@ -120,6 +120,15 @@ def compare_conclusion(result) -> str:
         if result.warmup_skipped:
             tail = f" ({result.warmup_skipped} warm-up call(s) set aside)"
         return f"All {n} stages compared{how} are ok{tail}. {word}"
+    inv = result.first_non_invariant
+    if inv is not None:
+        why = (
+            "numerical: not bit-identical but inside the ok band (nondeterministic kernels or reduction order)"
+            if inv["invariance"] == "numerical"
+            else "divergent: outside the ok band, the runs compute different things"
+        )
+        where = f"layer {inv['layer']}, {inv['stage']}" if inv.get("layer") is not None else inv["key"]
+        return f"First non-invariant stage: {where} ({why}); over {n} stages{how}. {word}"
     return (
         f"First divergence at {describe_stage(first)}; verdict {result.verdict} over {n} stages{how} "
         f"(fail-on {result.fail_on}). {word}"
