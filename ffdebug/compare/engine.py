@@ -309,9 +309,9 @@ def _map_records(jobs: list[tuple], thresholds, exact: bool) -> list[dict]:
     """`compare_records` over every pair, in order, one pair loaded at a time (memory stays
     bounded by the largest pair). The chunk loop runs on one intra-op thread; a second Python
     worker thread was measured here and gained under 10% while doubling the peak memory."""
-    from ffdebug.compare.metrics import _single_thread
+    from ffdebug._chunks import single_thread
 
-    with _single_thread():
+    with single_thread():
         return [compare_records(r, t, thresholds, exact) for _, _, r, t in jobs]
 
 

@@ -21,25 +21,11 @@ values (different dtypes).
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import asdict, dataclass, field
 
-CHUNK = 1 << 16
+from ffdebug._chunks import CHUNK, iter_chunks, single_thread  # noqa: F401 (CHUNK, iter_chunks re-exported)
 
 _INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
-
-
-def iter_chunks(flat, chunk: int = CHUNK):
-    """Yield float64 copies of consecutive chunks of a flat tensor (for statistics)."""
-    import torch
-
-    n = flat.numel()
-    buf = torch.empty(min(chunk, max(n, 1)), dtype=torch.float64)
-    for i in range(0, n, chunk):
-        m = min(chunk, n - i)
-        out = buf[:m]
-        out.copy_(flat[i : i + m])
-        yield out
 
 
 @dataclass
@@ -72,37 +58,6 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-_threads_lock = threading.Lock()
-_threads_depth = 0
-_threads_prev = 1
-
-
-class _single_thread:
-    """Run the chunk loops on one intra-op thread: 64 Ki-element ops gain nothing from more, and an
-    OpenMP team spinning on a busy 2-core machine made them 20x slower. Re-entrant and safe across
-    Python threads (the outermost entry saves and restores the setting)."""
-
-    def __enter__(self):
-        global _threads_depth, _threads_prev
-        import torch
-
-        with _threads_lock:
-            if _threads_depth == 0:
-                _threads_prev = torch.get_num_threads()
-                if _threads_prev != 1:
-                    torch.set_num_threads(1)
-            _threads_depth += 1
-
-    def __exit__(self, *exc):
-        global _threads_depth
-        import torch
-
-        with _threads_lock:
-            _threads_depth -= 1
-            if _threads_depth == 0 and _threads_prev != 1:
-                torch.set_num_threads(_threads_prev)
-
-
 def compare_tensors(ref, target) -> TensorMetrics:
     """Compare two tensors of equal shape in float64 (any dtypes); shape mismatch is reported."""
     if tuple(ref.shape) != tuple(target.shape):
@@ -111,7 +66,7 @@ def compare_tensors(ref, target) -> TensorMetrics:
             numel=ref.numel(),
             notes=[f"shape mismatch: ref {list(ref.shape)} vs target {list(target.shape)}"],
         )
-    with _single_thread():
+    with single_thread():
         metrics = _compare_tensors(ref, target)
         if metrics is None:  # float64 sums overflowed (|values| past ~1e154): redo on scaled values
             metrics = _compare_tensors(ref, target, scale=_pow2_scale(ref, target))

@@ -52,16 +52,16 @@ STAT_KEYS = ("mean", "std", "min", "max", "absmax", "l2", "nan", "inf", "zero", 
 
 def tensor_stats(tensor) -> dict:
     """Summary statistics in float64, computed in chunks (never a whole float64 copy)."""
-    from ffdebug.compare.metrics import _single_thread
+    from ffdebug._chunks import single_thread
 
-    with _single_thread():
+    with single_thread():
         return _tensor_stats(tensor)
 
 
 def _tensor_stats(tensor) -> dict:
     import torch
 
-    from ffdebug.compare.metrics import iter_chunks
+    from ffdebug._chunks import iter_chunks
 
     flat = tensor.detach().reshape(-1)
     n = flat.numel()

@@ -26,7 +26,8 @@ import fnmatch
 import math
 from dataclasses import dataclass, field
 
-from ffdebug.compare.metrics import CHUNK, compare_tensors, iter_chunks
+from ffdebug._chunks import CHUNK, iter_chunks
+from ffdebug.compare.metrics import compare_tensors
 from ffdebug.compare.severity import RANK, at_least, classify, parse_threshold, worst
 from ffdebug.errors import FFDebugError
 from ffdebug.weights import quant
@@ -725,14 +726,12 @@ class WeightsDiff:
         Runs single-threaded: the 64 Ki-element chunk ops gain nothing from torch's thread pool,
         and with a busy core its spin-waits made a 2 × 2 GiB diff 8× slower on a 2-core machine.
         """
-        import torch
+        from ffdebug._chunks import single_thread
 
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
         try:
-            return self._run(on_tensor)
+            with single_thread():
+                return self._run(on_tensor)
         finally:
-            torch.set_num_threads(threads)
             self._stack_cache = (None, None)
 
     def _order(self) -> list[str]:
