@@ -21,6 +21,7 @@ import importlib as _importlib
 import importlib.util as _importlib_util
 
 from ffdebug.capture import session as _session
+from ffdebug.verdict import Severity as _Severity
 
 # The analysis subpackages `ffdebug.compare` and `ffdebug.bisect` share their names with the API
 # functions below. Importing the (light, torch-free) packages first means the functions, defined
@@ -149,13 +150,13 @@ def compare(ref, target, **opts):
     return _compare(ref, target, **opts)
 
 
-def assert_match(ref, target, fail_on: str = "drift", **opts):
+def assert_match(ref, target, fail_on: str = _Severity.DRIFT, **opts):
     """Raise AssertionError naming the first stage at or above `fail_on`."""
     result = compare(ref, target, **opts)
     bad = result.first_at_or_above(fail_on)
     if bad is not None:
         raise AssertionError(
-            f"{bad['key']}: {bad['severity']} (cos={bad['cos']}, rel={bad['rel']}); verdict {result.verdict}"
+            f"{bad.key}: {bad.severity} (cos={bad.cos}, rel={bad.rel}); verdict {result.verdict}"
         )
     return result
 
@@ -163,8 +164,9 @@ def assert_match(ref, target, fail_on: str = "drift", **opts):
 def bisect(ref, target, **opts):
     """Localise the first layer that introduces error, its class pattern and sub-stage (`BisectResult`)."""
     from ffdebug.bisect.engine import bisect as _bisect
+    from ffdebug.report.bisect_text import conclude
 
-    return _bisect(ref, target, **opts)
+    return conclude(_bisect(ref, target, **opts))
 
 
 def weights_diff(a, b, **opts):

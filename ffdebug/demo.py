@@ -135,7 +135,7 @@ def run_demo(directory: str | None = None):
 
 def located_expected(result) -> bool:
     first = result.first_divergence
-    return bool(first) and all(first.get(k) == v for k, v in EXPECTED.items())
+    return first is not None and all(getattr(first, k) == v for k, v in EXPECTED.items())
 
 
 if __name__ == "__main__":

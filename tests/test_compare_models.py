@@ -24,7 +24,7 @@ def test_identical_is_ok_and_bit_equal(tmp_path, tiny_llama, input_ids):
     tgt = _dump(copy.deepcopy(tiny_llama), input_ids, tmp_path, "target")
     res = ffdebug.compare(ref, tgt)
     assert res.verdict == "ok" and res.first_divergence is None and bool(res)
-    assert all(s["bit_equal"] == 1.0 and s["severity"] == "ok" for s in res.stages)
+    assert all(s.bit_equal == 1.0 and s.severity == "ok" for s in res.stages)
     assert len(res.stages) == 4 + 6 * 4
 
 
@@ -36,10 +36,10 @@ def test_scaled_mlp_at_layer_k_is_first_divergence(tmp_path, tiny_llama, input_i
     tgt = _dump(target, input_ids, tmp_path, "target")
     res = ffdebug.compare(ref, tgt)
     first = res.first_divergence
-    assert (first["layer"], first["stage"]) == (k, "ffn_out")
-    assert first["severity"] == "bug"  # pure scale: cos 1, rel 50%
-    assert first["cos"] == pytest.approx(1.0, abs=1e-6) and first["rel"] == pytest.approx(0.5, rel=1e-5)
-    assert all(s["severity"] == "ok" for s in res.stages if s["layer"] is not None and s["layer"] < k)
+    assert (first.layer, first.stage) == (k, "ffn_out")
+    assert first.severity == "bug"  # pure scale: cos 1, rel 50%
+    assert first.cos == pytest.approx(1.0, abs=1e-6) and first.rel == pytest.approx(0.5, rel=1e-5)
+    assert all(s.severity == "ok" for s in res.stages if s.layer is not None and s.layer < k)
 
 
 def _llama8():
@@ -55,7 +55,7 @@ def test_bf16_target_is_drift_not_bug(tmp_path, input_ids):
     tgt = _dump(copy.deepcopy(model).to(torch.bfloat16), input_ids, tmp_path, "target")
     res = ffdebug.compare(ref, tgt)
     assert res.verdict == "drift", [
-        (s["key"], s["severity"], s["rel"]) for s in res.stages if s["severity"] != "ok"
+        (s.key, s.severity, s.rel) for s in res.stages if s.severity != "ok"
     ]
     assert bool(res)  # default fail-on diverge passes
 
@@ -127,7 +127,7 @@ def test_warmup_call_set_aside(tmp_path, tiny_llama, input_ids):
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.verdict == "ok" and res.warmup_skipped == 1
     # the real call (call 0 of the untagged set, like the warm-up is call 0 of its own) was compared
-    assert [(s["key"], s["bit_equal"]) for s in res.stages] == [
+    assert [(s.key, s.bit_equal) for s in res.stages] == [
         ("embed.input_ids", 1.0),
         ("final.logits", 1.0),
     ]
@@ -141,7 +141,7 @@ def test_shape_mismatch_reported(tmp_path):
         ffdebug.tap("x", torch.ones(3, 2))
     res = ffdebug.compare(ffd / "ref", ffd / "target")
     s = res.stages[0]
-    assert s["finding"] == "shape_mismatch" and s["severity"] == "bug" and s["cos"] is None
+    assert s.finding == "shape_mismatch" and s.severity == "bug" and s.cos is None
 
 
 def test_stats_only_compared_on_stats(tmp_path, tiny_llama, input_ids):
@@ -151,7 +151,7 @@ def test_stats_only_compared_on_stats(tmp_path, tiny_llama, input_ids):
     _dump(target, input_ids, tmp_path, "target", mode="stats")
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.stats_only
-    assert res.first_divergence["key"] == "L002.ffn_out"
+    assert res.first_divergence.key == "L002.ffn_out"
     from ffdebug.report.text import compare_conclusion
 
     assert "on statistics only" in compare_conclusion(res)  # the verdict sentence says so
@@ -166,7 +166,7 @@ def test_noise_calibration(tmp_path, input_ids):
     assert ffdebug.compare(ref, tgt).verdict == "drift"
     res = ffdebug.compare(ref, tgt, noise=noise)
     assert res.verdict == "ok"  # the target is exactly as far from ref as the noise run
-    assert any(s.get("within_noise") for s in res.stages)
+    assert any(s.within_noise for s in res.stages)
 
 
 def _taps(directory, side, calls):
@@ -222,7 +222,7 @@ def test_noise_factor_two_for_fp32_three_for_bf16(tmp_path):
             with ffdebug.capture(None, dir=d, side=side):
                 ffdebug.tap("h", value.to(dtype))
         stage = ffdebug.compare(d / "ref", d / "target", noise=d / "noise").stages[0]
-        assert stage["within_noise"] is within and stage["severity"] == ("ok" if within else "drift"), stage
+        assert stage.within_noise is within and stage.severity == ("ok" if within else "drift"), stage
 
 
 def test_json_budget_note(tmp_path, tiny_llama, input_ids):
@@ -265,7 +265,7 @@ def test_one_side_all_zeros_is_bug_not_scramble(tmp_path):
         with ffdebug.capture(None, dir=d, side="target"):
             ffdebug.tap("x", y)
         s = ffdebug.compare(d / "ref", d / "target").stages[0]
-        assert (s["severity"], s["cos"]) == ("bug", 0.0), side
+        assert (s.severity, s.cos) == ("bug", 0.0), side
 
 
 def test_exact_classifies_first_non_invariant_stage(tmp_path, tiny_llama, input_ids):
@@ -290,7 +290,7 @@ def test_exact_classifies_first_non_invariant_stage(tmp_path, tiny_llama, input_
     broken.model.layers[1].mlp.register_forward_hook(lambda m, a, o: o * 1.5)
     _dump(broken, input_ids, tmp_path, "run4")
     res = ffdebug.compare(tmp_path / "run1", tmp_path / "run4", exact=True)
-    assert (res.first_non_invariant["key"], res.first_non_invariant["invariance"]) == (
+    assert (res.first_non_invariant.key, res.first_non_invariant.invariance) == (
         "L001.ffn_out",
         "divergent",
     )

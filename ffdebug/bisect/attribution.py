@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 
+from ffdebug import verdict as V
 from ffdebug.bisect.pattern import noise_factor
 from ffdebug.errors import FFDebugError
 
@@ -127,7 +128,7 @@ def attribute(
     if model_ref:
         r_model, r_kwargs = load_entry(model_ref, "--model-ref")
         c_outs = replay(r_model, r_kwargs, ref_in, ids)
-    by_key = {e["key"]: e for e in stages}
+    by_key = {e.key: e for e in stages}
     rows = []
     for layer in sorted(ref_out):
         if layer not in t_outs:
@@ -135,10 +136,10 @@ def attribute(
         ref = ref_out[layer].load()
         local = compare_tensors(ref, t_outs[layer])
         control = compare_tensors(ref, c_outs[layer]) if layer in c_outs else None
-        dumped = by_key.get(f"L{layer:03d}.hidden_out") or {}
-        k = noise_factor(dumped)
+        dumped = by_key.get(f"L{layer:03d}.hidden_out")
+        k = noise_factor(dumped) if dumped is not None else V.noise_factor()
         floor = k * (control.rel or 0.0) if control is not None else 0.0
-        dumped_rel = dumped.get("rel") or 0.0
+        dumped_rel = (dumped.rel if dumped is not None else None) or 0.0
         is_local = (local.rel or 0.0) > floor and (local.rel or 0.0) >= LOCAL_SHARE * dumped_rel
         rows.append(
             {
@@ -146,7 +147,7 @@ def attribute(
                 "local_cos": local.cos,
                 "local_rel": local.rel,
                 "control_rel": None if control is None else control.rel,
-                "dumped_rel": dumped.get("rel"),
+                "dumped_rel": dumped.rel if dumped is not None else None,
                 "verdict": "local" if is_local else ("clean" if dumped_rel == 0 else "inherited"),
             }
         )

@@ -15,81 +15,11 @@ run's tensor. The first stage that is not bit-identical is classified:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from ffdebug import verdict as V
 from ffdebug.compare.metrics import compare_tensors
-from ffdebug.compare.severity import at_least, classify, worst
 from ffdebug.errors import FFDebugError, InputIdsMismatch
-
-MEANING = {
-    "numerical": "not bit-identical but inside the ok band: batch-variant kernels, a kernel-stack "
-    "property rather than a model bug",
-    "slot_bug": "outside the ok band: slot-dependent logic (mask, positions, cache slot, a reduction "
-    "over the batch)",
-}
-
-
-@dataclass
-class InvarianceResult:
-    slots: int
-    slot_dim: int
-    stages: list[dict]
-    path: str
-    single_path: str | None = None
-    fail_on: str = "drift"
-    exact: bool = False
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def verdict(self) -> str:
-        sev = [s["worst"]["severity"] for s in self.stages if s["worst"]]
-        sev += [s["single"]["severity"] for s in self.stages if s.get("single")]
-        return worst(*sev) if sev else "ok"
-
-    @property
-    def first_non_invariant(self) -> dict | None:
-        for s in self.stages:
-            for cmp in s["slots"] + ([s["single"]] if s.get("single") else []):
-                if (cmp.get("bit_equal") or 0.0) < 1.0:
-                    cls = "numerical" if cmp["severity"] == "ok" else "slot_bug"
-                    return dict(
-                        cmp, key=s["key"], layer=s.get("layer"), classification=cls, meaning=MEANING[cls]
-                    )
-        return None
-
-    @property
-    def first_slot_bug(self) -> dict | None:
-        for s in self.stages:
-            for cmp in s["slots"] + ([s["single"]] if s.get("single") else []):
-                if cmp["severity"] != "ok":
-                    return dict(cmp, key=s["key"], layer=s.get("layer"))
-        return None
-
-    def failed(self) -> bool:
-        if self.exact and self.first_non_invariant is not None:
-            return True
-        return at_least(self.verdict, self.fail_on)
-
-    def __bool__(self) -> bool:
-        return not self.failed()
-
-    def to_json(self) -> dict:
-        from ffdebug.report.bisect_text import invariance_sentence
-
-        return {
-            "verdict": self.verdict,
-            "slots": self.slots,
-            "slot_dim": self.slot_dim,
-            "first_non_invariant": self.first_non_invariant,
-            "first_slot_bug": self.first_slot_bug,
-            "stages": self.stages,
-            "path": self.path,
-            "single": self.single_path,
-            "notes": self.notes,
-            "fail_on": self.fail_on,
-            "passed": not self.failed(),
-            "conclusion": invariance_sentence(self),
-        }
+from ffdebug.results import InvarianceResult, SlotCompare, SlotStage
+from ffdebug.verdict import Severity
 
 
 def split_slots(t, slots: int, dim: int):
@@ -104,17 +34,9 @@ def split_slots(t, slots: int, dim: int):
     return None
 
 
-def _cmp(a, b, slot, against: str) -> dict:
+def _cmp(a, b, slot, against: str) -> SlotCompare:
     m = compare_tensors(a, b)
-    return {
-        "slot": slot,
-        "against": against,
-        "cos": m.cos,
-        "rel": m.rel,
-        "max_abs": m.max_abs,
-        "bit_equal": m.bit_equal,
-        "severity": classify(m.cos, m.rel),
-    }
+    return SlotCompare(slot, against, m.cos, m.rel, m.max_abs, m.bit_equal, V.classify(m.cos, m.rel))
 
 
 def _records(store, step: dict | None, call: int | None):
@@ -137,7 +59,7 @@ def slot_invariance(
     stages=(),
     step: dict | None = None,
     call: int | None = None,
-    fail_on: str = "drift",
+    fail_on: Severity | str = Severity.DRIFT,
     exact: bool = False,
 ) -> InvarianceResult:
     """Compare every slot of a batched run with slot 0 (and slot 0 with a single-prompt run)."""
@@ -153,7 +75,7 @@ def slot_invariance(
         single_store = single if isinstance(single, SideStore) else open_side(single)
     recs = _records(store, step, call)
     single_recs = {r.key: r for r in _records(single_store, step, None)} if single_store else {}
-    out: list[dict] = []
+    out: list[SlotStage] = []
     notes: list[str] = []
     skipped = []
     for r in recs:
@@ -174,20 +96,18 @@ def slot_invariance(
                         f"{store.path}: slot {i}'s input ids differ from slot 0's; fill every slot with "
                         "the same prompt for a slot-invariance run"
                     )
-        entry = {
-            "key": r.key,
-            "layer": r.get("layer"),
-            "layer_class": r.get("layer_class"),
-            "slots": [_cmp(parts[0], p, i, "slot 0") for i, p in enumerate(parts[1:], start=1)],
-            "single": None,
-        }
+        entry = SlotStage(
+            key=r.key,
+            layer=r.layer,
+            layer_class=r.layer_class,
+            slots=[_cmp(parts[0], p, i, "slot 0") for i, p in enumerate(parts[1:], start=1)],
+        )
         s = single_recs.get(r.key)
         if s is not None and s.has_payload:
             st = s.load()
             one = split_slots(st, 1, slot_dim) if st.dim() > slot_dim and st.shape[slot_dim] == 1 else [st]
             if one and tuple(one[0].shape) == tuple(parts[0].shape):
-                entry["single"] = _cmp(one[0], parts[0], 0, "single-prompt run")
-        entry["worst"] = max(entry["slots"], key=lambda c: (c["rel"] or 0.0, -(c["bit_equal"] or 0.0)))
+                entry.single = _cmp(one[0], parts[0], 0, "single-prompt run")
         out.append(entry)
     if skipped:
         notes.append(
@@ -203,7 +123,7 @@ def slot_invariance(
         stages=out,
         path=store.path,
         single_path=None if single_store is None else single_store.path,
-        fail_on=fail_on,
+        fail_on=V.parse_fail_on(fail_on),
         exact=exact,
         notes=notes,
     )

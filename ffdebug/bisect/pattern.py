@@ -30,9 +30,10 @@ k x the noise run's error.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
-from ffdebug.compare.severity import noise_factor as _noise_factor
+from ffdebug import verdict as V
+from ffdebug.results import LayerRow, StageResult
 
 INHERIT_SHARE = 0.1  # a layer must add more than this share of the error it inherits
 JUMP_RATIO = 10.0  # one layer adds this many times more than any other: a jump
@@ -40,79 +41,49 @@ JUMP_RATIO = 10.0  # one layer adds this many times more than any other: a jump
 _LAYER_KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out)$")
 
 
-@dataclass
-class LayerRow:
-    """One layer's error budget."""
-
-    layer: int
-    layer_class: str | None
-    rel_in: float | None = None
-    rel_out: float | None = None
-    cos_in: float | None = None
-    cos_out: float | None = None
-    added: float | None = None
-    severity: str = "ok"  # of hidden_out (bands, after noise)
-    exact_in: bool = False  # hidden_in (or embed.out) dumped, bit-equal, same dtype on both sides
-    exact_out: bool = False
-    noise_added: float | None = None
-    noise_rel_out: float | None = None
-    local: str | None = None  # attribution verdict: "local" | "inherited" | None (not run)
-    introduces: bool = False
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return asdict(self)
+def noise_factor(stage: StageResult) -> float:
+    """The noise rule's k for one stage (see `ffdebug.verdict.noise_factor`)."""
+    return V.noise_factor(stage.dtype_ref, stage.dtype_target)
 
 
-def noise_factor(stage: dict) -> float:
-    """The noise rule's k for one stage entry (see `compare.severity.noise_factor`)."""
-    return _noise_factor(stage.get("dtype_ref"), stage.get("dtype_target"))
-
-
-def within_noise(e: dict) -> bool:
+def within_noise(e: StageResult) -> bool:
     """The stage's error is no more than k x the noise run's at the same stage."""
-    rel, noise = e.get("rel"), e.get("noise_rel")
-    return noise is not None and rel is not None and rel <= noise_factor(e) * noise
+    return V.within_noise(e.rel, e.noise_rel, noise_factor(e))
 
 
-def is_exact(e: dict | None) -> bool:
+def is_exact(e: StageResult | None) -> bool:
     """Bit-equal and of the same dtype on both sides."""
-    return (
-        e is not None
-        and e.get("bit_equal") == 1.0
-        and e.get("dtype_ref") == e.get("dtype_target")
-        and e.get("severity") == "ok"
-    )
+    return e is not None and e.exact
 
 
-def layer_rows(stages: list[dict]) -> list[LayerRow]:
-    """Layer error budgets from the stage entries of one paired call (execution order)."""
-    ins: dict[int, dict] = {}
-    outs: dict[int, dict] = {}
+def layer_rows(stages: list[StageResult]) -> list[LayerRow]:
+    """Layer error budgets from the stages of one paired call (execution order)."""
+    ins: dict[int, StageResult] = {}
+    outs: dict[int, StageResult] = {}
     for e in stages:
-        m = _LAYER_KEY.match(e["key"])
-        if not m or (e.get("invocation") or 0) != 0:
+        m = _LAYER_KEY.match(e.key)
+        if not m or (e.invocation or 0) != 0:
             continue
         target = ins if m.group(2) == "hidden_in" else outs
         target.setdefault(int(m.group(1)), e)
     rows: list[LayerRow] = []
-    prev_out: dict | None = next((e for e in stages if e["key"] == "embed.out"), None)
+    prev_out: StageResult | None = next((e for e in stages if e.key == "embed.out"), None)
     for layer in sorted(set(ins) | set(outs)):
         e_in, e_out = ins.get(layer, prev_out), outs.get(layer)
-        cls = (e_out or e_in or {}).get("layer_class")
+        cls = (e_out or e_in).layer_class if (e_out or e_in) is not None else None
         row = LayerRow(layer=layer, layer_class=cls)
         if e_in is not None:
-            row.rel_in, row.cos_in, row.exact_in = e_in.get("rel"), e_in.get("cos"), is_exact(e_in)
+            row.rel_in, row.cos_in, row.exact_in = e_in.rel, e_in.cos, is_exact(e_in)
         elif not rows:
             row.rel_in, row.cos_in = 0.0, 1.0
             row.notes.append("no block input dumped: assumed error-free (not evidence of an exact input)")
         if e_out is not None:
-            row.rel_out, row.cos_out = e_out.get("rel"), e_out.get("cos")
-            row.severity, row.exact_out = e_out["severity"], is_exact(e_out)
-            if e_out.get("noise_rel") is not None:
-                row.noise_rel_out = e_out["noise_rel"]
-                n_in = (e_in or {}).get("noise_rel") or 0.0
-                row.noise_added = e_out["noise_rel"] - n_in
+            row.rel_out, row.cos_out = e_out.rel, e_out.cos
+            row.severity, row.exact_out = e_out.severity, is_exact(e_out)
+            if e_out.noise_rel is not None:
+                row.noise_rel_out = e_out.noise_rel
+                n_in = (e_in.noise_rel if e_in is not None else None) or 0.0
+                row.noise_added = e_out.noise_rel - n_in
         if row.rel_in is not None and row.rel_out is not None:
             row.added = row.rel_out - row.rel_in
         rows.append(row)
@@ -120,19 +91,19 @@ def layer_rows(stages: list[dict]) -> list[LayerRow]:
     return rows
 
 
-def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, dict]) -> None:
+def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]) -> None:
     """Set `row.introduces` from attribution where it ran, else from the error budget."""
     for row in rows:
         if row.local is not None:
             row.introduces = row.local == "local"
             continue
         if row.added is None:
-            row.introduces = row.severity != "ok"
+            row.introduces = not V.is_ok(row.severity)
             continue
         row.introduces = row.added > max(noise_floor(row, stages_by_key), INHERIT_SHARE * (row.rel_in or 0.0))
 
 
-def noise_floor(row: LayerRow, stages_by_key: dict[str, dict]) -> float:
+def noise_floor(row: LayerRow, stages_by_key: dict[str, StageResult]) -> float:
     """k x the error the noise run adds at this layer (0 without a noise run).
 
     Judged on the error *added*, not on the error carried: a layer that adds 10x the noise is
@@ -140,8 +111,9 @@ def noise_floor(row: LayerRow, stages_by_key: dict[str, dict]) -> float:
     run's, still reads "within noise"."""
     if row.noise_added is None:
         return 0.0
-    out = stages_by_key.get(f"L{row.layer:03d}.hidden_out") or {}
-    return noise_factor(out) * max(row.noise_added, 0.0)
+    out = stages_by_key.get(f"L{row.layer:03d}.hidden_out")
+    k = noise_factor(out) if out is not None else V.noise_factor()
+    return k * max(row.noise_added, 0.0)
 
 
 @dataclass

@@ -12,7 +12,8 @@ one matches.
 from __future__ import annotations
 
 from ffdebug.compare.metrics import compare_tensors
-from ffdebug.compare.severity import classify
+from ffdebug.results import StageResult
+from ffdebug.verdict import classify, is_ok
 
 
 def candidates(parts: list) -> list[tuple[str, str, object]]:
@@ -43,31 +44,29 @@ def diagnose(ref_tensor, parts: list) -> list[dict]:
             continue
         m = compare_tensors(ref_tensor, t)
         severity = classify(m.cos, m.rel)
-        rows.append({"reading": reading, "how": how, "cos": m.cos, "rel": m.rel, "severity": severity})
+        rows.append({"reading": reading, "how": how, "cos": m.cos, "rel": m.rel, "severity": severity.value})
     rows.sort(key=lambda r: (r["rel"] is None, r["rel"] if r["rel"] is not None else 0.0))
     return rows
 
 
-def explain_stage(entry: dict, ref_record, target_record) -> dict | None:
+def explain_stage(entry: StageResult, ref_record, target_record) -> dict | None:
     """For a multi-rank target stage: the reading that matches, declared or found here."""
-    declared = entry.get("unsharded_target")
+    declared = entry.unsharded_target
     parts = getattr(target_record, "parts", None)
     if not parts or len(parts) < 2:
         return None
     info = {
-        "key": entry["key"],
+        "key": entry.key,
         "ranks": len(parts),
         "declared": None if declared is None or declared["how"] == "replicated" else declared["how"],
     }
     if info["declared"]:
-        info.update(
-            reading=target_record.how, matches=entry["severity"] == "ok", cos=entry["cos"], rel=entry["rel"]
-        )
+        info.update(reading=target_record.how, matches=entry.ok, cos=entry.cos, rel=entry.rel)
         return info
-    if entry["severity"] == "ok":
+    if entry.ok:
         return None
     rows = diagnose(ref_record.load(), [p.load() for p in parts])
-    best = next((r for r in rows if r["severity"] == "ok"), None)
+    best = next((r for r in rows if is_ok(r["severity"])), None)
     info.update(readings=rows, matches=best is not None)
     if best is not None:
         info.update(reading=best["how"], cos=best["cos"], rel=best["rel"], explained_by=best["reading"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 from ffdebug.bisect.pattern import is_exact, within_noise
+from ffdebug.results import StageResult
 
 COS_STEP = 0.001
 REL_STEP = 0.01
@@ -29,28 +30,28 @@ def is_block_stage(stage: str) -> bool:
     return stage in BLOCK_STAGES or stage.startswith("hidden_out")
 
 
-def _input_of(i: int, entries: list[dict], hidden_in: dict | None) -> dict | None:
+def _input_of(i: int, entries: list[StageResult], hidden_in: StageResult | None) -> StageResult | None:
     e = entries[i]
-    stage = e["stage"]
+    stage = e.stage
     m = re.match(r"^(.+)\.out(?:\.\w+)?$", stage)
     if m:
         head = m.group(1)
         for prev in entries[:i]:
-            if prev["stage"] == f"{head}.in":
+            if prev.stage == f"{head}.in":
                 return prev
     for prev in reversed(entries[:i]):
-        if prev.get("shape_ref") == e.get("shape_ref") and not prev["stage"].endswith(".in"):
+        if prev.ref.shape == e.ref.shape and not prev.stage.endswith(".in"):
             return prev
     return hidden_in
 
 
-def lossy_step(e: dict, base: dict | None) -> tuple[bool, str]:
+def lossy_step(e: StageResult, base: StageResult | None) -> tuple[bool, str]:
     """Whether `e` loses accuracy relative to its input `base`, and why."""
-    cos, rel = e.get("cos"), e.get("rel")
-    if e.get("finding") == "shape_mismatch" or (cos is None and rel is None):
+    cos, rel = e.cos, e.rel
+    if e.finding == "shape_mismatch" or (cos is None and rel is None):
         return True, "shape mismatch or no numbers"
-    b_cos = 1.0 if base is None or base.get("cos") is None else base["cos"]
-    b_rel = 0.0 if base is None or base.get("rel") is None else base["rel"]
+    b_cos = 1.0 if base is None or base.cos is None else base.cos
+    b_rel = 0.0 if base is None or base.rel is None else base.rel
     if within_noise(e):
         return False, "within noise"
     if cos is not None and b_cos - cos > COS_STEP:
@@ -59,17 +60,17 @@ def lossy_step(e: dict, base: dict | None) -> tuple[bool, str]:
         return True, "rel undefined (reference all zeros)"
     if rel - b_rel > max(REL_STEP, REL_STEP_SHARE * b_rel):
         return True, f"rel grows {b_rel * 100:.3g}% -> {rel * 100:.3g}%"
-    if (base is None or is_exact(base)) and not is_exact(e) and e.get("dtype_ref") == e.get("dtype_target"):
+    if (base is None or is_exact(base)) and not is_exact(e) and e.same_dtype:
         return True, "first inexact stage after an exactly equal input (same dtype)"
     return False, ""
 
 
-def first_lossy(entries: list[dict], block_only: bool = False) -> tuple[dict | None, str]:
+def first_lossy(entries: list[StageResult], block_only: bool = False) -> tuple[StageResult | None, str]:
     """First stage of one layer (execution order) whose own step loses accuracy."""
-    hidden_in = next((e for e in entries if e["stage"] == "hidden_in"), None)
-    pool = [e for e in entries if e["stage"] != "hidden_in"]
+    hidden_in = next((e for e in entries if e.stage == "hidden_in"), None)
+    pool = [e for e in entries if e.stage != "hidden_in"]
     if block_only:
-        pool = [e for e in pool if is_block_stage(e["stage"])]
+        pool = [e for e in pool if is_block_stage(e.stage)]
     for i, e in enumerate(pool):
         ok, why = lossy_step(e, _input_of(i, pool, hidden_in))
         if ok:

@@ -21,6 +21,7 @@ from ffdebug.cli.common import (
     parse_step_filter,
     resolve_sides,
 )
+from ffdebug.verdict import Severity
 
 HELP = """Localise where a target first parts from its reference: the first layer that introduces
 error (per layer class), the pattern (match, layer_class, jump, drift) and the sub-stage inside that
@@ -71,10 +72,11 @@ def register(app: typer.Typer) -> None:
         all_stages: bool = typer.Option(
             False, "--all", help="Show every stage, not only the first bad layer."
         ),
-        fail_on: str = typer.Option("diverge", "--fail-on", help=FAIL_ON_HELP),
+        fail_on: str = typer.Option(Severity.DIVERGE.value, "--fail-on", help=FAIL_ON_HELP),
         json_out: bool = JSON_OPT,
     ) -> None:
         from ffdebug.bisect.engine import bisect
+        from ffdebug.report.bisect_text import conclude
 
         fail = check_fail_on(fail_on)
         ref, tgt = resolve_sides(sides, dir)
@@ -92,6 +94,7 @@ def register(app: typer.Typer) -> None:
             model_ref=model_ref,
             model_target=model_target,
         )
+        conclude(result)
         data = result.to_json()
         if html:
             from ffdebug.report.html import write_bisect_html

@@ -9,8 +9,8 @@ import sys
 
 import typer
 
-from ffdebug.compare.severity import check_fail_on  # noqa: F401 (the commands import it from here)
 from ffdebug.errors import FFDebugError
+from ffdebug.verdict import parse_fail_on as check_fail_on  # noqa: F401 (the commands import it from here)
 
 FAIL_ON_HELP = "Exit 1 when a stage is at or above this severity: drift, diverge, bug, scramble."
 

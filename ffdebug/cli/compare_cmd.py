@@ -20,6 +20,7 @@ from ffdebug.cli.common import (
     parse_step_filter,
     resolve_sides,
 )
+from ffdebug.verdict import Severity
 
 HELP = """Compare a reference dump with a target dump, stage by stage, in float64.
 
@@ -56,7 +57,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from ffdebug.compare.engine import compare
 
-        fail = check_fail_on(fail_on or ("drift" if exact else "diverge"))
+        fail = check_fail_on(fail_on or (Severity.DRIFT if exact else Severity.DIVERGE))
         ref, tgt = resolve_sides(sides, dir)
         result = compare(
             ref,

@@ -42,8 +42,9 @@ def register(app: typer.Typer) -> None:
         result, directory = run_demo(dir)
         ok = located_expected(result)
         from ffdebug.bisect.engine import bisect
+        from ffdebug.report.bisect_text import conclude
 
-        b = bisect(result.ref_path, result.target_path).to_json()
+        b = conclude(bisect(result.ref_path, result.target_path)).to_json()
         keys = ("verdict", "first_divergence", "pattern", "per_class", "sub_stage", "conclusion")
         summary = {k: b[k] for k in keys}
         if json_out:
@@ -53,11 +54,12 @@ def register(app: typer.Typer) -> None:
             from ffdebug.report.text import print_compare
 
             print_compare(result, console=console)
-            first = result.first_divergence or {}
+            first = result.first_divergence
+            where = (first.layer, first.layer_class, first.stage) if first else (None, None, None)
             console.print(
                 f"\nDumps in {directory}. The injected bug was expected at layer {EXPECTED['layer']} "
                 f"({EXPECTED['layer_class']}), {EXPECTED['stage']}; ffdebug's first divergence is layer "
-                f"{first.get('layer')} ({first.get('layer_class')}), {first.get('stage')}: "
+                f"{where[0]} ({where[1]}), {where[2]}: "
                 f"{'located' if ok else 'NOT located'} in {time.perf_counter() - start:.1f} s.",
                 highlight=False,
             )

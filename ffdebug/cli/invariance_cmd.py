@@ -15,6 +15,7 @@ from ffdebug.cli.common import (
     handles_errors,
     parse_step_filter,
 )
+from ffdebug.verdict import Severity
 
 HELP = """Batch invariance: run the same prompt in every slot of a batch (and once alone), dump it,
 and check that every slot gives the same tensors as slot 0, stage by stage. Names the first stage
@@ -74,7 +75,9 @@ def register(app: typer.Typer) -> None:
         call: int = typer.Option(None, "--call", help="Which call (default: the first non-warm-up one)."),
         exact: bool = typer.Option(False, "--exact", help="Any bit difference fails."),
         fail_on: str = typer.Option(
-            "drift", "--fail-on", help=FAIL_ON_HELP + " Default drift: identical prompts must agree."
+            Severity.DRIFT.value,
+            "--fail-on",
+            help=FAIL_ON_HELP + " Default drift: identical prompts must agree.",
         ),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
@@ -91,6 +94,9 @@ def register(app: typer.Typer) -> None:
             fail_on=check_fail_on(fail_on),
             exact=exact,
         )
+        from ffdebug.report.bisect_text import conclude
+
+        conclude(result)
         if json_out:
             emit_json(result.to_json())
         else:

@@ -3,174 +3,94 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
+from ffdebug import verdict as V
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, align_ranks, check_input_ids, group_calls, pair_calls
-from ffdebug.compare.severity import (
-    RANK,
-    Threshold,
-    at_least,
-    check_fail_on,
-    classify,
-    noise_factor,
-    parse_threshold,
-    rel_band,
-    worst,
-)
 from ffdebug.errors import FFDebugError
+from ffdebug.results import CallRef, CompareResult, StageResult, TensorMeta, worst_of
 from ffdebug.store.reader import Record, SideStore, open_side
-
-
-@dataclass
-class CompareResult:
-    """Per-stage comparison of two sides. Truthy when no stage is at or above `fail_on`."""
-
-    verdict: str
-    stages: list[dict]
-    ref_path: str
-    target_path: str
-    fail_on: str = "diverge"
-    only_ref: list[str] = field(default_factory=list)
-    only_target: list[str] = field(default_factory=list)
-    warmup_skipped: int = 0
-    unpaired_calls: dict = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    stats_only: bool = False
-    records: list = field(default_factory=list, repr=False)  # (ref, target) Record per stage entry
-
-    @property
-    def first_divergence(self) -> dict | None:
-        return next((s for s in self.stages if s["severity"] != "ok"), None)
-
-    @property
-    def first_non_invariant(self) -> dict | None:
-        """With `exact`: the first stage that is not bit-identical and its class
-        (`numerical` inside the ok band, `divergent` outside it)."""
-        return next((s for s in self.stages if s.get("invariance")), None)
-
-    def first_at_or_above(self, severity: str) -> dict | None:
-        return next((s for s in self.stages if at_least(s["severity"], severity)), None)
-
-    def failed(self, fail_on: str | None = None) -> bool:
-        return self.first_at_or_above(fail_on or self.fail_on) is not None
-
-    def __bool__(self) -> bool:
-        return not self.failed()
-
-    def to_json(self) -> dict:
-        return {
-            "verdict": self.verdict,
-            "stages": self.stages,
-            "first_divergence": self.first_divergence,
-            "first_non_invariant": self.first_non_invariant,
-            "ref": self.ref_path,
-            "target": self.target_path,
-            "only_ref": self.only_ref,
-            "only_target": self.only_target,
-            "warmup_skipped": self.warmup_skipped,
-            "unpaired_calls": self.unpaired_calls,
-            "notes": self.notes,
-            "stats_only": self.stats_only,
-            "fail_on": self.fail_on,
-            "passed": not self.failed(),
-        }
+from ffdebug.verdict import Severity, Threshold
 
 
 def _as_store(x) -> SideStore:
     return x if isinstance(x, SideStore) else open_side(x)
 
 
-def _stats_compare(r: Record, t: Record) -> dict:
+def _stats_compare(r: Record, t: Record, e: StageResult) -> None:
     """Compare two stats-only records: relative error of l2, mean and std (no cos available)."""
-    rs, ts = r.get("stats") or {}, t.get("stats") or {}
+    rs, ts = r.stats or {}, t.stats or {}
+    e.stats_only = True
     if not rs or not ts:
-        return {"cos": None, "rel": None, "notes": ["no statistics to compare"]}
+        e.notes.append("no statistics to compare")
+        e.severity = V.stats_only(None)
+        return
     l2r, l2t = rs.get("l2") or 0.0, ts.get("l2") or 0.0
     scale = max(l2r / math.sqrt(max(rs.get("numel") or 1, 1)), 1e-30)
     rel_l2 = abs(l2t - l2r) / l2r if l2r else (0.0 if l2t == 0 else None)
     rel_mean = abs((ts.get("mean") or 0) - (rs.get("mean") or 0)) / scale
     rel_std = abs((ts.get("std") or 0) - (rs.get("std") or 0)) / scale
-    rel = None if rel_l2 is None else max(rel_l2, rel_mean, rel_std)
-    return {
-        "cos": None,
-        "rel": rel,
-        "norm_ratio": (l2t / l2r) if l2r else None,
-        "notes": ["compared on statistics only (l2, mean, std): a rotation or permutation is invisible"],
-    }
+    e.rel = None if rel_l2 is None else max(rel_l2, rel_mean, rel_std)
+    e.norm_ratio = (l2t / l2r) if l2r else None
+    e.notes.append("compared on statistics only (l2, mean, std): a rotation or permutation is invisible")
+    e.severity = V.stats_only(e.rel)
 
 
-def _stage_entry(key: str, r: Record, t: Record) -> dict:
-    return {
-        "key": key,
-        "layer": r.get("layer"),
-        "layer_class": r.get("layer_class") or t.get("layer_class"),
-        "stage": key.split(".", 1)[1] if r.get("layer") is not None and "." in key else key,
-        "io": r.get("io"),
-        "call": r.get("call"),
-        "invocation": r.get("invocation") or 0,
-        "rank": r.get("rank") or 0,
-        "step": r.get("step") or {},
-        "phase": r.get("phase"),
-        "dtype_ref": r.get("dtype"),
-        "dtype_target": t.get("dtype"),
-        "shape_ref": r.get("shape"),
-        "shape_target": t.get("shape"),
-        "cos": None,
-        "rel": None,
-        "rel_diff": None,
-        "max_abs": None,
-        "max_abs_at": None,
-        "mean_abs": None,
-        "norm_ratio": None,
-        "bit_equal": None,
-        "severity": "ok",
-        "notes": [],
-    }
+def _meta(rec: Record) -> TensorMeta:
+    shape = rec.shape
+    return TensorMeta(dtype=rec.dtype, shape=list(shape) if shape is not None else None)
+
+
+def stage_result(key: str, r: Record, t: Record) -> StageResult:
+    """A StageResult for one record pair, before any metric."""
+    in_layer = r.layer is not None and "." in key
+    return StageResult(
+        key=key,
+        layer=r.layer,
+        layer_class=r.layer_class or t.layer_class,
+        stage=key.split(".", 1)[1] if in_layer else key,
+        io=r.io,
+        call=r.call,
+        invocation=r.invocation or 0,
+        rank=r.rank or 0,
+        step=dict(r.step or {}),
+        phase=r.phase,
+        ref=_meta(r),
+        target=_meta(t),
+    )
 
 
 def compare_records(
     r: Record, t: Record, thresholds: tuple[Threshold, ...] = (), exact: bool = False
-) -> dict:
-    """Compare one pair of records into a stage entry (severity included)."""
+) -> StageResult:
+    """Compare one pair of records into a StageResult, graded by the verdict rules."""
     key = r.key
-    e = _stage_entry(key, r, t)
-    if list(r.get("shape") or []) != list(t.get("shape") or []):
-        e["severity"] = "bug"
-        e["finding"] = "shape_mismatch"
-        e["notes"].append(f"shape mismatch: ref {r.get('shape')} vs target {t.get('shape')}")
+    e = stage_result(key, r, t)
+    if list(r.shape or []) != list(t.shape or []):
+        e.severity = V.shape_mismatch()
+        e.finding = "shape_mismatch"
+        e.notes.append(f"shape mismatch: ref {e.ref.shape} vs target {e.target.shape}")
         return e
     if not (r.has_payload and t.has_payload):
-        sc = _stats_compare(r, t)
-        e.update({k: v for k, v in sc.items() if k != "notes"})
-        e["notes"].extend(sc["notes"])
-        e["stats_only"] = True
-        e["severity"] = rel_band(e["rel"]) if e["rel"] is not None else "bug"
+        _stats_compare(r, t, e)
         return e
     rt, tt = r.load(), t.load()
     m = compare_tensors(rt, tt)
-    for k in ("cos", "rel", "rel_diff", "max_abs", "max_abs_at", "mean_abs", "norm_ratio", "bit_equal"):
-        e[k] = getattr(m, k)
-    e["notes"].extend(m.notes)
+    e.cos, e.rel, e.rel_diff, e.max_abs = m.cos, m.rel, m.rel_diff, m.max_abs
+    e.max_abs_at, e.mean_abs, e.norm_ratio, e.bit_equal = m.max_abs_at, m.mean_abs, m.norm_ratio, m.bit_equal
+    e.notes.extend(m.notes)
     if m.nan_mismatch or m.inf_mismatch:
-        e["nan_mismatch"] = m.nan_mismatch
-        e["inf_mismatch"] = m.inf_mismatch
-    severity = classify(m.cos, m.rel, key, thresholds)
-    if (m.ref_norm == 0.0) != (m.target_norm == 0.0) and m.numel:
-        # one side all zeros: no direction to compare (cos is set to 0), so not a "scramble" —
-        # a computation that is missing (or spurious) on one side: a bug
-        severity = "bug"
-    if m.nan_mismatch or m.inf_mismatch:
-        severity = worst(severity, "bug")
-    if exact and (m.bit_equal or 0.0) < 1.0:
-        # run-to-run invariance: inside the ok band the runs differ only numerically
-        # (nondeterministic kernels, reduction order); outside it they compute different things
-        e["invariance"] = "numerical" if severity == "ok" else "divergent"
-        severity = worst(severity, "drift")
-        e["notes"].append(f"not bit-equal (--exact): {e['invariance']}")
-    e["severity"] = severity
+        e.nan_mismatch, e.inf_mismatch = m.nan_mismatch, m.inf_mismatch
+    severity = V.classify(m.cos, m.rel, key, thresholds)
+    severity = V.zero_side(severity, m.ref_norm, m.target_norm, m.numel)
+    severity = V.nonfinite(severity, m.nan_mismatch, m.inf_mismatch)
+    if exact:
+        severity, e.invariance = V.exact(severity, m.bit_equal)
+        if e.invariance:
+            e.notes.append(f"not bit-equal (--exact): {e.invariance}")
+    e.severity = severity
     if key.endswith("logits") and rt.is_floating_point() and rt.dim() >= 1:
-        e["logits"] = logits_metrics(rt, tt)
+        e.logits = logits_metrics(rt, tt)
     return e
 
 
@@ -185,7 +105,7 @@ def compare(
     thresholds: tuple[Threshold, ...] | list = (),
     noise=None,
     exact: bool = False,
-    fail_on: str = "diverge",
+    fail_on: Severity | str = Severity.DIVERGE,
 ) -> CompareResult:
     """Compare two sides (paths or SideStores).
 
@@ -194,11 +114,11 @@ def compare(
     """
     from ffdebug._env import parse_layers
 
-    check_fail_on(fail_on)
+    fail_on = V.parse_fail_on(fail_on)
     ref_store, tgt_store = _as_store(ref), _as_store(target)
     if isinstance(layers, str):
         layers = parse_layers(layers)
-    thresholds = tuple(t if isinstance(t, Threshold) else parse_threshold(t) for t in thresholds)
+    thresholds = tuple(t if isinstance(t, Threshold) else V.parse_threshold(t) for t in thresholds)
     filters = Filters(layers=layers, stages=tuple(stages), step=dict(step or {}), rank=rank)
     ref_groups = group_calls(ref_store, filters)
     tgt_groups = group_calls(tgt_store, filters)
@@ -212,7 +132,7 @@ def compare(
 
     noise_index = _noise_index(noise, ref_groups, filters) if noise is not None else None
 
-    stages_out: list[dict] = []
+    stages_out: list[StageResult] = []
     pairs_out: list[tuple] = []
     only_ref: list[str] = []
     only_target: list[str] = []
@@ -229,25 +149,23 @@ def compare(
             jobs.append((rg, sk, r, t))
         only_target.extend(tg.records[sk].key for sk in tg.order if sk not in rg.records)
     for (rg, sk, r, t), e in zip(jobs, _map_records(jobs, thresholds, exact)):
-        for side, rec in (("ref", r), ("target", t)):
-            if rec.get("unsharded"):
-                e[f"unsharded_{side}"] = {"how": rec["unsharded"], "ranks": rec.get("ranks")}
+        e.unsharded_ref, e.unsharded_target = _unsharded(r), _unsharded(t)
         if noise_index is not None:
             _apply_noise(e, noise_index.get((rg.tags, rg.call, sk)))
         stages_out.append(e)
         pairs_out.append((r, t))
-    if not any(e["key"] != "embed.input_ids" for e in stages_out):
+    if not any(e.key != "embed.input_ids" for e in stages_out):
         raise FFDebugError(_nothing_paired(ref_store, tgt_store, pairing, filters))
-    if layers is not None and not any(e["layer"] is not None for e in stages_out):
+    if layers is not None and not any(e.layer is not None for e in stages_out):
         _no_layer_selected(layers, ref_store)
     notes: list[str] = []
     if pairing.warmup_skipped:
         notes.append(f"{len(pairing.warmup_skipped)} warm-up call(s) on the target side were set aside")
-    if any(e.get("stats_only") for e in stages_out):
+    if any(e.stats_only for e in stages_out):
         notes.append("some stages were dumped as statistics only and compared on their stats")
     notes.extend(_budget_notes(pairs_out))
     return CompareResult(
-        verdict=worst(*(e["severity"] for e in stages_out)),
+        verdict=worst_of(stages_out),
         stages=stages_out,
         ref_path=ref_store.path,
         target_path=tgt_store.path,
@@ -255,15 +173,19 @@ def compare(
         only_ref=sorted(set(only_ref)),
         only_target=sorted(set(only_target)),
         warmup_skipped=len(pairing.warmup_skipped),
-        unpaired_calls={
-            "ref": [{"call": g.call, "step": dict(g.tags)} for g in pairing.unpaired_ref],
-            "target": [{"call": g.call, "step": dict(g.tags)} for g in pairing.unpaired_target],
-        },
+        unpaired_ref=[CallRef(g.call, dict(g.tags)) for g in pairing.unpaired_ref],
+        unpaired_target=[CallRef(g.call, dict(g.tags)) for g in pairing.unpaired_target],
         notes=notes,
-        stats_only=any(e.get("stats_only") for e in stages_out)
-        and all(e.get("stats_only") for e in stages_out if e["key"] != "embed.input_ids"),
+        stats_only=any(e.stats_only for e in stages_out)
+        and all(e.stats_only for e in stages_out if e.key != "embed.input_ids"),
         records=pairs_out,
     )
+
+
+def _unsharded(rec: Record) -> dict | None:
+    """`{"how", "ranks"}` when ffdebug folded this record from per-rank pieces."""
+    how = rec.unsharded
+    return {"how": how, "ranks": rec.ranks} if how else None
 
 
 def _nothing_paired(ref: SideStore, tgt: SideStore, pairing, filters: Filters) -> str:
@@ -284,7 +206,7 @@ def _nothing_paired(ref: SideStore, tgt: SideStore, pairing, filters: Filters) -
 
 def _no_layer_selected(layers, store: SideStore) -> None:
     """`--layers` that names none of the dumped layers is a usage error, not a pass."""
-    dumped = sorted({r.get("layer") for r in store.records if r.get("layer") is not None})
+    dumped = sorted({r.layer for r in store.records if r.layer is not None})
     if dumped:
         raise FFDebugError(
             f"--layers {layers.spec!r} selects none of the dumped layers ({dumped[0]}-{dumped[-1]} in "
@@ -296,7 +218,7 @@ def _budget_notes(pairs: list[tuple[Record, Record]]) -> list[str]:
     """Say which side's FFDEBUG_FWD_DUMP_MAX_BYTES budget turned stages into statistics-only ones."""
     notes = []
     for i, side in enumerate(("reference", "target")):
-        n = sum(1 for pair in pairs if pair[i].get("over_budget"))
+        n = sum(1 for pair in pairs if pair[i].over_budget)
         if n:
             notes.append(
                 f"{n} stage(s) were over the {side}'s byte budget (FFDEBUG_FWD_DUMP_MAX_BYTES): "
@@ -305,7 +227,7 @@ def _budget_notes(pairs: list[tuple[Record, Record]]) -> list[str]:
     return notes
 
 
-def _map_records(jobs: list[tuple], thresholds, exact: bool) -> list[dict]:
+def _map_records(jobs: list[tuple], thresholds, exact: bool) -> list[StageResult]:
     """`compare_records` over every pair, in order, one pair loaded at a time (memory stays
     bounded by the largest pair). The chunk loop runs on one intra-op thread; a second Python
     worker thread was measured here and gained under 10% while doubling the peak memory."""
@@ -330,23 +252,22 @@ def _noise_index(noise, ref_groups, filters) -> dict:
                 if rg.records[sk].has_payload and n.has_payload
                 else None
             )
-            index[(rg.tags, rg.call, sk)] = (m.rel if m else None, n.get("dtype"))
+            index[(rg.tags, rg.call, sk)] = (m.rel if m else None, n.dtype)
     return index
 
 
-def _apply_noise(entry: dict, noise: tuple | None) -> None:
+def _apply_noise(e: StageResult, noise: tuple | None) -> None:
+    """Record the noise run's error at this stage and apply the verdict's noise rule."""
+    e.noise_given = True
     if noise is None:
-        entry["noise_rel"] = None
         return
     noise_rel, noise_dtype = noise
-    entry["noise_rel"] = noise_rel
-    if noise_rel is None or entry["rel"] is None or entry["severity"] == "ok":
+    e.noise_rel = noise_rel
+    if noise_rel is None or e.rel is None or e.ok:
         return
-    dtype = entry.get("dtype_target") or noise_dtype
-    k = noise_factor(entry.get("dtype_ref"), dtype, noise_dtype)
-    if entry["rel"] <= k * noise_rel and RANK[entry["severity"]] < RANK["bug"]:
-        entry["within_noise"] = True
-        entry["notes"].append(f"within noise: rel {entry['rel']:.3g} <= {k:g} x noise rel {noise_rel:.3g}")
-        entry["severity"] = "ok"
-    else:
-        entry["within_noise"] = False
+    k = V.noise_factor(e.dtype_ref, e.dtype_target or noise_dtype, noise_dtype)
+    graded = V.noise(e.severity, e.rel, noise_rel, k)
+    e.within_noise = graded is not e.severity
+    if e.within_noise:
+        e.notes.append(f"within noise: rel {e.rel:.3g} <= {k:g} x noise rel {noise_rel:.3g}")
+        e.severity = graded

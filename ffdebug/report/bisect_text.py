@@ -5,7 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from ffdebug.report.text import compare_table, fmt, severity_cell
+from ffdebug.report.text import compare_table, fmt, numbers, severity_cell
+from ffdebug.results import SLOT_MEANING, BisectResult, InvarianceResult
 
 PATTERN_WORDS = {
     "match": "no layer introduces error beyond noise",
@@ -15,16 +16,7 @@ PATTERN_WORDS = {
 }
 
 
-def _nums(e: dict) -> str:
-    parts = []
-    if e.get("cos") is not None:
-        parts.append(f"cos {e['cos']:.6f}")
-    if e.get("rel") is not None:
-        parts.append(f"rel {e['rel'] * 100:.3g}%")
-    return ", ".join(parts)
-
-
-def bisect_sentence(result) -> str:
+def bisect_sentence(result: BisectResult) -> str:
     """One plain sentence: layer, class, stage, pattern, then PASSED / FAILED."""
     word = "FAILED" if result.failed() else "PASSED"
     first, p = result.first_divergence, result.pattern
@@ -36,19 +28,18 @@ def bisect_sentence(result) -> str:
             else f"pattern {p}: {result.reason}, every stage inside the ok band"
         )
         return f"No divergence: {what}{tail}; verdict {result.verdict}. {word}"
-    if first.get("layer") is None:
-        where = f"{first['key']} (outside the layers)"
+    if first.layer is None:
+        where = f"{first.key} (outside the layers)"
     else:
-        where = f"layer {first['layer']} ({first.get('layer_class') or 'no class'}), {first['stage']}"
+        where = f"layer {first.layer} ({first.layer_class or 'no class'}), {first.stage}"
     sub = result.sub_stage
     inside = ""
-    if sub is not None and first.get("layer") is not None and sub.get("stage") != first.get("stage"):
-        inside = f"; inside it, {sub['stage']} is the first sub-stage to lose accuracy ({_nums(sub)})"
-    elif sub is not None and first.get("layer") is not None:
-        inside = f" is the first sub-stage to lose accuracy ({_nums(sub)})"
+    if sub is not None and first.layer is not None and sub.stage != first.stage:
+        inside = f"; inside it, {sub.stage} is the first sub-stage to lose accuracy ({numbers(sub)})"
+    elif sub is not None and first.layer is not None:
+        inside = f" is the first sub-stage to lose accuracy ({numbers(sub)})"
     if p == "layer_class":
-        cls = first.get("layer_class")
-        pattern = f"pattern layer_class: {result.reason}, so the {cls} code path is implicated"
+        pattern = f"pattern layer_class: {result.reason}, so the {first.layer_class} code path is implicated"
     elif p == "jump":
         pattern = f"pattern jump: {result.reason}"
     elif p == "drift":
@@ -58,12 +49,21 @@ def bisect_sentence(result) -> str:
     signal = f" (bug signal: {result.signal})" if result.signal else ""
     return (
         f"First divergence at {where}{inside}; {pattern}{signal}; "
-        f"{first['severity']} ({_nums(first)}), {_verdict(result)}. {word}"
+        f"{first.severity} ({numbers(first)}), {_verdict(result)}. {word}"
     )
 
 
-def _verdict(result) -> str:
-    judged = result.judgement or result.verdict
+def conclude(result: BisectResult | InvarianceResult) -> BisectResult | InvarianceResult:
+    """Write the closing sentence into the result (the analysis itself renders nothing)."""
+    if isinstance(result, InvarianceResult):
+        result.conclusion = invariance_sentence(result)
+    else:
+        result.conclusion = bisect_sentence(result)
+    return result
+
+
+def _verdict(result: BisectResult) -> str:
+    judged = result.judgement
     return f"verdict {result.verdict}" + (f", judged {judged}" if judged != result.verdict else "")
 
 
@@ -73,33 +73,33 @@ def layers_table(result) -> Table:
         table.add_column(col, justify="left" if col in ("", "class", "introduces", "local?") else "right")
     for r in result.layers:
         table.add_row(
-            severity_cell(r["severity"]),
-            str(r["layer"]),
-            r.get("layer_class") or "",
-            fmt(r.get("cos_out")),
-            fmt(r.get("rel_in"), "%"),
-            fmt(r.get("rel_out"), "%"),
-            fmt(r.get("added"), "%"),
-            "[red]yes[/red]" if r.get("introduces") else "",
-            r.get("local") or "",
+            severity_cell(r.severity),
+            str(r.layer),
+            r.layer_class or "",
+            fmt(r.cos_out),
+            fmt(r.rel_in, "%"),
+            fmt(r.rel_out, "%"),
+            fmt(r.added, "%"),
+            "[red]yes[/red]" if r.introduces else "",
+            r.local or "",
         )
     return table
 
 
-def print_bisect(result, console: Console | None = None, all_stages: bool = False) -> None:
+def print_bisect(result: BisectResult, console: Console | None = None, all_stages: bool = False) -> None:
     console = console or Console()
     console.print(layers_table(result))
     first = result.first_divergence
-    if first is not None and first.get("layer") is not None and not all_stages:
-        rows = [e for e in result.stages if e.get("layer") == first["layer"]]
-        console.print(compare_table(rows, title=f"inside layer {first['layer']} (execution order)"))
+    if first is not None and first.layer is not None and not all_stages:
+        rows = [e for e in result.stages if e.layer == first.layer]
+        console.print(compare_table(rows, title=f"inside layer {first.layer} (execution order)"))
     elif all_stages or first is not None:
         console.print(compare_table(result.stages, title="stages", only_problems=not all_stages))
     for c in result.per_class:
         console.print(
-            f"class {c['layer_class']}: layers {_ranges(c['layers'])}; first bad layer "
-            f"{c['first_bad_layer'] if c['first_bad_layer'] is not None else '-'}; introducing "
-            f"{_ranges(c['introducing']) or '-'}",
+            f"class {c.layer_class}: layers {_ranges(c.layers)}; first bad layer "
+            f"{c.first_bad_layer if c.first_bad_layer is not None else '-'}; introducing "
+            f"{_ranges(c.introducing) or '-'}",
             highlight=False,
         )
     for s in result.shards:
@@ -114,7 +114,7 @@ def print_bisect(result, console: Console | None = None, all_stages: bool = Fals
         )
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
-    console.print(result.conclusion, highlight=False, markup=False)
+    console.print(result.conclusion or bisect_sentence(result), highlight=False, markup=False)
 
 
 def _ranges(xs: list[int]) -> str:
@@ -129,33 +129,34 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out)
 
 
-def invariance_sentence(result) -> str:
+def invariance_sentence(result: InvarianceResult) -> str:
     word = "FAILED" if result.failed() else "PASSED"
     first = result.first_non_invariant
     if first is None:
         return f"All {len(result.stages)} stages are bit-identical across {result.slots} slots. {word}"
+    c = first.compare
     return (
-        f"First non-invariant stage: {first['key']} (slot {first['slot']} vs {first['against']}), "
-        f"{first['classification']}: {first['meaning']} ({_nums(first)}). {word}"
+        f"First non-invariant stage: {first.stage.key} (slot {c.slot} vs {c.against}), "
+        f"{first.classification}: {SLOT_MEANING[first.classification]} ({numbers(c)}). {word}"
     )
 
 
-def print_invariance(result, console: Console | None = None) -> None:
+def print_invariance(result: InvarianceResult, console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title=f"slot invariance ({result.slots} slots, dim {result.slot_dim})", header_style="bold")
     for col in ("", "layer", "stage", "worst slot", "cos", "rel", "bit-equal", "vs single"):
         table.add_column(col)
     for s in result.stages:
-        w = s["worst"]
+        w = s.worst
         table.add_row(
-            severity_cell(w["severity"]) if w else "",
-            "" if s.get("layer") is None else str(s["layer"]),
-            s["key"],
-            "-" if w is None else str(w["slot"]),
-            fmt(w and w.get("cos")),
-            fmt(w and w.get("rel"), "%"),
-            fmt(w and w.get("bit_equal"), ".3f"),
-            "-" if s.get("single") is None else s["single"]["severity"],
+            severity_cell(w.severity),
+            "" if s.layer is None else str(s.layer),
+            s.key,
+            str(w.slot),
+            fmt(w.cos),
+            fmt(w.rel, "%"),
+            fmt(w.bit_equal, ".3f"),
+            "-" if s.single is None else str(s.single.severity),
         )
     console.print(table)
     for note in result.notes:

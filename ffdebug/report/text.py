@@ -6,6 +6,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ffdebug.results import CompareResult, StageResult
+from ffdebug.verdict import Severity
+
 MARKS = {
     "ok": ("✓", "green"),
     "drift": ("~", "yellow"),
@@ -25,38 +28,39 @@ def fmt(x, spec: str = ".6f") -> str:
     return str(x)
 
 
-def severity_cell(sev: str) -> str:
+def severity_cell(sev: Severity | str) -> str:
+    sev = str(sev)
     mark, colour = MARKS.get(sev, ("?", "white"))
     return f"[{colour}]{mark} {sev}[/{colour}]"
 
 
-def stage_label(e: dict) -> str:
-    label = e["stage"] if e.get("layer") is not None else e["key"]
+def stage_label(e: StageResult, multi_call: bool = False) -> str:
+    label = e.stage if e.layer is not None else e.key
     extras = []
-    if e.get("call") is not None and e.get("_multi_call"):
-        extras.append(f"call {e['call']}")
-    if e.get("step"):
-        extras.append(",".join(f"{k}={v}" for k, v in e["step"].items()))
-    if e.get("rank"):
-        extras.append(f"rank {e['rank']}")
+    if e.call is not None and multi_call:
+        extras.append(f"call {e.call}")
+    if e.step:
+        extras.append(",".join(f"{k}={v}" for k, v in e.step.items()))
+    if e.rank:
+        extras.append(f"rank {e.rank}")
     return label + (f" [dim]({'; '.join(extras)})[/dim]" if extras else "")
 
 
-def stage_note(e: dict) -> str:
+def stage_note(e: StageResult) -> str:
     """Why a row's numbers are special: shape mismatch, NaN/Inf positions, statistics only."""
-    if e.get("finding") == "shape_mismatch":
-        return f"[red]shape {e['shape_ref']} vs {e['shape_target']}[/red]"
+    if e.finding == "shape_mismatch":
+        return f"[red]shape {e.ref.shape} vs {e.target.shape}[/red]"
     flags = []
-    if e.get("nan_mismatch"):
-        flags.append(f"NaN differs at {e['nan_mismatch']}")
-    if e.get("inf_mismatch"):
-        flags.append(f"Inf differs at {e['inf_mismatch']}")
+    if e.nan_mismatch:
+        flags.append(f"NaN differs at {e.nan_mismatch}")
+    if e.inf_mismatch:
+        flags.append(f"Inf differs at {e.inf_mismatch}")
     if flags:
         return f"[red]{', '.join(flags)}[/red]"
-    if e.get("stats_only"):
+    if e.stats_only:
         return "[dim]statistics only[/dim]"
-    if e.get("cos") is None and e.get("rel") is None:
-        return f"[red]{e['notes'][0] if e.get('notes') else 'no finite values'}[/red]"
+    if e.cos is None and e.rel is None:
+        return f"[red]{e.notes[0] if e.notes else 'no finite values'}[/red]"
     return ""
 
 
@@ -64,14 +68,14 @@ NUMBER_WIDTHS = (("cos", 8), ("rel", 6), ("max_abs", 8))
 
 
 def compare_table(
-    stages: list[dict], title: str | None = None, only_problems: bool = False, width: int | None = None
+    stages: list[StageResult], title: str | None = None, only_problems: bool = False, width: int | None = None
 ) -> Table:
     """One row per stage. Numbers and stage keys are never cut: within `width` (the terminal's)
     the class column gives way first, and a row's note (NaN, shape, stats) goes under its key."""
-    multi_call = len({e.get("call") for e in stages}) > 1
-    shown = [dict(e, _multi_call=multi_call) for e in stages if not (only_problems and e["severity"] == "ok")]
-    cells = [stage_label(e) + (f"\n{note}" if (note := stage_note(e)) else "") for e in shown]
-    marks = max((Text.from_markup(severity_cell(e["severity"])).cell_len for e in shown), default=4)
+    multi_call = len({e.call for e in stages}) > 1
+    shown = [e for e in stages if not (only_problems and e.ok)]
+    cells = [stage_label(e, multi_call) + (f"\n{note}" if (note := stage_note(e)) else "") for e in shown]
+    marks = max((Text.from_markup(severity_cell(e.severity)).cell_len for e in shown), default=4)
     keys = max((Text.from_markup(c).cell_len for cell in cells for c in cell.split("\n")[:1]), default=5)
     class_width = 28
     if width is not None:  # 7 columns: 3 cells of padding + border each, plus the closing border
@@ -85,32 +89,38 @@ def compare_table(
         table.add_column(col, justify="right", no_wrap=True, min_width=w)
     for e, cell in zip(shown, cells):
         table.add_row(
-            severity_cell(e["severity"]),
-            "" if e.get("layer") is None else str(e["layer"]),
-            e.get("layer_class") or "",
+            severity_cell(e.severity),
+            "" if e.layer is None else str(e.layer),
+            e.layer_class or "",
             cell,
-            fmt(e.get("cos")),
-            fmt(e.get("rel"), "%"),
-            fmt(e.get("max_abs"), ".3g"),
+            fmt(e.cos),
+            fmt(e.rel, "%"),
+            fmt(e.max_abs, ".3g"),
         )
     return table
 
 
-def describe_stage(e: dict) -> str:
+def numbers(e: StageResult) -> str:
+    """`cos 0.999000, rel 1.2%` (whichever exist)."""
+    parts = []
+    if e.cos is not None:
+        parts.append(f"cos {e.cos:.6f}")
+    if e.rel is not None:
+        parts.append(f"rel {e.rel * 100:.3g}%")
+    return ", ".join(parts)
+
+
+def describe_stage(e: StageResult) -> str:
     """`layer 2 (moe), ffn_out: bug (cos …, rel …)`, or `final.logits: drift (…)` outside layers."""
-    cls = f" ({e['layer_class']})" if e.get("layer_class") else ""
-    nums = []
-    if e.get("cos") is not None:
-        nums.append(f"cos {e['cos']:.6f}")
-    if e.get("rel") is not None:
-        nums.append(f"rel {e['rel'] * 100:.3g}%")
-    if e.get("finding") == "shape_mismatch":
-        nums.append(f"shape {e['shape_ref']} vs {e['shape_target']}")
-    where = f"layer {e['layer']}{cls}, {e['stage']}" if e.get("layer") is not None else e["key"]
-    return f"{where}: {e['severity']}" + (f" ({', '.join(nums)})" if nums else "")
+    cls = f" ({e.layer_class})" if e.layer_class else ""
+    nums = [numbers(e)] if numbers(e) else []
+    if e.finding == "shape_mismatch":
+        nums.append(f"shape {e.ref.shape} vs {e.target.shape}")
+    where = f"layer {e.layer}{cls}, {e.stage}" if e.layer is not None else e.key
+    return f"{where}: {e.severity}" + (f" ({', '.join(nums)})" if nums else "")
 
 
-def compare_conclusion(result) -> str:
+def compare_conclusion(result: CompareResult) -> str:
     first = result.first_divergence
     word = "FAILED" if result.failed() else "PASSED"
     n = len(result.stages)
@@ -124,10 +134,10 @@ def compare_conclusion(result) -> str:
     if inv is not None:
         why = (
             "numerical: not bit-identical but inside the ok band (nondeterministic kernels or reduction order)"
-            if inv["invariance"] == "numerical"
+            if inv.invariance == "numerical"
             else "divergent: outside the ok band, the runs compute different things"
         )
-        where = f"layer {inv['layer']}, {inv['stage']}" if inv.get("layer") is not None else inv["key"]
+        where = f"layer {inv.layer}, {inv.stage}" if inv.layer is not None else inv.key
         return f"First non-invariant stage: {where} ({why}); over {n} stages{how}. {word}"
     return (
         f"First divergence at {describe_stage(first)}; verdict {result.verdict} over {n} stages{how} "
@@ -135,7 +145,7 @@ def compare_conclusion(result) -> str:
     )
 
 
-def print_compare(result, console: Console | None = None, only_problems: bool = False) -> None:
+def print_compare(result: CompareResult, console: Console | None = None, only_problems: bool = False) -> None:
     console = console or Console()
     title = f"{result.ref_path}  vs  {result.target_path}"
     console.print(compare_table(result.stages, title=title, only_problems=only_problems, width=console.width))

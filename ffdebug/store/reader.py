@@ -30,6 +30,17 @@ class Record:
     def __getitem__(self, name: str):
         return self.fields.get(name)
 
+    def __getattr__(self, name: str):
+        # bridge to attribute access until the typed Record lands
+        if name.startswith("_") or name == "fields":
+            raise AttributeError(name)
+        value = self.__dict__["fields"].get(name)
+        if value is None and name in ("rank", "invocation"):
+            return 0
+        if value is None and name in ("step", "extra"):
+            return {}
+        return value
+
     def get(self, name: str, default=None):
         return self.fields.get(name, default)
 

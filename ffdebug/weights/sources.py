@@ -571,6 +571,16 @@ class _LazyRecord:
     def get(self, name, default=None):
         return self.fields.get(name, default)
 
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name == "fields":
+            raise AttributeError(name)
+        value = self.__dict__["fields"].get(name)
+        if value is None and name in ("rank", "invocation"):
+            return 0
+        if value is None and name in ("step", "extra"):
+            return {}
+        return value
+
     def verify(self) -> None:
         """Headers were validated when the checkpoint was opened."""
 

@@ -79,7 +79,7 @@ def test_declared_partial_sums_are_summed_over_ranks(tmp_path, monkeypatch):
 def test_undeclared_pre_all_reduce_dumps_are_reported_as_partial_sums(tmp_path, monkeypatch):
     d = _tp_dumps(tmp_path, monkeypatch, declare=False)
     plain = ffdebug.compare(f"{d}/ref", f"{d}/target")  # rank 0 alone disagrees with the full tensor
-    assert plain.first_divergence["key"] == "L000.mlp.down_proj.out"
+    assert plain.first_divergence.key == "L000.mlp.down_proj.out"
     r = ffdebug.bisect(f"{d}/ref", f"{d}/target")
     found = {s["key"]: s for s in r.shards}
     s = found["L000.mlp.down_proj.out"]
@@ -99,7 +99,7 @@ def test_warmup_call_with_dummy_inputs_is_not_a_divergence(tmp_path):
     r = ffdebug.bisect(f"{tmp_path}/ref", f"{tmp_path}/target")
     assert (r.pattern, r.verdict, r.first_divergence) == ("match", "ok", None)
     assert r.warmup_skipped == 1
-    assert r.call["call"] == 0 and len(r.calls) == 1
+    assert r.call.call == 0 and len(r.calls) == 1
 
     groups = group_calls(open_side(f"{tmp_path}/target"), Filters())
     ref_group = group_calls(open_side(f"{tmp_path}/ref"), Filters())[0]
@@ -153,7 +153,7 @@ def _column_parallel(tmp_path, monkeypatch, declare: bool):
 def test_declared_shards_are_concatenated_in_shard_index_order(tmp_path, monkeypatch):
     ref, target = _column_parallel(tmp_path, monkeypatch, declare=True)
     res = ffdebug.compare(ref, target)
-    assert res.verdict == "ok" and all(s["bit_equal"] == 1.0 for s in res.stages)
+    assert res.verdict == "ok" and all(s.bit_equal == 1.0 for s in res.stages)
     r = ffdebug.bisect(ref, target)
     (shard,) = r.shards
     assert (shard["key"], shard["declared"], shard["matches"], shard["rel"]) == (
@@ -168,8 +168,8 @@ def test_declared_shards_are_concatenated_in_shard_index_order(tmp_path, monkeyp
 def test_undeclared_shards_are_found_as_a_concatenation(tmp_path, monkeypatch):
     ref, target = _column_parallel(tmp_path, monkeypatch, declare=False)
     plain = ffdebug.compare(ref, target)  # rank 0 alone: half the reference's last dim
-    assert plain.first_divergence["key"] == "L000.mlp.proj.out"
-    assert plain.first_divergence["finding"] == "shape_mismatch"
+    assert plain.first_divergence.key == "L000.mlp.proj.out"
+    assert plain.first_divergence.finding == "shape_mismatch"
     r = ffdebug.bisect(ref, target)
     (shard,) = r.shards
     assert shard["matches"] and shard["reading"] == "cat:2" and shard["rel"] == 0.0

@@ -52,9 +52,9 @@ def _bisect(d, target, **kw):
 
 def test_rotary_base_jump_fails_although_its_worst_band_is_drift(d):
     r = _bisect(d, "rope")
-    assert (r.pattern, r.first_divergence["layer"], r.first_divergence["stage"]) == ("jump", 2, "attn_out")
+    assert (r.pattern, r.first_divergence.layer, r.first_divergence.stage) == ("jump", 2, "attn_out")
     # The bands alone call it drift (rel a few %): the judgement comes from the exact prefix.
-    assert r.verdict == "drift" and r.first_divergence["severity"] == "drift"
+    assert r.verdict == "drift" and r.first_divergence.severity == "drift"
     assert "exactly equal" in r.signal
     assert r.judgement == "bug" and r.failed() and not r
     assert r.conclusion.endswith("judged bug. FAILED")
@@ -68,33 +68,33 @@ def test_rotary_base_jump_fails_although_its_worst_band_is_drift(d):
 
 def test_bug_in_the_first_layer_is_a_jump_with_a_signal(d):
     r = _bisect(d, "rope0")
-    assert (r.pattern, r.first_divergence["layer"], r.sub_stage["stage"]) == ("jump", 0, "attn_out")
-    assert [row["layer"] for row in r.layers if row["introduces"]] == [0]
+    assert (r.pattern, r.first_divergence.layer, r.sub_stage.stage) == ("jump", 0, "attn_out")
+    assert [row.layer for row in r.layers if row.introduces] == [0]
     assert r.signal and r.judgement == "bug" and r.failed()
 
 
 def test_tiny_error_only_in_lm_head_after_exact_layers_is_localised(d):
     r = _bisect(d, "lm_head")
     assert r.verdict == "ok"  # rel 0.1%: every band is ok
-    assert r.pattern == "match" and not any(row["introduces"] for row in r.layers)
-    assert r.first_divergence["key"] == "final.logits" and r.first_divergence["layer"] is None
-    assert r.first_divergence["rel"] == pytest.approx(0.001, rel=0.05)
+    assert r.pattern == "match" and not any(row.introduces for row in r.layers)
+    assert r.first_divergence.key == "final.logits" and r.first_divergence.layer is None
+    assert r.first_divergence.rel == pytest.approx(0.001, rel=0.05)
     assert r.signal and r.judgement == "bug" and r.failed()
     assert "final.logits (outside the layers)" in r.conclusion
 
 
 def test_two_bugs_first_layer_reported_and_the_second_named(d):
     r = _bisect(d, "two")
-    assert r.first_divergence["layer"] == 1 and r.pattern == "jump"
-    assert [row["layer"] for row in r.layers if row["introduces"]] == [1, 3]
+    assert r.first_divergence.layer == 1 and r.pattern == "jump"
+    assert [row.layer for row in r.layers if row.introduces] == [1, 3]
     assert "also introducing error: layer 3" in r.reason and "layer 3" in r.conclusion
     assert r.verdict == "bug" and r.failed()
 
 
 def test_bf16_rope_bug_is_found_by_the_noise_run_and_pure_bf16_is_not(d):
     r = _bisect(d, "bf16_rope", noise=f"{d}/noise_bf16")
-    assert (r.pattern, r.first_divergence["layer"]) == ("jump", ROPE_BAD_LAYER)
-    assert [row["layer"] for row in r.layers if row["introduces"]] == [ROPE_BAD_LAYER]
+    assert (r.pattern, r.first_divergence.layer) == ("jump", ROPE_BAD_LAYER)
+    assert [row.layer for row in r.layers if row.introduces] == [ROPE_BAD_LAYER]
     assert "noise" in r.signal and r.failed()
     clean = _bisect(d, "noise_bf16")  # no bug, no noise run: drift, no signal, passes
     assert (clean.pattern, clean.signal, clean.failed()) == ("drift", None, False)
@@ -120,13 +120,13 @@ def test_broken_sliding_window_layers_are_a_layer_class_pattern(tmp_path):
     dump(wrong_sliding_window(ref), tmp_path, "target", ids)
     r = ffdebug.bisect(f"{tmp_path}/ref", f"{tmp_path}/target")
     assert r.pattern == "layer_class"
-    assert (r.first_divergence["layer"], r.first_divergence["layer_class"]) == (0, "sliding_attention")
-    assert r.sub_stage["stage"] == "attn_out"
-    classes = {c["layer_class"]: c for c in r.per_class}
-    assert classes["sliding_attention"]["introducing"] == [0, 2, 4]
-    assert classes["sliding_attention"]["first_bad_layer"] == 0
+    assert (r.first_divergence.layer, r.first_divergence.layer_class) == (0, "sliding_attention")
+    assert r.sub_stage.stage == "attn_out"
+    classes = {c.layer_class: c for c in r.per_class}
+    assert classes["sliding_attention"].introducing == [0, 2, 4]
+    assert classes["sliding_attention"].first_bad_layer == 0
     # The full-attention layers carry the inherited error but introduce none: not blamed.
-    assert classes["full_attention"]["introducing"] == []
-    assert classes["full_attention"]["first_bad_layer"] is None
-    assert classes["full_attention"]["first_over_threshold"] == 1
+    assert classes["full_attention"].introducing == []
+    assert classes["full_attention"].first_bad_layer is None
+    assert classes["full_attention"].first_over_threshold == 1
     assert "sliding_attention code path is implicated" in r.conclusion

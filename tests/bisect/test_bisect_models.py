@@ -52,13 +52,13 @@ def llama_dumps(tmp_path_factory):
 def test_missing_routed_scaling_is_a_layer_class_pattern_at_the_first_moe_layer(ds_dump):
     r = ffdebug.bisect(f"{ds_dump}/ref", f"{ds_dump}/target")
     fd = r.first_divergence
-    assert (fd["layer"], fd["layer_class"], fd["stage"]) == (2, "moe", "ffn_out")
+    assert (fd.layer, fd.layer_class, fd.stage) == (2, "moe", "ffn_out")
     assert r.pattern == "layer_class"
-    assert r.sub_stage["stage"].startswith("mlp.")  # inside the MoE block: the router's weights
-    assert r.sub_stage["stage"] == "mlp.gate.out.1"
-    classes = {c["layer_class"]: c for c in r.per_class}
-    assert classes["dense"]["layers"] == [0, 1] and classes["dense"]["first_bad_layer"] is None
-    assert classes["moe"]["layers"] == [2, 3, 4] and classes["moe"]["first_bad_layer"] == 2
+    assert r.sub_stage.stage.startswith("mlp.")  # inside the MoE block: the router's weights
+    assert r.sub_stage.stage == "mlp.gate.out.1"
+    classes = {c.layer_class: c for c in r.per_class}
+    assert classes["dense"].layers == [0, 1] and classes["dense"].first_bad_layer is None
+    assert classes["moe"].layers == [2, 3, 4] and classes["moe"].first_bad_layer == 2
     assert r.verdict == "bug" and r.failed()
     data = r.to_json()
     assert STABLE_KEYS <= set(data)
@@ -71,18 +71,18 @@ def test_missing_routed_scaling_is_a_layer_class_pattern_at_the_first_moe_layer(
 
 def test_declared_layer_classes_relabel_the_layers(ds_dump):
     r = ffdebug.bisect(f"{ds_dump}/ref", f"{ds_dump}/target", layer_class="hash:0-1,routed:2-")
-    assert r.first_divergence["layer_class"] == "routed"
+    assert r.first_divergence.layer_class == "routed"
     assert r.pattern == "layer_class"
-    assert [c["layer_class"] for c in r.per_class] == ["hash", "routed"]
+    assert [c.layer_class for c in r.per_class] == ["hash", "routed"]
 
 
 def test_wrong_rotary_base_in_one_layer_is_a_jump_with_attention_sub_stage(llama_dumps):
     r = ffdebug.bisect(f"{llama_dumps}/ref", f"{llama_dumps}/rope")
     assert r.pattern == "jump"
-    assert r.first_divergence["layer"] == ROPE_BAD_LAYER
-    assert r.first_divergence["stage"] == "attn_out"
-    assert r.sub_stage["stage"] == "attn_out"
-    intro = [row["layer"] for row in r.layers if row["introduces"]]
+    assert r.first_divergence.layer == ROPE_BAD_LAYER
+    assert r.first_divergence.stage == "attn_out"
+    assert r.sub_stage.stage == "attn_out"
+    intro = [row.layer for row in r.layers if row.introduces]
     assert intro == [ROPE_BAD_LAYER]
     assert f"layer {ROPE_BAD_LAYER}" in r.conclusion and "jump" in r.conclusion
 
@@ -99,7 +99,7 @@ def test_attribution_tells_local_from_inherited(llama_dumps):
     assert verdicts[ROPE_BAD_LAYER] == "local"
     assert verdicts[ROPE_BAD_LAYER + 1] == "inherited"
     assert verdicts[0] == "clean"
-    assert r.pattern == "jump" and r.first_divergence["layer"] == ROPE_BAD_LAYER
+    assert r.pattern == "jump" and r.first_divergence.layer == ROPE_BAD_LAYER
 
 
 def test_bf16_target_is_drift_not_a_bug(llama_dumps):

@@ -1,0 +1,238 @@
+"""Every severity decision ffdebug makes, in one place (README "Comparing", docs/architecture.md).
+
+A stage's severity starts from the bands and is then adjusted by named rules, each applied by the
+comparison in this order:
+
+| rule              | function            | effect                                                      |
+|-------------------|---------------------|-------------------------------------------------------------|
+| bands             | `band`              | worse of the cos band and the rel band (table below)        |
+| threshold         | `apply_threshold`   | a matching `--threshold GLOB:...` redefines the ok band     |
+| zero side         | `zero_side`         | one side all zeros, the other not: `bug`                    |
+| NaN / Inf         | `nonfinite`         | NaN or Inf at different positions: at least `bug`           |
+| shape             | `shape_mismatch`    | shapes differ: `bug` (never truncated or broadcast)         |
+| statistics only   | `stats_only`        | compared on l2 / mean / std: the rel band (`bug` without)   |
+| exact             | `exact`             | `--exact` and not bit-equal: at least `drift`               |
+| noise             | `within_noise`      | error <= k x the noise run's: back to `ok` (below `bug`)    |
+| judgement         | `judge`             | a bug signal (bisect) raises the verdict to `bug`           |
+
+Bands (the worse of the two wins; rel is the more sensitive one, so a large-magnitude tensor with
+cos 0.9998 and rel 57% is a bug):
+
+| severity | cos band     | rel band  |
+|----------|--------------|-----------|
+| ok       | cos >= 0.9999| rel <= 1% |
+| drift    | cos >= 0.99  | rel <= 10%|
+| diverge  | cos >= 0.9   | rel <= 30%|
+| bug      | cos > 0.5    | any       |
+| scramble | cos <= 0.5   | any       |
+
+`Severity` is a `str` Enum: its value is the JSON string, and it compares equal to it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from ffdebug.errors import FFDebugError
+
+
+class Severity(str, Enum):
+    """The five grades, mildest first; `rank` orders them."""
+
+    OK = "ok"
+    DRIFT = "drift"
+    DIVERGE = "diverge"
+    BUG = "bug"
+    SCRAMBLE = "scramble"
+
+    @property
+    def rank(self) -> int:
+        return _ORDER.index(self)
+
+    def at_least(self, other: Severity | str) -> bool:
+        """This grade is `other` or worse."""
+        return self.rank >= Severity(other).rank
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ORDER = tuple(Severity)
+SEVERITIES = tuple(s.value for s in Severity)
+
+COS_BANDS = ((0.9999, Severity.OK), (0.99, Severity.DRIFT), (0.9, Severity.DIVERGE))
+REL_BANDS = ((0.01, Severity.OK), (0.10, Severity.DRIFT), (0.30, Severity.DIVERGE))
+
+LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def worst(*severities: Severity | str) -> Severity:
+    """The worst of the grades given (`ok` for none)."""
+    return max((Severity(s) for s in severities), key=lambda s: s.rank, default=Severity.OK)
+
+
+def at_least(severity: Severity | str, threshold: Severity | str) -> bool:
+    """`severity` is `threshold` or worse."""
+    return Severity(severity).at_least(threshold)
+
+
+def parse_fail_on(value: Severity | str) -> Severity:
+    """A `--fail-on` value: any grade but `ok` (one-line error otherwise)."""
+    try:
+        sev = Severity(value)
+    except ValueError:
+        sev = None
+    if sev is None or sev is Severity.OK:
+        raise FFDebugError(f"--fail-on {value!r} is invalid: use {', '.join(SEVERITIES[1:])}")
+    return sev
+
+
+def cos_band(cos: float) -> Severity:
+    """The cos band: >= 0.9999 ok, >= 0.99 drift, >= 0.9 diverge, > 0.5 bug, else scramble."""
+    for bound, sev in COS_BANDS:
+        if cos >= bound:
+            return sev
+    return Severity.BUG if cos > 0.5 else Severity.SCRAMBLE
+
+
+def rel_band(rel: float | None) -> Severity:
+    """The rel band: <= 1% ok, <= 10% drift, <= 30% diverge, else bug (undefined rel: bug)."""
+    if rel is None:
+        return Severity.BUG
+    for bound, sev in REL_BANDS:
+        if rel <= bound:
+            return sev
+    return Severity.BUG
+
+
+def band(cos: float | None, rel: float | None) -> Severity:
+    """The worse of the cos band and the rel band; no number at all is a bug."""
+    if cos is None and rel is None:
+        return Severity.BUG
+    return worst(cos_band(cos) if cos is not None else Severity.OK, rel_band(rel))
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """`GLOB:cos>=X,rel<=Y`: a stage matching GLOB is ok when it meets both bounds."""
+
+    glob: str
+    cos: float | None = None
+    rel: float | None = None
+
+    def matches(self, key: str) -> bool:
+        return fnmatch.fnmatchcase(key, self.glob)
+
+    def passes(self, cos: float | None, rel: float | None) -> bool:
+        return (self.cos is None or (cos is not None and cos >= self.cos)) and (
+            self.rel is None or (rel is not None and rel <= self.rel)
+        )
+
+
+def parse_threshold(spec: str) -> Threshold:
+    """`GLOB:cos>=0.999,rel<=0.02` into a Threshold (one-line error naming the bad part)."""
+    m = re.fullmatch(r"\s*([^:]+):(.+)", spec)
+    if not m:
+        raise FFDebugError(f"--threshold {spec!r} is invalid: use 'GLOB:cos>=0.999,rel<=0.02'")
+    glob, body = m.group(1).strip(), m.group(2)
+    cos = rel = None
+    for part in body.split(","):
+        pm = re.fullmatch(r"\s*(cos)\s*>=\s*([0-9.eE+-]+)\s*|\s*(rel)\s*<=\s*([0-9.eE+-]+)\s*", part)
+        if not pm:
+            raise FFDebugError(f"--threshold {spec!r}: cannot read {part.strip()!r}; use cos>=X or rel<=Y")
+        try:
+            if pm.group(1):
+                cos = float(pm.group(2))
+            else:
+                rel = float(pm.group(4))
+        except ValueError:
+            raise FFDebugError(f"--threshold {spec!r}: {part.strip()!r} is not a number") from None
+    if cos is not None and not -1.0 <= cos <= 1.0:
+        raise FFDebugError(f"--threshold {spec!r}: cos bound {cos:g} is outside [-1, 1]")
+    if rel is not None and not rel >= 0.0:
+        raise FFDebugError(f"--threshold {spec!r}: rel bound {rel:g} must be >= 0 (0.05 is 5%)")
+    return Threshold(glob=glob, cos=cos, rel=rel)
+
+
+def apply_threshold(
+    base: Severity, cos: float | None, rel: float | None, key: str, thresholds: tuple[Threshold, ...]
+) -> Severity:
+    """Threshold rule: the first override whose glob matches `key` redefines the ok band: meeting
+    its bounds is ok, missing them is at least drift. No match leaves `base`."""
+    for th in thresholds:
+        if th.matches(key):
+            return Severity.OK if th.passes(cos, rel) else worst(base, Severity.DRIFT)
+    return base
+
+
+def classify(
+    cos: float | None, rel: float | None, key: str = "", thresholds: tuple[Threshold, ...] = ()
+) -> Severity:
+    """Bands, then the threshold rule."""
+    return apply_threshold(band(cos, rel), cos, rel, key, thresholds)
+
+
+def zero_side(severity: Severity, ref_norm: float, target_norm: float, numel: int) -> Severity:
+    """Zero-side rule: one side all zeros and the other not has no direction to compare (cos is
+    set to 0), so it is not a scramble but a computation missing (or spurious) on one side: bug."""
+    if numel and (ref_norm == 0.0) != (target_norm == 0.0):
+        return Severity.BUG
+    return severity
+
+
+def nonfinite(severity: Severity, nan_mismatch: int, inf_mismatch: int) -> Severity:
+    """NaN / Inf rule: non-finite values at different positions on the two sides: at least bug."""
+    return worst(severity, Severity.BUG) if nan_mismatch or inf_mismatch else severity
+
+
+def shape_mismatch() -> Severity:
+    """Shape rule: tensors of different shapes are a bug (never truncated or broadcast)."""
+    return Severity.BUG
+
+
+def stats_only(rel: float | None) -> Severity:
+    """Statistics rule: stats-only records are graded by the rel band of their l2 / mean / std
+    (no cos exists); no statistics to compare is a bug."""
+    return rel_band(rel)
+
+
+def exact(severity: Severity, bit_equal: float | None) -> tuple[Severity, str | None]:
+    """Exact rule (`--exact`): a stage that is not bit-identical is at least drift; its class is
+    `numerical` when the bands say ok (nondeterministic kernels, reduction order) and `divergent`
+    otherwise. Returns the new grade and the class (None when bit-identical)."""
+    if (bit_equal or 0.0) >= 1.0:
+        return severity, None
+    invariance = "numerical" if severity is Severity.OK else "divergent"
+    return worst(severity, Severity.DRIFT), invariance
+
+
+def noise_factor(*dtypes: str | None) -> float:
+    """k of the noise rule: 3 when any side involved runs in a low-precision dtype (bf16 / fp16 /
+    fp8), else 2 (fp32 and wider)."""
+    return 3.0 if any(d in LOW_PRECISION for d in dtypes) else 2.0
+
+
+def within_noise(rel: float | None, noise_rel: float | None, k: float) -> bool:
+    """Noise rule's test: the target's error is no more than k x the noise run's at that stage."""
+    return noise_rel is not None and rel is not None and rel <= k * noise_rel
+
+
+def noise(severity: Severity, rel: float | None, noise_rel: float | None, k: float) -> Severity:
+    """Noise rule: a stage below bug whose error is within k x the noise run's is ok."""
+    if severity is not Severity.OK and severity.rank < Severity.BUG.rank and within_noise(rel, noise_rel, k):
+        return Severity.OK
+    return severity
+
+
+def judge(verdict: Severity, signal: str | None) -> Severity:
+    """Judgement rule (bisect): a bug signal (error after an exact prefix, beyond the noise run,
+    or found local by attribution) makes the judgement at least bug, however small the error."""
+    return worst(verdict, Severity.BUG) if signal else verdict
+
+
+def is_ok(severity: Severity | str) -> bool:
+    """The grade is ok."""
+    return Severity(severity) is Severity.OK
