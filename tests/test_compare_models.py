@@ -54,9 +54,7 @@ def test_bf16_target_is_drift_not_bug(tmp_path, input_ids):
     ref = _dump(model, input_ids, tmp_path, "ref")
     tgt = _dump(copy.deepcopy(model).to(torch.bfloat16), input_ids, tmp_path, "target")
     res = ffdebug.compare(ref, tgt)
-    assert res.verdict == "drift", [
-        (s.key, s.severity, s.rel) for s in res.stages if s.severity != "ok"
-    ]
+    assert res.verdict == "drift", [(s.key, s.severity, s.rel) for s in res.stages if s.severity != "ok"]
     assert bool(res)  # default fail-on diverge passes
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ffdebug.compare.metrics import CHUNK, compare_tensors, logits_metrics
-from ffdebug.compare.severity import classify, parse_threshold
 from ffdebug.errors import FFDebugError
+from ffdebug.verdict import classify, parse_threshold
 
 
 def test_hand_derived_values():

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ffdebug.compare.severity import RANK
 from ffdebug.report.text import fmt, severity_cell
+from ffdebug.verdict import Severity
 
 LIST_LIMIT = 12
 
@@ -183,11 +183,11 @@ LOADED = ("equal", "dtype_only", "rounding")
 def _numerics_sentence(res: dict, tensors: list[dict], summary: str) -> str:
     """Beyond-rounding differences (a layout, sign, scale or value change) are counted apart from
     rounding-level ones, which the cos / rel bands may still grade drift (fp8, a bf16 round trip)."""
-    beyond = [t for t in tensors if t["finding"] not in LOADED and t["severity"] != "ok"]
-    graded = [t for t in tensors if t["finding"] in LOADED and t["severity"] != "ok"]
+    beyond = [t for t in tensors if t["finding"] not in LOADED and Severity(t["severity"]) is not Severity.OK]
+    graded = [t for t in tensors if t["finding"] in LOADED and Severity(t["severity"]) is not Severity.OK]
     if beyond:
         first = beyond[0]
-        worst = max(beyond, key=lambda t: RANK[t["severity"]])["severity"]
+        worst = max(beyond, key=lambda t: Severity(t["severity"]).rank)["severity"]
         more = f"; {len(graded)} more within rounding but graded {_sev(graded)}" if graded else ""
         return (
             f"{len(beyond)} of {len(tensors)} tensors differ beyond rounding, worst {worst}; first "
@@ -202,7 +202,7 @@ def _numerics_sentence(res: dict, tensors: list[dict], summary: str) -> str:
 
 
 def _sev(tensors: list[dict]) -> str:
-    sevs = sorted({t["severity"] for t in tensors}, key=RANK.get)
+    sevs = sorted({t["severity"] for t in tensors}, key=lambda s: Severity(s).rank)
     return " to ".join([sevs[0], sevs[-1]]) if len(sevs) > 1 else sevs[0]
 
 

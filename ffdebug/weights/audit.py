@@ -28,8 +28,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ffdebug.compare.severity import at_least, worst
+from ffdebug import verdict as V
 from ffdebug.errors import FFDebugError, short_reason
+from ffdebug.verdict import Severity
 from ffdebug.weights.diff import WeightsDiff
 from ffdebug.weights.names import StackRule
 from ffdebug.weights.schema import apply_hint
@@ -50,19 +51,19 @@ class LoadAuditResult:
     loaded: int
     model: str = ""
     checkpoint: str = ""
-    fail_on: str = "diverge"
+    fail_on: Severity = Severity.DIVERGE
     notes: list[str] = field(default_factory=list)
 
     @property
-    def verdict(self) -> str:
-        return worst(*(v["severity"] for v in self.value_mismatch)) if self.value_mismatch else "ok"
+    def verdict(self) -> Severity:
+        return V.worst(*(v["severity"] for v in self.value_mismatch))
 
     def failed(self) -> bool:
         return bool(
             self.never_loaded
             or self.not_covered
             or self.shape_mismatch
-            or any(at_least(v["severity"], self.fail_on) for v in self.value_mismatch)
+            or any(V.at_least(v["severity"], self.fail_on) for v in self.value_mismatch)
         )
 
     def __bool__(self) -> bool:
@@ -70,7 +71,7 @@ class LoadAuditResult:
 
     def to_json(self) -> dict:
         return {
-            "verdict": self.verdict,
+            "verdict": self.verdict.value,
             "passed": not self.failed(),
             "never_loaded": self.never_loaded,
             "not_covered": self.not_covered,
@@ -82,7 +83,7 @@ class LoadAuditResult:
             "loaded": self.loaded,
             "model": self.model,
             "checkpoint": self.checkpoint,
-            "fail_on": self.fail_on,
+            "fail_on": self.fail_on.value,
             "notes": self.notes,
         }
 
@@ -176,7 +177,7 @@ def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
     Stacked MoE experts are paired automatically (see the module docstring).
     """
     module, label = _resolve_model(model, checkpoint)
-    fail_on = opts.get("fail_on", "diverge")
+    fail_on = V.parse_fail_on(opts.get("fail_on", Severity.DIVERGE))
     stack = opts.pop("stack", ()) or ()
     stack = (stack,) if isinstance(stack, (str, StackRule)) else tuple(stack)
     hf_rules, hf_notes = transformers_stack_rules(module)
@@ -235,9 +236,11 @@ def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
         for s in diff.shape_mismatch
     ]
     result = diff.run()
-    value_mismatch = [t for t in result.tensors if t["finding"] not in LOADED_FINDINGS]
-    for v in value_mismatch:
-        v.update(_module_info(module, diff.ref[v["name"]].stored_name))
+    value_mismatch = [
+        dict(t.to_json(), **_module_info(module, diff.ref[t.name].stored_name))
+        for t in result.tensors
+        if t.finding not in LOADED_FINDINGS
+    ]
     return LoadAuditResult(
         never_loaded=never_loaded,
         not_covered=not_covered,
@@ -245,7 +248,7 @@ def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
         value_mismatch=value_mismatch,
         tied=tied,
         renames=diff.renames,
-        loaded=sum(1 for t in result.tensors if t["finding"] in LOADED_FINDINGS),
+        loaded=sum(1 for t in result.tensors if t.finding in LOADED_FINDINGS),
         model=label,
         checkpoint=diff.tgt_src.path,
         fail_on=fail_on,

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass, field
 
+from ffdebug import verdict as V
 from ffdebug._chunks import CHUNK, iter_chunks
 from ffdebug.compare.metrics import compare_tensors
-from ffdebug.compare.severity import RANK, at_least, classify, parse_threshold, worst
 from ffdebug.errors import FFDebugError
+from ffdebug.results import TensorDiff, WeightsDiffResult
+from ffdebug.verdict import Severity
 from ffdebug.weights import quant
 from ffdebug.weights.names import NameMap, StackRule, build_name_map, parse_fuse, parse_stack
 from ffdebug.weights.schema import apply_hint, stacked_suggestions, suggest_renames
@@ -47,78 +48,6 @@ STABLE_KEYS = (
     "renames",
     "tensors",
 )
-
-
-@dataclass
-class WeightsDiffResult:
-    """Truthy when the two sides match (no schema difference, nothing at or above `fail_on`)."""
-
-    verdict: str
-    only_ref: list[str]
-    only_target: list[str]
-    shape_mismatch: list[dict]
-    dtype_mismatch: list[dict]
-    renames: list[dict]
-    tensors: list[dict]
-    ref: dict = field(default_factory=dict)
-    target: dict = field(default_factory=dict)
-    fail_on: str = "diverge"
-    allow_dtype: bool = False
-    schema_only: bool = False
-    skipped: list[str] = field(default_factory=list)
-    dequantized: list[dict] = field(default_factory=list)
-    replica_mismatch: list[dict] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    buffers_not_in_checkpoint: list[dict] = field(default_factory=list)
-    restricted: list[dict] = field(default_factory=list)
-
-    @property
-    def schema_clean(self) -> bool:
-        return not (
-            self.only_ref
-            or self.only_target
-            or self.shape_mismatch
-            or (self.dtype_mismatch and not self.allow_dtype)
-        )
-
-    def failed(self, fail_on: str | None = None) -> bool:
-        threshold = fail_on or self.fail_on
-        return (
-            not self.schema_clean
-            or bool(self.replica_mismatch)
-            or any(at_least(t["severity"], threshold) for t in self.tensors)
-        )
-
-    def __bool__(self) -> bool:
-        return not self.failed()
-
-    def problems(self) -> list[dict]:
-        return [t for t in self.tensors if t["finding"] != "equal"]
-
-    def to_json(self) -> dict:
-        return {
-            "verdict": self.verdict,
-            "only_ref": self.only_ref,
-            "only_target": self.only_target,
-            "shape_mismatch": self.shape_mismatch,
-            "dtype_mismatch": self.dtype_mismatch,
-            "renames": self.renames,
-            "tensors": self.tensors,
-            "passed": not self.failed(),
-            "schema_clean": self.schema_clean,
-            "fail_on": self.fail_on,
-            "allow_dtype": self.allow_dtype,
-            "apply": apply_hint(self.renames) if self.renames else None,
-            "ref": self.ref,
-            "target": self.target,
-            "skipped": self.skipped,
-            "dequantized": self.dequantized,
-            "replica_mismatch": self.replica_mismatch,
-            "schema_only": self.schema_only,
-            "notes": self.notes,
-            "buffers_not_in_checkpoint": self.buffers_not_in_checkpoint,
-            "restricted": self.restricted,
-        }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,46 +126,39 @@ def compare_pair(
     dtype_tgt: str,
     thresholds: tuple = (),
     dequantized: bool = False,
-) -> dict | None:
+) -> TensorDiff | None:
     """One entry of `tensors`; None when the shapes differ and are not a transpose of each other."""
-    entry = {
-        "name": name,
-        "severity": "ok",
-        "finding": "equal",
-        "byte_equal": False,
-        "cos": None,
-        "rel": None,
-        "max_abs": None,
-        "shape_ref": list(ref.shape),
-        "shape_target": list(tgt.shape),
-        "dtype_ref": dtype_ref,
-        "dtype_target": dtype_tgt,
-    }
+    entry = TensorDiff(
+        name=name,
+        shape_ref=list(ref.shape),
+        shape_target=list(tgt.shape),
+        dtype_ref=dtype_ref,
+        dtype_target=dtype_tgt,
+    )
     if tuple(ref.shape) != tuple(tgt.shape):
         if ref.dim() == 2 and tgt.dim() == 2 and tuple(tgt.shape) == tuple(ref.shape)[::-1]:
             m = compare_tensors(ref, tgt.t())
-            if classify(m.cos, m.rel) == "ok":
-                entry.update(finding="transposed", severity="scramble")
-                entry["after_transpose"] = {"cos": m.cos, "rel": m.rel, "max_abs": m.max_abs}
-                entry["notes"] = ["stored transposed: the shapes are swapped and the values match after .T"]
+            if V.is_ok(V.classify(m.cos, m.rel)):
+                entry.finding, entry.severity = "transposed", Severity.SCRAMBLE
+                entry.after_transpose = {"cos": m.cos, "rel": m.rel, "max_abs": m.max_abs}
+                entry.notes = ["stored transposed: the shapes are swapped and the values match after .T"]
                 return entry
         return None
     if not dequantized and bytes_equal(ref, tgt):
-        entry.update(byte_equal=True, cos=1.0, rel=0.0, max_abs=0.0)
+        entry.byte_equal, entry.cos, entry.rel, entry.max_abs = True, 1.0, 0.0, 0.0
         return entry
     m = compare_tensors(ref, tgt)
-    entry.update(cos=m.cos, rel=m.rel, max_abs=m.max_abs, rel_diff=m.rel_diff, norm_ratio=m.norm_ratio)
-    entry["max_abs_at"] = m.max_abs_at
-    entry["bit_equal"] = m.bit_equal
-    if m.notes:
-        entry["notes"] = list(m.notes)
-    sev = classify(m.cos, m.rel, name, thresholds)
+    entry.measured = True
+    entry.cos, entry.rel, entry.max_abs, entry.rel_diff = m.cos, m.rel, m.max_abs, m.rel_diff
+    entry.norm_ratio, entry.max_abs_at, entry.bit_equal = m.norm_ratio, m.max_abs_at, m.bit_equal
+    entry.notes = list(m.notes)
+    sev = V.classify(m.cos, m.rel, name, thresholds)
     eps = _coarsest(dtype_ref, dtype_tgt)
     has_fp8 = quant.is_fp8(dtype_ref) or quant.is_fp8(dtype_tgt)
     finding = "mismatch"
     if m.max_abs == 0.0 and not (m.nan_mismatch or m.inf_mismatch) and not dequantized:
         # Equal values, other bits: -0.0 vs 0.0, NaN payloads, or an integer / exact dtype change.
-        finding, sev = ("equal" if dtype_ref == dtype_tgt else "dtype_only"), "ok"
+        finding, sev = ("equal" if dtype_ref == dtype_tgt else "dtype_only"), Severity.OK
     elif (
         dtype_ref != dtype_tgt
         and not dequantized
@@ -246,21 +168,21 @@ def compare_pair(
     ):
         fine, coarse = (ref, tgt) if quant.ulp(dtype_ref) < quant.ulp(dtype_tgt) else (tgt, ref)
         if _equal_after_cast(fine, coarse):
-            finding, sev = "dtype_only", "ok"
+            finding, sev = "dtype_only", Severity.OK
     if finding == "mismatch" and eps is not None and _within_rounding(ref, tgt, eps):
         finding = "rounding"
         if not has_fp8:
-            sev = "ok"
-    if finding == "mismatch" and m.cos is not None and sev != "ok":
+            sev = Severity.OK
+    if finding == "mismatch" and m.cos is not None and not V.is_ok(sev):
         # Least-squares factor t ≈ c·r; with fp8 on one side "≈" means within its rounding.
         c = m.cos * m.norm_ratio if m.norm_ratio else 0.0
         if m.cos <= -0.9999 or (eps is not None and m.cos < -0.99 and _within_rounding(-ref, tgt, eps)):
             finding = "sign_flip"
         elif ref.dim() == 2 and ref.shape[0] == ref.shape[1] and ref.shape[0] > 1:
             mt = compare_tensors(ref, tgt.t())
-            if classify(mt.cos, mt.rel) == "ok":
+            if V.is_ok(V.classify(mt.cos, mt.rel)):
                 finding = "transposed"
-                entry["after_transpose"] = {"cos": mt.cos, "rel": mt.rel, "max_abs": mt.max_abs}
+                entry.after_transpose = {"cos": mt.cos, "rel": mt.rel, "max_abs": mt.max_abs}
         if (
             finding == "mismatch"
             and c > 0
@@ -270,17 +192,17 @@ def compare_pair(
             )
         ):
             finding = "scaled"
-            entry["scale_factor"] = c
+            entry.scale_factor = c
     if finding == "mismatch" and dtype_ref == dtype_tgt and not dequantized and ref.dtype.is_floating_point:
         finding, raised, note = _same_dtype_change(ref, tgt, dtype_ref)
-        sev = worst(sev, raised)
-        entry.setdefault("notes", []).append(note)
-    entry["finding"] = finding
-    entry["severity"] = sev
+        sev = V.worst(sev, raised)
+        entry.notes.append(note)
+    entry.finding = finding
+    entry.severity = sev
     return entry
 
 
-def _same_dtype_change(ref, tgt, dtype: str) -> tuple[str, str, str]:
+def _same_dtype_change(ref, tgt, dtype: str) -> tuple[str, Severity, str]:
     """(finding, lowest severity, note) for a same-dtype pair that differs beyond one ulp.
 
     Values within one ulp of a coarser float went through it on the way (a bf16 round trip):
@@ -289,8 +211,9 @@ def _same_dtype_change(ref, tgt, dtype: str) -> tuple[str, str, str]:
     for coarse in ("float16", "bfloat16"):
         eps = quant.ulp(coarse)
         if quant.ulp(dtype) < eps and _within_rounding(ref, tgt, eps):
-            return "rounding", "drift", f"same dtype, but the target's values were rounded through {coarse}"
-    return "mismatch", "bug", "same dtype, values differ beyond rounding: the loader changed them"
+            note = f"same dtype, but the target's values were rounded through {coarse}"
+            return "rounding", Severity.DRIFT, note
+    return "mismatch", Severity.BUG, "same dtype, values differ beyond rounding: the loader changed them"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -352,18 +275,16 @@ class WeightsDiff:
         dequant: str = "auto",
         tp_merge="auto",
         thresholds=(),
-        fail_on: str = "diverge",
+        fail_on: Severity | str = Severity.DIVERGE,
         allow_dtype: bool = False,
     ) -> None:
         from ffdebug._env import parse_layers
 
         self.dequant = _check_dequant(dequant)
         self.tp_merge = _check_tp_merge(tp_merge)
-        if fail_on not in RANK or fail_on == "ok":
-            raise FFDebugError(f"--fail-on {fail_on!r} is invalid: use drift, diverge, bug or scramble")
-        self.fail_on = fail_on
+        self.fail_on = V.parse_fail_on(fail_on)
         self.allow_dtype = allow_dtype
-        self.thresholds = tuple(parse_threshold(t) if isinstance(t, str) else t for t in thresholds or ())
+        self.thresholds = tuple(V.parse_threshold(t) if isinstance(t, str) else t for t in thresholds or ())
         self.transforms = tuple(parse_transform(t) for t in transforms or ())
         self.fuse_rules = tuple(parse_fuse(f) if isinstance(f, str) else f for f in fuse or ())
         if isinstance(stack, (str, StackRule)):
@@ -678,13 +599,12 @@ class WeightsDiff:
         return {"path": src.path, "kind": src.kind, "world_size": src.world_size, "tensors": len(logicals)}
 
     def result(
-        self, tensors: list[dict] | None = None, replica: list[dict] | None = None
+        self, tensors: list[TensorDiff] | None = None, replica: list[dict] | None = None
     ) -> WeightsDiffResult:
         schema_only = tensors is None
         tensors = tensors or []
-        verdict = worst(*(t["severity"] for t in tensors)) if tensors else "ok"
         return WeightsDiffResult(
-            verdict=verdict,
+            verdict=V.worst(*(t.severity for t in tensors)),
             only_ref=list(self.only_ref),
             only_target=list(self.only_target),
             shape_mismatch=list(self.shape_mismatch),
@@ -702,6 +622,7 @@ class WeightsDiff:
             notes=list(self.notes),
             buffers_not_in_checkpoint=list(self.buffers_not_in_checkpoint),
             restricted=list(self.restricted),
+            apply=apply_hint(self.renames) if self.renames else None,
         )
 
     def schema_result(self) -> WeightsDiffResult:
@@ -770,14 +691,11 @@ class WeightsDiff:
                     replica.append({"name": name, "side": side, "ranks": list(lg.replica_mismatch)})
             if entry is None:
                 continue
-            if transformed:
-                entry["transformed"] = True
-            if r.layer is not None:
-                entry["layer"] = r.layer
-            if name in deq:
-                entry["dequantized"] = True
+            entry.transformed = transformed
+            entry.layer = r.layer
+            entry.dequantized = name in deq
             if t.plan in ("concat", "replicated") or r.plan in ("concat", "replicated"):
-                entry["tp"] = {"ref": r.plan, "target": t.plan, "dim": t.dim if t.dim is not None else r.dim}
+                entry.tp = {"ref": r.plan, "target": t.plan, "dim": t.dim if t.dim is not None else r.dim}
             tensors.append(entry)
             if on_tensor is not None:
                 on_tensor(entry)

@@ -122,7 +122,7 @@ def test_weights_diff_dump_vs_checkpoint_suggests_stack_and_rerun_matches(moe, t
     swapped = "experts.gate_up_proj=experts.{E}.up_proj.weight+experts.{E}.gate_proj.weight"
     bad = ffdebug.weights_diff(side, ckpt, skip=["*rotary_emb*"], stack=[swapped, DOWN])
     assert not bad and bad.schema_clean
-    assert {t["name"].rsplit(".", 2)[-2] for t in bad.problems()} == {"gate_proj", "up_proj"}
+    assert {t.name.rsplit(".", 2)[-2] for t in bad.problems()} == {"gate_proj", "up_proj"}
 
 
 def test_stack_size_mismatch_is_a_note_not_a_pairing():

@@ -37,7 +37,7 @@ def test_hf_saved_vs_reloaded_matches(hf_dir, tmp_path):
     result = ffdebug.weights_diff(hf_dir, tmp_path / "reloaded")
     assert result, result.to_json()
     assert result.verdict == "ok"
-    assert all(t["finding"] == "equal" and t["byte_equal"] for t in result.tensors)
+    assert all(t.finding == "equal" and t.byte_equal for t in result.tensors)
     assert len(result.tensors) == result.ref["tensors"] > 10
 
     code, out = run_json("weights-diff", hf_dir, tmp_path / "reloaded")
@@ -116,7 +116,7 @@ def test_fused_qkv_suggested_by_shape_and_fuse_option(hf_state):
 
     ok = ffdebug.weights_diff(ref, fused, fuse=["qkv_proj=q_proj+k_proj+v_proj"])
     assert ok, ok.to_json()
-    assert "model.layers.1.self_attn.v_proj.weight" in {t["name"] for t in ok.tensors}
+    assert "model.layers.1.self_attn.v_proj.weight" in {t.name for t in ok.tensors}
     # Reverse direction: the reference is fused, the target split.
     assert ffdebug.weights_diff(fused, ref, fuse=["qkv_proj=q_proj+k_proj+v_proj"])
 
@@ -168,8 +168,8 @@ def test_rounding_and_allow_dtype(hf_state):
     # Truncation instead of round-to-nearest: not the cast, but within one bf16 ulp.
     tgt = {k: (v.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16) for k, v in ref.items()}
     result = ffdebug.weights_diff(ref, tgt)
-    assert {t["finding"] for t in result.tensors} == {"rounding"}
-    assert {t["severity"] for t in result.tensors} == {"ok"}
+    assert {t.finding for t in result.tensors} == {"rounding"}
+    assert {t.severity for t in result.tensors} == {"ok"}
     assert not result  # dtype differences are schema differences ...
     assert ffdebug.weights_diff(ref, tgt, allow_dtype=True)  # ... unless allowed
 
@@ -184,7 +184,7 @@ def test_transform_transpose_and_user_function(hf_state, tmp_path, monkeypatch):
         ref, tgt, transforms=["*.o_proj.weight=transpose", "target:*.k_proj.weight=engine_layout:unflip"]
     )
     assert res, res.to_json()
-    assert all(t["finding"] == "equal" for t in res.tensors)
+    assert all(t.finding == "equal" for t in res.tensors)
 
 
 def test_skip_and_layers(hf_state):
@@ -194,7 +194,7 @@ def test_skip_and_layers(hf_state):
     assert ffdebug.weights_diff(hf_state, tgt, skip=["*.mlp.*"])
     only0 = ffdebug.weights_diff(hf_state, tgt, layers="0")
     assert only0
-    names = {t["name"] for t in only0.tensors}
+    names = {t.name for t in only0.tensors}
     assert "model.embed_tokens.weight" in names and not any(".layers.1." in n for n in names)
     assert not ffdebug.weights_diff(hf_state, tgt, layers="-1")
 
@@ -262,7 +262,7 @@ def test_weight_dump_and_entry(hf_dir, tmp_path, monkeypatch):
         {"name": "model.rotary_emb.inv_freq", "side": "target"},
         {"name": "model.rotary_emb.original_inv_freq", "side": "target"},
     ]
-    assert all(t["finding"] == "equal" for t in res.tensors)
+    assert all(t.finding == "equal" for t in res.tensors)
     assert ffdebug.weights_diff(hf_dir, side, skip=["*rotary_emb*"])
     # A module's state_dict() has no non-persistent buffers either; two dumps compare them.
     assert ffdebug.weights_diff(side, model).buffers_not_in_checkpoint
@@ -320,9 +320,9 @@ def test_value_equal_other_bits():
     tgt = {"ids": torch.arange(6, dtype=torch.int32), "z": -torch.zeros(4)}
     res = ffdebug.weights_diff(ref, tgt, allow_dtype=True)
     assert res, res.to_json()
-    by = {t["name"]: t for t in res.tensors}
+    by = {t.name: t for t in res.tensors}
     assert (
-        by["ids"]["finding"] == "dtype_only" and by["z"]["finding"] == "equal" and not by["z"]["byte_equal"]
+        by["ids"].finding == "dtype_only" and by["z"].finding == "equal" and not by["z"].byte_equal
     )
 
 
@@ -350,11 +350,11 @@ def test_same_dtype_bf16_round_trip_is_rounding_drift():
     w = torch.randn(64, 64)
     res = ffdebug.weights_diff({"w": w}, {"w": w.to(torch.bfloat16).float()})
     (t,) = res.tensors
-    assert (t["finding"], t["severity"]) == ("rounding", "drift")
-    assert any("bfloat16" in n for n in t["notes"])
+    assert (t.finding, t.severity) == ("rounding", "drift")
+    assert any("bfloat16" in n for n in t.notes)
     assert res and res.failed("drift")  # passes the default --fail-on diverge, not --fail-on drift
     one_ulp = ffdebug.weights_diff({"w": w}, {"w": w.nextafter(torch.tensor(float("inf")))})
-    assert (one_ulp.tensors[0]["finding"], one_ulp.tensors[0]["severity"]) == ("rounding", "ok")
+    assert (one_ulp.tensors[0].finding, one_ulp.tensors[0].severity) == ("rounding", "ok")
 
 
 def test_hand_quantised_deepseek_fp8_blocks_match_at_e4m3_precision():
@@ -371,11 +371,11 @@ def test_hand_quantised_deepseek_fp8_blocks_match_at_e4m3_precision():
     )
     assert res, res.to_json()
     (t,) = res.tensors
-    assert (t["finding"], t["dtype_target"]) == ("rounding", "float8_e4m3fn")
-    assert t["severity"] in ("ok", "drift")
-    assert t["max_abs"] == pytest.approx(float((deq.double() - w.double()).abs().max()), rel=1e-6)
-    assert t["rel"] == pytest.approx(float((deq.double() - w.double()).norm() / w.double().norm()), rel=1e-6)
-    assert t["rel"] < 2.0**-4
+    assert (t.finding, t.dtype_target) == ("rounding", "float8_e4m3fn")
+    assert t.severity in ("ok", "drift")
+    assert t.max_abs == pytest.approx(float((deq.double() - w.double()).abs().max()), rel=1e-6)
+    assert t.rel == pytest.approx(float((deq.double() - w.double()).norm() / w.double().norm()), rel=1e-6)
+    assert t.rel < 2.0**-4
 
 
 def test_layer_selected_dump_restricts_the_other_side(hf_dir, tmp_path, monkeypatch):

@@ -95,9 +95,9 @@ def test_both_sides_per_rank_compare_rank_by_rank(hf_state, tmp_path):
     shards[1]["model.layers.0.mlp.up_proj.weight"] = -shards[1]["model.layers.0.mlp.up_proj.weight"]
     write_dump(tmp_path / "b" / "weights", shards)
     res = ffdebug.weights_diff(tmp_path / "a", tmp_path / "b")
-    bad = [t for t in res.tensors if t["finding"] != "equal"]
-    assert [t["name"] for t in bad] == ["model.layers.0.mlp.up_proj.weight@rank1"]
-    assert bad[0]["finding"] == "sign_flip"
+    bad = [t for t in res.tensors if t.finding != "equal"]
+    assert [t.name for t in bad] == ["model.layers.0.mlp.up_proj.weight@rank1"]
+    assert bad[0].finding == "sign_flip"
 
 
 # --- must show: fp8 with scales vs the original weights: rounding level -------------------------
@@ -149,9 +149,9 @@ def test_fp8_wrong_scale_is_caught_and_raw_mode(hf_state):
     w = hf_state["model.layers.0.mlp.up_proj.weight"]
     q, s = quant.quantize_fp8(w, "float8_e4m3fn", (16, 16))
     good = ffdebug.weights_diff({"w": w}, {"w": q, "w_scale_inv": s}, allow_dtype=True)
-    assert good and good.tensors[0]["finding"] == "rounding"
+    assert good and good.tensors[0].finding == "rounding"
     bad = ffdebug.weights_diff({"w": w}, {"w": q, "w_scale_inv": s * 2}, allow_dtype=True)
-    assert not bad and bad.tensors[0]["finding"] == "scaled" and bad.tensors[0]["severity"] == "bug"
+    assert not bad and bad.tensors[0].finding == "scaled" and bad.tensors[0].severity == "bug"
     raw = ffdebug.weights_diff({"w": w}, {"w": q, "w_scale_inv": s}, dequant="none")
     assert raw.only_target == ["w_scale_inv"]
 
@@ -180,8 +180,8 @@ def test_fp8_conclusion_counts_rounding_apart_from_real_differences():
     for k in list(ref)[:3]:
         tgt[k], tgt[k + "_scale"] = quant.quantize_fp8(ref[k].float(), "float8_e4m3fn", None)
     res = ffdebug.weights_diff(ref, tgt, allow_dtype=True)
-    assert [t["finding"] for t in res.tensors] == ["rounding"] * 3 + ["equal"]
-    assert {t["severity"] for t in res.tensors[:3]} == {"drift"}
+    assert [t.finding for t in res.tensors] == ["rounding"] * 3 + ["equal"]
+    assert {t.severity for t in res.tensors[:3]} == {"drift"}
     text = weights_conclusion(res.to_json())
     assert "beyond rounding" not in text and "Schema differs" not in text, text
     assert "All 4 compared tensors match within rounding; 3 of them graded drift" in text
