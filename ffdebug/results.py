@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ffdebug.verdict import Severity, at_least, worst
+from ffdebug.verdict import PatternName, Severity, at_least, worst
 
 
 @dataclass(frozen=True)
@@ -251,11 +251,11 @@ class CallSummary:
     """One paired call's pattern and worst severity (bisect's `calls`)."""
 
     call: CallRef
-    pattern: str
+    pattern: PatternName
     verdict: Severity
 
     def to_json(self) -> dict:
-        return {**self.call.to_json(), "pattern": self.pattern, "verdict": self.verdict.value}
+        return {**self.call.to_json(), "pattern": self.pattern.value, "verdict": self.verdict.value}
 
 
 FIRST_DIVERGENCE_FIELDS = ("layer", "layer_class", "stage", "key", "severity", "cos", "rel")
@@ -269,7 +269,7 @@ class BisectResult:
 
     verdict: Severity
     judgement: Severity
-    pattern: str  # match | layer_class | jump | drift
+    pattern: PatternName
     reason: str
     first_divergence: StageResult | None
     sub_stage: StageResult | None
@@ -303,7 +303,7 @@ class BisectResult:
         return {
             "verdict": self.verdict.value,
             "first_divergence": first,
-            "pattern": self.pattern,
+            "pattern": self.pattern.value,
             "per_class": [c.to_json() for c in self.per_class],
             "sub_stage": sub,
             "reason": self.reason,

@@ -233,6 +233,21 @@ def judge(verdict: Severity, signal: str | None) -> Severity:
     return worst(verdict, Severity.BUG) if signal else verdict
 
 
+class PatternName(str, Enum):
+    """The pattern of a divergence over the layers (bisect), decided in this order: `match` (no
+    layer introduces error beyond noise), `layer_class` (the introducing layers are all of one
+    class), `jump` (one layer introduces far more than the rest), else `drift`. `drift` shares its
+    word with the severity `drift`; they are different things."""
+
+    MATCH = "match"
+    LAYER_CLASS = "layer_class"
+    JUMP = "jump"
+    DRIFT = "drift"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 def is_ok(severity: Severity | str) -> bool:
     """The grade is ok."""
     return Severity(severity) is Severity.OK

@@ -31,7 +31,7 @@ from ffdebug.results import (
     StageResult,
     worst_of,
 )
-from ffdebug.verdict import Severity
+from ffdebug.verdict import PatternName, Severity
 
 
 def _relabel(stages: list[StageResult], spec: str | None) -> None:
@@ -99,7 +99,7 @@ class CallAnalysis:
 
     @property
     def clean(self) -> bool:
-        return self.pattern.name == "match" and self.first is None
+        return self.pattern.name is PatternName.MATCH and self.first is None
 
 
 def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> CallAnalysis:
@@ -112,12 +112,12 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
     pat.mark_introducing(rows, by_key)
     p = pat.decide(rows)
     signal = p.signal
-    if p.focus is not None and p.name != "drift":
+    if p.focus is not None and p.name is not PatternName.DRIFT:
         in_layer = _in_layer(stages, p.focus.layer)
         first = first_lossy(in_layer, block_only=True)[0] or by_key.get(f"L{p.focus.layer:03d}.hidden_out")
     else:  # no single layer to blame: the first stage outside the ok band
         first = next((e for e in stages if not e.ok), None)
-        if p.name == "match" and first is None:
+        if p.name is PatternName.MATCH and first is None:
             first = break_in_exact_prefix(stages)
             signal = EXACT_PREFIX_SIGNAL if first is not None else None
     sub, why_sub = first_lossy(_in_layer(stages, first.layer if first is not None else None))
@@ -132,7 +132,12 @@ def _per_class(rows: list[LayerRow], p: pat.Pattern) -> list[ClassSummary]:
     carries inherited error has none; for drift and match it is the first layer whose block output
     is outside the ok band. `first_over_threshold` is always the latter."""
     out: dict[str, ClassSummary] = {}
-    blamed = {p.focus.layer} if p.name == "jump" else set(p.introducing) if p.name == "layer_class" else None
+    if p.name is PatternName.JUMP:
+        blamed = {p.focus.layer}
+    elif p.name is PatternName.LAYER_CLASS:
+        blamed = set(p.introducing)
+    else:
+        blamed = None
     for r in rows:
         cls = r.layer_class or "?"
         c = out.setdefault(cls, ClassSummary(layer_class=cls))

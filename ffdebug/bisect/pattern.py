@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from ffdebug import verdict as V
 from ffdebug.results import LayerRow, StageResult
+from ffdebug.verdict import PatternName
 
 INHERIT_SHARE = 0.1  # a layer must add more than this share of the error it inherits
 JUMP_RATIO = 10.0  # one layer adds this many times more than any other: a jump
@@ -118,7 +119,7 @@ def noise_floor(row: LayerRow, stages_by_key: dict[str, StageResult]) -> float:
 
 @dataclass
 class Pattern:
-    name: str  # match | layer_class | jump | drift
+    name: PatternName
     focus: LayerRow | None  # the layer the pattern points at
     introducing: list[int]
     reason: str
@@ -140,7 +141,7 @@ def _signal(focus: LayerRow) -> str | None:
     return None
 
 
-def _localised(name: str, focus: LayerRow, intro: list[LayerRow], reason: str) -> Pattern:
+def _localised(name: PatternName, focus: LayerRow, intro: list[LayerRow], reason: str) -> Pattern:
     return Pattern(name, focus, [r.layer for r in intro], reason, _signal(focus))
 
 
@@ -148,24 +149,24 @@ def decide(rows: list[LayerRow]) -> Pattern:
     """The pattern of the error budget, in DESIGN order: match, layer_class, jump, drift."""
     intro = [r for r in rows if r.introduces]
     if not intro:
-        return Pattern("match", None, [], "no layer introduces error beyond noise")
+        return Pattern(PatternName.MATCH, None, [], "no layer introduces error beyond noise")
     first = intro[0]
     classes = {r.layer_class for r in rows}
     if len(intro) >= 2 and len(classes) >= 2 and len({r.layer_class for r in intro}) == 1:
         n_cls = sum(1 for r in rows if r.layer_class == first.layer_class)
         why = f"{len(intro)} of the {n_cls} {first.layer_class} layers introduce error while the other classes stay at noise"
-        return _localised("layer_class", first, intro, why)
+        return _localised(PatternName.LAYER_CLASS, first, intro, why)
     if first.exact_in and first is not rows[0]:
         why = "the first layer to show any error, after exactly equal layers"
-        return _localised("jump", first, intro, why + _also(intro, first))
+        return _localised(PatternName.JUMP, first, intro, why + _also(intro, first))
     top = max(intro, key=lambda r: r.added or 0.0)
     others = [max(r.added or 0.0, 0.0) for r in rows if r is not top]
     if len(intro) == 1 or (top.added or 0.0) >= JUMP_RATIO * max(others or [0.0]):
         ratio = (top.added or 0.0) / max(others) if others and max(others) > 0 else float("inf")
         why = "the only layer that introduces error" if len(intro) == 1 else f"adds {ratio:.3g}x the next"
-        return _localised("jump", top, intro, why + _also(intro, top))
+        return _localised(PatternName.JUMP, top, intro, why + _also(intro, top))
     return Pattern(
-        "drift",
+        PatternName.DRIFT,
         first,
         [r.layer for r in intro],
         f"{len(intro)} layers add comparable error from layer {first.layer} on",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from ffdebug.cli.common import FAIL_ON_HELP, check_fail_on, emit_json, handles_errors
+from ffdebug.verdict import Severity
 
 WEIGHTS_HELP = """Compare two sets of weights: schema first (names, shapes, dtypes, rename suggestions), then float64 numerics per tensor (byte-equal fast path; cos, rel, max_abs; a finding per tensor: equal, dtype_only, rounding, transposed, sign_flip, scaled, mismatch).
 
@@ -98,7 +99,7 @@ def register(app: typer.Typer) -> None:
         threshold: list[str] = typer.Option(
             None, "--threshold", help="'GLOB:cos>=X,rel<=Y' ok band per tensor."
         ),
-        fail_on: str = typer.Option("diverge", "--fail-on", help=FAIL_ON_HELP),
+        fail_on: str = typer.Option(Severity.DIVERGE.value, "--fail-on", help=FAIL_ON_HELP),
         allow_dtype: bool = typer.Option(False, "--allow-dtype", help="dtype differences alone do not fail."),
         schema_only: bool = typer.Option(False, "--schema-only", help="Stop after the schema diff."),
         show_all: bool = typer.Option(False, "--all", help="List byte-equal tensors too."),
@@ -153,7 +154,7 @@ def register(app: typer.Typer) -> None:
         skip: list[str] = typer.Option(
             None, "--skip", help="Glob of tensor names to leave out (repeatable)."
         ),
-        fail_on: str = typer.Option("diverge", "--fail-on", help=FAIL_ON_HELP),
+        fail_on: str = typer.Option(Severity.DIVERGE.value, "--fail-on", help=FAIL_ON_HELP),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
         from ffdebug.weights.audit import load_audit

@@ -7,12 +7,13 @@ from rich.table import Table
 
 from ffdebug.report.text import compare_table, fmt, numbers, severity_cell
 from ffdebug.results import SLOT_MEANING, BisectResult, InvarianceResult
+from ffdebug.verdict import PatternName
 
 PATTERN_WORDS = {
-    "match": "no layer introduces error beyond noise",
-    "jump": "a jump (one layer introduces the error)",
-    "layer_class": "a layer-class pattern",
-    "drift": "drift (small per-layer losses compounding)",
+    PatternName.MATCH: "no layer introduces error beyond noise",
+    PatternName.JUMP: "a jump (one layer introduces the error)",
+    PatternName.LAYER_CLASS: "a layer-class pattern",
+    PatternName.DRIFT: "drift (small per-layer losses compounding)",
 }
 
 
@@ -24,7 +25,7 @@ def bisect_sentence(result: BisectResult) -> str:
         tail = f" ({result.warmup_skipped} warm-up call(s) set aside)" if result.warmup_skipped else ""
         what = (
             "the sides match"
-            if p == "match"
+            if p is PatternName.MATCH
             else f"pattern {p}: {result.reason}, every stage inside the ok band"
         )
         return f"No divergence: {what}{tail}; verdict {result.verdict}. {word}"
@@ -38,11 +39,11 @@ def bisect_sentence(result: BisectResult) -> str:
         inside = f"; inside it, {sub.stage} is the first sub-stage to lose accuracy ({numbers(sub)})"
     elif sub is not None and first.layer is not None:
         inside = f" is the first sub-stage to lose accuracy ({numbers(sub)})"
-    if p == "layer_class":
+    if p is PatternName.LAYER_CLASS:
         pattern = f"pattern layer_class: {result.reason}, so the {first.layer_class} code path is implicated"
-    elif p == "jump":
+    elif p is PatternName.JUMP:
         pattern = f"pattern jump: {result.reason}"
-    elif p == "drift":
+    elif p is PatternName.DRIFT:
         pattern = f"pattern drift: {result.reason}"
     else:
         pattern = "pattern match: no layer introduces error, the difference is outside the layers"

@@ -10,13 +10,15 @@ from __future__ import annotations
 import html
 import math
 
+from ffdebug.verdict import Severity
+
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 SEV_COLOUR = {
-    "ok": "#2ca02c",
-    "drift": "#c9a400",
-    "diverge": "#ff7f0e",
-    "bug": "#d62728",
-    "scramble": "#9467bd",
+    Severity.OK: "#2ca02c",
+    Severity.DRIFT: "#c9a400",
+    Severity.DIVERGE: "#ff7f0e",
+    Severity.BUG: "#d62728",
+    Severity.SCRAMBLE: "#9467bd",
 }
 W, H, ML, MR, MT, MB = 680, 260, 70, 150, 30, 40
 REL_FLOOR = 1e-9
@@ -120,7 +122,7 @@ def _table(headers: tuple[str, ...], rows: list[tuple[str, list]]) -> str:
 def _stage_table(stages: list[dict]) -> str:
     rows = [
         (
-            e.get("severity", "ok"),
+            e["severity"],
             [
                 _esc(e.get("layer")),
                 _esc(e.get("layer_class")),
@@ -138,7 +140,7 @@ def _stage_table(stages: list[dict]) -> str:
 def _layer_table(layers: list[dict]) -> str:
     rows = [
         (
-            r.get("severity", "ok"),
+            r["severity"],
             [
                 str(r["layer"]),
                 _esc(r.get("layer_class")),

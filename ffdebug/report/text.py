@@ -10,11 +10,11 @@ from ffdebug.results import CompareResult, StageResult
 from ffdebug.verdict import Severity
 
 MARKS = {
-    "ok": ("✓", "green"),
-    "drift": ("~", "yellow"),
-    "diverge": ("!", "dark_orange"),
-    "bug": ("✗", "red"),
-    "scramble": ("✗✗", "magenta"),
+    Severity.OK: ("✓", "green"),
+    Severity.DRIFT: ("~", "yellow"),
+    Severity.DIVERGE: ("!", "dark_orange"),
+    Severity.BUG: ("✗", "red"),
+    Severity.SCRAMBLE: ("✗✗", "magenta"),
 }
 
 

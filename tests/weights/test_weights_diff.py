@@ -321,9 +321,7 @@ def test_value_equal_other_bits():
     res = ffdebug.weights_diff(ref, tgt, allow_dtype=True)
     assert res, res.to_json()
     by = {t.name: t for t in res.tensors}
-    assert (
-        by["ids"].finding == "dtype_only" and by["z"].finding == "equal" and not by["z"].byte_equal
-    )
+    assert by["ids"].finding == "dtype_only" and by["z"].finding == "equal" and not by["z"].byte_equal
 
 
 # --- same dtype: any change beyond one ulp is the loader's ------------------------------------------
