@@ -176,8 +176,8 @@ def slot_invariance(
                     )
         entry = {
             "key": r.key,
-            "layer": r.get("layer"),
-            "layer_class": r.get("layer_class"),
+            "layer": r.layer,
+            "layer_class": r.layer_class,
             "slots": [_cmp(parts[0], p, i, "slot 0") for i, p in enumerate(parts[1:], start=1)],
             "single": None,
         }

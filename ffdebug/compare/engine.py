@@ -19,7 +19,9 @@ from ffdebug.compare.severity import (
     worst,
 )
 from ffdebug.errors import FFDebugError
-from ffdebug.store.reader import Record, SideStore, open_side
+from ffdebug.io.record import Record
+from ffdebug.io.side import SideStore
+from ffdebug.store.reader import open_side
 
 
 @dataclass
@@ -83,7 +85,7 @@ def _as_store(x) -> SideStore:
 
 def _stats_compare(r: Record, t: Record) -> dict:
     """Compare two stats-only records: relative error of l2, mean and std (no cos available)."""
-    rs, ts = r.get("stats") or {}, t.get("stats") or {}
+    rs, ts = r.stats or {}, t.stats or {}
     if not rs or not ts:
         return {"cos": None, "rel": None, "notes": ["no statistics to compare"]}
     l2r, l2t = rs.get("l2") or 0.0, ts.get("l2") or 0.0
@@ -103,19 +105,19 @@ def _stats_compare(r: Record, t: Record) -> dict:
 def _stage_entry(key: str, r: Record, t: Record) -> dict:
     return {
         "key": key,
-        "layer": r.get("layer"),
-        "layer_class": r.get("layer_class") or t.get("layer_class"),
-        "stage": key.split(".", 1)[1] if r.get("layer") is not None and "." in key else key,
-        "io": r.get("io"),
-        "call": r.get("call"),
-        "invocation": r.get("invocation") or 0,
-        "rank": r.get("rank") or 0,
-        "step": r.get("step") or {},
-        "phase": r.get("phase"),
-        "dtype_ref": r.get("dtype"),
-        "dtype_target": t.get("dtype"),
-        "shape_ref": r.get("shape"),
-        "shape_target": t.get("shape"),
+        "layer": r.layer,
+        "layer_class": r.layer_class or t.layer_class,
+        "stage": key.split(".", 1)[1] if r.layer is not None and "." in key else key,
+        "io": r.io,
+        "call": r.call,
+        "invocation": r.invocation,
+        "rank": r.rank,
+        "step": r.step,
+        "phase": r.phase,
+        "dtype_ref": r.dtype,
+        "dtype_target": t.dtype,
+        "shape_ref": list(r.shape),
+        "shape_target": list(t.shape),
         "cos": None,
         "rel": None,
         "rel_diff": None,
@@ -135,10 +137,10 @@ def compare_records(
     """Compare one pair of records into a stage entry (severity included)."""
     key = r.key
     e = _stage_entry(key, r, t)
-    if list(r.get("shape") or []) != list(t.get("shape") or []):
+    if r.shape != t.shape:
         e["severity"] = "bug"
         e["finding"] = "shape_mismatch"
-        e["notes"].append(f"shape mismatch: ref {r.get('shape')} vs target {t.get('shape')}")
+        e["notes"].append(f"shape mismatch: ref {list(r.shape)} vs target {list(t.shape)}")
         return e
     if not (r.has_payload and t.has_payload):
         sc = _stats_compare(r, t)
@@ -230,8 +232,8 @@ def compare(
         only_target.extend(tg.records[sk].key for sk in tg.order if sk not in rg.records)
     for (rg, sk, r, t), e in zip(jobs, _map_records(jobs, thresholds, exact)):
         for side, rec in (("ref", r), ("target", t)):
-            if rec.get("unsharded"):
-                e[f"unsharded_{side}"] = {"how": rec["unsharded"], "ranks": rec.get("ranks")}
+            if rec.fold is not None:
+                e[f"unsharded_{side}"] = {"how": rec.fold.describe(), "ranks": len(rec.parts)}
         if noise_index is not None:
             _apply_noise(e, noise_index.get((rg.tags, rg.call, sk)))
         stages_out.append(e)
@@ -284,7 +286,7 @@ def _nothing_paired(ref: SideStore, tgt: SideStore, pairing, filters: Filters) -
 
 def _no_layer_selected(layers, store: SideStore) -> None:
     """`--layers` that names none of the dumped layers is a usage error, not a pass."""
-    dumped = sorted({r.get("layer") for r in store.records if r.get("layer") is not None})
+    dumped = sorted({r.layer for r in store.records if r.layer is not None})
     if dumped:
         raise FFDebugError(
             f"--layers {layers.spec!r} selects none of the dumped layers ({dumped[0]}-{dumped[-1]} in "
@@ -296,7 +298,7 @@ def _budget_notes(pairs: list[tuple[Record, Record]]) -> list[str]:
     """Say which side's FFDEBUG_FWD_DUMP_MAX_BYTES budget turned stages into statistics-only ones."""
     notes = []
     for i, side in enumerate(("reference", "target")):
-        n = sum(1 for pair in pairs if pair[i].get("over_budget"))
+        n = sum(1 for pair in pairs if pair[i].over_budget)
         if n:
             notes.append(
                 f"{n} stage(s) were over the {side}'s byte budget (FFDEBUG_FWD_DUMP_MAX_BYTES): "
@@ -330,7 +332,7 @@ def _noise_index(noise, ref_groups, filters) -> dict:
                 if rg.records[sk].has_payload and n.has_payload
                 else None
             )
-            index[(rg.tags, rg.call, sk)] = (m.rel if m else None, n.get("dtype"))
+            index[(rg.tags, rg.call, sk)] = (m.rel if m else None, n.dtype)
     return index
 
 
