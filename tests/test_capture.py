@@ -35,8 +35,8 @@ def test_env_dump_one_line_install(tmp_path, monkeypatch, tiny_llama, input_ids)
     recs = {r.key: r for r in store.records}
     assert torch.equal(recs["embed.input_ids"].load(), input_ids)
     assert torch.equal(recs["final.logits"].load(), out.logits)
-    assert recs["L002.ffn_out"]["layer"] == 2 and recs["L002.ffn_out"]["module_class"] == "LlamaMLP"
-    assert recs["L000.hidden_in"]["io"] == "in" and recs["L000.hidden_out"]["io"] == "out"
+    assert recs["L002.ffn_out"].layer == 2 and recs["L002.ffn_out"].module_class == "LlamaMLP"
+    assert recs["L000.hidden_in"].io == "in" and recs["L000.hidden_out"].io == "out"
     run = json.loads((tmp_path / "ref" / "run.json").read_text())
     assert run["side"] == "ref" and run["threads"] == 1 and run["format_version"] == 1
     assert run["env"]["FFDEBUG_FWD_DUMP_SIDE"] == "ref"
@@ -110,7 +110,7 @@ def test_calls_steps_taps_and_first_real(tmp_path, tiny_llama, input_ids):
             tiny_llama(input_ids=input_ids)  # captured
             tiny_llama(input_ids=input_ids)  # not: first-real takes one call
     recs = [r for r in open_side(tmp_path / "s").records if r.key == "final.logits"]
-    assert len(recs) == 1 and recs[0]["call"] == 1
+    assert len(recs) == 1 and recs[0].call == 1
 
     with ffdebug.capture(tiny_llama, dir=tmp_path, side="t", stages="final.logits,reward"):
         for k in range(2):
@@ -119,10 +119,10 @@ def test_calls_steps_taps_and_first_real(tmp_path, tiny_llama, input_ids):
                 tiny_llama(input_ids=input_ids)
                 ffdebug.tap("reward", torch.tensor([1.0 * k]), role="policy")
     recs = open_side(tmp_path / "t").records
-    logits = [(r["step"]["optimizer_step"], r["call"], r["phase"]) for r in recs if r.key == "final.logits"]
+    logits = [(r.step["optimizer_step"], r.call, r.phase) for r in recs if r.key == "final.logits"]
     assert logits == [(0, 0, "rollout"), (0, 1, "rollout"), (1, 0, "rollout"), (1, 1, "rollout")]
     reward = [r for r in recs if r.key == "reward"]
-    assert [r["step"]["role"] for r in reward] == ["policy", "policy"] and reward[1].load().item() == 1.0
+    assert [r.step["role"] for r in reward] == ["policy", "policy"] and reward[1].load().item() == 1.0
 
 
 def test_stats_mode_and_budget(tmp_path, tiny_llama, input_ids):
@@ -130,7 +130,7 @@ def test_stats_mode_and_budget(tmp_path, tiny_llama, input_ids):
         tiny_llama(input_ids=input_ids)
     store = open_side(tmp_path / "s")
     assert store.records and all(not r.has_payload for r in store.records if r.key != "embed.input_ids")
-    st = store.records[-1]["stats"]
+    st = store.records[-1].stats
     assert set(st) >= {"mean", "std", "min", "max", "absmax", "l2", "nan", "inf", "zero"}
     # only the input ids (needed by the input-ids gate) keep a payload
     assert len(list((tmp_path / "s" / "rank000").glob("*.safetensors"))) == 1
@@ -159,7 +159,7 @@ def test_grads_dumped(tmp_path, tiny_llama, input_ids):
         out = tiny_llama(input_ids=input_ids)
         out.logits.sum().backward()
     recs = open_side(tmp_path / "g").records
-    grads = [r for r in recs if r["io"] == "grad"]
+    grads = [r for r in recs if r.io == "grad"]
     assert {r.key for r in grads} == {f"L{i:03d}.hidden_out.grad" for i in range(4)}
 
 
@@ -205,7 +205,7 @@ def test_weight_dump(tmp_path, monkeypatch, tiny_llama):
     rec = next(r for r in store.records if r.key == "model.layers.0.mlp.up_proj.weight")
     assert torch.equal(rec.load(), tiny_llama.model.layers[0].mlp.up_proj.weight)
     # non-persistent buffers (never in a checkpoint) are marked so weights-diff can set them aside
-    persistent = {r.key: r["persistent"] for r in store.records}
+    persistent = {r.key: r.persistent for r in store.records}
     assert (
         persistent["model.rotary_emb.inv_freq"] is False and persistent["model.embed_tokens.weight"] is True
     )
@@ -253,9 +253,9 @@ def test_first_real_per_step_tags_and_warmup_guess_recorded(tmp_path, tiny_llama
                 tiny_llama(input_ids=input_ids)
                 tiny_llama(input_ids=input_ids)
     recs = open_side(tmp_path / "s").records
-    logits = [(r["step"], r["call"]) for r in recs if r.key == "final.logits"]
+    logits = [(r.step, r.call) for r in recs if r.key == "final.logits"]
     assert logits == [({"optimizer_step": 0}, 0), ({"optimizer_step": 1}, 0)]
-    guessed = [r for r in recs if r["phase"] == "warmup_guess"]
+    guessed = [r for r in recs if r.phase == "warmup_guess"]
     assert [r.key for r in guessed] == ["embed.input_ids"] and torch.equal(guessed[0].load(), dummy)
 
 
@@ -267,9 +267,9 @@ def test_tap_tags_do_not_leak_and_input_ids_tag(tmp_path):
         ffdebug.tap("tokens", torch.tensor([[5, 6, 7]]), input_ids=True)
         ffdebug.tap("loss", torch.ones(1))
     recs = {r.key: r for r in open_side(tmp_path / "s").records}
-    assert recs["reward"]["step"] == {"optimizer_step": 2, "role": "policy"}
-    assert recs["loss"]["step"] == {"optimizer_step": 2}
-    assert recs["tokens"]["step"] == {"optimizer_step": 2} and recs["tokens"]["extra"] == {"input_ids": True}
+    assert recs["reward"].step == {"optimizer_step": 2, "role": "policy"}
+    assert recs["loss"].step == {"optimizer_step": 2}
+    assert recs["tokens"].step == {"optimizer_step": 2} and recs["tokens"].extra == {"input_ids": True}
     assert recs["tokens"].has_payload and not recs["loss"].has_payload
 
 
@@ -277,7 +277,7 @@ def test_stats_of_huge_float64_do_not_crash_capture(tmp_path):
     """Sums of squares of 1e300 overflow; the stat is null and the capture goes through."""
     with ffdebug.capture(None, dir=tmp_path, side="s"):
         ffdebug.tap("big", torch.tensor([1e300, -1e300], dtype=torch.float64))
-    stats = open_side(tmp_path / "s").records[0]["stats"]
+    stats = open_side(tmp_path / "s").records[0].stats
     assert stats["l2"] is None and stats["max"] == 1e300 and stats["absmax"] == 1e300
 
 
@@ -298,10 +298,8 @@ def test_grads_follow_call_selection_and_forward_tags(tmp_path, tiny_llama, inpu
         with ffdebug.step(optimizer_step=7):
             outs = [tiny_llama(input_ids=input_ids) for _ in range(2)]
         sum(o.logits.sum() for o in outs).backward()  # outside the step context
-    grads = [r for r in open_side(tmp_path / "g").records if r["io"] == "grad"]
-    assert [(r.key, r["call"], r["step"]) for r in grads] == [
-        ("L000.hidden_out.grad", 1, {"optimizer_step": 7})
-    ]
+    grads = [r for r in open_side(tmp_path / "g").records if r.io == "grad"]
+    assert [(r.key, r.call, r.step) for r in grads] == [("L000.hidden_out.grad", 1, {"optimizer_step": 7})]
 
 
 def test_no_blocks_found_is_reported(tmp_path, capsys):
@@ -370,7 +368,7 @@ def test_stats_only_record_holds_hand_derived_statistics(tmp_path):
         ffdebug.tap("h", x)
     (rec,) = open_side(tmp_path / "s").records
     assert not rec.has_payload
-    st = rec["stats"]
+    st = rec.stats
     assert st["mean"] == 0.5 and st["std"] == math.sqrt(3.25)
     assert (st["min"], st["max"], st["absmax"]) == (-2.0, 3.0, 3.0)
     assert st["l2"] == math.sqrt(14.0)

@@ -113,9 +113,7 @@ def test_atom_pt_dumps_import(tmp_path):
     torch.save({"h": torch.ones(2)}, d / "embed_out.pt")
     store = open_side(d)
     keys = {r.key: r for r in store.records}
-    assert keys["L003.attn_out"]["layer"] == 3 and torch.equal(
-        keys["L003.attn_out"].load(), torch.arange(6.0)
-    )
+    assert keys["L003.attn_out"].layer == 3 and torch.equal(keys["L003.attn_out"].load(), torch.arange(6.0))
     assert "embed_out.h" in keys
 
 
@@ -142,7 +140,7 @@ def test_two_ranks_write_one_side_without_collision(tmp_path):
         procs.append(subprocess.Popen([sys.executable, "-c", script], env=env))
     assert [p.wait() for p in procs] == [0, 0]
     store = open_side(tmp_path / "target")
-    assert sorted((r["rank"], r["world_size"], float(r.load()[0])) for r in store.records) == [
+    assert sorted((r.rank, r.world_size, float(r.load()[0])) for r in store.records) == [
         (0, 2, 0.0),
         (1, 2, 1.0),
     ]
@@ -171,7 +169,7 @@ def test_overwrite_drops_ranks_beyond_world_size(tmp_path):
         _write_rank(side, rank, 4)
     _write_rank(side, 0, 1, overwrite=True)  # the re-run has one rank
     assert sorted(p.name for p in side.iterdir() if p.is_dir()) == ["rank000"]
-    assert [r["world_size"] for r in open_side(side).records] == [1]
+    assert [r.world_size for r in open_side(side).records] == [1]
 
 
 def test_garbage_run_json_and_missing_dir_exit_2(tmp_path):

@@ -45,7 +45,7 @@ def _block_inputs(records: list[tuple]) -> tuple[dict, dict, object]:
         if r.key == "embed.input_ids":
             ids = r
         m = _KEY.match(r.key)
-        if m and (r.get("invocation") or 0) == 0:
+        if m and r.invocation == 0:
             (ins if m.group(2) == "hidden_in" else outs).setdefault(int(m.group(1)), r)
     return ins, outs, ids
 

@@ -12,27 +12,24 @@ one matches.
 from __future__ import annotations
 
 from ffdebug.compare.metrics import compare_tensors
+from ffdebug.io.ranks import Concat, Replicated, Sum
 from ffdebug.results import StageResult
 from ffdebug.verdict import classify, is_ok
 
 
 def candidates(parts: list) -> list[tuple[str, str, object]]:
     """(reading, how, tensor) for every way to fold per-rank tensors into one."""
-    import torch
-
     out: list[tuple[str, str, object]] = []
     n = len(parts)
-    if all(tuple(p.shape) == tuple(parts[0].shape) for p in parts):
-        acc = parts[0].to(torch.float64)
-        for p in parts[1:]:
-            acc = acc + p.to(torch.float64)
-        out.append((f"sum over {n} ranks (pre-all-reduce partial sums)", "sum", acc))
+    shapes = [tuple(p.shape) for p in parts]
+    if Sum().fits(shapes):
+        out.append((f"sum over {n} ranks (pre-all-reduce partial sums)", "sum", Sum().apply(parts)))
     for dim in range(parts[0].dim()):
-        rest = [tuple(s for i, s in enumerate(p.shape) if i != dim) for p in parts]
-        if len(set(rest)) == 1:
-            out.append((f"concatenation of {n} shards along dim {dim}", f"cat:{dim}", torch.cat(parts, dim)))
-    for r, p in enumerate(parts):
-        out.append((f"rank {r} alone (replicated)", f"rank:{r}", p))
+        plan = Concat(dim)
+        if plan.fits(shapes):
+            out.append((f"concatenation of {n} shards along dim {dim}", plan.describe(), plan.apply(parts)))
+    for r in range(n):
+        out.append((f"rank {r} alone (replicated)", f"rank:{r}", Replicated(r).apply(parts)))
     return out
 
 
@@ -52,8 +49,8 @@ def diagnose(ref_tensor, parts: list) -> list[dict]:
 def explain_stage(entry: StageResult, ref_record, target_record) -> dict | None:
     """For a multi-rank target stage: the reading that matches, declared or found here."""
     declared = entry.unsharded_target
-    parts = getattr(target_record, "parts", None)
-    if not parts or len(parts) < 2:
+    parts = target_record.parts
+    if len(parts) < 2:
         return None
     info = {
         "key": entry.key,
@@ -61,7 +58,7 @@ def explain_stage(entry: StageResult, ref_record, target_record) -> dict | None:
         "declared": None if declared is None or declared["how"] == "replicated" else declared["how"],
     }
     if info["declared"]:
-        info.update(reading=target_record.how, matches=entry.ok, cos=entry.cos, rel=entry.rel)
+        info.update(reading=target_record.fold.describe(), matches=entry.ok, cos=entry.cos, rel=entry.rel)
         return info
     if entry.ok:
         return None

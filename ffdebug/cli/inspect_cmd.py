@@ -42,19 +42,19 @@ def register(app: typer.Typer) -> None:
             if stages and not any(fnmatch.fnmatchcase(rec.key, g) for g in stages):
                 continue
             rec.verify()
-            stats = rec.get("stats")
+            stats = rec.stats
             if stats is None and rec.has_payload:
                 stats = tensor_stats(rec.load())
             rows.append(
                 {
                     "key": rec.key,
-                    "layer": rec.get("layer"),
-                    "io": rec.get("io"),
-                    "call": rec.get("call"),
-                    "step": rec.get("step") or {},
-                    "rank": rec.get("rank"),
-                    "dtype": rec.get("dtype"),
-                    "shape": rec.get("shape"),
+                    "layer": rec.layer,
+                    "io": rec.io,
+                    "call": rec.call,
+                    "step": rec.step,
+                    "rank": rec.rank,
+                    "dtype": rec.dtype,
+                    "shape": list(rec.shape),
                     "stats": stats,
                     "payload": rec.has_payload,
                 }

@@ -8,8 +8,10 @@ from ffdebug import verdict as V
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, align_ranks, check_input_ids, group_calls, pair_calls
 from ffdebug.errors import FFDebugError
+from ffdebug.io.record import Record
+from ffdebug.io.side import SideStore
 from ffdebug.results import CallRef, CompareResult, StageResult, TensorMeta, worst_of
-from ffdebug.store.reader import Record, SideStore, open_side
+from ffdebug.store.reader import open_side
 from ffdebug.verdict import Severity, Threshold
 
 
@@ -184,8 +186,7 @@ def compare(
 
 def _unsharded(rec: Record) -> dict | None:
     """`{"how", "ranks"}` when ffdebug folded this record from per-rank pieces."""
-    how = rec.unsharded
-    return {"how": how, "ranks": rec.ranks} if how else None
+    return {"how": rec.fold.describe(), "ranks": len(rec.parts)} if rec.fold is not None else None
 
 
 def _nothing_paired(ref: SideStore, tgt: SideStore, pairing, filters: Filters) -> str:

@@ -19,12 +19,14 @@ import hashlib
 from dataclasses import dataclass, field
 
 from ffdebug.errors import InputIdsMismatch
-from ffdebug.store.reader import Record, SideStore
+from ffdebug.io.ranks import fold, manifest_plan
+from ffdebug.io.record import Record
+from ffdebug.io.side import SideStore
 from ffdebug.store.schema import WARMUP_PHASES, looks_like_dummy_ids
 
 
 def _tags_key(rec: Record) -> tuple:
-    step = rec.get("step") or {}
+    step = rec.step
     return tuple(sorted((str(k), str(v)) for k, v in step.items()))
 
 
@@ -53,7 +55,7 @@ class CallGroup:
     def shape_of(self, key: str) -> list | None:
         for sk in self.order:
             if sk[0] == key:
-                return list(self.records[sk].get("shape") or [])
+                return list(self.records[sk].shape)
         return None
 
 
@@ -65,15 +67,14 @@ class Filters:
     rank: int | None = None
 
     def keep(self, rec: Record, num_layers: int | None) -> bool:
-        if self.rank is not None and (rec.get("rank") or 0) != self.rank:
+        if self.rank is not None and rec.rank != self.rank:
             return False
         if self.step:
-            step = rec.get("step") or {}
-            merged = dict(step, phase=rec.get("phase"))
+            merged = dict(rec.step, phase=rec.phase)
             for k, v in self.step.items():
                 if str(merged.get(k)) != str(v):
                     return False
-        layer = rec.get("layer")
+        layer = rec.layer
         if self.layers is not None and layer is not None and not self.layers.contains(layer, num_layers):
             return False
         if self.stages and rec.key != "embed.input_ids":
@@ -83,26 +84,26 @@ class Filters:
 
 
 def group_calls(store: SideStore, filters: Filters) -> list[CallGroup]:
-    layers = [r.get("layer") for r in store.records if r.get("layer") is not None]
+    layers = [r.layer for r in store.records if r.layer is not None]
     num_layers = max(layers) + 1 if layers else None
     groups: dict[tuple, CallGroup] = {}
     for rec in store.records:
         if not filters.keep(rec, num_layers):
             continue
         # calls are numbered per tag set, phase included: warm-up call 0 and real call 0 are two calls
-        gk = (_tags_key(rec), rec.get("phase"), rec.get("call"))
+        gk = (_tags_key(rec), rec.phase, rec.call)
         g = groups.get(gk)
         if g is None:
             g = groups[gk] = CallGroup(tags=gk[0], call=gk[2], phase=gk[1])
-        sk = (rec.key, rec.get("invocation") or 0, rec.get("rank") or 0)
+        sk = (rec.key, rec.invocation, rec.rank)
         if sk in g.records:  # same key twice in one call (free taps in a loop): number them
             n = 1
-            while (rec.key, f"{rec.get('invocation') or 0}#{n}", rec.get("rank") or 0) in g.records:
+            while (rec.key, f"{rec.invocation}#{n}", rec.rank) in g.records:
                 n += 1
-            sk = (rec.key, f"{rec.get('invocation') or 0}#{n}", rec.get("rank") or 0)
+            sk = (rec.key, f"{rec.invocation}#{n}", rec.rank)
         g.records[sk] = rec
         g.order.append(sk)
-        if rec.key == "embed.input_ids" or (rec.get("extra") or {}).get("input_ids"):
+        if rec.key == "embed.input_ids" or rec.extra.get("input_ids"):
             g.input_ids = g.input_ids or rec
     for g in groups.values():
         # Engines that do not tag their warm-up: a dummy batch is a warm-up guess, never a real call.
@@ -128,7 +129,7 @@ def pick_prefill_call(groups: list[CallGroup], like: CallGroup | None = None) ->
         if like is not None:
             for sk in like.order[:64]:
                 shape = g.shape_of(sk[0])
-                if shape is not None and shape == list(like.records[sk].get("shape") or []):
+                if shape is not None and shape == list(like.records[sk].shape):
                     same += 1
         ids = g.shape_of("embed.input_ids")
         prefill = ids is not None and len(ids) >= 1 and ids[-1] > 1
@@ -195,55 +196,15 @@ def _shapes_agree(a: CallGroup, b: CallGroup) -> bool:
     """Block inputs of both calls have the same shapes (where both dumped them)."""
     for sk in a.order[:64]:
         shape = b.shape_of(sk[0])
-        if shape is not None and shape != list(a.records[sk].get("shape") or []):
+        if shape is not None and shape != list(a.records[sk].shape):
             return False
     return True
 
 
-class MergedRecord(Record):
-    """One stage folded over ranks: `how` is "sum", "cat:DIM" or "replicated" (rank 0 stands)."""
-
-    def __init__(self, parts: list[Record], how: str) -> None:
-        first = parts[0]
-        fields = dict(first.fields, rank=0, world_size=1, unsharded=how, ranks=len(parts))
-        if how.startswith("cat:"):
-            dim = int(how.split(":", 1)[1])
-            shape = list(first.get("shape") or [])
-            if shape:
-                shape[dim] = sum((p.get("shape") or shape)[dim] for p in parts)
-                fields["shape"] = shape
-        super().__init__(fields, first.rank_dir, first._tensor)
-        self.parts = parts
-        self.how = how
-
-    @property
-    def has_payload(self) -> bool:
-        return all(p.has_payload for p in self.parts)
-
-    def load(self):
-        import torch
-
-        if self.how == "replicated":
-            return self.parts[0].load()
-        tensors = [p.load() for p in self.parts]
-        if self.how == "sum":
-            acc = tensors[0].to(torch.float64)
-            for t in tensors[1:]:
-                acc = acc + t.to(torch.float64)
-            return acc.to(tensors[0].dtype) if tensors[0].dtype == torch.float64 else acc
-        return torch.cat(tensors, dim=int(self.how.split(":", 1)[1]))
-
-
-def merge_rank_records(parts: list[Record]) -> MergedRecord:
+def merge_rank_records(parts: list[Record]) -> Record:
     """Fold one stage's per-rank records as their manifest says (partial sums, shards, replicas)."""
-    parts = sorted(parts, key=lambda r: r.get("rank") or 0)
-    if any(p.get("reduction") == "partial" for p in parts):
-        return MergedRecord(parts, "sum")
-    shard = parts[0].get("shard")
-    if isinstance(shard, dict) and (shard.get("count") or 1) > 1 and shard.get("dim") is not None:
-        parts = sorted(parts, key=lambda r: (r.get("shard") or {}).get("index", 0))
-        return MergedRecord(parts, f"cat:{int(shard['dim'])}")
-    return MergedRecord(parts, "replicated")
+    plan, ordered = manifest_plan(parts)
+    return fold(ordered, plan)
 
 
 def align_ranks(group: CallGroup, other: CallGroup) -> CallGroup:

@@ -10,115 +10,18 @@ Accepted inputs for `open_side(path)`:
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any
 
-from ffdebug.errors import FFDebugError, short_reason
+from ffdebug.errors import FFDebugError
+from ffdebug.io.record import Record
+from ffdebug.io.registry import find_importer
+from ffdebug.io.side import SideStore
+from ffdebug.io.sources import StorePayload
 
-
-@dataclass
-class Record:
-    """One captured tensor: its manifest fields plus where to load it from."""
-
-    fields: dict
-    rank_dir: str | None = None
-    _tensor: Any = field(default=None, repr=False)  # in-memory tensors from importers
-
-    def __getitem__(self, name: str):
-        return self.fields.get(name)
-
-    def __getattr__(self, name: str):
-        # bridge to attribute access until the typed Record lands
-        if name.startswith("_") or name == "fields":
-            raise AttributeError(name)
-        value = self.__dict__["fields"].get(name)
-        if value is None and name in ("rank", "invocation"):
-            return 0
-        if value is None and name in ("step", "extra"):
-            return {}
-        return value
-
-    def get(self, name: str, default=None):
-        return self.fields.get(name, default)
-
-    @property
-    def key(self) -> str:
-        return self.fields["key"]
-
-    @property
-    def has_payload(self) -> bool:
-        return self._tensor is not None or bool(self.fields.get("file"))
-
-    def load(self):
-        """The tensor (memory-mapped safetensors payload, or the imported tensor)."""
-        if self._tensor is not None:
-            return self._tensor
-        name = self.fields.get("file")
-        if not name:
-            raise FFDebugError(
-                f"{self.key}: only statistics were dumped (FFDEBUG_FWD_DUMP_MODE=stats or over the "
-                "byte budget); re-run the dump with FFDEBUG_FWD_DUMP_MODE=full"
-            )
-        path = os.path.join(self.rank_dir or "", name)
-        return load_safetensors_tensor(path, self.fields.get("tensor") or "tensor")
-
-    def verify(self) -> None:
-        """Check that the payload file exists and its safetensors header covers the file."""
-        name = self.fields.get("file")
-        if self._tensor is None and name:
-            verify_safetensors(os.path.join(self.rank_dir or "", name))
-
-
-def verify_safetensors(path: str) -> None:
-    from safetensors import SafetensorError, safe_open
-
-    if not os.path.exists(path):
-        raise FFDebugError(f"{path}: payload file is missing; the store is incomplete — re-run the dump")
-    try:
-        with safe_open(path, framework="pt") as f:
-            list(f.keys())
-    except (SafetensorError, OSError, ValueError) as err:
-        raise FFDebugError(
-            f"{path}: unreadable safetensors file ({short_reason(err)}); "
-            "it may be truncated — re-run the dump"
-        ) from None
-
-
-def load_safetensors_tensor(path: str, name: str):
-    from safetensors import SafetensorError, safe_open
-
-    if not os.path.exists(path):
-        raise FFDebugError(f"{path}: payload file is missing; the store is incomplete — re-run the dump")
-    try:
-        with safe_open(path, framework="pt") as f:
-            return f.get_tensor(name)
-    except (SafetensorError, OSError, ValueError) as err:
-        raise FFDebugError(
-            f"{path}: unreadable safetensors file ({short_reason(err)}); "
-            "it may be truncated — re-run the dump"
-        ) from None
-
-
-@dataclass
-class SideStore:
-    """All records of one side, in capture order per rank."""
-
-    path: str
-    records: list[Record]
-    run: dict = field(default_factory=dict)
-    status: dict = field(default_factory=dict)  # rank -> status.json (absent for killed runs)
-    kind: str = "store"  # store | atom | safetensors
-    incomplete_lines: int = 0
-
-    @property
-    def side(self) -> str:
-        return self.run.get("side") or os.path.basename(os.path.normpath(self.path))
-
-    def keys(self) -> list[str]:
-        return [r.key for r in self.records]
+__all__ = ["Record", "SideStore", "open_side", "sides_in"]
 
 
 def _read_manifest(path: str, rank_dir: str) -> tuple[list[Record], int]:
@@ -139,11 +42,15 @@ def _read_manifest(path: str, rank_dir: str) -> tuple[list[Record], int]:
             raise FFDebugError(
                 f"{path}:{lineno}: malformed manifest line ({err.msg}); the store is damaged — re-run the dump"
             ) from None
-        if not isinstance(rec, dict) or "key" not in rec or "seq" not in rec:
+        if not isinstance(rec, dict):
             raise FFDebugError(
-                f"{path}:{lineno}: manifest record lacks 'key'/'seq'; this is not an ffdebug manifest"
+                f"{path}:{lineno}: manifest line is not a JSON object; this is not an ffdebug manifest"
             )
-        records.append(Record(rec, rank_dir))
+        record = Record.from_manifest(rec, f"{path}:{lineno}")
+        if record.file:
+            payload = StorePayload(os.path.join(rank_dir, record.file), record.tensor or "tensor")
+            record = dataclasses.replace(record, source=payload)
+        records.append(record)
     return records, partial
 
 
@@ -161,30 +68,23 @@ def sides_in(directory: str) -> list[str]:
 
 
 def open_side(path: str) -> SideStore:
-    """Open one side; raises FFDebugError with a one-line fix when `path` is not readable."""
+    """Open one side; raises FFDebugError with a one-line fix when `path` is not readable.
+
+    An ffdebug store is read here; any other path by the first importer that detects it
+    (`ffdebug.io.registry`)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FFDebugError(f"{path}: no such file or directory")
+    if os.path.isdir(path) and _is_side_dir(path):
+        return _open_store_dir(path)
+    importer = find_importer(path)
+    if importer is not None:
+        return importer.read(path)
     if os.path.isfile(path):
-        if path.endswith(".safetensors"):
-            from ffdebug.store.importers import import_safetensors_file
-
-            return import_safetensors_file(path)
-        if path.endswith((".pt", ".pth", ".bin")):
-            from ffdebug.store.importers import import_pt_files
-
-            return import_pt_files(path, [path])
         raise FFDebugError(
             f"{path}: not a dump store or tensor file; pass a side directory (e.g. DIR/ref), "
             "a .safetensors file, or a .pt file"
         )
-    if _is_side_dir(path):
-        return _open_store_dir(path)
-    pts = sorted(glob.glob(os.path.join(path, "*.pt")))
-    if pts:
-        from ffdebug.store.importers import import_pt_files
-
-        return import_pt_files(path, pts)
     sides = sides_in(path)
     if sides:
         raise FFDebugError(
@@ -197,12 +97,13 @@ def open_side(path: str) -> SideStore:
     )
 
 
-def _check_one_world_size(path: str, records: list[Record]) -> None:
+def _check_one_world_size(path: str, by_rank_dir: list[tuple[str, list[Record]]]) -> None:
     """Rank directories of one side must come from one run: stale ranks of an earlier, larger run
     would be folded in as if they were shards of this one."""
     sizes: dict = {}
-    for rec in records:
-        sizes.setdefault(rec.get("world_size"), os.path.basename(rec.rank_dir or ""))
+    for rank_dir, records in by_rank_dir:
+        for rec in records:
+            sizes.setdefault(rec.world_size, os.path.basename(rank_dir))
     if len(sizes) > 1:
         seen = ", ".join(f"{where} says {size}" for size, where in sizes.items())
         raise FFDebugError(
@@ -223,6 +124,7 @@ def _open_store_dir(path: str) -> SideStore:
         if not isinstance(run, dict):
             raise FFDebugError(f"{run_path}: run.json is not a JSON object; re-run the dump")
     records: list[Record] = []
+    by_rank_dir: list[tuple[str, list[Record]]] = []
     status: dict = {}
     partial = 0
     for rank_dir in sorted(glob.glob(os.path.join(path, "rank*"))):
@@ -231,6 +133,7 @@ def _open_store_dir(path: str) -> SideStore:
             continue
         recs, cut = _read_manifest(manifest, rank_dir)
         records.extend(recs)
+        by_rank_dir.append((rank_dir, recs))
         partial += cut
         status_path = os.path.join(rank_dir, "status.json")
         if os.path.exists(status_path):
@@ -239,6 +142,6 @@ def _open_store_dir(path: str) -> SideStore:
                     status[os.path.basename(rank_dir)] = json.load(f)
             except json.JSONDecodeError:
                 status[os.path.basename(rank_dir)] = {"complete": False}
-    _check_one_world_size(path, records)
-    records.sort(key=lambda r: (r.get("rank") or 0, r.get("seq") or 0))
+    _check_one_world_size(path, by_rank_dir)
+    records.sort(key=lambda r: (r.rank, r.seq))
     return SideStore(path=path, records=records, run=run, status=status, incomplete_lines=partial)

@@ -29,12 +29,13 @@ from ffdebug import verdict as V
 from ffdebug._chunks import CHUNK, iter_chunks
 from ffdebug.compare.metrics import compare_tensors
 from ffdebug.errors import FFDebugError
+from ffdebug.io.record import Record
 from ffdebug.results import TensorDiff, WeightsDiffResult
 from ffdebug.verdict import Severity
 from ffdebug.weights import quant
 from ffdebug.weights.names import NameMap, StackRule, build_name_map, parse_fuse, parse_stack
 from ffdebug.weights.schema import apply_hint, stacked_suggestions, suggest_renames
-from ffdebug.weights.sources import Entry, WeightSource, open_source
+from ffdebug.weights.sources import WeightSource, open_source
 from ffdebug.weights.tp import Logical, load_logical, plan_merge
 from ffdebug.weights.transforms import apply_transforms, parse_transform
 
@@ -237,19 +238,19 @@ def _check_tp_merge(value):
         raise FFDebugError(f"--tp-merge {value!r} is invalid: use auto or a dim number, e.g. 0") from None
 
 
-def _group(src: WeightSource, name_map: NameMap, side: str) -> dict[str, list[Entry]]:
+def _group(src: WeightSource, name_map: NameMap, side: str) -> dict[str, list[Record]]:
     """Entries by mapped name (insertion = file order); two names mapped onto one is an error."""
-    groups: dict[str, list[Entry]] = {}
+    groups: dict[str, list[Record]] = {}
     origin: dict[tuple[str, int], str] = {}
     for e in src.entries:
-        name = name_map.apply(e.name)
+        name = name_map.apply(e.key)
         key = (name, e.rank)
-        if key in origin and origin[key] != e.name:
+        if key in origin and origin[key] != e.key:
             raise FFDebugError(
-                f"{src.path}: {side} tensors {origin[key]} and {e.name} both map to {name}; "
+                f"{src.path}: {side} tensors {origin[key]} and {e.key} both map to {name}; "
                 "narrow --strip-prefix / --map"
             )
-        origin[key] = e.name
+        origin[key] = e.key
         groups.setdefault(name, []).append(e)
     return groups
 
@@ -328,14 +329,14 @@ class WeightsDiff:
 
     # -- building -------------------------------------------------------------------------------
 
-    def _filter(self, groups: dict[str, list[Entry]]) -> dict[str, list[Entry]]:
+    def _filter(self, groups: dict[str, list[Record]]) -> dict[str, list[Record]]:
         if not self.skip and self.layers.all:
             return groups
         known = [e[0].layer for e in groups.values() if e[0].layer is not None]
         num_layers = max(known) + 1 if known else None
         out = {}
         for name, entries in groups.items():
-            src = entries[0].name
+            src = entries[0].key
             if any(fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase(src, g) for g in self.skip):
                 self.skipped.append(name)
                 continue
@@ -381,16 +382,15 @@ class WeightsDiff:
         for name, pieces in mine.items():
             counterpart = other.get(name)
             other_shape = tuple(counterpart[0].shape) if counterpart and len(counterpart) == 1 else None
-            plan, dim, shape, note = plan_merge(pieces, other_shape, self.tp_merge)
+            fold, shape, note = plan_merge(pieces, other_shape, self.tp_merge)
             first = pieces[0]
             out[name] = Logical(
                 name=name,
-                source_name=first.name,
+                source_name=first.key,
                 entries=sorted(pieces, key=lambda e: e.rank),
                 shape=tuple(shape),
                 dtype=first.dtype,
-                plan=plan,
-                dim=dim,
+                fold=fold,
                 layer=first.layer,
                 note=note,
             )
@@ -780,7 +780,7 @@ def _cat_builder(diff: WeightsDiff, pieces: list[Logical], dim: int):
     return build
 
 
-def _split_ranks(groups: dict[str, list[Entry]]) -> dict[str, list[Entry]]:
+def _split_ranks(groups: dict[str, list[Record]]) -> dict[str, list[Record]]:
     out = {}
     for name, entries in groups.items():
         if len(entries) == 1:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ffdebug.weights.sources import Entry
+from ffdebug.io.ranks import Concat, Plan, PlanMismatch, Replicated, replica_mismatch
+from ffdebug.io.record import Record
 
 
 @dataclass
@@ -22,17 +23,27 @@ class Logical:
 
     name: str
     source_name: str  # as stored on its side
-    entries: list[Entry]  # by rank
+    entries: list[Record]  # by rank
     shape: tuple[int, ...]
     dtype: str  # stored dtype
-    plan: str = "single"  # single | replicated | concat | unmerged
-    dim: int | None = None
+    fold: Plan | None = None  # how the ranks' pieces merge (None: one piece, or unmerged)
     layer: int | None = None
     note: str | None = None
     scale: Logical | None = None  # fp8 scale companion, when dequantised
     replica_mismatch: list[int] = field(default_factory=list)  # ranks differing from rank 0
     build: object = None  # override: a callable returning the tensor (fused views)
     stacked_from: str | None = None  # source name of the stacked tensor this expert's part is cut from
+
+    @property
+    def plan(self) -> str:
+        """single | replicated | concat | unmerged (the JSON label)."""
+        if self.fold is not None:
+            return self.fold.label
+        return "single" if len(self.entries) <= 1 else "unmerged"
+
+    @property
+    def dim(self) -> int | None:
+        return self.fold.dim if isinstance(self.fold, Concat) else None
 
     @property
     def stored_name(self) -> str:
@@ -44,19 +55,17 @@ class Logical:
         return [e.rank for e in self.entries]
 
 
-def plan_merge(pieces: list[Entry], other_shape: tuple[int, ...] | None, tp_merge) -> tuple:
-    """(plan, dim, merged shape, note) for the pieces of one name."""
+def plan_merge(pieces: list[Record], other_shape: tuple[int, ...] | None, tp_merge) -> tuple:
+    """(plan or None, merged shape, note) for the pieces of one name (None: single or unmerged)."""
     shapes = [tuple(e.shape) for e in pieces]
     if len(pieces) == 1:
-        return "single", None, shapes[0], None
+        return None, shapes[0], None
     first = shapes[0]
-    metas = [e.shard for e in pieces]
-    if all(isinstance(m, dict) and m.get("dim") is not None for m in metas):
-        d = int(metas[0]["dim"])
-        return _concat(shapes, d, "manifest shard metadata")
+    if all(e.shard is not None for e in pieces):
+        return _concat(shapes, pieces[0].shard.dim, "manifest shard metadata")
     same = all(s == first for s in shapes)
     if same and (other_shape is None or tuple(other_shape) == first):
-        return "replicated", None, first, None
+        return Replicated(), first, None
     if isinstance(tp_merge, int):
         return _concat(shapes, tp_merge, f"--tp-merge {tp_merge}")
     if other_shape is not None:
@@ -64,76 +73,52 @@ def plan_merge(pieces: list[Entry], other_shape: tuple[int, ...] | None, tp_merg
         for d in range(len(first)):
             if len(other_shape) != len(first):
                 break
-            if sum(s[d] for s in shapes) != other_shape[d]:
-                continue
-            if all(s[:d] + s[d + 1 :] == other_shape[:d] + other_shape[d + 1 :] for s in shapes):
-                return "concat", d, other_shape, None
+            plan = Concat(d)
+            if plan.fits(shapes) and plan.shape(shapes) == other_shape:
+                return plan, other_shape, None
     per_rank = ", ".join(str(list(s)) for s in shapes)
     want = f" into {list(other_shape)}" if other_shape is not None else ""
-    return (
-        "unmerged",
-        None,
-        first,
-        f"per-rank shapes {per_rank} do not merge{want}; pass --tp-merge DIM",
-    )
+    return None, first, f"per-rank shapes {per_rank} do not merge{want}; pass --tp-merge DIM"
 
 
 def _concat(shapes, d: int, why: str) -> tuple:
-    nd = len(shapes[0])
-    if not -nd <= d < nd:
-        return "unmerged", None, shapes[0], f"{why}: dim {d} is out of range for shape {list(shapes[0])}"
-    d = d % nd
-    rest = {s[:d] + s[d + 1 :] for s in shapes}
-    if len(rest) != 1:
-        return "unmerged", None, shapes[0], f"{why}: pieces {[list(s) for s in shapes]} differ off dim {d}"
-    merged = list(shapes[0])
-    merged[d] = sum(s[d] for s in shapes)
-    return "concat", d, tuple(merged), None
+    try:
+        nd = len(shapes[0])
+        plan = Concat(d % nd if -nd <= d < nd else d)
+        return plan, plan.shape(shapes), None
+    except PlanMismatch as err:
+        return None, shapes[0], f"{why}: {err}"
 
 
-def order_pieces(pieces: list[Entry]) -> list[Entry]:
+def order_pieces(pieces: list[Record]) -> list[Record]:
     """Pieces in concatenation order: manifest shard index when present, else rank."""
-
-    def key(e: Entry):
-        m = e.shard if isinstance(e.shard, dict) else {}
-        return (m.get("index", e.rank) if m else e.rank, e.rank)
-
-    return sorted(pieces, key=key)
+    return sorted(pieces, key=lambda e: (e.shard.index if e.shard else e.rank, e.rank))
 
 
 def load_logical(t: Logical, dequant_piece=None):
     """Materialise a logical tensor: pieces loaded (and dequantised) one rank at a time, merged."""
-    import torch
-
     if t.build is not None:
         return t.build()
     scale_by_rank = {}
     if t.scale is not None:
         scale_by_rank = {e.rank: e for e in t.scale.entries}
 
-    def piece(e: Entry):
+    def piece(e: Record):
         x = e.load()
         if dequant_piece is not None and t.scale is not None:
             s = scale_by_rank.get(e.rank) or t.scale.entries[0]
             x = dequant_piece(x, s.load(), t.name)
         return x
 
-    if t.plan in ("single", "unmerged"):
+    if t.fold is None:
         return piece(t.entries[0])
-    if t.plan == "replicated":
+    if isinstance(t.fold, Replicated):
         base = piece(t.entries[0])
         t.replica_mismatch = []
-        for e in t.entries[1:]:
+        for e in t.entries[1:]:  # one other rank in memory at a time
             other = piece(e)
-            if other.dtype != base.dtype or not torch.equal(_bytes(other), _bytes(base)):
+            if replica_mismatch([base, other]):
                 t.replica_mismatch.append(e.rank)
             del other
         return base
-    return torch.cat([piece(e) for e in order_pieces(t.entries)], dim=t.dim)
-
-
-def _bytes(x):
-    import torch
-
-    x = x.contiguous().reshape(-1)
-    return x.view(torch.uint8) if x.dtype != torch.bool else x
+    return t.fold.apply([piece(e) for e in order_pieces(t.entries)])

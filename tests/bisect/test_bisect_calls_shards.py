@@ -69,7 +69,7 @@ def _tp_dumps(tmp_path, monkeypatch, declare: bool) -> str:
 
 def test_declared_partial_sums_are_summed_over_ranks(tmp_path, monkeypatch):
     d = _tp_dumps(tmp_path, monkeypatch, declare=True)
-    assert {r["rank"] for r in open_side(f"{d}/target").records} == {0, 1}
+    assert {r.rank for r in open_side(f"{d}/target").records} == {0, 1}
     r = ffdebug.bisect(f"{d}/ref", f"{d}/target")
     assert (r.pattern, r.verdict) == ("match", "ok")
     partial = [s for s in r.shards if s["key"].endswith("mlp.down_proj.out")]

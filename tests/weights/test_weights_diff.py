@@ -283,11 +283,12 @@ def test_weight_dump_and_entry(hf_dir, tmp_path, monkeypatch):
 
 
 def test_streaming_reader_recycles_handles(hf_dir, monkeypatch):
-    from ffdebug.weights import sources
+    from ffdebug.io import safetensors
+    from ffdebug.io.checkpoints import safetensors_records
 
-    monkeypatch.setattr(sources, "RECYCLE_BYTES", 1)
-    f = sources.SafetensorsFile(str(hf_dir / "model.safetensors"))
-    entries = f.entries()
+    monkeypatch.setattr(safetensors, "RECYCLE_BYTES", 1)
+    f = safetensors.SafetensorsFile(str(hf_dir / "model.safetensors"))
+    entries = safetensors_records(f)
     first = entries[0].load()
     assert f._handle is None  # dropped after the read: its mapped pages leave the resident set
     assert torch.equal(entries[0].load(), first)
