@@ -34,22 +34,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from reference_trainer.contracts import DATASET, ExecutionContract
-
-
-class ConfigError(ValueError):
-    """An invalid config value. ``field`` is the dotted path of the offending field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
-        self.message = message
-
-
-def require(condition: bool, field: str, message: str) -> None:
-    """Raise ``ConfigError(field, message)`` unless ``condition``; used in ``__post_init__`` checks."""
-    if not condition:
-        raise ConfigError(field, message)
-
+from reference_trainer.errors import ConfigError, require
 
 # --------------------------------------------------------------------------------------------------
 # Sections shared by every trainer

@@ -31,7 +31,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from reference_trainer.adapters.base import FIXTURES, BaseAdapter, Condition
-from reference_trainer.config import ConfigError, DataConfig
+from reference_trainer.config import DataConfig
+from reference_trainer.errors import ConfigError
 
 TINY_DATASET = FIXTURES / "tiny_dataset"
 

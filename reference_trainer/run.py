@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from reference_trainer import checkpoint as ckpt
-from reference_trainer.config import ConfigError, RunConfig
+from reference_trainer.config import RunConfig
 from reference_trainer.contracts import check_contracts
 from reference_trainer.data import (
     DatasetAcquisition,
@@ -30,6 +30,7 @@ from reference_trainer.data import (
     distributed_rank_and_size,
     load_records,
 )
+from reference_trainer.errors import ConfigError
 from reference_trainer.registry import resolve_adapter, resolve_trainer
 from reference_trainer.trainers.base import BaseTrainer, config_identity
 
