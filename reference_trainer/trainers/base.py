@@ -301,6 +301,10 @@ class BaseTrainer(ABC):
         if self._cycle_cut:  # stopped at max_steps inside the cycle; resume finishes it
             return
         self.rollout_iteration += 1
+        self._end_cycle()
+
+    def _end_cycle(self) -> None:
+        """A cycle ran to completion: no step of it is pending, so its start weights are dropped."""
         self.cycle_step = 0
         self._cycle_start = None
 
@@ -319,13 +323,17 @@ class BaseTrainer(ABC):
             self.variants.load_state_tensors(current)
 
     def _dataset_cycle(self) -> None:
-        """One accumulation window = one optimizer step; the epoch advances on clean exhaustion."""
+        """One accumulation window = one optimizer step; the epoch advances on clean exhaustion.
+
+        The window always completes (``max_steps`` and signals are checked between windows), so it
+        ends with ``cycle_step`` back at 0: the resume position of a dataset run is the sampler's
+        ``(data_epoch, batches_in_epoch)`` alone, and its checkpoints never need cycle-start weights.
+        """
         assert self.dataset is not None
         accumulation = self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
         if self._epoch_batches is None:
             self._epoch_batches = self.dataset.epoch(self.data_epoch, self.batches_in_epoch)
         self.cycle_metrics = {}
-        self.cycle_step = 0
         with self.optim.phase(self.dataset_role) as phase:
             for _ in range(accumulation):  # check_accumulation guarantees the window closes
                 batch = next(self._epoch_batches)
@@ -339,6 +347,7 @@ class BaseTrainer(ABC):
             self.data_epoch += 1
             self.batches_in_epoch = 0
             self._epoch_batches = None
+        self._end_cycle()
 
     def _checkpoint_boundary(self) -> None:
         every = self.config.checkpoint.every
@@ -468,7 +477,17 @@ class BaseTrainer(ABC):
         }
 
     def save(self) -> Path:
-        """Write (and atomically publish) a checkpoint of the current state."""
+        """Write (and atomically publish) a checkpoint of the current state.
+
+        A checkpoint inside a cycle (``cycle_step > 0``) must carry the cycle's start weights, or it
+        could not be resumed; that is checked here, when the run writes it, not when it is resumed.
+        """
+        if self.cycle_step and self._cycle_start is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: checkpoint at optimizer_step={self.optimizer_step} is inside a cycle "
+                f"({self.cycle_step} of its steps done) but the cycle's start weights were not kept; a cycle "
+                "that can be cut must run its steps through cycle_steps()"
+            )
         path = ckpt.save_checkpoint(
             self.output_dir,
             trainer_state=self.trainer_state(),
