@@ -56,6 +56,11 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+# rich is imported here, not lazily in start(): importing rich.style draws from the global python RNG,
+# whose checkpointed state must not depend on whether this process has trained before
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 import ffdebug
 from reference_trainer import checkpoint as ckpt
 from reference_trainer import evaluation
@@ -400,9 +405,6 @@ class BaseTrainer(ABC):
 
     @contextmanager
     def _progress_bar(self) -> Iterator[None]:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         console = Console(stderr=True)
         if not console.is_terminal:
             yield
@@ -532,9 +534,20 @@ class BaseTrainer(ABC):
         path.write_text("".join(line + "\n" for line in kept))
 
 
-def config_identity(config: RunConfig, fixture_digest: Mapping[str, str], world_size: int) -> dict[str, Any]:
+def config_identity(
+    config: RunConfig,
+    fixture_digest: Mapping[str, str],
+    world_size: int,
+    *,
+    inputs: Mapping[str, Mapping[str, str]],
+) -> dict[str, Any]:
     """The config/environment part of the run identity (operational fields excluded: ``max_steps``,
-    checkpoint cadence, output location)."""
+    checkpoint and evaluation cadence, output location).
+
+    ``fixture_digest`` hashes the init weights; ``inputs`` the contents of the input files
+    (``run.input_digest``: dataset records and images, the packaged prompt list), so a dataset
+    changed in place at the same path is a different run.
+    """
     import diffusers
     import transformers
 
@@ -553,6 +566,7 @@ def config_identity(config: RunConfig, fixture_digest: Mapping[str, str], world_
         },
         "world_size": world_size,
         "fixtures": dict(fixture_digest),
+        "inputs": {kind: dict(files) for kind, files in inputs.items()},
         "versions": {
             "torch": torch.__version__,
             "diffusers": diffusers.__version__,
