@@ -13,9 +13,10 @@ A config file has these top-level keys (example: ``examples/grpo/full/sd3_tiny/d
     eval:        {every: 4, prompts: [...], rewards: [{name: brightness}]}
     runtime:     {threads: 1, deterministic: true}
 
-Every error names the offending field by its dotted path (``train.group_size: must be >= 2, got 1``);
-unknown keys are errors (a typo must not silently fall back to a default). ``--set dotted.key=value``
-overrides are applied to the raw mapping before validation; values are parsed as YAML scalars/lists.
+Every error is a ``ConfigError`` (``reference_trainer.errors``) naming the offending field by its
+dotted path (``train.group_size: must be >= 2, got 1``); unknown keys are errors (a typo must not
+silently fall back to a default). ``--set dotted.key=value`` overrides are applied to the raw mapping
+before validation; values are parsed as YAML scalars/lists.
 
 PyYAML reads ``1e-3`` (no dot) as a *string* (YAML 1.1); float fields accept such numeric strings, and
 only those — any other string for a float field is an error.

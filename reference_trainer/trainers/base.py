@@ -33,6 +33,11 @@ weights (it is a pure function of weights and counters), restores the current we
 ``cycle_steps`` skips the steps already done: the trajectory equals the uninterrupted one bit for
 bit. Signals stop at cycle boundaries.
 
+A dataset cycle (one accumulation window) is never cut, since ``max_steps`` and signals are checked
+between windows: it always ends with ``cycle.steps_done`` back at 0, and a dataset run resumes from
+the sampler position ``(data_epoch, batches_in_epoch)`` alone, inside an epoch or at its end. Every
+checkpoint is checked when written: one inside a cycle must carry the cycle's start weights.
+
 The three counters are independent. Each finished optimizer step appends one record to
 ``metrics.jsonl`` (``optimizer_step`` counts steps done, so the first record has 1). Everything a cycle
 draws at random comes from ``self.generator(...)``, seeded by ``(seed, counters, purpose)``, so a run
