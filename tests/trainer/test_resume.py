@@ -46,10 +46,15 @@ def example_config(name: str) -> Path:
     return path
 
 
+FAST_EVAL = ("eval.num_inference_steps=2",)
+"""Cheaper evaluations (their records are still compared); the only override, the same for every trainer."""
+
+
 def run(name: str, output_dir: Path, max_steps: int, *, resume: str | None = None):
     from reference_trainer.run import train
 
-    return train(load(example_config(name), max_steps=max_steps), output_dir, resume=resume)
+    config = load(example_config(name), *FAST_EVAL, max_steps=max_steps)
+    return train(config, output_dir, resume=resume)
 
 
 @pytest.fixture(scope="module")
