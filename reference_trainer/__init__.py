@@ -2,8 +2,8 @@
 
 Layers, imports pointing down only (DESIGN.md §9):
 
-1. ``contracts`` (``ExecutionContract``), ``registry`` (trainers, TrainingArguments, adapters),
-   ``config`` (YAML -> frozen dataclasses);
+1. ``errors`` (``ConfigError``, ``require``), ``contracts`` (``ExecutionContract``), ``registry``
+   (trainers with their TrainingArguments, adapters), ``config`` (YAML -> frozen dataclasses);
 2. ``adapters/`` (tiny SD3 and Flux), ``sde`` / ``flow_matching`` (sampling maths), ``data``
    (grouped prompts, ``DistributedSampler`` datasets), ``rewards`` / ``advantages`` / ``feedback``
    (runtime-reward scoring of generation trainers), ``roles``

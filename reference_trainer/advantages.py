@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from reference_trainer.config import require
+from reference_trainer.errors import require
 
 AGGREGATIONS = ("sum", "gdpo")
 

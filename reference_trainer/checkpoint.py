@@ -156,11 +156,13 @@ def require_same_identity(checkpoint: Path, stored: Mapping[str, Any], current: 
         raise CheckpointError(
             f"refusing to resume from {checkpoint}: the run identity differs:\n  "
             + "\n  ".join(differences[:20])
+            + "\nresume continues the same run only: restore what changed, or train into a new --output-dir"
         )
 
 
 def file_digest(paths: list[Path], root: Path) -> dict[str, str]:
-    """``{relative path: sha256}`` of fixture files (part of the identity: same init weights)."""
+    """``{relative path: sha256}`` of files whose contents are part of the identity (fixture weights,
+    dataset records and images, the packaged prompt list)."""
     return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest() for path in paths}
 
 

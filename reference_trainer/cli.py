@@ -50,8 +50,8 @@ def _fail(error: BaseException, code: int) -> None:
 def _known_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """(usage/config errors -> exit 2, training failures -> exit 1)."""
     from reference_trainer.checkpoint import CheckpointError
-    from reference_trainer.config import ConfigError
     from reference_trainer.contracts import ContractError
+    from reference_trainer.errors import ConfigError
     from reference_trainer.optim import NonFiniteLossError
     from reference_trainer.registry import RegistryError
     from reference_trainer.rewards import RewardError

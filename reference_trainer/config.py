@@ -13,9 +13,10 @@ A config file has these top-level keys (example: ``examples/grpo/full/sd3_tiny/d
     eval:        {every: 4, prompts: [...], rewards: [{name: brightness}]}
     runtime:     {threads: 1, deterministic: true}
 
-Every error names the offending field by its dotted path (``train.group_size: must be >= 2, got 1``);
-unknown keys are errors (a typo must not silently fall back to a default). ``--set dotted.key=value``
-overrides are applied to the raw mapping before validation; values are parsed as YAML scalars/lists.
+Every error is a ``ConfigError`` (``reference_trainer.errors``) naming the offending field by its
+dotted path (``train.group_size: must be >= 2, got 1``); unknown keys are errors (a typo must not
+silently fall back to a default). ``--set dotted.key=value`` overrides are applied to the raw mapping
+before validation; values are parsed as YAML scalars/lists.
 
 PyYAML reads ``1e-3`` (no dot) as a *string* (YAML 1.1); float fields accept such numeric strings, and
 only those — any other string for a float field is an error.
@@ -34,22 +35,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from reference_trainer.contracts import DATASET, ExecutionContract
-
-
-class ConfigError(ValueError):
-    """An invalid config value. ``field`` is the dotted path of the offending field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
-        self.message = message
-
-
-def require(condition: bool, field: str, message: str) -> None:
-    """Raise ``ConfigError(field, message)`` unless ``condition``; used in ``__post_init__`` checks."""
-    if not condition:
-        raise ConfigError(field, message)
-
+from reference_trainer.errors import ConfigError, require
 
 # --------------------------------------------------------------------------------------------------
 # Sections shared by every trainer

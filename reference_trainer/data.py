@@ -31,14 +31,22 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from reference_trainer.adapters.base import FIXTURES, BaseAdapter, Condition
-from reference_trainer.config import ConfigError, DataConfig
+from reference_trainer.config import DataConfig
+from reference_trainer.errors import ConfigError
 
 TINY_DATASET = FIXTURES / "tiny_dataset"
+PROMPTS_FILE = FIXTURES / "prompts.txt"
+IMAGES_FILE = "images.safetensors"
+
+
+def default_prompts_file() -> Path:
+    """The file of the packaged tiny prompt list, read wherever a prompt list is left empty."""
+    return PROMPTS_FILE
 
 
 def default_prompts() -> tuple[str, ...]:
     """The packaged tiny prompt list (``fixtures/prompts.txt``)."""
-    lines = (FIXTURES / "prompts.txt").read_text().splitlines()
+    lines = default_prompts_file().read_text().splitlines()
     return tuple(line.strip() for line in lines if line.strip())
 
 
@@ -100,6 +108,36 @@ class ConditionCache:
 # --------------------------------------------------------------------------------------------------
 
 
+def dataset_directory(config: DataConfig) -> Path:
+    """The directory of ``data.dataset`` (``tiny`` = the packaged one)."""
+    if config.dataset is None:
+        raise ConfigError("data.dataset", "a dataset trainer needs a dataset directory (or `tiny`)")
+    return TINY_DATASET if config.dataset == "tiny" else Path(config.dataset)
+
+
+def _record_path(config: DataConfig, supervision: str, split: str) -> Path:
+    stem = {"demonstration": "demonstrations", "preference": "preferences"}[supervision]
+    filename = {"train": f"{stem}.jsonl", "heldout": f"{stem}_heldout.jsonl"}[split]
+    return dataset_directory(config) / filename
+
+
+def _existing(path: Path, why: str = "") -> Path:
+    if not path.is_file():
+        raise ConfigError("data.dataset", f"{path} not found{why}")
+    return path
+
+
+def dataset_files(config: DataConfig, supervision: str) -> list[Path]:
+    """The files of the dataset that records of ``supervision`` kind come from: the training records,
+    the held-out records when the dataset has them, and the images (part of the run identity)."""
+    heldout = _record_path(config, supervision, "heldout")
+    return [
+        _existing(_record_path(config, supervision, "train")),
+        *([heldout] if heldout.is_file() else []),
+        _existing(dataset_directory(config) / IMAGES_FILE),
+    ]
+
+
 def load_records(config: DataConfig, supervision: str, split: str = "train") -> list[dict[str, Any]]:
     """Records of ``supervision`` kind (``demonstration`` or ``preference``) with their image tensors.
 
@@ -109,17 +147,11 @@ def load_records(config: DataConfig, supervision: str, split: str = "train") -> 
     """
     from safetensors.torch import load_file
 
-    if config.dataset is None:
-        raise ConfigError("data.dataset", "a dataset trainer needs a dataset directory (or `tiny`)")
-    directory = TINY_DATASET if config.dataset == "tiny" else Path(config.dataset)
-    stem = {"demonstration": "demonstrations", "preference": "preferences"}[supervision]
-    filename = {"train": f"{stem}.jsonl", "heldout": f"{stem}_heldout.jsonl"}[split]
-    if not (directory / filename).is_file():
-        needed = " (eval.every > 0 needs held-out records)" if split == "heldout" else ""
-        raise ConfigError("data.dataset", f"{directory / filename} not found{needed}")
-    images = load_file(directory / "images.safetensors")["images"]
+    needed = " (eval.every > 0 needs held-out records)" if split == "heldout" else ""
+    path = _existing(_record_path(config, supervision, split), needed)
+    images = load_file(_existing(dataset_directory(config) / IMAGES_FILE))["images"]
     records = []
-    for line in (directory / filename).read_text().splitlines():
+    for line in path.read_text().splitlines():
         raw = json.loads(line)
         record: dict[str, Any] = {"prompt": raw["prompt"]}
         for key in ("image", "chosen", "rejected"):
@@ -178,6 +210,12 @@ class DatasetAcquisition:
         """The batches of ``data_epoch``, skipping the first ``skip_batches`` (resume)."""
         self.sampler.set_epoch(data_epoch)
         loader = DataLoader(
-            self.records, batch_size=self.batch_size, sampler=self.sampler, collate_fn=collate
+            self.records,
+            batch_size=self.batch_size,
+            sampler=self.sampler,
+            collate_fn=collate,
+            # its own generator: else each new iterator draws its base seed from the global torch RNG,
+            # and a run resumed mid-epoch (one iterator more) would checkpoint another RNG state
+            generator=torch.Generator().manual_seed(self.sampler.seed + data_epoch),
         )
         return itertools.islice(iter(loader), skip_batches, None)

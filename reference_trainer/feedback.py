@@ -24,8 +24,9 @@ import torch
 
 import ffdebug
 from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor
-from reference_trainer.config import RewardSpec, TrainingArguments, require
+from reference_trainer.config import RewardSpec, TrainingArguments
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
+from reference_trainer.errors import require
 from reference_trainer.rewards import RewardProcessor
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from reference_trainer.config import require
+from reference_trainer.errors import require
 
 SIGMA_SCHEMES = ("logit_normal", "uniform")
 

@@ -19,12 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 import ffdebug
-from reference_trainer.config import OptimizerConfig
+
+if TYPE_CHECKING:  # a type only: the YAML config module is not imported at run time
+    from reference_trainer.config import OptimizerConfig
 
 MUON_DEFAULTS = dict(nesterov=True, ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5)
 

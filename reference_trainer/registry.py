@@ -1,9 +1,16 @@
-"""Registries: trainers, their TrainingArguments, and model adapters, each keyed by a short name.
+"""Registries: trainers with their TrainingArguments, and model adapters, each keyed by a short name.
 
-The list of trainers is *derived* from the registries, never hard-coded: a trainer exists when both a
-trainer class and a TrainingArguments class are registered under the same name (``trainer_names``);
-a name registered on one side only is an error that ``resolve_trainer`` reports. Built-in trainers and
-adapters register themselves when their modules are imported; ``load_builtins`` imports every module of
+One decorator registers a trainer and its arguments together::
+
+    @register_trainer("grpo", arguments=GRPOArguments)
+    class GRPOTrainer(BaseTrainer): ...
+
+Both classes keep declaring their own ``execution_contract`` (``reference_trainer.contracts``); the
+pair is checked for equality before any model loads (``run.build_trainer``) and statically by
+``ffdebug review`` (``trainer-contract-match``). The list of trainers is *derived* from the registries,
+never hard-coded (``trainer_names``); a name registered on one side only (possible only by editing the
+tables directly) is an error that ``resolve_trainer`` reports. Built-in trainers and adapters register
+themselves when their modules are imported; ``load_builtins`` imports every module of
 ``reference_trainer.trainers`` and ``reference_trainer.adapters`` (discovered with ``pkgutil``), so a
 new algorithm file is picked up by being added to that package.
 
@@ -31,31 +38,44 @@ class RegistryError(KeyError):
         return str(self.args[0])
 
 
-def _register(table: dict[str, type], kind: str, name: str) -> Callable[[type[T]], type[T]]:
+def _check_free(table: dict[str, type], kind: str, name: str, cls: type) -> None:
+    existing = table.get(name)
+    if existing is not None and existing is not cls:
+        raise RegistryError(f"{kind} {name!r} is already registered to {existing.__qualname__}")
+
+
+def _register(table: dict[str, type], name: str, cls: type) -> None:
+    table[name] = cls
+    cls.registry_name = name  # type: ignore[attr-defined]
+
+
+def register_trainer(name: str, *, arguments: type) -> Callable[[type[T]], type[T]]:
+    """Class decorator: register a ``BaseTrainer`` subclass under ``name`` together with ``arguments``,
+    the TrainingArguments dataclass its ``train:`` section is parsed into (module docstring)."""
+    if not isinstance(arguments, type):
+        raise RegistryError(
+            f"trainer {name!r}: arguments= must be a TrainingArguments class, got {arguments!r}"
+        )
+
     def decorator(cls: type[T]) -> type[T]:
-        existing = table.get(name)
-        if existing is not None and existing is not cls:
-            raise RegistryError(f"{kind} {name!r} is already registered to {existing.__qualname__}")
-        table[name] = cls
-        cls.registry_name = name  # type: ignore[attr-defined]
+        _check_free(TRAINERS, "trainer", name, cls)
+        _check_free(ARGUMENTS, "arguments", name, arguments)
+        _register(TRAINERS, name, cls)
+        _register(ARGUMENTS, name, arguments)
         return cls
 
     return decorator
 
 
-def register_trainer(name: str) -> Callable[[type[T]], type[T]]:
-    """Class decorator: register a ``BaseTrainer`` subclass under ``name``."""
-    return _register(TRAINERS, "trainer", name)
-
-
-def register_arguments(name: str) -> Callable[[type[T]], type[T]]:
-    """Class decorator: register the TrainingArguments dataclass of the trainer ``name``."""
-    return _register(ARGUMENTS, "arguments", name)
-
-
 def register_adapter(name: str) -> Callable[[type[T]], type[T]]:
     """Class decorator: register a ``BaseAdapter`` subclass under ``name``."""
-    return _register(ADAPTERS, "adapter", name)
+
+    def decorator(cls: type[T]) -> type[T]:
+        _check_free(ADAPTERS, "adapter", name, cls)
+        _register(ADAPTERS, name, cls)
+        return cls
+
+    return decorator
 
 
 def load_builtins() -> None:

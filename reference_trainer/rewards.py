@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 from PIL import Image
 
-from reference_trainer.config import RewardSpec
+if TYPE_CHECKING:  # a type only: the YAML config module is not imported at run time
+    from reference_trainer.config import RewardSpec
+
 
 REWARD_KINDS = ("pointwise", "groupwise")
 

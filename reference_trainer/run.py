@@ -6,7 +6,9 @@
 3. pin threads and determinism, seed the global RNGs;
 4. acquisition inputs: prompts (generation), or the dataset plus the accumulation-window check
    and, with evaluation, the held-out records (dataset) — still before any model loads;
-5. on resume, compare the config part of the run identity with the checkpoint's — before loading;
+5. the run identity's config part (``config_identity``: config, fixture weights, and the content
+   hashes of the input files, ``input_digest``); on resume, compare it with the checkpoint's —
+   before loading;
 6. load the adapter's pipeline from its fixture, build the trainer (roles, optimizer);
 7. on resume, check the full identity (incl. parameter / optimizer layout) and restore the state.
 """
@@ -21,15 +23,19 @@ import numpy as np
 import torch
 
 from reference_trainer import checkpoint as ckpt
-from reference_trainer.config import ConfigError, RunConfig
+from reference_trainer.config import RunConfig
 from reference_trainer.contracts import check_contracts
 from reference_trainer.data import (
     DatasetAcquisition,
     PromptSource,
+    dataset_directory,
+    dataset_files,
     default_prompts,
+    default_prompts_file,
     distributed_rank_and_size,
     load_records,
 )
+from reference_trainer.errors import ConfigError
 from reference_trainer.registry import resolve_adapter, resolve_trainer
 from reference_trainer.trainers.base import BaseTrainer, config_identity
 
@@ -68,7 +74,10 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
     # 5. resume pre-check on the config part of the identity
     adapter = resolve_adapter(config.model.adapter)(config.model.fixture_dir)
     identity = config_identity(
-        config, ckpt.file_digest(adapter.fixture_files(), adapter.fixture_dir), world_size
+        config,
+        ckpt.file_digest(adapter.fixture_files(), adapter.fixture_dir),
+        world_size,
+        inputs=input_digest(config, trainer_cls),
     )
     checkpoint = ckpt.resolve_resume(resume, output_dir) if resume else None
     if checkpoint is not None:
@@ -84,6 +93,25 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
     if checkpoint is not None:
         trainer.resume(checkpoint)
     return trainer
+
+
+def input_digest(config: RunConfig, trainer_cls: type[BaseTrainer]) -> dict[str, dict[str, str]]:
+    """``{"dataset" | "prompts": {file name: sha256}}``: the contents of the files the config points at.
+
+    A dataset trainer hashes its dataset's records (training, and held-out when present) and images;
+    the packaged prompt list is hashed whenever a prompt list defaults to it (a generation trainer's
+    ``data.prompts`` or ``eval.prompts`` left empty). Files are hashed whether or not this segment of
+    the run reads them (``eval.every`` is operational and may change on resume).
+    """
+    inputs: dict[str, dict[str, str]] = {}
+    generation = trainer_cls.execution_contract.acquisition == "generation"
+    if (generation and not config.data.prompts) or not config.eval.prompts:
+        prompts_file = default_prompts_file()
+        inputs["prompts"] = ckpt.file_digest([prompts_file], prompts_file.parent)
+    if not generation:
+        files = dataset_files(config.data, trainer_cls.supervision)  # type: ignore[arg-type]
+        inputs["dataset"] = ckpt.file_digest(files, dataset_directory(config.data))
+    return inputs
 
 
 def _acquisition_inputs(

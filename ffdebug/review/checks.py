@@ -561,19 +561,24 @@ class _ClassInfo:
     node: ast.ClassDef
     bases: list[str]
     registered: dict[str, str]  # "trainer" / "arguments" -> registry name
+    arguments_class: str | None  # register_trainer(NAME, arguments=CLASS): the CLASS name
     contract: ast.expr | None
     contract_node: ast.AST | None
     abstract: bool
 
 
-def _registration(src: SourceFile, cls: ast.ClassDef) -> dict[str, str]:
-    out = {}
+def _registration(src: SourceFile, cls: ast.ClassDef) -> tuple[dict[str, str], str | None]:
+    """(registry names by kind, the class passed as ``register_trainer(NAME, arguments=CLASS)``)."""
+    out, arguments_class = {}, None
     for d in cls.decorator_list:
         if isinstance(d, ast.Call) and d.args and isinstance(d.args[0], ast.Constant):
             name = last_name(d.func)
             if name in ("register_trainer", "register_arguments"):
                 out[name.split("_", 1)[1]] = str(d.args[0].value)
-    return out
+            arguments = keyword(d, "arguments") if name == "register_trainer" else None
+            if arguments is not None:
+                arguments_class = last_name(arguments)
+    return out, arguments_class
 
 
 def _class_info(src: SourceFile, cls: ast.ClassDef) -> _ClassInfo:
@@ -595,11 +600,13 @@ def _class_info(src: SourceFile, cls: ast.ClassDef) -> _ClassInfo:
             if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
         )
     )
+    registered, arguments_class = _registration(src, cls)
     return _ClassInfo(
         src,
         cls,
         [last_name(b) or "" for b in cls.bases],
-        _registration(src, cls),
+        registered,
+        arguments_class,
         contract,
         contract_node,
         abstract,
@@ -649,6 +656,11 @@ class _ClassIndex:
                     value = _contract_value(stmt.value, {})
                     if isinstance(value, tuple):  # NAME = ExecutionContract("generation", "none")
                         self.constants[stmt.targets[0].id] = value
+        for infos in list(self.classes.values()):  # register_trainer(NAME, arguments=CLASS) registers CLASS
+            for info in infos:
+                arguments = self.info(info.arguments_class) if info.arguments_class else None
+                if arguments is not None and "trainer" in info.registered:
+                    arguments.registered.setdefault("arguments", info.registered["trainer"])
 
     def info(self, name: str) -> _ClassInfo | None:
         found = self.classes.get(name)
@@ -747,16 +759,17 @@ def check_trainer_registered(project: Project) -> Iterator[Finding]:
                     "trainer-registered",
                     info.src,
                     info.node,
-                    f"trainer {info.node.name} is not registered: add @register_trainer(NAME) and "
-                    "@register_arguments(NAME) on its TrainingArguments",
+                    f"trainer {info.node.name} is not registered: add "
+                    "@register_trainer(NAME, arguments=ITS_TRAINING_ARGUMENTS)",
                 )
             name = info.registered.get("trainer")
-            if name and name not in arguments:
+            if name and name not in arguments and info.arguments_class is None:
                 yield _at(
                     "trainer-registered",
                     info.src,
                     info.node,
-                    f"trainer {name!r} has no TrainingArguments registered with @register_arguments({name!r})",
+                    f"trainer {name!r} has no TrainingArguments: register them with "
+                    f"@register_trainer({name!r}, arguments=...)",
                 )
             name = info.registered.get("arguments")
             if name and name not in trainers:

@@ -33,6 +33,11 @@ weights (it is a pure function of weights and counters), restores the current we
 ``cycle_steps`` skips the steps already done: the trajectory equals the uninterrupted one bit for
 bit. Signals stop at cycle boundaries.
 
+A dataset cycle (one accumulation window) is never cut, since ``max_steps`` and signals are checked
+between windows: it always ends with ``cycle.steps_done`` back at 0, and a dataset run resumes from
+the sampler position ``(data_epoch, batches_in_epoch)`` alone, inside an epoch or at its end. Every
+checkpoint is checked when written: one inside a cycle must carry the cycle's start weights.
+
 The three counters are independent. Each finished optimizer step appends one record to
 ``metrics.jsonl`` (``optimizer_step`` counts steps done, so the first record has 1). Everything a cycle
 draws at random comes from ``self.generator(...)``, seeded by ``(seed, counters, purpose)``, so a run
@@ -55,6 +60,11 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
+
+# rich is imported here, not lazily in start(): importing rich.style draws from the global python RNG,
+# whose checkpointed state must not depend on whether this process has trained before
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import ffdebug
 from reference_trainer import checkpoint as ckpt
@@ -301,6 +311,10 @@ class BaseTrainer(ABC):
         if self._cycle_cut:  # stopped at max_steps inside the cycle; resume finishes it
             return
         self.rollout_iteration += 1
+        self._end_cycle()
+
+    def _end_cycle(self) -> None:
+        """A cycle ran to completion: no step of it is pending, so its start weights are dropped."""
         self.cycle_step = 0
         self._cycle_start = None
 
@@ -319,13 +333,17 @@ class BaseTrainer(ABC):
             self.variants.load_state_tensors(current)
 
     def _dataset_cycle(self) -> None:
-        """One accumulation window = one optimizer step; the epoch advances on clean exhaustion."""
+        """One accumulation window = one optimizer step; the epoch advances on clean exhaustion.
+
+        The window always completes (``max_steps`` and signals are checked between windows), so it
+        ends with ``cycle_step`` back at 0: the resume position of a dataset run is the sampler's
+        ``(data_epoch, batches_in_epoch)`` alone, and its checkpoints never need cycle-start weights.
+        """
         assert self.dataset is not None
         accumulation = self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
         if self._epoch_batches is None:
             self._epoch_batches = self.dataset.epoch(self.data_epoch, self.batches_in_epoch)
         self.cycle_metrics = {}
-        self.cycle_step = 0
         with self.optim.phase(self.dataset_role) as phase:
             for _ in range(accumulation):  # check_accumulation guarantees the window closes
                 batch = next(self._epoch_batches)
@@ -339,6 +357,7 @@ class BaseTrainer(ABC):
             self.data_epoch += 1
             self.batches_in_epoch = 0
             self._epoch_batches = None
+        self._end_cycle()
 
     def _checkpoint_boundary(self) -> None:
         every = self.config.checkpoint.every
@@ -391,9 +410,6 @@ class BaseTrainer(ABC):
 
     @contextmanager
     def _progress_bar(self) -> Iterator[None]:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         console = Console(stderr=True)
         if not console.is_terminal:
             yield
@@ -468,7 +484,17 @@ class BaseTrainer(ABC):
         }
 
     def save(self) -> Path:
-        """Write (and atomically publish) a checkpoint of the current state."""
+        """Write (and atomically publish) a checkpoint of the current state.
+
+        A checkpoint inside a cycle (``cycle_step > 0``) must carry the cycle's start weights, or it
+        could not be resumed; that is checked here, when the run writes it, not when it is resumed.
+        """
+        if self.cycle_step and self._cycle_start is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: checkpoint at optimizer_step={self.optimizer_step} is inside a cycle "
+                f"({self.cycle_step} of its steps done) but the cycle's start weights were not kept; a cycle "
+                "that can be cut must run its steps through cycle_steps()"
+            )
         path = ckpt.save_checkpoint(
             self.output_dir,
             trainer_state=self.trainer_state(),
@@ -513,9 +539,20 @@ class BaseTrainer(ABC):
         path.write_text("".join(line + "\n" for line in kept))
 
 
-def config_identity(config: RunConfig, fixture_digest: Mapping[str, str], world_size: int) -> dict[str, Any]:
+def config_identity(
+    config: RunConfig,
+    fixture_digest: Mapping[str, str],
+    world_size: int,
+    *,
+    inputs: Mapping[str, Mapping[str, str]],
+) -> dict[str, Any]:
     """The config/environment part of the run identity (operational fields excluded: ``max_steps``,
-    checkpoint cadence, output location)."""
+    checkpoint and evaluation cadence, output location).
+
+    ``fixture_digest`` hashes the init weights; ``inputs`` the contents of the input files
+    (``run.input_digest``: dataset records and images, the packaged prompt list), so a dataset
+    changed in place at the same path is a different run.
+    """
     import diffusers
     import transformers
 
@@ -534,6 +571,7 @@ def config_identity(config: RunConfig, fixture_digest: Mapping[str, str], world_
         },
         "world_size": world_size,
         "fixtures": dict(fixture_digest),
+        "inputs": {kind: dict(files) for kind, files in inputs.items()},
         "versions": {
             "torch": torch.__version__,
             "diffusers": diffusers.__version__,

@@ -39,15 +39,15 @@ import torch
 import ffdebug
 from reference_trainer import evaluation
 from reference_trainer.adapters.base import Condition
-from reference_trainer.config import TrainingArguments, require
+from reference_trainer.config import TrainingArguments
 from reference_trainer.contracts import GENERATION_NO_FEEDBACK, ExecutionContract
+from reference_trainer.errors import require
 from reference_trainer.flow_matching import interpolate, predicted_x0, sample_sigmas
 from reference_trainer.losses.dmd2 import dmd_generator_loss, fake_score_loss
-from reference_trainer.registry import register_arguments, register_trainer
+from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.base import BaseTrainer
 
 
-@register_arguments("dmd2")
 @dataclass(frozen=True, kw_only=True)
 class DMD2Arguments(TrainingArguments):
     """``train:`` section of a DMD2 run."""
@@ -98,7 +98,7 @@ class DMD2Phase:
     z: torch.Tensor
 
 
-@register_trainer("dmd2")
+@register_trainer("dmd2", arguments=DMD2Arguments)
 class DMD2Trainer(BaseTrainer):
     """DMD2 (module docstring)."""
 

@@ -30,17 +30,16 @@ import torch
 
 import ffdebug
 from reference_trainer.adapters.base import Condition, Trajectory
-from reference_trainer.config import require
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.data import repeat_groups
+from reference_trainer.errors import require
 from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
 from reference_trainer.losses import grpo as grpo_losses
-from reference_trainer.registry import register_arguments, register_trainer
+from reference_trainer.registry import register_trainer
 from reference_trainer.sde import flow_sde_step
 from reference_trainer.trainers.base import BaseTrainer
 
 
-@register_arguments("grpo")
 @dataclass(frozen=True, kw_only=True)
 class GRPOArguments(GenerationRewardArguments):
     """``train:`` section of a GRPO run (defaults: flow_grpo ``config/base.py`` where it has one).
@@ -108,7 +107,7 @@ class GRPOSamples:
     advantages: torch.Tensor  # [B] fp32
 
 
-@register_trainer("grpo")
+@register_trainer("grpo", arguments=GRPOArguments)
 class GRPOTrainer(BaseTrainer):
     """Flow-GRPO (module docstring)."""
 

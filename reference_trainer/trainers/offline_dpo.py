@@ -38,15 +38,15 @@ import ffdebug
 from reference_trainer import evaluation
 from reference_trainer.adapters.base import Condition
 from reference_trainer.adapters.sampling import VelocityFn
-from reference_trainer.config import DatasetTrainingArguments, require
+from reference_trainer.config import DatasetTrainingArguments
 from reference_trainer.contracts import DATASET, ExecutionContract
+from reference_trainer.errors import require
 from reference_trainer.flow_matching import check_sigma_sampling, sample_sigmas
 from reference_trainer.losses.dpo import diffusion_dpo_loss, pair_errors
-from reference_trainer.registry import register_arguments, register_trainer
+from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.base import BaseTrainer
 
 
-@register_arguments("offline_dpo")
 @dataclass(frozen=True, kw_only=True)
 class OfflineDPOArguments(DatasetTrainingArguments):
     """``train:`` section of an offline Diffusion-DPO run."""
@@ -74,7 +74,7 @@ class OfflineDPOArguments(DatasetTrainingArguments):
         check_sigma_sampling(self.sigma_scheme, self.sigma_min, self.sigma_max)
 
 
-@register_trainer("offline_dpo")
+@register_trainer("offline_dpo", arguments=OfflineDPOArguments)
 class OfflineDPOTrainer(BaseTrainer):
     """Diffusion-DPO on a fixed preference dataset (module docstring)."""
 

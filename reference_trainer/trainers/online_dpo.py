@@ -29,17 +29,16 @@ import torch
 
 import ffdebug
 from reference_trainer.adapters.base import Condition
-from reference_trainer.config import require
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.data import repeat_groups
+from reference_trainer.errors import require
 from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
 from reference_trainer.flow_matching import check_sigma_sampling, sample_sigmas
 from reference_trainer.losses.dpo import diffusion_dpo_loss, pair_errors
-from reference_trainer.registry import register_arguments, register_trainer
+from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.base import BaseTrainer
 
 
-@register_arguments("online_dpo")
 @dataclass(frozen=True, kw_only=True)
 class OnlineDPOArguments(GenerationRewardArguments):
     """``train:`` section of an online Diffusion-DPO run.
@@ -100,7 +99,7 @@ def best_worst_pairs(advantages: torch.Tensor, group_ids: torch.Tensor) -> tuple
     return torch.stack(chosen), torch.stack(rejected)
 
 
-@register_trainer("online_dpo")
+@register_trainer("online_dpo", arguments=OnlineDPOArguments)
 class OnlineDPOTrainer(BaseTrainer):
     """Online Diffusion-DPO (module docstring)."""
 

@@ -29,15 +29,15 @@ import torch
 
 import ffdebug
 from reference_trainer import evaluation
-from reference_trainer.config import DatasetTrainingArguments, require
+from reference_trainer.config import DatasetTrainingArguments
 from reference_trainer.contracts import DATASET, ExecutionContract
+from reference_trainer.errors import require
 from reference_trainer.flow_matching import check_sigma_sampling, interpolate, sample_sigmas
 from reference_trainer.losses.sft import flow_matching_loss
-from reference_trainer.registry import register_arguments, register_trainer
+from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.base import BaseTrainer
 
 
-@register_arguments("sft")
 @dataclass(frozen=True, kw_only=True)
 class SFTArguments(DatasetTrainingArguments):
     """``train:`` section of an SFT run."""
@@ -62,7 +62,7 @@ class SFTArguments(DatasetTrainingArguments):
         check_sigma_sampling(self.sigma_scheme, self.sigma_min, self.sigma_max)
 
 
-@register_trainer("sft")
+@register_trainer("sft", arguments=SFTArguments)
 class SFTTrainer(BaseTrainer):
     """Velocity-MSE finetuning of the transformer on (prompt, image) demonstrations."""
 

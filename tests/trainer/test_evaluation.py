@@ -77,8 +77,8 @@ def test_eval_needs_heldout_records_before_any_model_loads(tmp_path, monkeypatch
     from trainer_utils import example
 
     from reference_trainer.adapters.sd3 import SD3TinyAdapter
-    from reference_trainer.config import ConfigError
     from reference_trainer.data import TINY_DATASET
+    from reference_trainer.errors import ConfigError
     from reference_trainer.run import build_trainer
 
     dataset = tmp_path / "data"

@@ -10,7 +10,7 @@ from framework_utils import GRPO_CONFIG, REPO, load
 
 
 def test_validation_errors_name_the_field():
-    from reference_trainer.config import ConfigError
+    from reference_trainer.errors import ConfigError
 
     cases = {
         "train.group_size=1": r"^train\.group_size: must be >= 2",
@@ -33,7 +33,7 @@ def test_validation_errors_name_the_field():
 
 def test_sde_rollouts_need_two_steps_and_sigma_ranges_are_checked_at_load():
     """A one-step Flow-SDE rollout has no σ_1 to stand in at σ = 1: a config error, not a failure at step 1."""
-    from reference_trainer.config import ConfigError
+    from reference_trainer.errors import ConfigError
 
     online_dpo = REPO / "examples/online_dpo/full/sd3_tiny/default.yaml"
     with pytest.raises(ConfigError, match=r"^train\.num_inference_steps: must be >= 2 with noise_level=0\.7"):

@@ -19,7 +19,7 @@ SFT_CONFIG = REPO / "examples/sft/full/sd3_tiny/default.yaml"
 def test_open_accumulation_window_is_a_config_error_before_training(monkeypatch, tmp_path):
     """8 records, batch 2 -> 4 batches per epoch; gradient_accumulation_steps=3 never closes."""
     from reference_trainer.adapters.sd3 import SD3TinyAdapter
-    from reference_trainer.config import ConfigError
+    from reference_trainer.errors import ConfigError
     from reference_trainer.run import build_trainer
 
     def no_loading(self):

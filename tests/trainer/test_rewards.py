@@ -7,11 +7,11 @@ import torch
 from PIL import Image
 
 from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor
+from reference_trainer.config import RewardSpec
 from reference_trainer.rewards import (
     Reward,
     RewardError,
     RewardProcessor,
-    RewardSpec,
     build_reward,
     register_reward,
     registered_rewards,

@@ -14,7 +14,7 @@ from trainer_utils import (
     variant_state,
 )
 
-from reference_trainer.config import ConfigError
+from reference_trainer.errors import ConfigError
 
 
 def test_offline_dpo_trains_against_a_frozen_reference(tmp_path):
