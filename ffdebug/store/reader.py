@@ -1,11 +1,12 @@
-"""Read one side of a dump store (or a foreign dump) into a list of records.
+"""Read one side of a dump store (or a foreign dump) into a list of typed records.
 
 Accepted inputs for `open_side(path)`:
-- an ffdebug side directory (`run.json` and/or `rankNNN/manifest.jsonl`);
+- an ffdebug side directory (`run.json` and/or `rankNNN/manifest.jsonl`), read here: every
+  manifest line becomes a `Record` (`ffdebug.io.record`), its fields type-checked once;
 - a weight dump directory written by `maybe_dump_weights_and_exit` (same format);
-- ATOM-style `.pt` dumps (a directory of `.pt` files or one file), loaded with
-  `torch.load(weights_only=True)` only;
-- a `.safetensors` file (each tensor becomes a record).
+- anything a registered importer detects (`ffdebug.io.registry`): built in are ATOM-style `.pt`
+  dumps (a directory of `.pt` files or one file, loaded weights-only) and a `.safetensors` file
+  (each tensor becomes a record, read when loaded).
 """
 
 from __future__ import annotations
