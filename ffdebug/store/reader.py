@@ -11,7 +11,6 @@ Accepted inputs for `open_side(path)`:
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -28,6 +27,10 @@ __all__ = ["Record", "SideStore", "open_side", "sides_in"]
 def _read_manifest(path: str, rank_dir: str) -> tuple[list[Record], int]:
     records: list[Record] = []
     partial = 0
+
+    def payload(file: str, tensor: str) -> StorePayload:
+        return StorePayload(os.path.join(rank_dir, file), tensor)
+
     with open(path, encoding="utf-8", errors="replace") as f:
         data = f.read()
     lines = data.split("\n")
@@ -47,11 +50,7 @@ def _read_manifest(path: str, rank_dir: str) -> tuple[list[Record], int]:
             raise FFDebugError(
                 f"{path}:{lineno}: manifest line is not a JSON object; this is not an ffdebug manifest"
             )
-        record = Record.from_manifest(rec, f"{path}:{lineno}")
-        if record.file:
-            payload = StorePayload(os.path.join(rank_dir, record.file), record.tensor or "tensor")
-            record = dataclasses.replace(record, source=payload)
-        records.append(record)
+        records.append(Record.from_manifest(rec, f"{path}:{lineno}", payload))
     return records, partial
 
 
