@@ -61,9 +61,14 @@ class Record:
     source: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def from_manifest(cls, obj: dict, where: str, source=None) -> Record:
-        """A record from one parsed manifest line; `where` is `file:line` for messages."""
-        return cls(**_checked_fields(obj, where), source=source)
+    def from_manifest(cls, obj: dict, where: str, payload=None) -> Record:
+        """A record from one parsed manifest line; `where` is `file:line` for messages.
+        `payload(file, tensor)` builds the source of a record that names a payload file."""
+        fields = _checked_fields(obj, where)
+        source = None
+        if payload is not None and fields["file"]:
+            source = payload(fields["file"], fields["tensor"] or "tensor")
+        return cls(**fields, source=source)
 
     @property
     def has_payload(self) -> bool:
@@ -103,61 +108,41 @@ class Record:
 # ------------------------------------------------------------------------------------------------
 # manifest field checks
 
+_REQUIRED = object()
+_INT, _STR, _DICT, _BOOL = (int,), (str,), (dict,), (bool,)  # exact types: True is not an int here
+_WANT = {_INT: "an integer", _STR: "a string", _DICT: "an object", _BOOL: "a boolean"}
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+# field -> (accepted types, value when absent or null; _REQUIRED: neither is allowed)
+_SPEC: dict[str, tuple[tuple, object]] = {
+    "key": (_STR, _REQUIRED),
+    "seq": (_INT, _REQUIRED),
+    "side": (_STR, None),
+    "rank": (_INT, 0),
+    "world_size": (_INT, None),
+    "call": (_INT, None),
+    "invocation": (_INT, 0),
+    "phase": (_STR, None),
+    "step": (_DICT, {}),
+    "layer": (_INT, None),
+    "layer_class": (_STR, None),
+    "module_class": (_STR, None),
+    "module_path": (_STR, None),
+    "io": (_STR, "out"),
+    "dtype": (_STR, None),
+    "stats": (_DICT, None),
+    "reduction": (_STR, "full"),
+    "file": (_STR, None),
+    "tensor": (_STR, None),
+    "persistent": (_BOOL, None),
+    "over_budget": (_BOOL, False),
+    "extra": (_DICT, {}),
+}
+_CHECKED = frozenset(_SPEC) | {"shape", "shard"}
 
 
 def _kind(v) -> str:
-    return (
-        "null"
-        if v is None
-        else {dict: "object", list: "array", str: "string", bool: "boolean"}.get(type(v), type(v).__name__)
-    )
-
-
-class _Fields:
-    def __init__(self, obj: dict, where: str) -> None:
-        self.obj, self.where = obj, where
-
-    def bad(self, name: str, want: str) -> FFDebugError:
-        got = self.obj.get(name)
-        return FFDebugError(
-            f"{self.where}: manifest field '{name}' must be {want}, got {_kind(got)} {_short(got)}; "
-            "the store is damaged or not an ffdebug manifest — re-run the dump"
-        )
-
-    def int(self, name: str, default=None, nullable: bool = False):
-        v = self.obj.get(name, default)
-        if v is None and (nullable or default is not None):
-            return default
-        if not _is_int(v):
-            raise self.bad(name, "an integer" + (" or null" if nullable else ""))
-        return v
-
-    def str(self, name: str, default=None, nullable: bool = True):
-        v = self.obj.get(name, default)
-        if v is None and (nullable or default is not None):
-            return default
-        if not isinstance(v, str):
-            raise self.bad(name, "a string" + (" or null" if nullable else ""))
-        return v
-
-    def dict(self, name: str, nullable: bool):
-        v = self.obj.get(name)
-        if v is None:
-            return None if nullable else {}
-        if not isinstance(v, dict):
-            raise self.bad(name, "an object" + (" or null" if nullable else ""))
-        return v
-
-    def bool(self, name: str, default):
-        v = self.obj.get(name, default)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise self.bad(name, "a boolean" + (" or null" if default is None else ""))
-        return v
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(v), type(v).__name__)
 
 
 def _short(v) -> str:
@@ -165,61 +150,48 @@ def _short(v) -> str:
     return text if len(text) <= 40 else text[:39] + "…"
 
 
+def _bad(where: str, name: str, want: str, got) -> FFDebugError:
+    return FFDebugError(
+        f"{where}: manifest field '{name}' must be {want}, got {_kind(got)} {_short(got)}; "
+        "the store is damaged or not an ffdebug manifest — re-run the dump"
+    )
+
+
 def _checked_fields(obj: dict, where: str) -> dict:
-    f = _Fields(obj, where)
     if "key" not in obj or "seq" not in obj:
         raise FFDebugError(f"{where}: manifest record lacks 'key'/'seq'; this is not an ffdebug manifest")
+    fields: dict = {}
+    for name, (types, default) in _SPEC.items():
+        v = obj.get(name)
+        if v is None:
+            if default is _REQUIRED:
+                raise _bad(where, name, _WANT[types], v)
+            v = dict(default) if type(default) is dict else default
+        elif type(v) not in types:
+            nullable = "" if default is _REQUIRED or default is not None else " or null"
+            raise _bad(where, name, _WANT[types] + nullable, v)
+        fields[name] = v
+    if fields["reduction"] not in REDUCTIONS:
+        raise _bad(where, "reduction", f"one of {', '.join(REDUCTIONS)}", fields["reduction"])
     shape = obj.get("shape")
     if shape is None:
-        shape = ()
-    elif not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
-        raise f.bad("shape", "an array of non-negative integers")
-    reduction = f.str("reduction", "full")
-    if reduction not in REDUCTIONS:
-        raise FFDebugError(
-            f"{where}: manifest field 'reduction' must be one of {', '.join(REDUCTIONS)}, got {reduction!r}; "
-            "the store is damaged or not an ffdebug manifest — re-run the dump"
-        )
-    fields = {
-        "key": f.str("key", nullable=False),
-        "seq": f.int("seq"),
-        "side": f.str("side"),
-        "rank": f.int("rank", 0),
-        "world_size": f.int("world_size", nullable=True),
-        "call": f.int("call", nullable=True),
-        "invocation": f.int("invocation", 0),
-        "phase": f.str("phase"),
-        "step": f.dict("step", nullable=False),
-        "layer": f.int("layer", nullable=True),
-        "layer_class": f.str("layer_class"),
-        "module_class": f.str("module_class"),
-        "module_path": f.str("module_path"),
-        "io": f.str("io", "out"),
-        "dtype": f.str("dtype"),
-        "shape": tuple(shape),
-        "stats": f.dict("stats", nullable=True),
-        "shard": _shard(f),
-        "reduction": reduction,
-        "file": f.str("file"),
-        "tensor": f.str("tensor"),
-        "persistent": f.bool("persistent", None),
-        "over_budget": f.bool("over_budget", False),
-        "extra": f.dict("extra", nullable=False),
-    }
-    fields["unknown"] = {k: v for k, v in obj.items() if k not in fields}
+        fields["shape"] = ()
+    elif type(shape) is not list or not all(type(s) is int and s >= 0 for s in shape):
+        raise _bad(where, "shape", "an array of non-negative integers", shape)
+    else:
+        fields["shape"] = tuple(shape)
+    fields["shard"] = _shard(obj.get("shard"), where)
+    fields["unknown"] = {k: v for k, v in obj.items() if k not in _CHECKED}
     return fields
 
 
-def _shard(f: _Fields) -> ShardSpec | None:
-    raw = f.dict("shard", nullable=True)
+def _shard(raw, where: str) -> ShardSpec | None:
     if raw is None:
         return None
-    want = "an object {dim, index, count} of integers"
+    want = "an object {dim, index, count} of integers with 0 <= index < count"
+    if type(raw) is not dict:
+        raise _bad(where, "shard", want + " or null", raw)
     vals = {k: raw.get(k) for k in ("dim", "index", "count")}
-    if (
-        not all(_is_int(v) for v in vals.values())
-        or vals["count"] < 1
-        or not 0 <= vals["index"] < vals["count"]
-    ):
-        raise f.bad("shard", want + " with 0 <= index < count")
+    if not all(type(v) is int for v in vals.values()) or not 0 <= vals["index"] < vals["count"]:
+        raise _bad(where, "shard", want, raw)
     return ShardSpec(**vals)

@@ -1,16 +1,16 @@
-"""Read one side of a dump store (or a foreign dump) into a list of records.
+"""Read one side of a dump store (or a foreign dump) into a list of typed records.
 
 Accepted inputs for `open_side(path)`:
-- an ffdebug side directory (`run.json` and/or `rankNNN/manifest.jsonl`);
+- an ffdebug side directory (`run.json` and/or `rankNNN/manifest.jsonl`), read here: every
+  manifest line becomes a `Record` (`ffdebug.io.record`), its fields type-checked once;
 - a weight dump directory written by `maybe_dump_weights_and_exit` (same format);
-- ATOM-style `.pt` dumps (a directory of `.pt` files or one file), loaded with
-  `torch.load(weights_only=True)` only;
-- a `.safetensors` file (each tensor becomes a record).
+- anything a registered importer detects (`ffdebug.io.registry`): built in are ATOM-style `.pt`
+  dumps (a directory of `.pt` files or one file, loaded weights-only) and a `.safetensors` file
+  (each tensor becomes a record, read when loaded).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -27,6 +27,10 @@ __all__ = ["Record", "SideStore", "open_side", "sides_in"]
 def _read_manifest(path: str, rank_dir: str) -> tuple[list[Record], int]:
     records: list[Record] = []
     partial = 0
+
+    def payload(file: str, tensor: str) -> StorePayload:
+        return StorePayload(os.path.join(rank_dir, file), tensor)
+
     with open(path, encoding="utf-8", errors="replace") as f:
         data = f.read()
     lines = data.split("\n")
@@ -46,11 +50,7 @@ def _read_manifest(path: str, rank_dir: str) -> tuple[list[Record], int]:
             raise FFDebugError(
                 f"{path}:{lineno}: manifest line is not a JSON object; this is not an ffdebug manifest"
             )
-        record = Record.from_manifest(rec, f"{path}:{lineno}")
-        if record.file:
-            payload = StorePayload(os.path.join(rank_dir, record.file), record.tensor or "tensor")
-            record = dataclasses.replace(record, source=payload)
-        records.append(record)
+        records.append(Record.from_manifest(rec, f"{path}:{lineno}", payload))
     return records, partial
 
 
