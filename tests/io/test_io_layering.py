@@ -80,13 +80,7 @@ ANALYSIS = ["store", "io", "weights", "compare"]
     "package",
     [
         *ANALYSIS,
-        pytest.param(
-            "bisect",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bisect builds its conclusion with report.bisect_text until it moves to report/",
-            ),
-        ),
+        "bisect",
     ],
 )
 def test_analysis_does_not_import_report(package):
