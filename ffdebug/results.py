@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ffdebug.coverage import Coverage
 from ffdebug.verdict import PatternName, Severity, at_least, worst
 
 
@@ -63,6 +64,7 @@ class StageResult:
     unsharded_ref: dict | None = None  # {"how", "ranks"}: ffdebug folded this side's ranks
     unsharded_target: dict | None = None
     severity_rank0: Severity | None = None  # before a shard reading explained the ranks
+    per_rank: bool = False  # one of several target ranks, each compared with the reference
 
     @property
     def ok(self) -> bool:
@@ -162,6 +164,17 @@ class CompareResult:
     notes: list[str] = field(default_factory=list)
     stats_only: bool = False
     records: list = field(default_factory=list, repr=False)  # (ref, target) Record per stage
+    shards: list[dict] = field(default_factory=list)  # multi-rank readings (declared or inferred)
+    coverage: Coverage = field(default_factory=Coverage)
+    allow_partial: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.coverage.complete
+
+    def exit_code(self) -> int:
+        """1 at or above fail-on; else 4 when something was left out (unless allowed); else 0."""
+        return exit_code(self.failed(), self.coverage, self.allow_partial)
 
     @property
     def first_divergence(self) -> StageResult | None:
@@ -180,7 +193,7 @@ class CompareResult:
         return self.first_at_or_above(fail_on or self.fail_on) is not None
 
     def __bool__(self) -> bool:
-        return not self.failed()
+        return self.exit_code() == 0
 
     def to_json(self) -> dict:
         first, first_ni = self.first_divergence, self.first_non_invariant
@@ -201,8 +214,21 @@ class CompareResult:
             "notes": self.notes,
             "stats_only": self.stats_only,
             "fail_on": self.fail_on.value,
-            "passed": not self.failed(),
+            "passed": self.exit_code() == 0,
+            "complete": self.complete,
+            "coverage": self.coverage.to_json(),
+            "allow_partial": self.allow_partial,
+            "shards": self.shards,
         }
+
+
+def exit_code(failed: bool, coverage: Coverage, allow_partial: bool) -> int:
+    """The exit code of a verdict: 1 failed; 4 incomplete (0 with `allow_partial`); 0."""
+    if failed:
+        return 1
+    if not coverage.complete and not allow_partial:
+        return 4
+    return 0
 
 
 @dataclass
@@ -288,12 +314,22 @@ class BisectResult:
     warmup_skipped: int = 0
     notes: list[str] = field(default_factory=list)
     conclusion: str = ""  # the closing sentence, written by ffdebug.report.bisect_text.conclude
+    coverage: Coverage = field(default_factory=Coverage)
+    allow_partial: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.coverage.complete
+
+    def exit_code(self) -> int:
+        """1 when the judgement is at or above fail-on; else 4 when incomplete; else 0."""
+        return exit_code(self.failed(), self.coverage, self.allow_partial)
 
     def failed(self, fail_on: Severity | str | None = None) -> bool:
         return at_least(self.judgement, fail_on or self.fail_on)
 
     def __bool__(self) -> bool:
-        return not self.failed()
+        return self.exit_code() == 0
 
     def to_json(self) -> dict:
         sub = None
@@ -320,7 +356,10 @@ class BisectResult:
             "target": self.target_path,
             "notes": self.notes,
             "fail_on": self.fail_on.value,
-            "passed": not self.failed(),
+            "passed": self.exit_code() == 0,
+            "complete": self.complete,
+            "coverage": self.coverage.to_json(),
+            "allow_partial": self.allow_partial,
             "conclusion": self.conclusion,
         }
 
@@ -415,6 +454,16 @@ class InvarianceResult:
     exact: bool = False
     notes: list[str] = field(default_factory=list)
     conclusion: str = ""
+    coverage: Coverage = field(default_factory=Coverage)
+    allow_partial: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.coverage.complete
+
+    def exit_code(self) -> int:
+        """1 failed; 4 when stages were left out (unless allowed); else 0."""
+        return exit_code(self.failed(), self.coverage, self.allow_partial)
 
     @property
     def verdict(self) -> Severity:
@@ -443,7 +492,7 @@ class InvarianceResult:
         return self.verdict.at_least(self.fail_on)
 
     def __bool__(self) -> bool:
-        return not self.failed()
+        return self.exit_code() == 0
 
     def to_json(self) -> dict:
         fni, fsb = self.first_non_invariant, self.first_slot_bug
@@ -458,7 +507,16 @@ class InvarianceResult:
             "single": self.single_path,
             "notes": self.notes,
             "fail_on": self.fail_on.value,
-            "passed": not self.failed(),
+            "passed": self.exit_code() == 0,
+            "complete": self.complete,
+            "coverage": {
+                "paired": self.coverage.paired,
+                "sides": {k: v.to_json() for k, v in self.coverage.sides.items()},
+                "stats_only": self.coverage.stats_only,
+                "selected_out": self.coverage.selected_out,
+                "missing": self.coverage.missing,
+            },
+            "allow_partial": self.allow_partial,
             "conclusion": self.conclusion,
         }
 

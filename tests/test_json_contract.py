@@ -34,6 +34,23 @@ COMPARE_TOP = {
     "stats_only": bool,
     "fail_on": str,
     "passed": bool,
+    "complete": bool,
+    "coverage": dict,
+    "allow_partial": bool,
+    "shards": list,
+}
+COVERAGE = {
+    "paired": int,
+    "kinds": list,
+    "only_ref": list,
+    "only_target": list,
+    "final_compared": bool,
+    "sides": dict,
+    "ranks": dict,
+    "calls": dict,
+    "stats_only": int,
+    "selected_out": list,
+    "missing": list,
 }
 STAGE_KEYS = {
     # documented
@@ -100,6 +117,9 @@ BISECT_TOP = {
     "notes": list,
     "fail_on": str,
     "passed": bool,
+    "complete": bool,
+    "coverage": dict,
+    "allow_partial": bool,
     "conclusion": str,
 }
 FIRST_DIVERGENCE = {
@@ -248,6 +268,17 @@ def test_compare_json_contract(demo_dir):
         assert s["severity"] in SEVERITIES
     assert "noise_rel" in data["stages"][0]  # a noise run was given: every stage reports it
     check(data["first_divergence"], STAGE_KEYS, STAGE_OPTIONAL, where="compare.first_divergence")
+    check(data["coverage"], COVERAGE, where="compare.coverage")
+    for kind in data["coverage"]["kinds"]:
+        check(kind, {"kind": str, "ref": int, "target": int, "paired": int}, where="coverage.kinds")
+    for side in ("ref", "target"):
+        check(
+            data["coverage"]["sides"][side],
+            {"finished": (bool, type(None)), "ranks": list, "over_budget": int},
+        )
+    check(data["coverage"]["ranks"], {"compared": list, "missing": list}, where="coverage.ranks")
+    check(data["coverage"]["calls"], {"only_ref": list, "only_target": list}, where="coverage.calls")
+    assert data["complete"] is True and data["coverage"]["missing"] == []
 
 
 def test_bisect_json_contract(demo_dir):
@@ -265,6 +296,7 @@ def test_bisect_json_contract(demo_dir):
     for c in data["calls"]:
         check(c, {"call": OPT_INT, "step": dict, "pattern": str, "verdict": str}, where="bisect.calls")
     check(data["call"], {"call": OPT_INT, "step": dict}, where="bisect.call")
+    check(data["coverage"], COVERAGE, where="bisect.coverage")
     assert data["conclusion"].endswith("FAILED")
 
 

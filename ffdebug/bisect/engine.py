@@ -4,7 +4,8 @@ the sub-stage inside the first bad layer (dump-bisect phases 4 and 5).
 Pipeline:
   1. compare the two sides (input-ids gate, call pairing with warm-up set aside, ranks folded,
      float64 metrics, bands, noise calibration) — `ffdebug.compare.engine.compare`;
-  2. multi-rank target stages that disagree: try partial sums / shard concatenation (`shards`);
+  2. (in compare) multi-rank target stages: declared folds, replicas compared rank by rank, and
+     partial sums / shard concatenations tried when they disagree (`compare.shards`);
   3. per paired call, the layer error budget and the pattern (`pattern`); optionally re-run the
      target blocks on the reference's inputs to tell local from inherited error (`attribution`);
   4. inside the focus layer, the first block-level stage and the first sub-stage whose own step
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 
 from ffdebug import verdict as V
 from ffdebug.bisect import pattern as pat
-from ffdebug.bisect import shards
 from ffdebug.bisect.substage import first_lossy
 from ffdebug.models.blocks import declared_class, parse_layer_class_spec
 from ffdebug.results import (
@@ -26,7 +26,6 @@ from ffdebug.results import (
     CallRef,
     CallSummary,
     ClassSummary,
-    CompareResult,
     LayerRow,
     StageResult,
     worst_of,
@@ -41,26 +40,6 @@ def _relabel(stages: list[StageResult], spec: str | None) -> None:
     for e in stages:
         if e.layer is not None:
             e.layer_class = declared_class(parsed, e.layer) or e.layer_class
-
-
-def _explain_shards(result: CompareResult, notes: list[str]) -> list[dict]:
-    """Multi-rank target stages: the reading that matches; re-grade those explained."""
-    out = []
-    for e, (r, t) in zip(result.stages, result.records):
-        info = shards.explain_stage(e, r, t)
-        if info is None:
-            continue
-        out.append(info)
-        if not info["declared"] and info["matches"]:
-            e.severity_rank0 = e.severity
-            e.severity, e.cos, e.rel, e.finding = Severity.OK, info["cos"], info["rel"], "shard_reading"
-            e.notes.append(f"target ranks match as the {info['explained_by']}; declare it in the dump")
-    if any(i["matches"] and not i["declared"] for i in out):
-        notes.append(
-            "some target stages are per-rank pieces of the reference's tensor (see shards); tag them "
-            "with reduction='partial' or shard={dim,index,count} so they are folded automatically"
-        )
-    return out
 
 
 EXACT_PREFIX_SIGNAL = "error appears after exactly equal stages in the same dtype"
@@ -176,6 +155,7 @@ def bisect(
     layer_class: str | None = None,
     model_ref: str | None = None,
     model_target: str | None = None,
+    allow_partial: bool = False,
 ) -> BisectResult:
     """Localise the first divergence of `target` from `ref` (paths or opened stores).
 
@@ -197,10 +177,10 @@ def bisect(
         thresholds=tuple(thresholds),
         noise=noise,
         fail_on=fail_on,
+        allow_partial=allow_partial,
     )
     notes = list(result.notes)
     _relabel(result.stages, layer_class)
-    shard_info = _explain_shards(result, notes)
 
     # one analysis per paired call; the first call that is not a clean match is the one reported
     index = {id(e): i for i, e in enumerate(result.stages)}
@@ -238,10 +218,12 @@ def bisect(
         calls=calls,
         fail_on=V.parse_fail_on(fail_on),
         signal=analysis.signal,
-        shards=shard_info,
+        shards=result.shards,
         attribution=attribution,
         warmup_skipped=result.warmup_skipped,
         notes=notes,
+        coverage=result.coverage,
+        allow_partial=allow_partial,
     )
 
 

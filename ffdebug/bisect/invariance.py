@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ffdebug import verdict as V
 from ffdebug.compare.metrics import compare_tensors
+from ffdebug.coverage import Coverage, side_coverage, side_sentences
 from ffdebug.errors import FFDebugError, InputIdsMismatch
 from ffdebug.results import InvarianceResult, SlotCompare, SlotStage
 from ffdebug.verdict import Severity
@@ -61,6 +62,7 @@ def slot_invariance(
     call: int | None = None,
     fail_on: Severity | str = Severity.DRIFT,
     exact: bool = False,
+    allow_partial: bool = False,
 ) -> InvarianceResult:
     """Compare every slot of a batched run with slot 0 (and slot 0 with a single-prompt run)."""
     import fnmatch
@@ -78,11 +80,13 @@ def slot_invariance(
     out: list[SlotStage] = []
     notes: list[str] = []
     skipped = []
+    stats_only = []
+    not_in_single = []
     for r in recs:
         if stages and not any(fnmatch.fnmatchcase(r.key, g) for g in stages):
             continue
         if not r.has_payload:
-            skipped.append(r.key)
+            stats_only.append(r.key)
             continue
         t = r.load()
         parts = split_slots(t, slots, slot_dim)
@@ -108,11 +112,31 @@ def slot_invariance(
             one = split_slots(st, 1, slot_dim) if st.dim() > slot_dim and st.shape[slot_dim] == 1 else [st]
             if one and tuple(one[0].shape) == tuple(parts[0].shape):
                 entry.single = _cmp(one[0], parts[0], 0, "single-prompt run")
+        if single_store is not None and entry.single is None:
+            not_in_single.append(r.key)
         out.append(entry)
+    coverage = Coverage(paired=len(out), sides={"batched": side_coverage(store)})
+    if single_store is not None:
+        coverage.sides["single"] = side_coverage(single_store)
+    for label, side in coverage.sides.items():
+        coverage.missing.extend(side_sentences(label, side))
     if skipped:
-        notes.append(
-            f"{len(skipped)} stage(s) not split into {slots} slots along dim {slot_dim} (e.g. {skipped[0]})"
+        coverage.missing.append(
+            f"{len(skipped)} stage(s) not split into {slots} slots along dim {slot_dim}: {', '.join(skipped[:8])}"
+            + (" …" if len(skipped) > 8 else "")
         )
+    if stats_only:
+        coverage.stats_only = len(stats_only)
+        coverage.missing.append(
+            f"{len(stats_only)} stage(s) dumped as statistics only: slots cannot be compared"
+        )
+    if not_in_single:
+        coverage.missing.append(
+            f"{len(not_in_single)} stage(s) without a same-shape counterpart in the single-prompt run: "
+            + ", ".join(not_in_single[:8])
+        )
+    if stages:
+        coverage.selected_out.append(f"--stages {' '.join(stages)}")
     if not out:
         raise FFDebugError(
             f"{store.path}: no stage has {slots} slots along dim {slot_dim}; check --slots / --slot-dim"
@@ -126,4 +150,6 @@ def slot_invariance(
         fail_on=V.parse_fail_on(fail_on),
         exact=exact,
         notes=notes,
+        coverage=coverage,
+        allow_partial=allow_partial,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from ffdebug.cli.common import (
+    ALLOW_PARTIAL_OPT,
     DIR_OPT,
     FAIL_ON_HELP,
     JSON_OPT,
@@ -73,6 +74,7 @@ def register(app: typer.Typer) -> None:
             False, "--all", help="Show every stage, not only the first bad layer."
         ),
         fail_on: str = typer.Option(Severity.DIVERGE.value, "--fail-on", help=FAIL_ON_HELP),
+        allow_partial: bool = ALLOW_PARTIAL_OPT,
         json_out: bool = JSON_OPT,
     ) -> None:
         from ffdebug.bisect.engine import bisect
@@ -90,6 +92,7 @@ def register(app: typer.Typer) -> None:
             thresholds=tuple(threshold or ()),
             noise=noise,
             fail_on=fail,
+            allow_partial=allow_partial,
             layer_class=layer_class,
             model_ref=model_ref,
             model_target=model_target,
@@ -108,4 +111,4 @@ def register(app: typer.Typer) -> None:
             print_bisect(result, all_stages=all_stages)
             if html:
                 print(f"HTML report: {html}")
-        raise typer.Exit(1 if result.failed() else 0)
+        raise typer.Exit(result.exit_code())

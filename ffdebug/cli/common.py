@@ -26,6 +26,11 @@ NOISE_OPT = typer.Option(
     None, "--noise", help="A noise side: the reference run twice, or in the target's dtype."
 )
 JSON_OPT = typer.Option(False, "--json", help="Machine-readable output with the stable keys.")
+ALLOW_PARTIAL_OPT = typer.Option(
+    False,
+    "--allow-partial",
+    help="Exit 0 (not 4) when everything compared is fine but something was left out; the output still says what.",
+)
 
 
 def handles_errors(fn):

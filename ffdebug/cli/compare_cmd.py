@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from ffdebug.cli.common import (
+    ALLOW_PARTIAL_OPT,
     DIR_OPT,
     FAIL_ON_HELP,
     JSON_OPT,
@@ -53,6 +54,7 @@ def register(app: typer.Typer) -> None:
             None, "--fail-on", help=FAIL_ON_HELP + " Default diverge (drift with --exact)."
         ),
         problems: bool = typer.Option(False, "--problems", help="Show only stages that are not ok."),
+        allow_partial: bool = ALLOW_PARTIAL_OPT,
         json_out: bool = JSON_OPT,
     ) -> None:
         from ffdebug.compare.engine import compare
@@ -70,6 +72,7 @@ def register(app: typer.Typer) -> None:
             noise=noise,
             exact=exact,
             fail_on=fail,
+            allow_partial=allow_partial,
         )
         if json_out:
             emit_json(result.to_json())
@@ -77,4 +80,4 @@ def register(app: typer.Typer) -> None:
             from ffdebug.report.text import print_compare
 
             print_compare(result, only_problems=problems)
-        raise typer.Exit(1 if result.failed() else 0)
+        raise typer.Exit(result.exit_code())

@@ -7,6 +7,7 @@ import os
 import typer
 
 from ffdebug.cli.common import (
+    ALLOW_PARTIAL_OPT,
     FAIL_ON_HELP,
     STAGES_OPT,
     STEP_OPT,
@@ -79,6 +80,7 @@ def register(app: typer.Typer) -> None:
             "--fail-on",
             help=FAIL_ON_HELP + " Default drift: identical prompts must agree.",
         ),
+        allow_partial: bool = ALLOW_PARTIAL_OPT,
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
         from ffdebug.bisect.invariance import slot_invariance
@@ -93,6 +95,7 @@ def register(app: typer.Typer) -> None:
             call=call,
             fail_on=check_fail_on(fail_on),
             exact=exact,
+            allow_partial=allow_partial,
         )
         from ffdebug.report.bisect_text import conclude
 
@@ -103,4 +106,4 @@ def register(app: typer.Typer) -> None:
             from ffdebug.report.bisect_text import print_invariance
 
             print_invariance(result)
-        raise typer.Exit(1 if result.failed() else 0)
+        raise typer.Exit(result.exit_code())

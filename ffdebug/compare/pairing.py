@@ -19,7 +19,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from ffdebug.errors import InputIdsMismatch
-from ffdebug.io.ranks import fold, manifest_plan
+from ffdebug.io.ranks import Replicated, fold, manifest_plan
 from ffdebug.io.record import Record
 from ffdebug.io.side import SideStore
 from ffdebug.store.schema import WARMUP_PHASES, looks_like_dummy_ids
@@ -255,3 +255,112 @@ def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]) -> None:
                 f"input ids differ at {where}, first at position {pos}: ref {int(r[tuple(pos)])} vs "
                 f"target {int(t[tuple(pos)])} (fix tokenization first)"
             )
+
+
+@dataclass
+class StageUnit:
+    """One reference stage and what it is compared with: one target record, a fold of the
+    target's ranks the manifest declares, or the target's per-rank replicas (`replicas`: each is
+    compared with the reference, and a fold that explains them is tried when they disagree)."""
+
+    group: CallGroup  # the reference's call group
+    sk: tuple  # the reference's stage key (key, invocation, rank)
+    ref: Record
+    target: Record
+    replicas: tuple[Record, ...] = ()
+
+    @property
+    def target_ranks(self) -> set[int]:
+        if self.replicas:
+            return {p.rank for p in self.replicas}
+        return {p.rank for p in self.target.parts} if self.target.parts else {self.target.rank}
+
+
+@dataclass
+class StagePairing:
+    """The stages of one paired call: units to compare, and the records left on one side."""
+
+    units: list[StageUnit]
+    only_ref: list[Record]
+    only_target: list[Record]
+
+
+def _by_stage(group: CallGroup) -> tuple[list[tuple], dict[tuple, list[Record]]]:
+    """(key, invocation) -> the records of every rank, in first-capture order."""
+    order: list[tuple] = []
+    parts: dict[tuple, list[Record]] = {}
+    for sk in group.order:
+        stage = (sk[0], sk[1])
+        if stage not in parts:
+            parts[stage] = []
+            order.append(stage)
+        parts[stage].append(group.records[sk])
+    return order, parts
+
+
+def pair_stages(rg: CallGroup, tg: CallGroup) -> StagePairing:
+    """Pair the stages of one paired call across ranks.
+
+    Same ranks on both sides: rank r with rank r. One rank each (also `--rank N` against a
+    single-rank reference): stage with stage. A single-rank reference against several target
+    ranks: each stage's ranks folded as the manifest declares (partial sums, shards), else every
+    rank is a replica compared with the reference. Otherwise both sides are folded to one rank."""
+    ref_ranks, tgt_ranks = rg.ranks(), tg.ranks()
+    if ref_ranks == tgt_ranks:
+        return _pair_exact(rg, tg)
+    if len(tgt_ranks) > 1 and len(ref_ranks) == 1:
+        return _pair_replicas(rg, tg)
+    if len(tgt_ranks) > 1:
+        tg = align_ranks(tg, rg)
+    if len(ref_ranks) > 1:
+        rg = align_ranks(rg, tg)
+    return _pair_by_stage(rg, tg)
+
+
+def _pair_exact(rg: CallGroup, tg: CallGroup) -> StagePairing:
+    units, only_ref = [], []
+    for sk in rg.order:
+        t = tg.records.get(sk)
+        if t is None:
+            only_ref.append(rg.records[sk])
+        else:
+            units.append(StageUnit(rg, sk, rg.records[sk], t))
+    only_target = [tg.records[sk] for sk in tg.order if sk not in rg.records]
+    return StagePairing(units, only_ref, only_target)
+
+
+def _pair_by_stage(rg: CallGroup, tg: CallGroup) -> StagePairing:
+    """One rank on each side (whatever its number): pair by (key, invocation)."""
+    tgt = {(sk[0], sk[1]): tg.records[sk] for sk in tg.order}
+    ref_stages = {(sk[0], sk[1]) for sk in rg.order}
+    units, only_ref = [], []
+    for sk in rg.order:
+        t = tgt.get((sk[0], sk[1]))
+        if t is None:
+            only_ref.append(rg.records[sk])
+        else:
+            units.append(StageUnit(rg, sk, rg.records[sk], t))
+    only_target = [tg.records[sk] for sk in tg.order if (sk[0], sk[1]) not in ref_stages]
+    return StagePairing(units, only_ref, only_target)
+
+
+def _pair_replicas(rg: CallGroup, tg: CallGroup) -> StagePairing:
+    order, parts = _by_stage(tg)
+    ref_stages = {(sk[0], sk[1]): sk for sk in rg.order}
+    units, only_ref = [], []
+    for sk in rg.order:
+        pieces = parts.get((sk[0], sk[1]))
+        if pieces is None:
+            only_ref.append(rg.records[sk])
+            continue
+        if len(pieces) == 1:
+            units.append(StageUnit(rg, sk, rg.records[sk], pieces[0]))
+            continue
+        plan, ordered = manifest_plan(pieces)
+        if isinstance(plan, Replicated):
+            ordered = tuple(sorted(pieces, key=lambda r: r.rank))
+            units.append(StageUnit(rg, sk, rg.records[sk], fold(ordered, plan), replicas=ordered))
+        else:
+            units.append(StageUnit(rg, sk, rg.records[sk], fold(ordered, plan)))
+    only_target = [r for stage in order if stage not in ref_stages for r in parts[stage]]
+    return StagePairing(units, only_ref, only_target)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from ffdebug.report.text import compare_table, fmt, numbers, severity_cell
+from ffdebug.report.text import compare_table, coverage_word, fmt, numbers, print_coverage, severity_cell
 from ffdebug.results import SLOT_MEANING, BisectResult, InvarianceResult
 from ffdebug.verdict import PatternName
 
@@ -19,7 +19,7 @@ PATTERN_WORDS = {
 
 def bisect_sentence(result: BisectResult) -> str:
     """One plain sentence: layer, class, stage, pattern, then PASSED / FAILED."""
-    word = "FAILED" if result.failed() else "PASSED"
+    word = coverage_word(result)
     first, p = result.first_divergence, result.pattern
     if first is None:
         tail = f" ({result.warmup_skipped} warm-up call(s) set aside)" if result.warmup_skipped else ""
@@ -115,6 +115,7 @@ def print_bisect(result: BisectResult, console: Console | None = None, all_stage
         )
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
+    print_coverage(result.coverage, console)
     console.print(result.conclusion or bisect_sentence(result), highlight=False, markup=False)
 
 
@@ -131,7 +132,7 @@ def _ranges(xs: list[int]) -> str:
 
 
 def invariance_sentence(result: InvarianceResult) -> str:
-    word = "FAILED" if result.failed() else "PASSED"
+    word = coverage_word(result)
     first = result.first_non_invariant
     if first is None:
         return f"All {len(result.stages)} stages are bit-identical across {result.slots} slots. {word}"
@@ -162,4 +163,5 @@ def print_invariance(result: InvarianceResult, console: Console | None = None) -
     console.print(table)
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
+    print_coverage(result.coverage, console)
     console.print(invariance_sentence(result), highlight=False, markup=False)

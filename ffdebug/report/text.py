@@ -117,12 +117,27 @@ def describe_stage(e: StageResult) -> str:
     if e.finding == "shape_mismatch":
         nums.append(f"shape {e.ref.shape} vs {e.target.shape}")
     where = f"layer {e.layer}{cls}, {e.stage}" if e.layer is not None else e.key
+    if e.per_rank:
+        where += f" on target rank {e.rank}"
     return f"{where}: {e.severity}" + (f" ({', '.join(nums)})" if nums else "")
+
+
+def coverage_word(result) -> str:
+    """The sentence's ending: `FAILED`; `; also not compared: …. FAILED` when a failed run also left
+    things out; `FAILED (incomplete: …)` for exit 4; `PASSED (partial, allowed by --allow-partial:
+    …)` when it was allowed; else `PASSED`."""
+    code = result.exit_code()
+    missing = "; ".join(result.coverage.missing)
+    if code == 1:
+        return (f"Also not compared: {missing}. " if missing else "") + "FAILED"
+    if code == 4:
+        return f"FAILED (incomplete: {missing})"
+    return "PASSED" + (f" (partial, allowed by --allow-partial: {missing})" if missing else "")
 
 
 def compare_conclusion(result: CompareResult) -> str:
     first = result.first_divergence
-    word = "FAILED" if result.failed() else "PASSED"
+    word = coverage_word(result)
     n = len(result.stages)
     how = " on statistics only (no cos; a rotation or permutation is invisible)" if result.stats_only else ""
     if first is None:
@@ -145,20 +160,22 @@ def compare_conclusion(result: CompareResult) -> str:
     )
 
 
+def print_coverage(coverage, console: Console) -> None:
+    """What was left out (every item, wrapped), and what a selection set aside."""
+    for sentence in coverage.missing:
+        console.print(Text("not compared: ", style="yellow") + Text(sentence), soft_wrap=False)
+    for sentence in coverage.selected_out:
+        console.print(Text(f"selected out: {sentence}", style="dim"))
+
+
 def print_compare(result: CompareResult, console: Console | None = None, only_problems: bool = False) -> None:
     console = console or Console()
     title = f"{result.ref_path}  vs  {result.target_path}"
     console.print(compare_table(result.stages, title=title, only_problems=only_problems, width=console.width))
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
-    if result.only_ref:
-        console.print(
-            f"[yellow]only in ref ({len(result.only_ref)}):[/yellow] {', '.join(result.only_ref[:12])}"
-            + (" …" if len(result.only_ref) > 12 else "")
-        )
-    if result.only_target:
-        console.print(
-            f"[yellow]only in target ({len(result.only_target)}):[/yellow] "
-            f"{', '.join(result.only_target[:12])}" + (" …" if len(result.only_target) > 12 else "")
-        )
+    for label, keys in (("ref", result.only_ref), ("target", result.only_target)):
+        if keys:  # every key, wrapped: never cut
+            console.print(Text(f"only in {label} ({len(keys)}): ", style="yellow") + Text(", ".join(keys)))
+    print_coverage(result.coverage, console)
     console.print(compare_conclusion(result), highlight=False, markup=False)

@@ -130,7 +130,6 @@ def _write(side_dir, rank, world, tensor, meta):
             "cat:1",
             lambda full: list(full.chunk(2, 1)),
         ),
-        (lambda r: {}, "replicated", lambda full: [full, full]),
     ],
 )
 def test_compare_folds_a_multi_rank_side_and_says_how(tmp_path, meta, how, parts):
@@ -142,3 +141,16 @@ def test_compare_folds_a_multi_rank_side_and_says_how(tmp_path, meta, how, parts
     (stage,) = [s for s in res.to_json()["stages"] if s["key"] == "L000.mlp.down_proj.out"]
     assert stage["unsharded_target"] == {"how": how, "ranks": 2}
     assert "unsharded_ref" not in stage and stage["severity"] == "ok" and stage["shape_target"] == [3, 4]
+
+
+def test_compare_checks_every_replicated_rank_against_a_single_rank_reference(tmp_path):
+    """Undeclared ranks of the same shape are replicas: each one is compared (and named), so a
+    wrong rank 1 cannot hide behind a correct rank 0."""
+    full = torch.arange(12.0).reshape(3, 4) + 1.0
+    _write(tmp_path / "ref", 0, 1, full, {})
+    for r, piece in enumerate([full, full * 1.5]):
+        _write(tmp_path / "target", r, 2, piece.contiguous(), {})
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    stages = [s for s in res.stages if s.key == "L000.mlp.down_proj.out"]
+    assert [(s.rank, s.severity) for s in stages] == [(0, "ok"), (1, "bug")]
+    assert res.exit_code() == 1 and res.coverage.ranks_compared == [0, 1]
