@@ -12,8 +12,8 @@ sentence in `missing`):
 - target ranks not compared;
 - calls present on one side only (warm-up calls the target tagged or that look like one are set
   aside, not missing);
-- final outputs (`final.*`) dumped by neither side of a model dump, when no stage selection
-  excluded them;
+- final outputs (`final.logits` / `final.out`) dumped by neither side of a model dump, when no
+  stage selection excluded them;
 - stages compared on statistics only;
 - dump selections (`FFDEBUG_FWD_DUMP_LAYERS` / `_STAGES` / `_CALLS` / `_RANKS`) that differ
   between the sides.
@@ -33,6 +33,12 @@ from ffdebug.io.side import SideStore
 _LAYER_PREFIX = re.compile(r"^L\d+\.")
 SELECTION_VARS = ("LAYERS", "STAGES", "CALLS", "RANKS")
 _ATOM_SELECTION = {"LAYERS": "ATOM_FWD_DUMP_LAYERS", "CALLS": "ATOM_FWD_DUMP_ONE_SHOT"}
+
+
+def is_final_output(key: str) -> bool:
+    """The model's own output: `final.logits` or `final.out` (and the parts `final.out.N`), not
+    the final norm or the top-k extras."""
+    return key in ("final.logits", "final.out") or key.startswith("final.out.")
 
 
 def kind_of(key: str) -> str:
@@ -243,14 +249,17 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
     cov.kinds = _kind_counts(inp)
     cov.only_ref = [k.kind for k in cov.kinds if k.ref and not k.target]
     cov.only_target = [k.kind for k in cov.kinds if k.target and not k.ref]
-    cov.final_compared = any(e.key.startswith("final.") for e in inp.results)
+    cov.final_compared = any(is_final_output(e.key) for e in inp.results)
     cov.sides = {"ref": side_coverage(ref), "target": side_coverage(target)}
     cov.stats_only = sum(1 for e in inp.results if e.stats_only)
     cov.calls_only_ref = [{"call": g.call, "step": dict(g.tags)} for g in inp.unpaired_ref]
     cov.calls_only_target = [{"call": g.call, "step": dict(g.tags)} for g in inp.unpaired_target]
     selected, differing = selection_sentences(ref, target)
     cov.selected_out = selected + inp.filters
-    missing = list(differing)
+    missing: list[str] = []
+    for label, side in (("reference", cov.sides["ref"]), ("target", cov.sides["target"])):
+        missing.extend(side_sentences(label, side))
+    missing.extend(differing)
     if cov.only_ref:
         missing.append(f"stage kinds dumped by the reference only: {_names(cov.only_ref)}")
     if cov.only_target:
@@ -260,8 +269,6 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
         extra = sorted({r.key for r in records if kind_of(r.key) not in one_sided_kinds})
         if extra:
             missing.append(f"{len(extra)} stage(s) dumped by the {label} only: {_names(extra)}")
-    for label, side in (("reference", cov.sides["ref"]), ("target", cov.sides["target"])):
-        missing.extend(side_sentences(label, side))
     _ranks(cov, target, inp, missing)
     if cov.calls_only_ref:
         missing.append(
@@ -273,7 +280,8 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
         )
     if _needs_final(ref, target, inp) and not any(k.kind.startswith("final.") for k in cov.kinds):
         missing.append(
-            "final outputs (final.*) were dumped by neither side: the model's output was never compared"
+            "final outputs (final.logits / final.out) were dumped by neither side: the model's output "
+            "was never compared"
         )
     if cov.stats_only:
         missing.append(

@@ -58,7 +58,7 @@ def stage_result(key: str, r: Record, t: Record) -> StageResult:
         io=r.io,
         call=r.call,
         invocation=r.invocation or 0,
-        rank=r.rank or 0,
+        rank=t.rank or 0,
         step=dict(r.step or {}),
         phase=r.phase,
         ref=_meta(r),
