@@ -191,7 +191,7 @@ def test_dppo_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     assert after > before + 0.03
     records = metrics(run["out"])
     assert [r["optimizer_step"] for r in records] == list(range(1, STEPS + 1))
-    assert all(r["kl_new_old"] == 0.0 and r["keep_frac"] == 1.0 for r in records[0::2])
+    assert all(r["kl_new_old"] < 1e-9 and r["keep_frac"] == 1.0 for r in records[0::2])
     assert all(r["kl_new_old"] > 1e-6 for r in records[1::2])
     assert 0 < min(r["keep_frac"] for r in records[1::2]) < 1
     assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0.0

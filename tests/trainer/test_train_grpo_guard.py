@@ -196,7 +196,7 @@ def test_rollout_velocities_reproduce_the_stored_log_probs(learning_run):
 def test_grpo_guard_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     """The fixed-noise mean brightness reward rises; the VAE, text encoder and reference snapshot are
     bit-identical; every policy parameter that can get a gradient changed; the clip acts on the second
-    minibatch of each iteration (the first is at the rollout policy: r̃ = 1 exactly)."""
+    minibatch of each iteration (the first is at the rollout policy: r̃ = 1)."""
     run = learning_run
     trainer, before, after = run["trainer"], run["before"], run["after"]
     with capsys.disabled():
@@ -206,7 +206,10 @@ def test_grpo_guard_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     assert after > before + 0.03
     records = metrics(run["out"])
     assert [r["optimizer_step"] for r in records] == list(range(1, STEPS + 1))
-    assert all(r["ratio_mean"] == 1.0 and r["clipfrac"] == 0.0 for r in records[0::2])
+    # (≈ rather than ==: the minibatch forward need not reproduce the rollout batch's bits on every CPU)
+    assert all(
+        r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and r["clipfrac"] == 0.0 for r in records[0::2]
+    )
     assert sum(r["clipfrac"] for r in records[1::2]) > 0
     assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0.0
     assert_bit_identical(run["frozen"], frozen_state(trainer))
