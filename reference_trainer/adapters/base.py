@@ -62,11 +62,13 @@ class Trajectory:
     latents:   [B, T + 1, C, H, W]  x at σ_0 = 1 (noise), σ_1, ..., σ_T = 0 (sample), storage dtype
     log_probs: [B, T] fp32 per-step log-prob of latents[:, j + 1] given latents[:, j] (SDE), or None (ODE)
     sigmas:    [T + 1] the noise-level schedule
+    velocities: [B, T, C, H, W] fp32 v(latents[:, j], σ_j) of the sampling policy, or None when not recorded
     """
 
     latents: torch.Tensor
     log_probs: torch.Tensor | None
     sigmas: torch.Tensor
+    velocities: torch.Tensor | None = None
 
     @property
     def final(self) -> torch.Tensor:

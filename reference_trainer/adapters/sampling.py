@@ -36,12 +36,13 @@ def sample_trajectory(
     and, for the SDE, log-probs [B, T] (fp32).
     """
     x = torch.randn((batch_size, *latent_shape), generator=generator, dtype=torch.float32)
-    latents, log_probs = [x], []
+    latents, log_probs, velocities = [x], [], []
     sigma_max = float(sigmas[1]) if len(sigmas) > 2 else None  # flow_grpo's stand-in for 1 − σ at σ = 1
     for j in range(len(sigmas) - 1):
         sigma = sigmas[j].expand(batch_size)
         sigma_next = sigmas[j + 1].expand(batch_size)
         v = velocity(x, sigma)
+        velocities.append(v.float())
         if noise_level > 0:
             step = flow_sde_step(
                 v, x, sigma, sigma_next, noise_level, sigma_max=sigma_max, generator=generator
@@ -55,4 +56,5 @@ def sample_trajectory(
         latents=torch.stack(latents, dim=1),
         log_probs=torch.stack(log_probs, dim=1) if log_probs else None,
         sigmas=sigmas,
+        velocities=torch.stack(velocities, dim=1),
     )

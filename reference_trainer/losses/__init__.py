@@ -1,5 +1,6 @@
 """Loss functions: pure functions of tensors returning ``(loss, metrics)``, one algorithm per module.
 
-``grpo`` (Flow-GRPO PPO clip + KL), ``dpo`` (Diffusion-DPO, velocity form), ``sft`` (flow-matching
+``grpo`` (Flow-GRPO PPO clip + KL), ``grpo_guard`` (GRPO's clip on the normalised log-ratio), ``dppo``
+(Flow-DPPO trust-region mask; it also returns the mask), ``dpo`` (Diffusion-DPO, velocity form), ``sft`` (flow-matching
 velocity MSE), ``dmd2`` (distribution-matching generator loss and fake-score loss).
 """

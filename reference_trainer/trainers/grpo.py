@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -36,7 +36,7 @@ from reference_trainer.errors import require
 from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
 from reference_trainer.losses import grpo as grpo_losses
 from reference_trainer.registry import register_trainer
-from reference_trainer.sde import flow_sde_step
+from reference_trainer.sde import SDEStep, flow_sde_step
 from reference_trainer.trainers.base import BaseTrainer
 
 
@@ -169,36 +169,77 @@ class GRPOTrainer(BaseTrainer):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The GRPO loss of samples ``index`` at denoising step j (see the module docstring, step 4)."""
         args = self.args
-        trajectory = samples.trajectory
-        sigmas = trajectory.sigmas
-        x_j, x_next = trajectory.latents[index, j], trajectory.latents[index, j + 1]  # [b, C, H, W]
-        condition = samples.condition.select(index)
-        sigma = sigmas[j].expand(len(index))
-        sde_args = dict(
-            sigma=sigma,
-            sigma_next=sigmas[j + 1].expand(len(index)),
-            noise_level=args.noise_level,
-            sigma_max=float(sigmas[1]),
-            prev_sample=x_next,
-        )
-        # log p_θ(x_{j+1} | x_j) with gradients through the transition mean
-        v = self.adapter.forward(x_j, sigma, condition, module=self.variants.variant("policy"))
-        step = flow_sde_step(v, x_j, **sde_args)
-        ref_mean = None
-        if args.kl_beta > 0:  # the reference forward needs no graph; the KL itself must keep the policy's
-            with torch.no_grad():
-                v_ref = self.adapter.forward(
-                    x_j, sigma, condition, parameters=self.variants.snapshot("reference")
-                )
-                ref_mean = flow_sde_step(v_ref, x_j, **sde_args).mean
+        _, step, sde_args = self.policy_step(samples, index, j)
+        ref_mean = self.reference_mean(samples, index, j, sde_args) if args.kl_beta > 0 else None
         return grpo_losses.grpo_loss(
             step.log_prob,
-            trajectory.log_probs[index, j],
+            samples.trajectory.log_probs[index, j],
             samples.advantages[index],
             clip_range=args.clip_range,
             adv_clip_max=args.adv_clip_max,
             kl_beta=args.kl_beta,
             mean=step.mean,
             ref_mean=ref_mean,
-            kl_std=step.step_std if args.kl_std == "step_std" else step.std_dev_t,
+            kl_std=self.kl_std(step),
         )
+
+    def policy_step(
+        self, samples: GRPOSamples, index: torch.Tensor, j: int
+    ) -> tuple[torch.Tensor, SDEStep, dict[str, Any]]:
+        """The policy's Flow-SDE transition x_j -> x_{j+1} of samples ``index`` (b of them), with gradients.
+
+        Returns the velocity v_θ(x_j, σ_j) [b, C, H, W], the ``SDEStep`` (log p_θ(x_{j+1} | x_j) [b] of the
+        stored x_{j+1}, transition mean [b, C, H, W]) and the keyword arguments of ``flow_sde_step`` that
+        reproduce this transition for another velocity (the reference's, or the rollout's).
+        """
+        trajectory = samples.trajectory
+        sigmas = trajectory.sigmas
+        x_j = trajectory.latents[index, j]  # [b, C, H, W]
+        sigma = sigmas[j].expand(len(index))
+        sde_args: dict[str, Any] = dict(
+            x=x_j,
+            sigma=sigma,
+            sigma_next=sigmas[j + 1].expand(len(index)),
+            noise_level=self.args.noise_level,
+            sigma_max=float(sigmas[1]),
+            prev_sample=trajectory.latents[index, j + 1],
+        )
+        v = self.adapter.forward(
+            x_j, sigma, samples.condition.select(index), module=self.variants.variant("policy")
+        )
+        return v, flow_sde_step(v, **sde_args), sde_args
+
+    def rollout_step(
+        self, samples: GRPOSamples, index: torch.Tensor, j: int, sde_args: dict[str, Any]
+    ) -> tuple[torch.Tensor, SDEStep]:
+        """The rollout policy's velocity v_old [b, C, H, W] at step j (stored by the sampler) and its
+        transition (mean μ_old; log-prob = the stored log p_old), recomputed elementwise, no graph.
+
+        GRPO itself needs only the stored log-probs; GRPO-Guard and DPPO compare μ_θ / v_θ against these.
+        """
+        velocities = samples.trajectory.velocities
+        if velocities is None:
+            raise RuntimeError(
+                f"{type(self).__name__} needs the rollout velocities; the adapter recorded none"
+            )
+        v_old = velocities[index, j]
+        with torch.no_grad():
+            return v_old, flow_sde_step(v_old, **sde_args)
+
+    def reference_mean(
+        self, samples: GRPOSamples, index: torch.Tensor, j: int, sde_args: dict[str, Any]
+    ) -> torch.Tensor:
+        """The frozen reference's transition mean [b, C, H, W] at step j, under ``no_grad``: the KL keeps
+        the policy's graph through its own mean only (Flow-Factory issues #122-#124)."""
+        with torch.no_grad():
+            v_ref = self.adapter.forward(
+                sde_args["x"],
+                sde_args["sigma"],
+                samples.condition.select(index),
+                parameters=self.variants.snapshot("reference"),
+            )
+            return flow_sde_step(v_ref, **sde_args).mean
+
+    def kl_std(self, step: SDEStep) -> torch.Tensor:
+        """The KL's denominator (``kl_std``): the transition std σ_t·√(−Δt), or flow_grpo's σ_t."""
+        return step.step_std if self.args.kl_std == "step_std" else step.std_dev_t

@@ -81,3 +81,16 @@ def assert_every_parameter_changed(
     unchanged = {key for key, p in module.named_parameters() if torch.equal(before[key], p.detach())}
     unchanged -= gradient_free_parameters(trainer, module)
     assert not unchanged, f"role {role!r}: parameters not updated: {sorted(unchanged)[:5]}"
+
+
+def assert_rollout_velocities_replay(trainer: Any) -> None:
+    """A fresh rollout of a GRPO-family trainer: the rollout step recomputed from the stored velocities
+    (``GRPOTrainer.rollout_step``) gives the stored log p_old of every step, bit for bit."""
+    samples = trainer.sample()
+    index = torch.arange(len(samples.prompts))
+    assert samples.trajectory.velocities.shape[:2] == samples.trajectory.log_probs.shape
+    with torch.no_grad():
+        for j in range(trainer.args.num_inference_steps):
+            _, _, sde_args = trainer.policy_step(samples, index, j)
+            _, old = trainer.rollout_step(samples, index, j, sde_args)
+            assert torch.equal(old.log_prob, samples.trajectory.log_probs[:, j]), f"step {j}"

@@ -1,0 +1,68 @@
+"""Golden values of a trainer run: the first optimizer steps' ``loss`` and ``grad_norm`` (not a test module).
+
+A golden file ``tests/trainer/goldens/<name>.json`` holds the values recorded at one thread, with the
+torch version, the config and the overrides they came from. ``check_golden`` compares a run's
+``metrics.jsonl`` records against it (relative 1e-6: the same maths on another CPU's kernels may move
+the last bits, a changed term moves far more) and skips, saying why, on another torch version.
+
+Re-record (after an intended change of the maths, or for a new torch version)::
+
+    REFERENCE_TRAINER_RECORD_GOLDENS=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
+        tests/trainer/test_train_grpo_guard.py tests/trainer/test_train_dppo.py -k golden
+
+which rewrites the files from the run the test just made (then review the diff and commit it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+GOLDENS = Path(__file__).resolve().parent / "goldens"
+RECORD_ENV = "REFERENCE_TRAINER_RECORD_GOLDENS"
+STEPS = 3
+
+
+def golden_values(records: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """The first ``STEPS`` records' ``loss`` and ``grad_norm.<role>`` (pre-clip, of the step's role)."""
+    assert len(records) >= STEPS, f"a golden needs {STEPS} optimizer steps, the run made {len(records)}"
+    first = records[:STEPS]
+    return {
+        "loss": [float(r["loss"]) for r in first],
+        "grad_norm": [float(r[f"grad_norm.{r['role']}"]) for r in first],
+    }
+
+
+def check_golden(name: str, records: list[dict[str, Any]], *, config: str, overrides: list[str]) -> None:
+    """Compare (or, with ``REFERENCE_TRAINER_RECORD_GOLDENS=1``, record) the golden of ``name``."""
+    path = GOLDENS / f"{name}.json"
+    values = golden_values(records)
+    if os.environ.get(RECORD_ENV) == "1":
+        path.parent.mkdir(exist_ok=True)
+        document = {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "config": config,
+            "overrides": overrides,
+            **values,
+        }
+        path.write_text(json.dumps(document, indent=2) + "\n")
+        return
+    assert path.is_file(), f"no golden {path.name}; record it with {RECORD_ENV}=1 (see golden_utils.py)"
+    golden = json.loads(path.read_text())
+    assert (golden["config"], golden["overrides"]) == (config, overrides), "the golden is of another run"
+    assert torch.get_num_threads() == golden["threads"] == 1
+    if golden["torch"] != torch.__version__:
+        pytest.skip(
+            f"golden {path.name} was recorded with torch {golden['torch']}, this is torch {torch.__version__}: "
+            f"re-record it with {RECORD_ENV}=1 (golden_utils.py)"
+        )
+    for key in ("loss", "grad_norm"):
+        assert values[key] == pytest.approx(golden[key], rel=1e-6, abs=1e-9), (
+            f"{name} {key}: {values[key]} != golden {golden[key]}"
+        )
