@@ -8,6 +8,8 @@ the algorithm arguments can validate their fields without importing the YAML con
 
 from __future__ import annotations
 
+import sys
+
 
 class ConfigError(ValueError):
     """An invalid config value. ``field`` is the dotted path of the offending field."""
@@ -22,3 +24,9 @@ def require(condition: bool, field: str, message: str) -> None:
     """Raise ``ConfigError(field, message)`` unless ``condition``; used in ``__post_init__`` checks."""
     if not condition:
         raise ConfigError(field, message)
+
+
+def warn(message: str) -> None:
+    """One ``warning: ...`` line on stderr (a fault the run recovers from: a damaged checkpoint skipped
+    by ``--resume latest``, a partial last log line dropped)."""
+    print(f"warning: {message}", file=sys.stderr)
