@@ -233,15 +233,21 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _files_digest(files: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
 def write_manifest(directory: Path) -> None:
-    """``manifest.json``: ``{"format": 1, "files": {relative path: {"sha256", "bytes"}}}`` of every file."""
+    """``manifest.json``: ``{"format": 1, "files": {relative path: {"sha256", "bytes"}}, "sha256"}`` of
+    every other file; the last ``sha256`` hashes the ``files`` mapping itself, so a damaged manifest is
+    named as such rather than as a mismatch of the file whose entry it garbled."""
     files = {
         path.relative_to(directory).as_posix(): {"sha256": _sha256(path), "bytes": path.stat().st_size}
         for path in sorted(directory.rglob("*"))
         if path.is_file() and path.name != MANIFEST_FILE
     }
-    text = json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=2, sort_keys=True)
-    (directory / MANIFEST_FILE).write_text(text)
+    manifest = {"format": MANIFEST_FORMAT, "files": files, "sha256": _files_digest(files)}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
 
 def _manifest_files(checkpoint: Path) -> dict[str, dict[str, Any]]:
@@ -265,6 +271,10 @@ def _manifest_files(checkpoint: Path) -> dict[str, dict[str, Any]]:
         )
         if not ok or Path(name).is_absolute() or ".." in Path(name).parts:
             raise DamagedCheckpointError(checkpoint, MANIFEST_FILE, f"malformed entry for {name!r}")
+    if manifest.get("sha256") != _files_digest(files):
+        raise DamagedCheckpointError(
+            checkpoint, MANIFEST_FILE, "its entries differ from its own sha256: damaged"
+        )
     return files
 
 
