@@ -1,4 +1,4 @@
-"""Config errors: the one exception type for an invalid value, and ``require`` to raise it.
+"""Config errors: the one exception type for an invalid value, ``require`` to raise it, and ``warn``.
 
 A leaf module (no imports from the package), so maths modules (``flow_matching``, ``advantages``) and
 the algorithm arguments can validate their fields without importing the YAML config loader.
