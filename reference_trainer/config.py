@@ -242,6 +242,7 @@ class RolloutSize:
 
     @property
     def samples(self) -> int:
+        """The number of samples: the product of the factors' values."""
         return math.prod(value for _, value in self.factors)
 
     def nbytes(self, latent_elements: int) -> int:
@@ -249,6 +250,7 @@ class RolloutSize:
         return self.samples * latent_elements * (self.steps[1] + 1) * 4
 
     def fields(self) -> list[str]:
+        """The dotted fields that set the size (named by a refusal)."""
         return [name for name, _ in (*self.factors, self.steps) if name]
 
 
