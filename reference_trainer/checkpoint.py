@@ -9,6 +9,7 @@ Layout of ``DIR/checkpoints/step-NNNNNN/`` (NNNNNN = ``optimizer_step``)::
     state/rng.safetensors + rng.json       # torch / python / numpy RNG states
     state/cycle_start.safetensors          # only for a run stopped inside a cycle: the variants'
                                            # weights at the cycle's start (``BaseTrainer`` docstring)
+    manifest.json                          # sha256 and size of every other file; written last
 
 No pickle anywhere: nested state (optimizer state dicts, RNG tuples) is split into a JSON skeleton and
 a flat safetensors file (``split_tensors`` / ``join_tensors``).
@@ -18,9 +19,20 @@ and the directory renamed to ``step-NNNNNN`` (atomic on POSIX). A process killed
 ``.tmp-*`` directory, which readers ignore and the next save removes; the previous checkpoint is
 untouched.
 
-Resume (``BaseTrainer.resume``) first reads ``trainer_state.json`` and compares the stored run
-identity with the current one field by field (``identity_differences``), refusing any difference
-*before* loading a single tensor into the model or optimizer.
+Validation (``validate_checkpoint``), before any model loads: every file listed in the manifest must
+exist with its recorded size and sha256 (so a truncated, garbled or missing file is named), the
+trainer state must be well-formed JSON with its counters, and the tensors must have the layout that
+the checkpoint's own run identity records (variant and export shapes, optimizer state shapes per
+parameter, loadable RNG states). A failure is a ``DamagedCheckpointError`` naming the file.
+
+``resolve_resume``: an explicit ``--resume DIR`` that fails validation is refused. Only ``--resume
+latest`` falls back: it validates the checkpoints newest first, warns about each damaged one (naming
+the file), and resumes from the newest valid one. Directories of ``checkpoints/`` that are not named
+``step-<digits>`` are ignored.
+
+Resume (``BaseTrainer.resume``) then compares the stored run identity with the current one field by
+field (``identity_differences``), refusing any difference *before* loading a single tensor into the
+model or optimizer.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,15 +49,34 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+
+from reference_trainer.errors import warn
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state/trainer_state.json"
 CYCLE_START_FILE = "cycle_start.safetensors"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = 1
+VARIANTS_FILE = "state/variants.safetensors"
+OPTIMIZER_FILES = ("state/optimizer.safetensors", "state/optimizer.json")
+RNG_FILES = ("state/rng.safetensors", "state/rng.json")
+REQUIRED_FILES = (STATE_FILE, VARIANTS_FILE, *OPTIMIZER_FILES, *RNG_FILES)
+"""Files every checkpoint's manifest lists (plus ``model/<variant>/model.safetensors`` per variant)."""
+STEP_NAME = re.compile(r"step-(\d+)")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, or does not belong to this run."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """One file of a checkpoint is missing, truncated, garbled, or inconsistent with the rest."""
+
+    def __init__(self, checkpoint: Path, file: str, problem: str):
+        super().__init__(f"{Path(checkpoint) / file}: {problem}")
+        self.checkpoint, self.file, self.problem = Path(checkpoint), file, problem
 
 
 # --------------------------------------------------------------------------------------------------
@@ -94,8 +126,30 @@ def _write_split(directory: Path, name: str, value: Any) -> None:
 
 
 def _read_split(directory: Path, name: str) -> Any:
-    tensors = load_file(directory / f"{name}.safetensors")
-    return join_tensors(json.loads((directory / f"{name}.json").read_text()), tensors)
+    tensors = _load_tensors(directory.parent, f"state/{name}.safetensors")
+    skeleton = _read_json(directory.parent, f"state/{name}.json")
+    try:
+        return join_tensors(skeleton, tensors)
+    except (KeyError, TypeError, ValueError) as error:
+        raise DamagedCheckpointError(
+            directory.parent, f"state/{name}.json", f"does not match state/{name}.safetensors ({error!r})"
+        ) from None
+
+
+def _load_tensors(checkpoint: Path, file: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(Path(checkpoint) / file)
+    except (OSError, SafetensorError) as error:
+        raise DamagedCheckpointError(checkpoint, file, f"not a readable safetensors file ({error})") from None
+
+
+def _read_json(checkpoint: Path, file: str) -> Any:
+    try:
+        return json.loads((Path(checkpoint) / file).read_bytes())
+    except OSError as error:
+        raise DamagedCheckpointError(checkpoint, file, f"cannot be read ({error.strerror})") from None
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+        raise DamagedCheckpointError(checkpoint, file, f"not valid JSON ({error})") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -167,6 +221,217 @@ def file_digest(paths: list[Path], root: Path) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------------
+# manifest and validation
+# --------------------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files_digest(files: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """``manifest.json``: ``{"format": 1, "files": {relative path: {"sha256", "bytes"}}, "sha256"}`` of
+    every other file; the last ``sha256`` hashes the ``files`` mapping itself, so a damaged manifest is
+    named as such rather than as a mismatch of the file whose entry it garbled."""
+    files = {
+        path.relative_to(directory).as_posix(): {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_FILE
+    }
+    manifest = {"format": MANIFEST_FORMAT, "files": files, "sha256": _files_digest(files)}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def _manifest_files(checkpoint: Path) -> dict[str, dict[str, Any]]:
+    if not (checkpoint / MANIFEST_FILE).is_file():
+        raise DamagedCheckpointError(
+            checkpoint, MANIFEST_FILE, "missing: the checkpoint is incomplete (or predates content hashes)"
+        )
+    manifest = _read_json(checkpoint, MANIFEST_FILE)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != MANIFEST_FORMAT
+        or not isinstance(files, dict)
+    ):
+        raise DamagedCheckpointError(checkpoint, MANIFEST_FILE, f"not a format-{MANIFEST_FORMAT} manifest")
+    for name, entry in files.items():
+        ok = (
+            isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and type(entry.get("bytes")) is int
+        )
+        if not ok or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise DamagedCheckpointError(checkpoint, MANIFEST_FILE, f"malformed entry for {name!r}")
+    if manifest.get("sha256") != _files_digest(files):
+        raise DamagedCheckpointError(
+            checkpoint, MANIFEST_FILE, "its entries differ from its own sha256: damaged"
+        )
+    return files
+
+
+def _check_file(checkpoint: Path, name: str, entry: Mapping[str, Any]) -> None:
+    path = checkpoint / name
+    if not path.is_file():
+        raise DamagedCheckpointError(checkpoint, name, "missing (listed in manifest.json)")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise DamagedCheckpointError(
+            checkpoint,
+            name,
+            f"{size} bytes, manifest.json records {entry['bytes']}: truncated or overwritten",
+        )
+    if _sha256(path) != entry["sha256"]:
+        raise DamagedCheckpointError(checkpoint, name, "contents differ from the sha256 in manifest.json")
+
+
+_STATE_INTEGERS = (
+    ("optimizer_step",),
+    ("rollout_iteration",),
+    ("data_epoch",),
+    ("sampler", "data_epoch"),
+    ("sampler", "batches_in_epoch"),
+    ("cycle", "steps_done"),
+)
+"""Counters of ``trainer_state.json``: each a non-negative integer."""
+
+
+def _check_trainer_state(checkpoint: Path, state: Any) -> dict[str, Any]:
+    def bad(problem: str) -> DamagedCheckpointError:
+        return DamagedCheckpointError(checkpoint, STATE_FILE, problem)
+
+    if not isinstance(state, dict):
+        raise bad("not a JSON object")
+    for keys in _STATE_INTEGERS:
+        value: Any = state
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        if type(value) is not int or value < 0:
+            raise bad(f"{'.'.join(keys)} must be a non-negative integer, got {value!r}")
+    schema = state.get("identity", {}).get("schema") if isinstance(state.get("identity"), dict) else None
+    if not isinstance(schema, dict) or not isinstance(schema.get("variants"), dict):
+        raise bad("identity.schema.variants is missing")
+    match = STEP_NAME.fullmatch(checkpoint.name)
+    if match and int(match.group(1)) != state["optimizer_step"]:
+        raise bad(f"records optimizer_step {state['optimizer_step']}, the directory is {checkpoint.name}")
+    return state
+
+
+def _header_shapes(checkpoint: Path, file: str) -> dict[str, list[int]]:
+    """``{key: shape}`` from a safetensors header (no tensor is read)."""
+    try:
+        with safe_open(checkpoint / file, framework="pt") as stream:
+            return {key: list(stream.get_slice(key).get_shape()) for key in stream.keys()}
+    except (OSError, SafetensorError) as error:
+        raise DamagedCheckpointError(checkpoint, file, f"not a readable safetensors file ({error})") from None
+
+
+def _check_shapes(
+    checkpoint: Path, file: str, found: Mapping[str, list[int]], expected: Mapping[str, Any]
+) -> None:
+    for key, shape in expected.items():
+        if key not in found:
+            raise DamagedCheckpointError(checkpoint, file, f"has no tensor {key}")
+        if list(found[key]) != list(shape):
+            raise DamagedCheckpointError(
+                checkpoint,
+                file,
+                f"tensor {key} has shape {found[key]}, the run identity records {list(shape)}",
+            )
+
+
+def _check_tensor_layout(checkpoint: Path, state: Mapping[str, Any], files: Mapping[str, Any]) -> None:
+    """Variant, export and cycle-start shapes against ``identity.schema.variants``."""
+    variants = state["identity"]["schema"]["variants"]
+    stored = _header_shapes(checkpoint, VARIANTS_FILE)
+    for name, parameters in variants.items():
+        shapes = {key: shape for key, shape in parameters}
+        _check_shapes(
+            checkpoint, VARIANTS_FILE, stored, {f"variant.{name}.{key}": s for key, s in shapes.items()}
+        )
+        export = f"model/{name}/model.safetensors"
+        if export not in files:
+            raise DamagedCheckpointError(checkpoint, MANIFEST_FILE, f"does not list {export}")
+        _check_shapes(checkpoint, export, _header_shapes(checkpoint, export), shapes)
+    if state["cycle"]["steps_done"]:
+        cycle_file = f"state/{CYCLE_START_FILE}"
+        if cycle_file not in files:
+            raise DamagedCheckpointError(
+                checkpoint, MANIFEST_FILE, f"does not list {cycle_file} (saved inside a cycle)"
+            )
+        _check_shapes(checkpoint, cycle_file, _header_shapes(checkpoint, cycle_file), stored)
+
+
+def _check_optimizer_state(checkpoint: Path, state: Mapping[str, Any]) -> None:
+    """Every tensor of the optimizer state that is not a scalar has its parameter's shape, as recorded
+    in ``identity.schema.optimizer`` (one entry per parameter group, children in order)."""
+    file = OPTIMIZER_FILES[0]
+    layout = state["identity"]["schema"].get("optimizer")
+    optimizer = _read_split(checkpoint / "state", "optimizer")
+    children = optimizer.get("composite") if isinstance(optimizer, dict) else None
+    if not isinstance(layout, list) or not isinstance(children, list):
+        raise DamagedCheckpointError(checkpoint, file, "not a CompositeOptimizer state")
+    try:
+        groups = [
+            (index, child, group) for index, child in enumerate(children) for group in child["param_groups"]
+        ]
+        if len(groups) != len(layout):
+            raise DamagedCheckpointError(
+                checkpoint,
+                file,
+                f"has {len(groups)} parameter groups, the run identity records {len(layout)}",
+            )
+        for (index, child, group), described in zip(groups, layout):
+            for param_id, shape in zip(group["params"], described["shapes"], strict=True):
+                for key, value in child["state"].get(param_id, {}).items():
+                    if isinstance(value, torch.Tensor) and value.ndim and list(value.shape) != list(shape):
+                        raise DamagedCheckpointError(
+                            checkpoint,
+                            file,
+                            f"composite[{index}] state {param_id}.{key} has shape {list(value.shape)}, "
+                            f"its parameter {list(shape)}",
+                        )
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise DamagedCheckpointError(checkpoint, file, f"malformed optimizer state ({error!r})") from None
+
+
+def _check_rng_state(checkpoint: Path) -> None:
+    """The RNG states load into scratch generators (the global ones are not touched)."""
+    rng = _read_split(checkpoint / "state", "rng")
+    try:
+        torch.Generator().set_state(rng["torch"])
+        version, internal, gauss = rng["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+        np.random.RandomState().set_state(tuple(rng["numpy"]))
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise DamagedCheckpointError(checkpoint, RNG_FILES[0], f"not a valid RNG state ({error})") from None
+
+
+def validate_checkpoint(checkpoint: Path) -> dict[str, Any]:
+    """Check a checkpoint completely, before any model loads (module docstring); its trainer state."""
+    checkpoint = Path(checkpoint)
+    files = _manifest_files(checkpoint)
+    for name in REQUIRED_FILES:
+        if name not in files:
+            raise DamagedCheckpointError(checkpoint, MANIFEST_FILE, f"does not list {name}")
+    for name, entry in sorted(files.items()):
+        _check_file(checkpoint, name, entry)
+    state = _check_trainer_state(checkpoint, _read_json(checkpoint, STATE_FILE))
+    _check_tensor_layout(checkpoint, state, files)
+    _check_optimizer_state(checkpoint, state)
+    _check_rng_state(checkpoint)
+    return state
+
+
+# --------------------------------------------------------------------------------------------------
 # save / find / load
 # --------------------------------------------------------------------------------------------------
 
@@ -229,7 +494,8 @@ def save_checkpoint(
     _write_split(tmp / "state", "rng", rng_state())
     if cycle_start is not None:
         save_file({k: v.contiguous() for k, v in cycle_start.items()}, tmp / "state" / CYCLE_START_FILE)
-    (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))  # written last
+    (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+    write_manifest(tmp)  # written last: it hashes every other file
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. a resumed run that stops at once)
         old = root / f".tmp-old-{step:06d}-{os.getpid()}"
@@ -251,27 +517,51 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
-    """Published, complete checkpoints of ``output_dir``, oldest first."""
+    """Published checkpoints of ``output_dir`` (directories named ``step-<digits>``), oldest first.
+
+    Publication is atomic, so each was complete when written; ``validate_checkpoint`` tells whether it
+    still is. Other entries (``.tmp-*`` of a killed save, a stray ``step-abc``) are ignored.
+    """
     root = Path(output_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [path for path in root.glob("step-*") if (path / STATE_FILE).is_file()]
+    found = [path for path in root.iterdir() if STEP_NAME.fullmatch(path.name) and path.is_dir()]
     return sorted(found, key=lambda path: int(path.name.split("-")[1]))
 
 
 def resolve_resume(resume: str, output_dir: Path) -> Path:
-    """``latest`` -> the newest complete checkpoint of ``output_dir``; else a checkpoint directory."""
-    if resume == "latest":
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise CheckpointError(
-                f"--resume latest: no complete checkpoint under {Path(output_dir) / CHECKPOINTS}"
-            )
-        return found[-1]
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"--resume {resume}: not a complete checkpoint (no {STATE_FILE})")
-    return path
+    """The checkpoint to resume from, validated (``validate_checkpoint``; module docstring).
+
+    ``latest``: the newest valid checkpoint of ``output_dir``, with a warning for each newer damaged
+    one; else ``resume`` is a checkpoint directory, refused unless it is valid.
+    """
+    if resume != "latest":
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"--resume {resume}: not a checkpoint directory")
+        validate_checkpoint(path)
+        return path
+    found = list_checkpoints(output_dir)
+    if not found:
+        raise CheckpointError(
+            f"--resume latest: no complete checkpoint under {Path(output_dir) / CHECKPOINTS}"
+        )
+    damaged: list[DamagedCheckpointError] = []
+    for path in reversed(found):
+        try:
+            validate_checkpoint(path)
+        except DamagedCheckpointError as error:
+            damaged.append(error)
+            continue
+        for error in damaged:
+            warn(f"--resume latest: skipping the damaged checkpoint {error.checkpoint.name}: {error}")
+        if damaged:
+            warn(f"--resume latest: resuming from {path.name}, the newest valid checkpoint")
+        return path
+    raise CheckpointError(
+        f"--resume latest: no valid checkpoint under {Path(output_dir) / CHECKPOINTS}: "
+        + "; ".join(str(error) for error in damaged)
+    )
 
 
 def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
@@ -283,7 +573,7 @@ def read_tensor_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], Any, A
     """(variant tensors, optimizer state, RNG state) of a checkpoint."""
     state_dir = Path(checkpoint) / "state"
     return (
-        load_file(state_dir / "variants.safetensors"),
+        _load_tensors(checkpoint, VARIANTS_FILE),
         _read_split(state_dir, "optimizer"),
         _read_split(state_dir, "rng"),
     )
@@ -294,4 +584,4 @@ def read_cycle_start(checkpoint: Path) -> dict[str, torch.Tensor]:
     path = Path(checkpoint) / "state" / CYCLE_START_FILE
     if not path.is_file():
         raise CheckpointError(f"{checkpoint} was saved inside a cycle but has no state/{CYCLE_START_FILE}")
-    return load_file(path)
+    return _load_tensors(checkpoint, f"state/{CYCLE_START_FILE}")

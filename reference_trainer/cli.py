@@ -5,9 +5,11 @@
     reference-trainer diff RUN_A RUN_B [--json]
 
 Also ``python -m reference_trainer ...``. Only typer and rich are imported at module level; torch,
-diffusers and the trainers are imported inside the commands. Known errors (invalid config, contract
-mismatch, refused resume, non-finite loss, bad reward) end in one line on stderr — exit 2 for
-config/usage errors, 1 for failures during training; ``FFDEBUG_DEBUG=1`` shows the traceback.
+diffusers and the trainers are imported inside the commands. Known errors (invalid config or YAML,
+contract mismatch, refused or damaged checkpoint, bad log line, non-finite loss, bad reward) end in
+one ``error:`` line on stderr (never wrapped) plus a hint — exit 2 for config/usage errors, 1 for
+failures during training; ``FFDEBUG_DEBUG=1`` shows the traceback. ``main(args)`` runs the CLI in
+process and returns the exit code (the fault-injection tests call it so).
 """
 
 from __future__ import annotations
@@ -40,9 +42,13 @@ EXAMPLES = {
 
 
 def _fail(error: BaseException, code: int) -> None:
+    """The error as one ``error: Type: message`` line (never wrapped, no markup), then the debug hint."""
     if os.environ.get("FFDEBUG_DEBUG") == "1":
         raise error
-    stderr.print(f"[red]error:[/red] {type(error).__name__}: {error}", highlight=False)
+    from rich.text import Text
+
+    line = Text.assemble(("error:", "red"), f" {type(error).__name__}: {error}")
+    stderr.print(line, highlight=False, soft_wrap=True)
     stderr.print("set FFDEBUG_DEBUG=1 for the full traceback", style="dim")
     raise typer.Exit(code)
 
@@ -52,12 +58,13 @@ def _known_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseExc
     from reference_trainer.checkpoint import CheckpointError
     from reference_trainer.contracts import ContractError
     from reference_trainer.errors import ConfigError
+    from reference_trainer.jsonl import LogError
     from reference_trainer.optim import NonFiniteLossError
     from reference_trainer.registry import RegistryError
     from reference_trainer.rewards import RewardError
     from reference_trainer.roles import RoleError
 
-    return (ConfigError, ContractError, RegistryError, CheckpointError, RoleError), (
+    return (ConfigError, ContractError, RegistryError, CheckpointError, RoleError, LogError), (
         NonFiniteLossError,
         RewardError,
     )
@@ -130,10 +137,12 @@ def list_(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable
 
 
 def _read_metrics(run: Path) -> list[dict[str, Any]]:
+    from reference_trainer.jsonl import read_jsonl
+
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return list(read_jsonl(path).records)
 
 
 def first_difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -162,9 +171,11 @@ def diff(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
     """The first optimizer step whose metrics differ between two runs (exit 1 when one does)."""
+    from reference_trainer.jsonl import LogError
+
     try:
         difference = first_difference(_read_metrics(run_a), _read_metrics(run_b))
-    except FileNotFoundError as error:
+    except (FileNotFoundError, LogError) as error:
         _fail(error, 2)
     if as_json:
         print(json.dumps({"identical": difference is None, "first_difference": difference}))
@@ -176,9 +187,19 @@ def diff(
     raise typer.Exit(0 if difference is None else 1)
 
 
-def main() -> None:
-    """Entry point of the ``reference-trainer`` console script."""
-    app(prog_name="reference-trainer")
+def main(args: list[str] | None = None) -> int:
+    """Entry point of the ``reference-trainer`` console script; ``args`` default to ``sys.argv[1:]``.
+
+    Returns the exit code instead of exiting when ``args`` are given (in-process use).
+    """
+    if args is None:
+        app(prog_name="reference-trainer")
+        return 0
+    try:
+        app(args, prog_name="reference-trainer")  # standalone: every outcome is a SystemExit
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    return 0
 
 
 if __name__ == "__main__":

@@ -14,9 +14,17 @@ A config file has these top-level keys (example: ``examples/grpo/full/sd3_tiny/d
     runtime:     {threads: 1, deterministic: true}
 
 Every error is a ``ConfigError`` (``reference_trainer.errors``) naming the offending field by its
-dotted path (``train.group_size: must be >= 2, got 1``); unknown keys are errors (a typo must not
-silently fall back to a default). ``--set dotted.key=value`` overrides are applied to the raw mapping
-before validation; values are parsed as YAML scalars/lists.
+dotted path (``train.group_size: must be >= 2, got 1``), or the file and line of a YAML error
+(``cfg.yaml:3:5: found character '\\t' ...``); unknown keys and keys given twice are errors (a typo
+must not silently fall back to a default). The file is read with ``yaml.SafeLoader``: a tag such as
+``!!python/object`` is refused, never executed; a file that is not UTF-8 text is refused with the
+byte offset. ``--set dotted.key=value`` overrides are applied to the raw mapping before validation;
+values are parsed as YAML scalars/lists, with the same errors naming the override.
+
+Numbers are bounded where an out-of-range value would only fail later, or never: every float field
+must be finite (``lr: .inf``, ``max_grad_norm: .nan`` are refused at load), seeds fit in 63 bits.
+Limits that depend on the machine (threads, rollout memory) are checked by ``run.check_resources``,
+still before any model loads.
 
 PyYAML reads ``1e-3`` (no dot) as a *string* (YAML 1.1); float fields accept such numeric strings, and
 only those — any other string for a float field is an error.
@@ -25,6 +33,7 @@ only those — any other string for a float field is an error.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -56,21 +65,36 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Prompts for generation trainers; the supervision dataset for dataset trainers."""
+    """Prompts for generation trainers; the supervision dataset for dataset trainers.
 
-    prompts: tuple[str, ...] = ()
+    Each field's ``metadata["acquisition"]`` names the acquisition that reads it; a field set (to a
+    value other than its default) for a trainer of the other acquisition is refused before any model
+    loads (``misplaced_data_fields``), since it would be silently ignored.
+    """
+
+    prompts: tuple[str, ...] = field(default=(), metadata={"acquisition": "generation"})
     """Generation prompts; empty = the packaged tiny prompt list (``fixtures/prompts.txt``)."""
-    dataset: str | None = None
+    dataset: str | None = field(default=None, metadata={"acquisition": "dataset"})
     """Dataset directory (``records.jsonl`` + ``images.safetensors``); ``tiny`` = the packaged one."""
-    batch_size: int = 2
+    batch_size: int = field(default=2, metadata={"acquisition": "dataset"})
     """Rank-local batch size for dataset acquisition."""
-    shuffle: bool = True
+    shuffle: bool = field(default=True, metadata={"acquisition": "dataset"})
     """Shuffle in ``DistributedSampler`` (order depends only on ``seed`` and ``data_epoch``)."""
 
     def __post_init__(self) -> None:
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         for index, prompt in enumerate(self.prompts):
             require(bool(prompt.strip()), f"prompts[{index}]", "must be a non-empty string")
+
+
+def misplaced_data_fields(data: DataConfig, acquisition: str) -> list[str]:
+    """The ``data.*`` fields set to a non-default value that a trainer of ``acquisition`` never reads."""
+    return [
+        f"data.{spec.name}"
+        for spec in dataclasses.fields(data)
+        if spec.metadata.get("acquisition", acquisition) != acquisition
+        and getattr(data, spec.name) != (spec.default if spec.default is not dataclasses.MISSING else None)
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +157,13 @@ class RewardSpec:
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
 
 
+def require_unique_rewards(rewards: tuple[RewardSpec, ...], field_name: str = "rewards") -> None:
+    """``ConfigError`` naming the list when one reward name is configured twice."""
+    names = [spec.name for spec in rewards]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    require(not twice, field_name, f"rewards listed more than once: {twice}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     """Periodic evaluation on fixed prompts and fixed noise (``reference_trainer.evaluation``).
@@ -158,6 +189,12 @@ class EvalConfig:
     rewards: tuple[RewardSpec, ...] = (RewardSpec(name="brightness"),)
     """Evaluation rewards, configured independently of any training reward."""
 
+    def rollout_size(self, prompt_count: int) -> RolloutSize:
+        """The size of one evaluation's ODE samples, for ``prompt_count`` evaluation prompts."""
+        prompts = ("eval.prompts" if self.prompts else "", prompt_count)
+        samples = ("eval.samples_per_prompt", self.samples_per_prompt)
+        return RolloutSize((prompts, samples), ("eval.num_inference_steps", self.num_inference_steps))
+
     def __post_init__(self) -> None:
         require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
         require(
@@ -172,6 +209,8 @@ class EvalConfig:
         )
         require(self.heldout_draws >= 1, "heldout_draws", f"must be >= 1, got {self.heldout_draws}")
         require(len(self.rewards) >= 1, "rewards", "needs at least one reward")
+        require_unique_rewards(self.rewards)
+        require(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
         for index, prompt in enumerate(self.prompts):
             require(bool(prompt.strip()), f"prompts[{index}]", "must be a non-empty string")
 
@@ -181,12 +220,38 @@ class RuntimeConfig:
     """Process-level numerics settings; part of the run identity (they change the bits)."""
 
     threads: int = 1
-    """``torch.set_num_threads`` (the thread count changes results bitwise)."""
+    """``torch.set_num_threads`` (the thread count changes results bitwise); at most the machine's
+    cores (``run.check_resources``)."""
     deterministic: bool = True
     """``torch.use_deterministic_algorithms``."""
 
     def __post_init__(self) -> None:
         require(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class RolloutSize:
+    """What one rollout keeps in memory: ``samples`` latents at each of ``steps + 1`` noise levels.
+
+    ``factors`` and ``steps`` are ``(dotted field, value)`` pairs, so that a refusal can name the fields
+    (``run.check_resources``): samples = the product of the factors' values.
+    """
+
+    factors: tuple[tuple[str, int], ...]
+    steps: tuple[str, int]
+
+    @property
+    def samples(self) -> int:
+        """The number of samples: the product of the factors' values."""
+        return math.prod(value for _, value in self.factors)
+
+    def nbytes(self, latent_elements: int) -> int:
+        """samples × latent elements × (steps + 1) × 4 bytes (fp32 latents)."""
+        return self.samples * latent_elements * (self.steps[1] + 1) * 4
+
+    def fields(self) -> list[str]:
+        """The dotted fields that set the size (named by a refusal)."""
+        return [name for name, _ in (*self.factors, self.steps) if name]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,10 +261,14 @@ class TrainingArguments:
     execution_contract: ClassVar[ExecutionContract]
     max_grad_norm: float = 1.0
     """Clip each role's gradient to this global L2 norm; 0 disables clipping (the pre-clip norm is
-    always logged as ``grad_norm.<role>``)."""
+    always logged as ``grad_norm.<role>``). Finite, like every float field."""
 
     def __post_init__(self) -> None:
         require(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+
+    def rollout_size(self) -> RolloutSize | None:
+        """Generation trainers: the size of one rollout iteration's samples (``None``: no rollout)."""
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,21 +305,28 @@ class RunConfig:
     model: ModelConfig
     train: TrainingArguments
     data: DataConfig = field(default_factory=DataConfig)
-    optimizers: tuple[OptimizerConfig, ...] = ()
-    """One entry per trainable role; roles left out get the ``OptimizerConfig`` defaults (AdamW)."""
+    optimizers: tuple[OptimizerConfig, ...] | None = None
+    """One entry per trainable role; roles left out get the ``OptimizerConfig`` defaults (AdamW). Left
+    out (or ``null``): every role gets the defaults; an empty list is refused (it configures nothing)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "max_steps", f"must be >= 1, got {self.max_steps}")
-        roles = [entry.role for entry in self.optimizers]
+        require(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+        require(
+            self.optimizers is None or len(self.optimizers) >= 1,
+            "optimizers",
+            "is an empty list: list one entry per trainable role, or leave the key out for the defaults",
+        )
+        roles = [entry.role for entry in self.optimizers or ()]
         duplicates = sorted({role for role in roles if roles.count(role) > 1})
         require(not duplicates, "optimizers", f"roles listed more than once: {duplicates}")
 
     def optimizer_for(self, role: str) -> OptimizerConfig:
         """The optimizer entry of ``role`` (defaults when the config does not list it)."""
-        for entry in self.optimizers:
+        for entry in self.optimizers or ():
             if entry.role == role:
                 return entry
         return OptimizerConfig(role=role)
@@ -323,14 +399,10 @@ def _parse_scalar(annotation: Any, value: Any, path: str) -> Any:
             raise ConfigError(path, f"must be an integer, got {_describe(value)}")
         return value
     if annotation is float:
-        if isinstance(value, str):  # PyYAML reads 1e-3 as a string (see the module docstring)
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(path, f"must be a number, got {_describe(value)}") from None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(path, f"must be a number, got {_describe(value)}")
-        return float(value)
+        number = _parse_float(value, path)
+        if not math.isfinite(number):
+            raise ConfigError(path, f"must be a finite number, got {value!r}")
+        return number
     if annotation is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"must be a string, got {_describe(value)}")
@@ -340,13 +412,27 @@ def _parse_scalar(annotation: Any, value: Any, path: str) -> Any:
     raise ConfigError(path, f"unsupported field type {annotation}")
 
 
+def _parse_float(value: Any, path: str) -> float:
+    if isinstance(value, str):  # PyYAML reads 1e-3 as a string (see the module docstring)
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(path, f"must be a number, got {_describe(value)}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(path, f"must be a number, got {_describe(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond the float range
+        raise ConfigError(path, f"must be a finite number, got {value!r}") from None
+
+
 def parse_dataclass(cls: type, data: Any, path: str = "") -> Any:
     """Build the frozen dataclass ``cls`` from a mapping, naming the field of every error."""
     if not isinstance(data, Mapping):
         raise ConfigError(path, f"must be a mapping, got {_describe(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)  # YAML keys need not be strings
     if unknown:
         raise ConfigError(
             _join(path, str(unknown[0])), f"unknown field; valid fields: {', '.join(sorted(fields))}"
@@ -363,9 +449,79 @@ def parse_dataclass(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(_join(path, error.field), error.message) from None
 
 
+def _reward_specs(value: Any, path: str) -> typing.Iterator[tuple[str, RewardSpec]]:
+    """Every ``RewardSpec`` inside a parsed config, with its dotted path (``train.rewards[0]``)."""
+    if isinstance(value, RewardSpec):
+        yield path, value
+    elif dataclasses.is_dataclass(value):
+        for spec in dataclasses.fields(value):
+            yield from _reward_specs(getattr(value, spec.name), _join(path, spec.name))
+    elif isinstance(value, tuple):
+        for index, item in enumerate(value):
+            yield from _reward_specs(item, f"{path}[{index}]")
+
+
+def check_rewards(config: RunConfig) -> None:
+    """Build every configured reward once: an unknown name or bad kwargs is a ``ConfigError`` at load.
+
+    (Here rather than in ``RewardSpec.__post_init__``: the reward registry imports torch, this module
+    does not.)
+    """
+    from reference_trainer.rewards import check_reward
+
+    for path, spec in _reward_specs(config, ""):
+        try:
+            check_reward(spec.name, spec.kwargs)
+        except ConfigError as error:
+            raise ConfigError(_join(path, error.field), error.message) from None
+
+
 # --------------------------------------------------------------------------------------------------
 # Loading: file -> overrides -> RunConfig
 # --------------------------------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if not isinstance(key, typing.Hashable):
+                continue  # SafeLoader itself refuses an unhashable key
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"key {key!r} is given twice",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(error: yaml.YAMLError) -> tuple[str, str]:
+    """(``line:column`` or "", the problem in one line) of a PyYAML error."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f"{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+    if isinstance(error, yaml.reader.ReaderError):
+        where = f"byte {error.position}"
+        problem = f"unacceptable character #x{error.character:04x}: {error.reason}"
+    else:
+        parts = [getattr(error, "context", None), getattr(error, "problem", None)]
+        problem = "; ".join(part for part in parts if part) or str(error)
+    return where, " ".join(problem.split())
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """``text`` as YAML (safe, no duplicate keys); a ``ConfigError`` naming ``where`` and the line."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as error:
+        position, problem = _yaml_problem(error)
+        hint = " (YAML indents with spaces, never tabs)" if "'\\t'" in problem else ""
+        raise ConfigError("", f"{where}{':' + position if position else ''}: {problem}{hint}") from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
@@ -375,6 +531,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         key, sep, text = override.partition("=")
         if not sep or not key:
             raise ConfigError("--set", f"expected dotted.key=value, got {override!r}")
+        value = parse_yaml(text, f"--set {key}")
         node: Any = result
         parts = key.split(".")
         for depth, part in enumerate(parts):
@@ -384,12 +541,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
                     where = ".".join(parts[: depth + 1])
                     raise ConfigError(where, f"is not an index of a list of {len(node)} entries")
                 if last:
-                    node[int(part)] = yaml.safe_load(text)
+                    node[int(part)] = value
                 else:
                     node = node[int(part)]
             elif isinstance(node, dict):
                 if last:
-                    node[part] = yaml.safe_load(text)
+                    node[part] = value
                 else:
                     node = node.setdefault(part, {})
             else:
@@ -399,14 +556,23 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping from ``path``."""
+    """Read a YAML mapping from ``path`` (every failure is one ``ConfigError`` naming the file)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("", f"config file not found: {path}")
-    data = yaml.safe_load(path.read_text())
-    if not isinstance(data, dict):
-        raise ConfigError("", f"{path}: the top level must be a mapping")
-    return data
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            "", f"{path}: not a UTF-8 text file (byte {error.start}); give a YAML config"
+        ) from None
+    parsed = parse_yaml(text, str(path))
+    if not isinstance(parsed, dict):
+        raise ConfigError(
+            "", f"{path}: the top level must be a mapping of config fields, got {_describe(parsed)}"
+        )
+    return parsed
 
 
 def parse_run_config(raw: Mapping[str, Any], arguments_cls: type) -> RunConfig:
@@ -416,9 +582,11 @@ def parse_run_config(raw: Mapping[str, Any], arguments_cls: type) -> RunConfig:
     data = dict(raw)
     train = parse_dataclass(arguments_cls, data.pop("train", {}) or {}, "train")
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    unknown = sorted(set(data) - fields)
+    unknown = sorted(set(data) - fields, key=str)
     if unknown:
-        raise ConfigError(unknown[0], f"unknown top-level field; valid fields: {', '.join(sorted(fields))}")
+        raise ConfigError(
+            str(unknown[0]), f"unknown top-level field; valid fields: {', '.join(sorted(fields))}"
+        )
     hints = typing.get_type_hints(RunConfig)
     kwargs: dict[str, Any] = {"train": train}
     for spec in dataclasses.fields(RunConfig):
@@ -459,4 +627,6 @@ def load_config(
         _, arguments_cls = resolve_trainer(trainer_name)
     except KeyError as error:
         raise ConfigError("trainer", str(error)) from None
-    return parse_run_config(data, arguments_cls)
+    config = parse_run_config(data, arguments_cls)
+    check_rewards(config)
+    return config

@@ -1,4 +1,4 @@
-"""Config errors: the one exception type for an invalid value, and ``require`` to raise it.
+"""Config errors: the one exception type for an invalid value, ``require`` to raise it, and ``warn``.
 
 A leaf module (no imports from the package), so maths modules (``flow_matching``, ``advantages``) and
 the algorithm arguments can validate their fields without importing the YAML config loader.
@@ -7,6 +7,8 @@ the algorithm arguments can validate their fields without importing the YAML con
 """
 
 from __future__ import annotations
+
+import sys
 
 
 class ConfigError(ValueError):
@@ -22,3 +24,9 @@ def require(condition: bool, field: str, message: str) -> None:
     """Raise ``ConfigError(field, message)`` unless ``condition``; used in ``__post_init__`` checks."""
     if not condition:
         raise ConfigError(field, message)
+
+
+def warn(message: str) -> None:
+    """One ``warning: ...`` line on stderr (a fault the run recovers from: a damaged checkpoint skipped
+    by ``--resume latest``, a partial last log line dropped)."""
+    print(f"warning: {message}", file=sys.stderr)

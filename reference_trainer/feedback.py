@@ -24,7 +24,7 @@ import torch
 
 import ffdebug
 from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor
-from reference_trainer.config import RewardSpec, TrainingArguments
+from reference_trainer.config import RewardSpec, RolloutSize, TrainingArguments, require_unique_rewards
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.errors import require
 from reference_trainer.rewards import RewardProcessor
@@ -69,6 +69,22 @@ class GenerationRewardArguments(TrainingArguments):
             f"must be >= {min_steps} with noise_level={self.noise_level}, got {self.num_inference_steps}",
         )
         require(len(self.rewards) >= 1, "rewards", "needs at least one reward")
+        require_unique_rewards(self.rewards)
+        names = [spec.name for spec in self.rewards]
+        for name in self.advantage.weights:
+            require(
+                name in names, f"advantage.weights.{name}", f"is not a configured reward; rewards: {names}"
+            )
+
+    def rollout_size(self) -> RolloutSize:
+        """P·K Flow-SDE trajectories of T steps each."""
+        return RolloutSize(
+            (
+                ("train.prompts_per_iteration", self.prompts_per_iteration),
+                ("train.group_size", self.group_size),
+            ),
+            ("train.num_inference_steps", self.num_inference_steps),
+        )
 
 
 class RewardFeedback:

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from reference_trainer.errors import ConfigError
+
 if TYPE_CHECKING:  # a type only: the YAML config module is not imported at run time
     from reference_trainer.config import RewardSpec
 
@@ -87,8 +89,20 @@ def build_reward(name: str, **kwargs: Any) -> Reward:
         raise ValueError(f"unknown reward {name!r}; registered: {sorted(_REWARDS)}")
     try:
         return _REWARDS[name](**kwargs)
-    except TypeError as err:
+    except TypeError as err:  # unknown keyword, or a value of the wrong type inside the constructor
         raise ValueError(f"reward {name!r}: bad arguments {kwargs}: {err}") from err
+
+
+def check_reward(name: str, kwargs: dict[str, Any]) -> None:
+    """``ConfigError`` (field ``name`` or ``kwargs``) unless ``build_reward(name, **kwargs)`` works."""
+    if name not in _REWARDS:
+        raise ConfigError(
+            "name", f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REWARDS))}"
+        )
+    try:
+        build_reward(name, **kwargs)
+    except (TypeError, ValueError) as error:
+        raise ConfigError("kwargs", str(error).splitlines()[0]) from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,6 +122,12 @@ def _to_uint8_hwc(images: torch.Tensor) -> np.ndarray:
     )
 
 
+def _jpeg_quality(quality: Any) -> int:
+    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
+        raise ValueError(f"quality must be an integer in [1, 100] (PIL's JPEG quality), got {quality!r}")
+    return quality
+
+
 def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     """Size of each image's JPEG encoding (PIL, given quality) in kB (1 kB = 1000 bytes). [B] fp32."""
     sizes = []
@@ -123,7 +143,7 @@ class JpegCompressibility(Reward):
     """r = −(JPEG size in kB): smaller files (smoother images) score higher."""
 
     def __init__(self, quality: int = 95) -> None:
-        self.quality = quality
+        self.quality = _jpeg_quality(quality)
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         return -jpeg_size_kb(images, self.quality)
@@ -134,7 +154,7 @@ class JpegIncompressibility(Reward):
     """r = +(JPEG size in kB): detailed images score higher."""
 
     def __init__(self, quality: int = 95) -> None:
-        self.quality = quality
+        self.quality = _jpeg_quality(quality)
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         return jpeg_size_kb(images, self.quality)

@@ -1,20 +1,25 @@
 """Build a run from a validated config, in the order that fails cheapest first.
 
+0. ``--output-dir`` must be (or be creatable as) a directory;
 1. resolve the trainer and its TrainingArguments from the registries and check that their
    ``ExecutionContract`` values are equal — before any model loads;
-2. check the ``optimizers:`` roles against the trainer's roles;
-3. pin threads and determinism, seed the global RNGs;
+2. check the ``optimizers:`` roles against the trainer's roles, and that no ``data.*`` field of the
+   other acquisition is set (``config.misplaced_data_fields``);
+3. the adapter's fixture directory and the machine limits (``resources``: threads within the cores,
+   one rollout within half the memory); pin threads and determinism, seed the global RNGs;
 4. acquisition inputs: prompts (generation), or the dataset plus the accumulation-window check
    and, with evaluation, the held-out records (dataset) — still before any model loads;
 5. the run identity's config part (``config_identity``: config, fixture weights, and the content
-   hashes of the input files, ``input_digest``); on resume, compare it with the checkpoint's —
-   before loading;
+   hashes of the input files, ``input_digest``); on resume, validate the checkpoint (content hashes
+   and layout; ``--resume latest`` falls back past damaged ones, ``checkpoint.resolve_resume``),
+   compare the identities and check the JSONL logs (``jsonl.read_jsonl``) — before loading;
 6. load the adapter's pipeline from its fixture, build the trainer (roles, optimizer);
 7. on resume, check the full identity (incl. parameter / optimizer layout) and restore the state.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -23,7 +28,7 @@ import numpy as np
 import torch
 
 from reference_trainer import checkpoint as ckpt
-from reference_trainer.config import RunConfig
+from reference_trainer.config import RunConfig, misplaced_data_fields
 from reference_trainer.contracts import check_contracts
 from reference_trainer.data import (
     DatasetAcquisition,
@@ -36,8 +41,10 @@ from reference_trainer.data import (
     load_records,
 )
 from reference_trainer.errors import ConfigError
+from reference_trainer.jsonl import read_jsonl
 from reference_trainer.registry import resolve_adapter, resolve_trainer
-from reference_trainer.trainers.base import BaseTrainer, config_identity
+from reference_trainer.resources import check_resources
+from reference_trainer.trainers.base import EVAL_FILE, METRICS_FILE, BaseTrainer, config_identity
 
 
 def apply_runtime(config: RunConfig) -> None:
@@ -52,7 +59,8 @@ def apply_runtime(config: RunConfig) -> None:
 def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | None = None) -> BaseTrainer:
     """A ready-to-``start()`` trainer for ``config`` (see the module docstring for the order)."""
     output_dir = Path(output_dir)
-    # 1-2. contracts and roles, before any model loads
+    check_output_dir(output_dir)
+    # 1-2. contracts, roles and data fields, before any model loads
     trainer_cls, arguments_cls = resolve_trainer(config.trainer)
     check_contracts(config.trainer, trainer_cls.execution_contract, arguments_cls.execution_contract)
     if not isinstance(config.train, arguments_cls):
@@ -60,19 +68,27 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
             "train",
             f"was parsed as {type(config.train).__name__}, trainer {config.trainer!r} needs {arguments_cls.__name__}",
         )
-    for index, entry in enumerate(config.optimizers):
+    for index, entry in enumerate(config.optimizers or ()):
         if entry.role not in trainer_cls.roles:
             raise ConfigError(
                 f"optimizers[{index}].role",
                 f"{entry.role!r} is not a role of {config.trainer!r}; roles: {list(trainer_cls.roles)}",
             )
-    # 3. runtime
+    check_data_fields(config, trainer_cls)
+    # 3. fixture, machine limits, runtime
+    adapter = resolve_adapter(config.model.adapter)(config.model.fixture_dir)
+    adapter.check_fixture()
+    latent_shape = adapter.fixture_latent_shape()
+    check_resources(
+        config,
+        math.prod(latent_shape) if latent_shape is not None else None,
+        len(config.eval.prompts or default_prompts()),
+    )
     apply_runtime(config)
     rank, world_size = distributed_rank_and_size()
     # 4. acquisition inputs
     prompts, dataset, heldout = _acquisition_inputs(config, trainer_cls, rank, world_size)
     # 5. resume pre-check on the config part of the identity
-    adapter = resolve_adapter(config.model.adapter)(config.model.fixture_dir)
     identity = config_identity(
         config,
         ckpt.file_digest(adapter.fixture_files(), adapter.fixture_dir),
@@ -84,8 +100,10 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
         stored = ckpt.read_trainer_state(checkpoint)["identity"]
         stored_config = {key: value for key, value in stored.items() if key != "schema"}
         ckpt.require_same_identity(checkpoint, stored_config, identity)
+        for name in (METRICS_FILE, EVAL_FILE):
+            read_jsonl(output_dir / name, quiet=True)  # a bad line before the last: refused now
     # 6. models, roles, optimizer
-    adapter.load_pipeline()
+    load_pipeline(adapter)
     trainer = trainer_cls(
         config, adapter, output_dir, prompts=prompts, dataset=dataset, heldout=heldout, identity=identity
     )
@@ -93,6 +111,42 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
     if checkpoint is not None:
         trainer.resume(checkpoint)
     return trainer
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """``ConfigError`` unless ``output_dir`` is a directory or can be created as one."""
+    for path in (output_dir, *output_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                which = "is" if path == output_dir else f"is inside {path}, which is"
+                raise ConfigError(
+                    "--output-dir", f"{output_dir} {which} a file, not a directory; choose a directory"
+                )
+            return
+
+
+def check_data_fields(config: RunConfig, trainer_cls: type[BaseTrainer]) -> None:
+    """``ConfigError`` for a ``data.*`` field that this trainer's acquisition never reads."""
+    acquisition = trainer_cls.execution_contract.acquisition
+    misplaced = misplaced_data_fields(config.data, acquisition)
+    if misplaced:
+        raise ConfigError(
+            misplaced[0],
+            f"is not read by trainer {config.trainer!r} ({trainer_cls.execution_contract.describe()}: "
+            f"{acquisition} acquisition); remove it",
+        )
+
+
+def load_pipeline(adapter: Any) -> None:
+    """``adapter.load_pipeline()``, a fixture that does not load being a ``ConfigError`` on the fixture."""
+    try:
+        adapter.load_pipeline()
+    except (
+        OSError,
+        ValueError,
+    ) as error:  # diffusers / transformers loaders; HFValidationError is a ValueError
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError("model.fixture_dir", f"{adapter.fixture_dir} does not load: {first}") from None
 
 
 def input_digest(config: RunConfig, trainer_cls: type[BaseTrainer]) -> dict[str, dict[str, str]]:

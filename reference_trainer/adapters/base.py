@@ -19,9 +19,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
+
+from reference_trainer.errors import ConfigError
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -84,6 +87,8 @@ class BaseAdapter(ABC):
     """Sub-directory of ``reference_trainer/fixtures`` with this adapter's seeded init weights."""
     trainable_component: str = "transformer"
     """The component finetuned by the trainers (full finetune)."""
+    fixture_components: ClassVar[tuple[str, ...]] = ()
+    """Sub-directories every fixture of this adapter has (``check_fixture``, before loading)."""
 
     def __init__(self, fixture_dir: str | Path | None = None):
         self.fixture_dir = Path(fixture_dir) if fixture_dir is not None else FIXTURES / self.fixture_name
@@ -193,6 +198,29 @@ class BaseAdapter(ABC):
         scheduler = self._require_component("scheduler")
         scheduler.set_timesteps(num_steps)  # type: ignore[attr-defined]
         return scheduler.sigmas.detach().to(torch.float32).clone()  # type: ignore[attr-defined]
+
+    def check_fixture(self) -> None:
+        """``ConfigError`` on ``model.fixture_dir`` unless the fixture directory holds its components:
+        a wrong path is one line before loading, not a loader's traceback."""
+        where = self.fixture_dir
+        if not where.is_dir():
+            what = "is not a directory" if where.exists() else "does not exist"
+            raise ConfigError(
+                "model.fixture_dir",
+                f"{where} {what}; point it at a {self.registry_name} fixture or leave it out for the packaged one",
+            )
+        missing = [name for name in self.fixture_components if not (where / name).is_dir()]
+        if missing:
+            raise ConfigError(
+                "model.fixture_dir",
+                f"{where} has no {', '.join(missing)} director{'ies' if len(missing) > 1 else 'y'}; "
+                f"a {self.registry_name} fixture has {', '.join(self.fixture_components)}",
+            )
+
+    def fixture_latent_shape(self) -> tuple[int, int, int] | None:
+        """(C, H, W) of one latent, read from the fixture's configs without loading weights (the
+        rollout memory check, ``resources``); ``None`` when the adapter cannot tell before loading."""
+        return None
 
     def fixture_files(self) -> list[Path]:
         """Every weight/config file of the fixture (hashed into the run identity)."""

@@ -15,8 +15,10 @@ Shapes: latents [B, 4, 8, 8] <-> images [B, 3, 32, 32] in [0, 1].
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -24,6 +26,7 @@ from torch import nn
 from reference_trainer.adapters.base import BaseAdapter, Condition, Trajectory
 from reference_trainer.adapters.sampling import sample_trajectory
 from reference_trainer.adapters.text import encode_with_clip, load_text_stack
+from reference_trainer.errors import ConfigError
 
 VAE_TINY = dict(
     in_channels=3,
@@ -45,6 +48,25 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
 
 class LatentFlowAdapter(BaseAdapter):
     """Tiny CLIP + tiny VAE + flow-match scheduler around a model-specific transformer (module docstring)."""
+
+    fixture_components: ClassVar[tuple[str, ...]] = (
+        "tokenizer",
+        "text_encoder",
+        "vae",
+        "scheduler",
+        "transformer",
+    )
+
+    def fixture_latent_shape(self) -> tuple[int, int, int]:
+        """(latent_channels, sample_size / f, sample_size / f) of the fixture's VAE, f = 2^(blocks − 1)."""
+        path = self.fixture_dir / "vae" / "config.json"
+        try:
+            config = json.loads(path.read_text())
+            factor = 2 ** (len(config["block_out_channels"]) - 1)
+            side = int(config["sample_size"]) // factor
+            return (int(config["latent_channels"]), side, side)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ConfigError("model.fixture_dir", f"{path}: not a readable VAE config ({error})") from None
 
     def load_pipeline(self) -> None:
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler

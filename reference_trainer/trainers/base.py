@@ -73,11 +73,13 @@ from reference_trainer.adapters.base import BaseAdapter
 from reference_trainer.config import DatasetTrainingArguments, RunConfig
 from reference_trainer.contracts import ExecutionContract
 from reference_trainer.data import ConditionCache, DatasetAcquisition, PromptSource
+from reference_trainer.jsonl import truncate_jsonl
 from reference_trainer.optim import RoleOptimizer, StepResult, build_optimizer
 from reference_trainer.roles import ComponentVariantRegistry, check_ownership, role_parameters
 
 T = TypeVar("T")
 EVAL_FILE = "eval.jsonl"
+METRICS_FILE = "metrics.jsonl"
 
 
 class BaseTrainer(ABC):
@@ -400,7 +402,7 @@ class BaseTrainer(ABC):
         }
         for key, value in {**self.cycle_metrics, **result.metrics}.items():
             record.setdefault(key, value)  # the DESIGN §6 keys above are never overridden
-        with open(self.output_dir / "metrics.jsonl", "a") as stream:
+        with open(self.output_dir / METRICS_FILE, "a") as stream:
             stream.write(json.dumps(record) + "\n")
         if self._progress is not None:
             progress, task = self._progress
@@ -514,7 +516,12 @@ class BaseTrainer(ABC):
         ckpt.require_same_identity(checkpoint, state["identity"], self.identity)  # nothing touched yet
         variant_tensors, optimizer_state, rng = ckpt.read_tensor_state(checkpoint)
         self.variants.load_state_tensors(variant_tensors)
-        self.optim.optimizer.load_state_dict(optimizer_state)
+        try:
+            self.optim.optimizer.load_state_dict(optimizer_state)
+        except (KeyError, ValueError, RuntimeError) as error:
+            raise ckpt.DamagedCheckpointError(
+                checkpoint, ckpt.OPTIMIZER_FILES[0], f"does not load into this run's optimizer ({error})"
+            ) from None
         ckpt.set_rng_state(rng)
         self.optimizer_step = state["optimizer_step"]
         self.rollout_iteration = state["rollout_iteration"]
@@ -524,19 +531,10 @@ class BaseTrainer(ABC):
         self._cycle_start = ckpt.read_cycle_start(checkpoint) if self.cycle_step else None
         self._last_saved_step = self.optimizer_step
         self._last_eval_step = self.optimizer_step  # evaluated when the checkpointed run ended
-        for name in ("metrics.jsonl", EVAL_FILE):
-            self._truncate_log(self.output_dir / name)
-
-    def _truncate_log(self, path: Path) -> None:
-        """Drop records past the resumed step (written after the checkpoint by a killed run)."""
-        if not path.is_file():
-            return
-        kept = [
-            line
-            for line in path.read_text().splitlines()
-            if line and json.loads(line)["optimizer_step"] <= self.optimizer_step
-        ]
-        path.write_text("".join(line + "\n" for line in kept))
+        # records past the resumed step were written after the checkpoint (a killed run, or a newer
+        # checkpoint that --resume latest skipped as damaged): the resumed run writes them again
+        for name in (METRICS_FILE, EVAL_FILE):
+            truncate_jsonl(self.output_dir / name, self.optimizer_step)
 
 
 def config_identity(

@@ -39,7 +39,7 @@ import torch
 import ffdebug
 from reference_trainer import evaluation
 from reference_trainer.adapters.base import Condition
-from reference_trainer.config import TrainingArguments
+from reference_trainer.config import RolloutSize, TrainingArguments
 from reference_trainer.contracts import GENERATION_NO_FEEDBACK, ExecutionContract
 from reference_trainer.errors import require
 from reference_trainer.flow_matching import interpolate, predicted_x0, sample_sigmas
@@ -64,6 +64,16 @@ class DMD2Arguments(TrainingArguments):
     """Upper bound of the σ draw (DMD2 ``max_step_percent`` 0.98)."""
     real_guidance_scale: float = 1.0
     """CFG scale of the teacher in the generator loss; 1 = no guidance (the only role allowed CFG)."""
+
+    def rollout_size(self) -> RolloutSize:
+        """One noise z of P prompts for each of the F + 1 phases of a rollout iteration (one step)."""
+        return RolloutSize(
+            (
+                ("train.prompts_per_iteration", self.prompts_per_iteration),
+                ("train.fake_updates_per_generator_update", self.fake_updates_per_generator_update + 1),
+            ),
+            ("", 1),
+        )
 
     def __post_init__(self) -> None:
         super().__post_init__()
