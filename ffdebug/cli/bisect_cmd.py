@@ -42,7 +42,8 @@ undeclared ones are tested as partial sums and shards. Warm-up calls are set asi
 
 Judgement: error localised after an exactly equal prefix in the same dtype (or beyond a --noise run, or found local by --model-target) is a bug signal however small its band: the judgement is raised to bug ('signal' in --json; 'verdict' stays the worst band).
 
-Exit codes: 0 judgement below --fail-on; 1 at or above it; 2 bad input; 3 input ids differ.
+Exit codes: 0 judgement below --fail-on and everything compared; 1 at or above it; 2 bad input; 3
+input ids differ; 4 incomplete (what was left out is named; --allow-partial makes it 0).
 """
 
 

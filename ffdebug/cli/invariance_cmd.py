@@ -32,8 +32,10 @@ kernel-stack property, not a model bug) or slot_bug (slot-dependent logic: masks
 Token-flattened dumps ([num_tokens, hidden]) are split into equal chunks along --slot-dim.
 Run-to-run determinism: ffdebug compare RUN1 RUN2 --exact.
 
-Exit codes: 0 below --fail-on (with --exact: all bit-identical); 1 otherwise; 2 bad input; 3 the
-slots were fed different input ids.
+Exit codes: 0 below --fail-on (with --exact: all bit-identical) and every stage compared; 1
+otherwise; 2 bad input; 3 the slots were fed different input ids; 4 incomplete: stages not split
+into slots, statistics only, missing from the single-prompt run, or a side that did not finish
+(--allow-partial makes it 0).
 """
 
 
