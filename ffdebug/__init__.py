@@ -45,19 +45,25 @@ __all__ = [
     "patch_module_dump",
     "step",
     "tap",
+    "tap_function",
     "weights_diff",
     "load_audit",
 ]
 
 
-def install(model, classes=None, layer_class: str | None = None):
-    """Install dump hooks on `model` when dumps are enabled by env; else install nothing, return None."""
+def install(model, classes=None, layer_class: str | None = None, stage_names=None):
+    """Install dump hooks on `model` when dumps are enabled by env; else install nothing, return None.
+
+    Stages are named by role (README "Stage names by role"); `stage_names` renames what roles
+    cannot place: {OLD: NEW} regular expressions over stage kinds, e.g. {"mix.out": "attn_out"}.
+    """
     s = _session.active_session()
     if s is None:
         return None
     from ffdebug.capture.hooks import install as _install
 
-    return _install(model, s, tuple(classes.split(",")) if isinstance(classes, str) else classes, layer_class)
+    classes = tuple(classes.split(",")) if isinstance(classes, str) else classes
+    return _install(model, s, classes, layer_class, stage_names=stage_names)
 
 
 def tap(stage: str, tensor, **tags):
@@ -85,11 +91,19 @@ def step(**tags):
 
 @_contextlib.contextmanager
 def capture(
-    model=None, dir=None, side: str = "target", layers=None, classes=None, layer_class=None, **options
+    model=None,
+    dir=None,
+    side: str = "target",
+    layers=None,
+    classes=None,
+    layer_class=None,
+    stage_names=None,
+    **options,
 ):
     """Explicit capture without env vars: dumps `model`'s stages (and taps) into `dir/side/`.
 
-    Options: stages, calls, mode ("full" | "stats"), grads, max_bytes, overwrite, topk, layer_attrs.
+    Options: stages, calls, mode ("full" | "stats"), grads, max_bytes, overwrite, topk, layer_attrs;
+    `stage_names` as for `install`.
     Yields the hook handle (None when `model` is None: taps only).
     """
     if dir is None:
@@ -102,7 +116,7 @@ def capture(
         if model is not None:
             from ffdebug.capture.hooks import install as _install
 
-            handle = _install(model, s)
+            handle = _install(model, s, stage_names=stage_names)
         yield handle
     finally:
         if handle is not None:
@@ -110,6 +124,15 @@ def capture(
         _session.pop_explicit(s)
         s.report_problems()
         s.close()
+
+
+def tap_function(spec: str, stages):
+    """Tap a module-level function's tensor outputs as `stages` (e.g. ("attn.q_rot", "attn.k_rot"));
+    returns a handle whose `remove()` restores the function. Inside a block the taps get its layer
+    prefix. No-op cost when dumps are off (the wrapper calls `tap`, which returns at once)."""
+    from ffdebug.capture.functions import tap_function as _tf
+
+    return _tf(spec, stages)
 
 
 def maybe_dump_weights_and_exit(model):

@@ -159,6 +159,7 @@ class DumpConfig:
     ranks: LayerSelection = field(default_factory=LayerSelection)
     overwrite: bool = False
     topk: int = 0
+    tap_functions: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (module:function, stage names)
 
     def keep_stage(self, key: str) -> bool:
         return not self.stages or any(fnmatch.fnmatchcase(key, g) for g in self.stages)
@@ -237,7 +238,29 @@ def read_dump_config(environ: dict[str, str] | None = None) -> DumpConfig | None
         ranks=parse_layers(_get("FFDEBUG_FWD_DUMP_RANKS", env), "FFDEBUG_FWD_DUMP_RANKS"),
         overwrite=_bool("FFDEBUG_FWD_DUMP_OVERWRITE", _get("FFDEBUG_FWD_DUMP_OVERWRITE", env), False),
         topk=_int("FFDEBUG_DEBUG_TOPK", _get("FFDEBUG_DEBUG_TOPK", env)) or 0,
+        tap_functions=parse_tap_functions(
+            _get("FFDEBUG_FWD_DUMP_TAP_FUNCTIONS", env), "FFDEBUG_FWD_DUMP_TAP_FUNCTIONS"
+        ),
     )
+
+
+def parse_tap_functions(value: str | None, name: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`pkg.mod:fn=attn.q_rot,attn.k_rot;other.mod:g=stage` into (spec, stages) pairs."""
+    out = []
+    for part in (value or "").split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        spec, _, stages = part.partition("=")
+        mod, _, fn = spec.strip().partition(":")
+        names = tuple(s.strip() for s in stages.split(",") if s.strip())
+        if not mod or not fn.isidentifier() or not names:
+            raise FFDebugError(
+                f"{name}={value!r} is invalid: use 'pkg.module:function=stage[,stage...]' entries joined by ';', "
+                "e.g. 'mypkg.rope:apply_rope=attn.q_rot,attn.k_rot'"
+            )
+        out.append((f"{mod}:{fn}", names))
+    return tuple(out)
 
 
 def read_weight_dump_config(environ: dict[str, str] | None = None) -> WeightDumpConfig | None:

@@ -11,7 +11,16 @@ import torch
 import ffdebug
 from ffdebug.store.reader import open_side
 
-CANONICAL = ("hidden_in", "attn_norm_out", "attn_out", "ffn_norm_out", "ffn_out", "hidden_out")
+CANONICAL = (
+    "hidden_in",
+    "attn_norm_out",
+    "attn.q_rot",
+    "attn.k_rot",
+    "attn_out",
+    "ffn_norm_out",
+    "ffn_out",
+    "hidden_out",
+)
 
 
 def _expected_keys(num_layers: int) -> set[str]:

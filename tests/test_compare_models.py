@@ -25,7 +25,9 @@ def test_identical_is_ok_and_bit_equal(tmp_path, tiny_llama, input_ids):
     res = ffdebug.compare(ref, tgt)
     assert res.verdict == "ok" and res.first_divergence is None and bool(res)
     assert all(s.bit_equal == 1.0 and s.severity == "ok" for s in res.stages)
-    assert len(res.stages) == 4 + 6 * 4
+    # embed.input_ids, embed.out, final.norm_out, final.logits; per layer the 6 block stages and
+    # the rotated q / k that transformers' apply_rotary_pos_emb hands back
+    assert len(res.stages) == 4 + 8 * 4
 
 
 @pytest.mark.parametrize("k", [1, 2])

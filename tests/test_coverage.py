@@ -111,32 +111,34 @@ def test_missing_rank_exit_4(model, tmp_path, monkeypatch):
     assert "target rank(s) 1 wrote nothing (world size 2)" in data["coverage"]["missing"]
 
 
-class PlainPort(torch.nn.Module):
-    """A port whose forward takes the ids and returns a plain tensor (no `.logits`)."""
+class TuplePort(torch.nn.Module):
+    """A port whose forward takes the ids and returns its logits in a tuple (no `.logits`, not a
+    vocabulary-sized tensor): its output is dumped as `final.out.0`."""
 
     def __init__(self, inner) -> None:
         super().__init__()
         self.inner = inner
 
     def forward(self, input_ids):
-        return self.inner(input_ids=input_ids).logits
+        return (self.inner(input_ids=input_ids).logits,)
 
 
 def test_port_whose_final_stages_do_not_pair_exit_4(model, tmp_path):
-    """The port's weights are correct but its final norm is not loaded: the block stages all pass,
-    the logits are wrong — and the final stages, named differently, never paired. Before coverage
-    this was `All N stages compared are ok. PASSED`."""
+    """Every block stage of the port passes, but its output never paired with the reference's:
+    before coverage this was `All N stages compared are ok. PASSED`."""
     dump(model, tmp_path, "ref")
-    port = PlainPort(copy.deepcopy(model))
-    with torch.no_grad():
-        port.inner.model.norm.weight.fill_(1.0)
-    dump(port, tmp_path, "target")
+    dump(TuplePort(copy.deepcopy(model)), tmp_path, "target")
     code, data = run("compare", "ref-vs-target", "--dir", str(tmp_path))
     assert code == 4 and data["verdict"] == "ok"
     cov = data["coverage"]
-    assert "final.logits" in cov["only_ref"] and "final.out" in cov["only_target"]
+    assert cov["only_ref"] == ["final.logits"] and cov["only_target"] == ["final.out.0"]
     assert not cov["final_compared"]
-    assert any("kinds dumped by the reference only: " in m and "final.logits" in m for m in cov["missing"])
+    assert "stage kinds dumped by the reference only: final.logits" in cov["missing"]
+    # the stage map pairs them, and the run is complete
+    code, data = run(
+        "compare", "ref-vs-target", "--dir", str(tmp_path), "--map", r"final\.out\.0=final.logits"
+    )
+    assert code == 0 and data["coverage"]["final_compared"]
 
 
 def test_correct_single_layer_selection_on_both_sides_exit_0(tmp_path):

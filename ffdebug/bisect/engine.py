@@ -156,6 +156,8 @@ def bisect(
     model_ref: str | None = None,
     model_target: str | None = None,
     allow_partial: bool = False,
+    maps=(),
+    alias_file: str | None = None,
 ) -> BisectResult:
     """Localise the first divergence of `target` from `ref` (paths or opened stores).
 
@@ -178,6 +180,8 @@ def bisect(
         noise=noise,
         fail_on=fail_on,
         allow_partial=allow_partial,
+        maps=maps,
+        alias_file=alias_file,
     )
     notes = list(result.notes)
     _relabel(result.stages, layer_class)

@@ -10,7 +10,10 @@ children as `L{NNN}.{child}.out`), sub-stage classes named in the block-class li
 from __future__ import annotations
 
 from ffdebug.capture import session as sess
-from ffdebug.models.blocks import CANONICAL_CHILDREN, find_blocks, find_named_child
+from ffdebug.capture.functions import known_function_taps, tap_function
+from ffdebug.capture.stage_map import StageMap
+from ffdebug.models.blocks import CANONICAL_CHILDREN, find_blocks
+from ffdebug.models.roles import BRANCH, NORM, has_role, is_norm, is_norm_type, norm_shaped, place_children
 
 
 class Handle:
@@ -81,7 +84,11 @@ def _input_ids(args, kwargs):
 
 
 def install(
-    model, session, classes: tuple[str, ...] | None = None, declared_classes: str | None = None
+    model,
+    session,
+    classes: tuple[str, ...] | None = None,
+    declared_classes: str | None = None,
+    stage_names=None,
 ) -> Handle:
     """Register the dump hooks of `session` on `model` and return a handle."""
     import torch
@@ -97,15 +104,21 @@ def install(
     if blocks:
         session.num_layers = max(b.layer for b in blocks) + 1
 
-    def capture(key, tensor, **meta):
+    stage_map = StageMap.of(stage_names)
+
+    def capture(key, tensor, grad_source=None, **meta):
+        """Write `tensor` as `key` (renamed by the stage map); its gradient is taken from
+        `grad_source` (the live tensor a buffered copy was made of) or the tensor itself."""
         if not isinstance(tensor, torch.Tensor):
             return
+        key = stage_map.apply(key)
         session.capture(key, tensor, **meta)
+        live = tensor if grad_source is None else grad_source
         grad_key = f"{key}.grad"
-        if config.grads and tensor.requires_grad and session.wants(grad_key, meta.get("layer")):
+        if config.grads and live.requires_grad and session.wants(grad_key, meta.get("layer")):
             # the gradient arrives after the forward: it keeps the forward's call and step tags
             grad_meta = dict(meta, io="grad", call=session.call, tags=sess.current_tags())
-            tensor.register_hook(lambda g: session.capture(grad_key, g, **grad_meta))
+            live.register_hook(lambda g: session.capture(grad_key, g, **grad_meta))
 
     # root: call counter, input ids, final output
     def root_pre(module, args, kwargs):
@@ -114,12 +127,22 @@ def install(
         if session.call_depth == 1 and ids is not None:
             capture("embed.input_ids", ids, io="in", module_class=type(module).__name__, module_path="")
 
+    vocab = _vocab_size(model)
+    root_state: dict = {"final_norm": None}
+
     def root_post(module, args, kwargs, output):
         try:
             if session.call_depth == 1:
+                pending = root_state.pop("final_norm", None)
+                root_state["final_norm"] = None
+                if pending is not None:
+                    tensor, live, meta = pending
+                    capture("final.norm_out", tensor, grad_source=live, **meta)
                 logits = getattr(output, "logits", None)
                 if logits is None and isinstance(output, dict):
                     logits = output.get("logits")
+                if logits is None and isinstance(output, torch.Tensor) and vocab and output.dim() >= 1:
+                    logits = output if output.shape[-1] == vocab else None
                 if isinstance(logits, torch.Tensor):
                     capture("final.logits", logits, module_class=type(module).__name__, module_path="")
                     if config.topk:
@@ -143,12 +166,7 @@ def install(
         inside_blocks.update(id(m) for m in b.module.modules())
 
     # input embedding
-    emb = None
-    if hasattr(model, "get_input_embeddings"):
-        try:
-            emb = model.get_input_embeddings()
-        except (NotImplementedError, AttributeError):
-            emb = None
+    emb = _input_embedding(model)
     if emb is not None and id(emb) not in inside_blocks:
         handle.add(
             emb.register_forward_hook(
@@ -156,25 +174,67 @@ def install(
             )
         )
 
-    # final norm (outside every block)
-    path, norm = find_named_child(
-        model, ("norm", "final_layernorm", "ln_f", "norm_out", "final_norm"), inside_blocks
-    )
-    if norm is not None:
-        handle.add(
-            norm.register_forward_hook(
-                lambda m, a, o, p=path: capture(
-                    "final.norm_out",
-                    o if isinstance(o, torch.Tensor) else next((t for _, t in _tensors(o)), None),
-                    module_class=type(m).__name__,
-                    module_path=p,
-                )
-            )
-        )
+    # final norm: the last norm (by type or behaviour) that runs after the last block
+    root_state["blocks_done"] = 0
+    for path, norm in _norm_candidates(model, inside_blocks):
+
+        def norm_post(m, a, o, p=path):
+            out = o if isinstance(o, torch.Tensor) else next((t for _, t in _tensors(o)), None)
+            if session.call_depth != 1 or root_state["blocks_done"] == 0 or out is None:
+                return
+            if not is_norm(m, out):
+                return
+            meta = dict(module_class=type(m).__name__, module_path=p)
+            root_state["final_norm"] = (out.detach().clone(), out, meta)
+
+        handle.add(norm.register_forward_hook(norm_post))
+
+    def block_done() -> None:
+        root_state["blocks_done"] += 1
+        root_state["final_norm"] = None  # a norm followed by another block is not the final one
 
     for b in blocks:
-        _install_block(handle, session, capture, b, sub_globs)
+        _install_block(handle, session, capture, b, sub_globs, block_done)
+    for spec, stages in (*known_function_taps([b.module for b in blocks]), *config.tap_functions):
+        handle.add(tap_function(spec, stages))
     return handle
+
+
+def _vocab_size(model) -> int | None:
+    """The vocabulary size: config `vocab_size`, else the input embedding's `num_embeddings`."""
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None) if config is not None else None
+    if isinstance(size, int) and size > 1:
+        return size
+    emb = _input_embedding(model)
+    return getattr(emb, "num_embeddings", None) if emb is not None else None
+
+
+def _input_embedding(model):
+    """`get_input_embeddings()` where the model has it, else its only `nn.Embedding` outside any
+    ModuleList-of-blocks (None when there are several or none)."""
+    import torch.nn as nn
+
+    if hasattr(model, "get_input_embeddings"):
+        try:
+            emb = model.get_input_embeddings()
+            if emb is not None:
+                return emb
+        except (NotImplementedError, AttributeError):
+            pass
+    embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    return embs[0] if len(embs) == 1 else None
+
+
+def _norm_candidates(model, inside_blocks: set[int]) -> list[tuple[str, object]]:
+    """Modules outside every block that may be a norm (by type, or shaped like one)."""
+    out = []
+    for path, m in model.named_modules():
+        if not path or id(m) in inside_blocks:
+            continue
+        if is_norm_type(m) or norm_shaped(m):
+            out.append((path, m))
+    return out
 
 
 def _capture_topk(capture, logits, k: int) -> None:
@@ -186,12 +246,13 @@ def _capture_topk(capture, logits, k: int) -> None:
     capture("final.topk_probs", values, module_path="")
 
 
-def _install_block(handle: Handle, session, capture, block, sub_globs: tuple[str, ...]) -> None:
+def _install_block(handle: Handle, session, capture, block, sub_globs: tuple[str, ...], block_done) -> None:
     """Hooks of one block: its input/output, its direct children, and sub-stage classes inside it."""
     base = {"layer": block.layer, "layer_class": block.layer_class}
     prefix = f"L{block.layer:03d}"
-    _hook_block_io(handle, session, capture, block, prefix, base)
-    _hook_children(handle, session, capture, block, prefix, base)
+    children = ChildRoles(session, capture, block, prefix, base)
+    children.install(handle)
+    _hook_block_io(handle, session, capture, block, prefix, base, children.flush, block_done)
     if sub_globs:
         _hook_substages(handle, session, capture, block, prefix, base, sub_globs)
 
@@ -202,7 +263,9 @@ def _capture_outputs(capture, key: str, output, **meta) -> None:
         capture(key if i == 0 else f"{key}{suffix}", t, **meta)
 
 
-def _hook_block_io(handle: Handle, session, capture, block, prefix: str, base: dict) -> None:
+def _hook_block_io(
+    handle: Handle, session, capture, block, prefix: str, base: dict, flush, block_done
+) -> None:
     """`L{NNN}.hidden_in` (+ `encoder_hidden_in`) before the block, `L{NNN}.hidden_out` after.
 
     A tuple output names `hidden_out` the one tensor shaped like the input (diffusers' joint
@@ -226,6 +289,7 @@ def _hook_block_io(handle: Handle, session, capture, block, prefix: str, base: d
 
     def post(module, args, kwargs, output):
         try:
+            flush()
             pairs = list(_tensors(output))
             same = [t for _, t in pairs if tuple(t.shape) == state.get("shape")]
             for suffix, t in pairs:
@@ -234,25 +298,80 @@ def _hook_block_io(handle: Handle, session, capture, block, prefix: str, base: d
                 capture(key, t, invocation=state.get("inv", 0), **meta)
         finally:
             sess.pop_layer()
+            block_done()
 
     handle.add(block.module.register_forward_pre_hook(pre, with_kwargs=True))
     handle.add(block.module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
 
-def _hook_children(handle: Handle, session, capture, block, prefix: str, base: dict) -> None:
-    """Direct children: canonical names (`attn_out`, `ffn_out`, …) where known, else `{name}.out`."""
-    used: set[str] = set()
-    for name, child in block.module.named_children():
-        stage = CANONICAL_CHILDREN.get(name)
-        if stage is None or stage in used:
-            stage = f"{name}.out"
-        used.add(stage)
-        meta = dict(base, module_class=type(child).__name__, module_path=f"{block.path}.{name}")
+class ChildRoles:
+    """The direct children of one block, named by role (`ffdebug.models.roles`).
 
-        def child_post(m, a, o, key=f"{prefix}.{stage}", meta=meta):
-            _capture_outputs(capture, key, o, invocation=session.invocations.get(block.path, 1) - 1, **meta)
+    On the block's first call the children's outputs are held (a copy, and the live tensor for
+    its gradient) until the block returns: only then is the order around the residual adds known.
+    Later calls capture at once under the names decided then."""
 
-        handle.add(child.register_forward_hook(child_post))
+    _warned: set[str] = set()
+
+    def __init__(self, session, capture, block, prefix: str, base: dict) -> None:
+        self.session, self.capture, self.block = session, capture, block
+        self.prefix, self.base = prefix, base
+        self.names: dict[str, str] | None = None
+        self.called: list[tuple[str, str]] = []
+        self.held: list[tuple] = []
+
+    def install(self, handle: Handle) -> None:
+        for name, child in self.block.module.named_children():
+            if has_role(child):
+                meta = dict(
+                    self.base, module_class=type(child).__name__, module_path=f"{self.block.path}.{name}"
+                )
+                handle.add(
+                    child.register_forward_hook(
+                        lambda m, a, o, n=name, meta=meta: self.on_output(n, m, o, meta)
+                    )
+                )
+
+    def on_output(self, name: str, module, output, meta: dict) -> None:
+        inv = self.session.invocations.get(self.block.path, 1) - 1
+        if self.names is not None:
+            stage = self.names.get(name, f"{name}.out")
+            _capture_outputs(self.capture, f"{self.prefix}.{stage}", output, invocation=inv, **meta)
+            return
+        pairs = list(_tensors(output))
+        if not pairs:
+            return
+        if name not in {n for n, _ in self.called}:
+            self.called.append((name, NORM if is_norm(module, pairs[0][1]) else BRANCH))
+        self.held.append((name, [(sfx, t.detach().clone(), t) for sfx, t in pairs], inv, meta))
+
+    def flush(self) -> None:
+        """At the block's return: decide the names (first call) and write what was held."""
+        if self.names is None and self.called:
+            placement = place_children(self.called, CANONICAL_CHILDREN)
+            self.names = placement.names
+            if placement.unplaced:
+                self._warn(placement.unplaced)
+        held, self.held = self.held, []
+        for name, pairs, inv, meta in held:
+            stage = (self.names or {}).get(name, f"{name}.out")
+            for i, (suffix, copy, live) in enumerate(pairs):
+                key = f"{self.prefix}.{stage}" if i == 0 else f"{self.prefix}.{stage}{suffix}"
+                self.capture(key, copy, grad_source=live, invocation=inv, **meta)
+
+    def _warn(self, unplaced: tuple[str, ...]) -> None:
+        import sys
+
+        cls = self.block.class_name
+        if cls in self._warned:
+            return
+        self._warned.add(cls)
+        print(
+            f"ffdebug: warning: {cls} ({self.block.path}): could not place {', '.join(unplaced)} by role "
+            f"(more than two branches, no name hint); dumped as L{{NNN}}.<child>.out — name them with "
+            "install(model, stage_names={...}) or compare --map",
+            file=sys.stderr,
+        )
 
 
 def _hook_substages(handle: Handle, session, capture, block, prefix: str, base: dict, sub_globs) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import sys
 import threading
 
@@ -19,6 +20,7 @@ from ffdebug._env import DumpConfig, dump_config
 # session exists and cost nothing when dumps are off.
 _TAGS: list[dict] = []
 _local = threading.local()
+_LAYER_PREFIX = re.compile(r"^L\d+\.")
 
 
 def current_tags() -> dict:
@@ -198,6 +200,8 @@ class Session:
                 meta[reserved] = tags.pop(reserved)
         if tags.pop("input_ids", False):
             meta["extra"] = {"input_ids": True}
+        if meta["layer"] is not None and not _LAYER_PREFIX.match(stage):
+            stage = f"L{meta['layer']:03d}.{stage}"  # a tap inside a block is one of its stages
         self.capture(stage, tensor, tags=tags, **meta)
 
     def close(self) -> None:

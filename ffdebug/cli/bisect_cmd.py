@@ -6,11 +6,13 @@ from __future__ import annotations
 import typer
 
 from ffdebug.cli.common import (
+    ALIAS_FILE_OPT,
     ALLOW_PARTIAL_OPT,
     DIR_OPT,
     FAIL_ON_HELP,
     JSON_OPT,
     LAYERS_OPT,
+    MAP_OPT,
     NOISE_OPT,
     SIDES_ARG,
     STAGES_OPT,
@@ -75,6 +77,8 @@ def register(app: typer.Typer) -> None:
             False, "--all", help="Show every stage, not only the first bad layer."
         ),
         fail_on: str = typer.Option(Severity.DIVERGE.value, "--fail-on", help=FAIL_ON_HELP),
+        maps: list[str] = MAP_OPT,
+        alias_file: str = ALIAS_FILE_OPT,
         allow_partial: bool = ALLOW_PARTIAL_OPT,
         json_out: bool = JSON_OPT,
     ) -> None:
@@ -94,6 +98,8 @@ def register(app: typer.Typer) -> None:
             noise=noise,
             fail_on=fail,
             allow_partial=allow_partial,
+            maps=tuple(maps or ()),
+            alias_file=alias_file,
             layer_class=layer_class,
             model_ref=model_ref,
             model_target=model_target,

@@ -26,6 +26,15 @@ NOISE_OPT = typer.Option(
     None, "--noise", help="A noise side: the reference run twice, or in the target's dtype."
 )
 JSON_OPT = typer.Option(False, "--json", help="Machine-readable output with the stable keys.")
+MAP_OPT = typer.Option(
+    None,
+    "--map",
+    help="Rename stage kinds on both sides before pairing: 'OLD=NEW' (regular expression over the key "
+    "without its L{NNN}. prefix, {L}/{N} carry a number; weights-diff's syntax), e.g. 'mix.out=attn_out'. Repeatable.",
+)
+ALIAS_FILE_OPT = typer.Option(
+    None, "--alias-file", help="A file of OLD=NEW lines (or a YAML / JSON mapping) applied like --map."
+)
 ALLOW_PARTIAL_OPT = typer.Option(
     False,
     "--allow-partial",

@@ -5,11 +5,13 @@ from __future__ import annotations
 import typer
 
 from ffdebug.cli.common import (
+    ALIAS_FILE_OPT,
     ALLOW_PARTIAL_OPT,
     DIR_OPT,
     FAIL_ON_HELP,
     JSON_OPT,
     LAYERS_OPT,
+    MAP_OPT,
     NOISE_OPT,
     SIDES_ARG,
     STAGES_OPT,
@@ -57,6 +59,8 @@ def register(app: typer.Typer) -> None:
             None, "--fail-on", help=FAIL_ON_HELP + " Default diverge (drift with --exact)."
         ),
         problems: bool = typer.Option(False, "--problems", help="Show only stages that are not ok."),
+        maps: list[str] = MAP_OPT,
+        alias_file: str = ALIAS_FILE_OPT,
         allow_partial: bool = ALLOW_PARTIAL_OPT,
         json_out: bool = JSON_OPT,
     ) -> None:
@@ -76,6 +80,8 @@ def register(app: typer.Typer) -> None:
             exact=exact,
             fail_on=fail,
             allow_partial=allow_partial,
+            maps=tuple(maps or ()),
+            alias_file=alias_file,
         )
         if json_out:
             emit_json(result.to_json())

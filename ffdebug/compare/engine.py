@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ffdebug import verdict as V
+from ffdebug.capture.stage_map import StageMap
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, StageUnit, check_input_ids, group_calls, pair_calls, pair_stages
 from ffdebug.compare.shards import best_fold
@@ -113,6 +115,8 @@ def compare(
     exact: bool = False,
     fail_on: Severity | str = Severity.DIVERGE,
     allow_partial: bool = False,
+    maps=(),
+    alias_file: str | None = None,
 ) -> CompareResult:
     """Compare two sides (paths or SideStores).
 
@@ -124,6 +128,8 @@ def compare(
 
     fail_on = V.parse_fail_on(fail_on)
     ref_store, tgt_store = _as_store(ref), _as_store(target)
+    stage_map = StageMap.of(list(maps or ()), alias_file)
+    ref_store, tgt_store = _renamed(ref_store, stage_map), _renamed(tgt_store, stage_map)
     if isinstance(layers, str):
         layers = parse_layers(layers)
     thresholds = tuple(t if isinstance(t, Threshold) else V.parse_threshold(t) for t in thresholds)
@@ -171,6 +177,7 @@ def compare(
             "with reduction='partial' or shard={dim,index,count} so they are folded automatically"
         )
     notes.extend(_budget_notes(pairs_out))
+    notes.extend(f"stage map rule {spec!r} renamed nothing on either side" for spec in stage_map.unused())
     only_ref = [r for sp in stage_pairings for r in sp.only_ref]
     only_target = [r for sp in stage_pairings for r in sp.only_target]
     coverage = assess(
@@ -248,6 +255,17 @@ def _compare_unit(
     e.notes.append(f"target ranks match as the {best.reading}; declare it in the dump")
     reading.update(reading=best.how, cos=e.cos, rel=e.rel, explained_by=best.reading)
     return [e], [(r, folded)], reading
+
+
+def _renamed(store: SideStore, stage_map: StageMap) -> SideStore:
+    """`store` with its stage keys renamed by the stage map (`--map`, `--alias-file`)."""
+    if not stage_map.rules:
+        return store
+    records = []
+    for rec in store.records:
+        key = stage_map.apply(rec.key)
+        records.append(rec if key == rec.key else dataclasses.replace(rec, key=key))
+    return dataclasses.replace(store, records=records)
 
 
 def _unsharded(rec: Record) -> dict | None:

@@ -81,7 +81,7 @@ def test_wrong_rotary_base_in_one_layer_is_a_jump_with_attention_sub_stage(llama
     assert r.pattern == "jump"
     assert r.first_divergence.layer == ROPE_BAD_LAYER
     assert r.first_divergence.stage == "attn_out"
-    assert r.sub_stage.stage == "attn_out"
+    assert r.sub_stage.stage == "attn.q_rot"  # the rotated q (transformers' apply_rotary_pos_emb)
     intro = [row.layer for row in r.layers if row.introduces]
     assert intro == [ROPE_BAD_LAYER]
     assert f"layer {ROPE_BAD_LAYER}" in r.conclusion and "jump" in r.conclusion

@@ -1,0 +1,127 @@
+"""Tap the outputs of a module-level function with one line (README "Stage names by role").
+
+`ffdebug.tap_function("pkg.mod:fn", stages=("attn.q_rot", "attn.k_rot"))` replaces `fn` in its
+module and in every loaded module that imported it by name, so each call taps its tensor outputs
+in order under the given stage names (inside a block they get its `L{NNN}.` prefix, like any
+tap). The environment form is `FFDEBUG_FWD_DUMP_TAP_FUNCTIONS='pkg.mod:fn=stage,stage;...'`,
+applied by `ffdebug.install`. Functions are named exactly; none is matched by words in its name.
+
+Known without a line: transformers' modelling modules define `apply_rotary_pos_emb(q, k, ...)`
+returning the rotated (q, k); `install` taps it as `attn.q_rot` / `attn.k_rot` for the blocks of
+a transformers model (`known_function_taps`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from dataclasses import dataclass, field
+
+from ffdebug.errors import FFDebugError
+
+TRANSFORMERS_ROTARY = ("apply_rotary_pos_emb", ("attn.q_rot", "attn.k_rot"))
+
+
+@dataclass
+class FunctionTap:
+    """An installed function tap; `remove()` puts the original back everywhere."""
+
+    spec: str
+    original: object
+    replaced: list = field(default_factory=list)  # (module, attribute name)
+
+    def remove(self) -> None:
+        for module, name in self.replaced:
+            setattr(module, name, self.original)
+        self.replaced.clear()
+
+    def __enter__(self) -> FunctionTap:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _resolve(spec: str):
+    mod_name, _, fn_name = spec.partition(":")
+    if not mod_name or not fn_name:
+        raise FFDebugError(f"tap_function {spec!r}: use 'pkg.module:function'")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as err:
+        raise FFDebugError(f"tap_function {spec!r}: cannot import {mod_name} ({err})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise FFDebugError(f"tap_function {spec!r}: {mod_name} has no function {fn_name}")
+    return module, fn_name, fn
+
+
+def _tensors_of(out) -> list:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def tap_function(spec: str, stages: tuple[str, ...] | list[str]) -> FunctionTap:
+    """Tap `spec`'s tensor outputs, in order, as `stages` (see the module doc)."""
+    if isinstance(stages, str) or not stages:
+        raise FFDebugError(
+            f"tap_function {spec!r}: give the stage names as a tuple, e.g. ('attn.q_rot', 'attn.k_rot')"
+        )
+    module, name, original = _resolve(spec)
+    if getattr(original, "__ffdebug_tap__", None):
+        original = original.__wrapped__
+    stages = tuple(stages)
+
+    @functools.wraps(original)
+    def tapped(*args, **kwargs):
+        import ffdebug
+
+        out = original(*args, **kwargs)
+        for stage, tensor in zip(stages, _tensors_of(out)):
+            ffdebug.tap(stage, tensor)
+        return out
+
+    tapped.__ffdebug_tap__ = True
+    handle = FunctionTap(spec, original)
+    for mod in list(sys.modules.values()):
+        for attr in _names_bound_to(mod, original, name):
+            setattr(mod, attr, tapped)
+            handle.replaced.append((mod, attr))
+    if not handle.replaced:  # the defining module itself always gets it
+        setattr(module, name, tapped)
+        handle.replaced.append((module, name))
+    return handle
+
+
+def _names_bound_to(module, fn, name: str) -> list[str]:
+    try:
+        namespace = vars(module)
+    except TypeError:
+        return []
+    value = namespace.get(name)
+    if value is fn or (
+        getattr(value, "__ffdebug_tap__", False) and getattr(value, "__wrapped__", None) is fn
+    ):
+        return [name]
+    return []
+
+
+def known_function_taps(block_modules: list[object]) -> list[tuple[str, tuple[str, ...]]]:
+    """(spec, stages) for the functions ffdebug knows in the blocks' modelling modules."""
+    out = []
+    seen = set()
+    fn_name, stages = TRANSFORMERS_ROTARY
+    for block in block_modules:
+        mod_name = type(block).__module__
+        if mod_name in seen or not mod_name.startswith("transformers.models."):
+            continue
+        seen.add(mod_name)
+        if callable(getattr(sys.modules.get(mod_name), fn_name, None)):
+            out.append((f"{mod_name}:{fn_name}", stages))
+    return out

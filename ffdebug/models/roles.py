@@ -1,0 +1,160 @@
+"""Stage roles from what modules do, not what they are called (README "Stage names by role").
+
+Two codebases of one model (HF against an engine's re-implementation) name their modules
+differently; ffdebug names the stages by role so that they pair:
+
+1. **Norms** by type (`nn.LayerNorm`, `nn.RMSNorm`, `nn.GroupNorm` and subclasses) or by
+   behaviour on the first call: a module whose parameters are 1-D of the hidden size (a scale,
+   maybe a bias) and whose output rows, divided by the scale (or by 1 + scale, Gemma's
+   convention) after the bias is taken away, have unit RMS, or zero mean and unit variance.
+2. **Branches**: the other direct children of a block that hold parameters (modules without
+   parameters — dropout, activations, rotary tables — carry no role).
+3. **Order around the residual adds**, read from the block's first call:
+
+   | children in call order (n norm, c branch) | roles |
+   |---|---|
+   | n c n c (pre-norm)                       | attn_norm_out attn_out ffn_norm_out ffn_out |
+   | n c n n c n (sandwich)                   | attn_norm_out attn_out attn_post_norm_out ffn_norm_out ffn_out ffn_post_norm_out |
+   | c n c n (post-norm)                      | attn_out attn_norm_out ffn_out ffn_norm_out |
+   | n c c (parallel residual, one norm)      | attn_norm_out attn_out ffn_out |
+
+   The first branch is the attention, the second the MLP (or MoE). A block with more than two
+   branches (diffusers' joint blocks: adaptive norms, context streams) has no unambiguous order:
+   its children keep the attribute-name hints (`CANONICAL_CHILDREN`), else `{child}.out`, and a
+   warning names what could not be placed.
+
+Model level: `embed.out` is the input embedding (`get_input_embeddings()`, else the
+`nn.Embedding` fed the root's token ids); `final.norm_out` is the last norm that runs after the
+last block; the root output is `final.logits` when it is `.logits` or a tensor whose last dim is
+the vocabulary size (config `vocab_size` or the embedding's `num_embeddings`), else `final.out`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NORM = "norm"
+BRANCH = "branch"
+UNIT_TOL = 0.05  # |rms - 1| (or |std - 1|, |mean|) averaged over rows
+
+
+def _params(module) -> list:
+    return list(module.parameters(recurse=True))
+
+
+def is_norm_type(module) -> bool:
+    """A torch norm layer (or a subclass)."""
+    import torch.nn as nn
+
+    types = [nn.LayerNorm, nn.GroupNorm]
+    if hasattr(nn, "RMSNorm"):
+        types.append(nn.RMSNorm)
+    return isinstance(module, tuple(types))
+
+
+def norm_shaped(module) -> bool:
+    """Parameters that a norm has: one or two 1-D tensors of one size, none in a child module."""
+    own = list(module.parameters(recurse=False))
+    if not own or len(own) > 2 or len(own) != len(_params(module)):
+        return False
+    return all(p.dim() == 1 for p in own) and len({p.numel() for p in own}) == 1
+
+
+def _unit_rows(y) -> bool:
+    """Rows with unit RMS (RMSNorm) or zero mean and unit variance (LayerNorm)."""
+    rms = y.pow(2).mean(-1).sqrt()
+    if float((rms - 1).abs().mean()) < UNIT_TOL:
+        return True
+    mean, std = y.mean(-1), y.std(-1, unbiased=False)
+    return float(mean.abs().mean()) < UNIT_TOL and float((std - 1).abs().mean()) < UNIT_TOL
+
+
+def behaves_like_norm(module, output) -> bool:
+    """`module`'s output rows, with its affine parameters undone, are normalised (see module doc)."""
+    import torch
+
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.dim() < 1:
+        return False
+    own = list(module.parameters(recurse=False))
+    y = output.detach().double()
+    if own and any(p.numel() != y.shape[-1] for p in own):
+        return False
+    if not own:
+        return _unit_rows(y)
+    weight = own[0].detach().double()
+    bias = own[1].detach().double() if len(own) > 1 else None
+    centred = y - bias if bias is not None else y
+    for scale in (weight, 1.0 + weight):
+        if bool((scale.abs() > 1e-6).all()) and _unit_rows(centred / scale):
+            return True
+    return False
+
+
+def is_norm(module, output) -> bool:
+    """A norm by type, or norm-shaped and behaving like one on this output."""
+    if is_norm_type(module):
+        return True
+    return norm_shaped(module) and behaves_like_norm(module, output)
+
+
+def has_role(module) -> bool:
+    """Modules without parameters (dropout, activations, rotary tables) carry no role."""
+    return is_norm_type(module) or bool(_params(module))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The stage name of each called child of one block, and what could not be placed."""
+
+    names: dict[str, str]  # child attribute name -> stage name (without the layer prefix)
+    unplaced: tuple[str, ...]
+    by_order: bool  # decided by the order around the residual adds (else by name hints)
+
+
+def _sequence_roles(kinds: list[str]) -> list[str] | None:
+    """Stage names for a sequence of `norm` / `branch` kinds, or None when it is not a known form."""
+    branches = [i for i, k in enumerate(kinds) if k == BRANCH]
+    if not 1 <= len(branches) <= 2:
+        return None
+    names: list[str] = []
+    first = branches[0]
+    second = branches[1] if len(branches) == 2 else None
+    pre_post = {0: ("attn_norm_out", "attn_post_norm_out"), 1: ("ffn_norm_out", "ffn_post_norm_out")}
+    pre_norm = kinds[0] == NORM
+    for i, kind in enumerate(kinds):
+        if kind == BRANCH:
+            names.append("attn_out" if i == first else "ffn_out")
+            continue
+        if i < first:
+            names.append(pre_post[0][0])
+        elif second is None or i > second:
+            slot = 1 if second is not None else 0
+            names.append(pre_post[slot][1] if pre_norm else pre_post[slot][0])
+        else:  # between the branches
+            if not pre_norm:
+                names.append(pre_post[0][0])  # post-norm: the norm after the attention
+            elif kinds[i + 1] == BRANCH:
+                names.append(pre_post[1][0])  # right before the MLP: its pre-norm
+            else:
+                names.append(pre_post[0][1])  # sandwich: the attention's post-norm
+    return names if len(set(names)) == len(names) else None
+
+
+def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Placement:
+    """Roles of a block's children from `called`: (attribute name, kind) in first-call order.
+
+    Order decides when it is one of the known forms; otherwise the attribute-name hints name
+    what they can and the rest is unplaced (it keeps `{child}.out`)."""
+    roles = _sequence_roles([k for _, k in called])
+    if roles is not None:
+        return Placement(dict(zip((n for n, _ in called), roles)), (), True)
+    names: dict[str, str] = {}
+    unplaced = []
+    for child, _kind in called:
+        stage = hints.get(child)
+        if stage is None or stage in names.values():
+            names[child] = f"{child}.out"
+            unplaced.append(child)
+        else:
+            names[child] = stage
+    return Placement(names, tuple(unplaced), False)

@@ -1,0 +1,217 @@
+"""Stage names by role: two codebases of one model pair without a hand-written map."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from ports import CONVENTIONAL, OPAQUE, make_port, rope_interleaved
+from tiny_models import tiny_llama
+from typer.testing import CliRunner
+
+import ffdebug
+from ffdebug.cli.app import app
+from ffdebug.models.roles import BRANCH, NORM, _sequence_roles, behaves_like_norm, place_children
+from ffdebug.store.reader import open_side
+
+runner = CliRunner()
+BLOCK = (
+    "hidden_in",
+    "attn_norm_out",
+    "attn.q_rot",
+    "attn.k_rot",
+    "attn_out",
+    "ffn_norm_out",
+    "ffn_out",
+    "hidden_out",
+)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    model = tiny_llama(num_layers=3)
+    with torch.no_grad():  # norms that are not all ones, so a norm's scale matters
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(
+                    torch.empty_like(p).uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+                )
+    return model
+
+
+def ids():
+    return torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(11))
+
+
+def dump(model, directory, side, **options):
+    with ffdebug.capture(model, dir=directory, side=side, **options), torch.no_grad():
+        model(input_ids=ids())
+    return directory / side
+
+
+def dump_port(port, directory, side, rotary_fn="ports:rope"):
+    """One install per side, plus the one tap_function line for the port's own rotary code."""
+    with ffdebug.tap_function(rotary_fn, ("attn.q_rot", "attn.k_rot")):
+        return dump(port, directory, side)
+
+
+def expected_keys(layers: int) -> set[str]:
+    keys = {"embed.input_ids", "embed.out", "final.norm_out", "final.logits"}
+    return keys | {f"L{i:03d}.{s}" for i in range(layers) for s in BLOCK}
+
+
+@pytest.mark.parametrize("names", [CONVENTIONAL, OPAQUE], ids=["conventional", "opaque-names"])
+def test_a_correct_port_pairs_every_stage_with_hf_and_passes(hf, tmp_path, names):
+    ref = dump(hf, tmp_path, "ref")
+    tgt = dump_port(make_port(hf, names), tmp_path, "target")
+    assert set(open_side(ref).keys()) == expected_keys(3)
+    assert set(open_side(tgt).keys()) == expected_keys(3)  # the port's own names never appear
+    r = runner.invoke(app, ["compare", str(ref), str(tgt), "--json"])
+    data = json.loads(r.stdout)
+    assert r.exit_code == 0, (data["coverage"]["missing"], data["first_divergence"])
+    assert data["complete"] and data["coverage"]["final_compared"]
+    assert {s["key"] for s in data["stages"]} == expected_keys(3)
+    assert all(s["severity"] == "ok" for s in data["stages"])
+
+
+def test_an_unloaded_final_norm_is_found_at_final_norm_out(hf, tmp_path):
+    """The port's final-norm scale left at 1: the blocks pass, final.norm_out and the logits do not."""
+    ref = dump(hf, tmp_path, "ref")
+    port = make_port(hf, OPAQUE)
+    with torch.no_grad():
+        port.s_end.scale.fill_(1.0)
+    tgt = dump_port(port, tmp_path, "target")
+    res = ffdebug.compare(ref, tgt)
+    assert res.exit_code() == 1 and res.first_divergence.key == "final.norm_out"
+    assert all(s.ok for s in res.stages if s.layer is not None)
+
+
+def test_a_rotary_convention_swap_is_located_at_layer_0_q_rot(hf, tmp_path):
+    ref = dump(hf, tmp_path, "ref")
+    tgt = dump_port(
+        make_port(hf, OPAQUE, rotary=rope_interleaved), tmp_path, "target", "ports:rope_interleaved"
+    )
+    r = ffdebug.bisect(ref, tgt)
+    assert r.exit_code() == 1
+    assert (r.first_divergence.layer, r.sub_stage.stage) == (0, "attn.q_rot")
+    assert "layer 0" in r.conclusion and "attn.q_rot" in r.conclusion
+
+
+def test_without_the_tap_function_line_the_missing_rotary_taps_are_named(hf, tmp_path):
+    """The port's q_rot / k_rot are not dumped: coverage says so (exit 4), it does not pass."""
+    ref = dump(hf, tmp_path, "ref")
+    tgt = dump(make_port(hf, OPAQUE), tmp_path, "target")
+    res = ffdebug.compare(ref, tgt)
+    assert res.exit_code() == 4 and set(res.coverage.only_ref) == {"attn.q_rot", "attn.k_rot"}
+
+
+def test_stage_map_on_compare_renames_either_side(tmp_path):
+    for side, name in (("ref", "final.logits"), ("target", "final.out.0")):
+        with ffdebug.capture(None, dir=tmp_path, side=side):
+            ffdebug.tap("h", torch.ones(2))
+            ffdebug.tap(name, torch.ones(3))
+    assert ffdebug.compare(tmp_path / "ref", tmp_path / "target").exit_code() == 4
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target", maps=[r"final\.out\.0=final.logits"])
+    assert res.exit_code() == 0 and [s.key for s in res.stages] == ["h", "final.logits"]
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target", maps=["nothing=here"])
+    assert any("'nothing=here' renamed nothing" in n for n in res.notes)
+
+
+def test_install_stage_names_renames_at_capture(tmp_path):
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return (x,)
+
+    model = Odd()
+    with ffdebug.capture(model, dir=tmp_path, side="t", stage_names={r"final\.out\.0": "final.out"}):
+        model(torch.ones(2, 4))
+    assert "final.out" in open_side(tmp_path / "t").keys()
+
+
+def test_taps_inside_a_block_get_its_layer_prefix(tmp_path):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            ffdebug.tap("inner.state", x * 2)
+            return self.lin(x)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    model = Net()
+    with ffdebug.capture(model, dir=tmp_path, side="s"):
+        model(torch.ones(1, 4))
+        ffdebug.tap("outside", torch.ones(1))
+    keys = set(open_side(tmp_path / "s").keys())
+    assert {"L000.inner.state", "L001.inner.state", "outside"} <= keys
+
+
+# --- the rules themselves ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kinds", "names"),
+    [
+        ("ncnc", ["attn_norm_out", "attn_out", "ffn_norm_out", "ffn_out"]),  # pre-norm (Llama)
+        (
+            "ncnncn",  # sandwich norms (Gemma 2)
+            [
+                "attn_norm_out",
+                "attn_out",
+                "attn_post_norm_out",
+                "ffn_norm_out",
+                "ffn_out",
+                "ffn_post_norm_out",
+            ],
+        ),
+        ("cncn", ["attn_out", "attn_norm_out", "ffn_out", "ffn_norm_out"]),  # post-norm (BERT)
+        ("ncc", ["attn_norm_out", "attn_out", "ffn_out"]),  # parallel residual, one norm (GPT-J)
+        ("nccc", None),  # three branches: no order decides
+    ],
+)
+def test_order_around_the_residual_adds(kinds, names):
+    seq = [NORM if k == "n" else BRANCH for k in kinds]
+    assert _sequence_roles(seq) == names
+
+
+def test_ambiguous_blocks_fall_back_to_name_hints_and_say_what_is_unplaced():
+    called = [("norm1", BRANCH), ("attn", BRANCH), ("ff", BRANCH)]
+    p = place_children(called, {"attn": "attn_out", "ff": "ffn_out"})
+    assert p.names == {"norm1": "norm1.out", "attn": "attn_out", "ff": "ffn_out"}
+    assert p.unplaced == ("norm1",) and not p.by_order
+
+
+def test_norm_behaviour_is_read_from_the_output():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=g) * 4 + 1
+    w, b = torch.rand(16, generator=g) + 0.5, torch.randn(16, generator=g)
+
+    class Affine(torch.nn.Module):
+        def __init__(self, with_bias):
+            super().__init__()
+            self.w = torch.nn.Parameter(w.clone())
+            self.b = torch.nn.Parameter(b.clone()) if with_bias else None
+
+    rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    ln = torch.nn.functional.layer_norm(x, (16,)) * w + b
+    assert behaves_like_norm(Affine(False), rms)
+    assert behaves_like_norm(Affine(True), ln)
+    assert not behaves_like_norm(Affine(False), x * w)  # a plain scale is no norm
+    assert not behaves_like_norm(Affine(True), x * w + b)
