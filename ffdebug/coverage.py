@@ -255,7 +255,7 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
     cov.calls_only_ref = [{"call": g.call, "step": dict(g.tags)} for g in inp.unpaired_ref]
     cov.calls_only_target = [{"call": g.call, "step": dict(g.tags)} for g in inp.unpaired_target]
     selected, differing = selection_sentences(ref, target)
-    cov.selected_out = selected + inp.filters
+    cov.selected_out = selected + inp.filters + _unplaced_sentences(ref, target)
     missing: list[str] = []
     for label, side in (("reference", cov.sides["ref"]), ("target", cov.sides["target"])):
         missing.extend(side_sentences(label, side))
@@ -290,6 +290,18 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
         )
     cov.missing = missing
     return cov
+
+
+def _unplaced_sentences(ref: SideStore, target: SideStore) -> list[str]:
+    """Block children that role detection could not name on a side (dumped by attribute name)."""
+    out = []
+    for label, store in (("reference", ref), ("target", target)):
+        unplaced = store.run.get("unplaced_stages")
+        if isinstance(unplaced, dict):
+            for cls, children in sorted(unplaced.items()):
+                names = ", ".join(str(c) for c in children) if isinstance(children, list) else str(children)
+                out.append(f"{label}: {cls} children without a role, dumped by attribute name: {names}")
+    return out
 
 
 def _calls(calls: list[dict]) -> str:

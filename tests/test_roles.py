@@ -215,3 +215,36 @@ def test_norm_behaviour_is_read_from_the_output():
     assert behaves_like_norm(Affine(True), ln)
     assert not behaves_like_norm(Affine(False), x * w)  # a plain scale is no norm
     assert not behaves_like_norm(Affine(True), x * w + b)
+
+
+def test_children_without_a_role_are_warned_recorded_and_listed_in_coverage(tmp_path, capsys):
+    class Three(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            return x + self.c(self.b(self.a(x)))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Three() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    model = Net()
+    for side in ("ref", "target"):
+        with ffdebug.capture(model, dir=tmp_path, side=side):
+            model(torch.ones(1, 4))
+    assert "could not place a, b, c by role" in capsys.readouterr().err
+    assert open_side(tmp_path / "ref").run["unplaced_stages"] == {"Three": ["a", "b", "c"]}
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    assert (
+        "reference: Three children without a role, dumped by attribute name: a, b, c"
+        in res.coverage.selected_out
+    )
+    assert "L000.a.out" in {s.key for s in res.stages}

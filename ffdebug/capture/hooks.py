@@ -363,6 +363,7 @@ class ChildRoles:
         import sys
 
         cls = self.block.class_name
+        self.session.note_unplaced(cls, unplaced)
         if cls in self._warned:
             return
         self._warned.add(cls)

@@ -89,6 +89,7 @@ class Session:
         self.first_real_done: set[tuple] = set()  # step-tag sets whose first real call was taken
         self.invocations: dict[tuple, int] = {}
         self.input_ids_sha: str | None = None
+        self.unplaced: dict[str, list[str]] = {}  # block class -> children without a role
         self.closed = False
 
     # -- writer -----------------------------------------------------------------------------
@@ -188,6 +189,13 @@ class Session:
 
             self.input_ids_sha = sha256_of_tensor(t)
             self.writer().update_run_info(input_ids_sha256=self.input_ids_sha)
+
+    def note_unplaced(self, block_class: str, children: tuple[str, ...]) -> None:
+        """Record in run.json the block children role detection could not name (coverage lists them)."""
+        if not self.enabled_rank or self.unplaced.get(block_class) == list(children):
+            return
+        self.unplaced[block_class] = list(children)
+        self.writer().update_run_info(unplaced_stages=dict(self.unplaced))
 
     def tap(self, stage: str, tensor, tags: dict) -> None:
         """A free tap. Reserved tags describe the tensor (`io`, `shard`, `reduction`, `layer`,
