@@ -33,13 +33,33 @@ from ffdebug.io.record import Record
 from ffdebug.results import TensorDiff, WeightsDiffResult
 from ffdebug.verdict import Severity
 from ffdebug.weights import quant
-from ffdebug.weights.names import NameMap, StackRule, build_name_map, parse_fuse, parse_stack
+from ffdebug.weights.names import (
+    NameMap,
+    StackRule,
+    build_name_map,
+    parse_fuse,
+    parse_stack,
+    unused_rules,
+)
 from ffdebug.weights.schema import apply_hint, stacked_suggestions, suggest_renames
 from ffdebug.weights.sources import WeightSource, open_source
 from ffdebug.weights.tp import Logical, load_logical, plan_merge
 from ffdebug.weights.transforms import apply_transforms, parse_transform
 
-FINDINGS = ("equal", "rounding", "dtype_only", "transposed", "sign_flip", "scaled", "mismatch")
+FINDINGS = (
+    "equal",
+    "rounding",
+    "dtype_only",
+    "transposed",
+    "sign_flip",
+    "scaled",
+    "swapped",
+    "permuted",
+    "not_loaded",
+    "mismatch",
+)
+LOADED = ("equal", "dtype_only", "rounding")
+UNCORRELATED = 0.05  # |cos| below this: no relation between the two tensors
 STABLE_KEYS = (
     "verdict",
     "only_ref",
@@ -138,12 +158,19 @@ def compare_pair(
     )
     if tuple(ref.shape) != tuple(tgt.shape):
         if ref.dim() == 2 and tgt.dim() == 2 and tuple(tgt.shape) == tuple(ref.shape)[::-1]:
-            m = compare_tensors(ref, tgt.t())
-            if V.is_ok(V.classify(m.cos, m.rel)):
-                entry.finding, entry.severity = "transposed", Severity.SCRAMBLE
-                entry.after_transpose = {"cos": m.cos, "rel": m.rel, "max_abs": m.max_abs}
-                entry.notes = ["stored transposed: the shapes are swapped and the values match after .T"]
-                return entry
+            # Never left out: compared after .T, so a transposed and scaled tensor is `scaled`.
+            after = compare_pair(
+                name, ref, tgt.t().contiguous(), dtype_ref, dtype_tgt, thresholds, dequantized
+            )
+            after.shape_target = list(tgt.shape)
+            after.after_transpose = {"cos": after.cos, "rel": after.rel, "max_abs": after.max_abs}
+            if after.finding in ("equal", "dtype_only", "rounding"):
+                after.finding = "transposed"
+                after.notes = ["stored transposed: the shapes are swapped and the values match after .T"]
+            else:
+                after.notes.insert(0, "stored transposed (the shapes are swapped); compared after .T")
+            after.severity = V.worst(after.severity, Severity.SCRAMBLE)
+            return after
         return None
     if not dequantized and bytes_equal(ref, tgt):
         entry.byte_equal, entry.cos, entry.rel, entry.max_abs = True, 1.0, 0.0, 0.0
@@ -278,8 +305,20 @@ class WeightsDiff:
         thresholds=(),
         fail_on: Severity | str = Severity.DIVERGE,
         allow_dtype: bool = False,
+        match_content: str = "auto",
+        init=None,
+        init_side: str = "target",
     ) -> None:
         from ffdebug._env import parse_layers
+
+        if match_content not in ("auto", "off"):
+            raise FFDebugError(f"--match-content {match_content!r} is invalid: use auto or off")
+        if init_side not in ("ref", "target"):
+            raise FFDebugError(f"init_side {init_side!r} is invalid: use ref or target")
+        self.match_content = match_content
+        self.init_side = init_side
+        self._content_cache: tuple = (None, None)
+        self.content = None
 
         self.dequant = _check_dequant(dequant)
         self.tp_merge = _check_tp_merge(tp_merge)
@@ -300,10 +339,13 @@ class WeightsDiff:
 
         self.ref_src = open_source(a, "reference")
         self.tgt_src = open_source(b, "target")
+        self.init_src = open_source(init, "--init") if init is not None else None
+        self.notes: list[str] = []
+        self.warnings: list[str] = []
         ref_groups = _group(self.ref_src, ref_map, "reference")
         tgt_groups = _group(self.tgt_src, tgt_map, "target")
+        self.warnings += unused_rules(tgt_map, [e.key for e in self.tgt_src.entries], "target")
         self.skipped: list[str] = []
-        self.notes: list[str] = []
         ref_groups = self._filter(ref_groups)
         tgt_groups = self._filter(tgt_groups)
         self.restricted: list[dict] = []
@@ -322,6 +364,9 @@ class WeightsDiff:
         self._attach_scales()
         self._apply_fuse()
         self._schema()
+        if self.match_content == "auto" and self.only_ref and self.only_target:
+            self._apply_content()
+            self._schema()
 
     def ref_name(self, source_name: str) -> str:
         """The name a reference-side tensor is compared under."""
@@ -482,6 +527,67 @@ class WeightsDiff:
                     build=_cat_builder(self, pieces, rule.dim),
                 )
 
+    def _apply_content(self) -> None:
+        """Pair what the names left unpaired by content (`weights.content`): each composite is cut
+        into the other side's tensors, under their names; the plan is kept in `self.content`."""
+        from ffdebug.weights.content import relate
+
+        sides = {"ref": self.ref, "target": self.tgt}
+        only = {"ref": self.only_ref, "target": self.only_target}
+        plan = relate(
+            {n: self.ref[n].shape for n in self.only_ref if not quant.is_fp8(self.ref[n].dtype)},
+            {n: self.tgt[n].shape for n in self.only_target if not quant.is_fp8(self.tgt[n].dtype)},
+            lambda n: self.load(self.ref[n], "ref"),
+            lambda n: self.load(self.tgt[n], "target"),
+        )
+        self.content = plan
+        for rel in plan.relations:
+            mine = sides[rel.side]
+            if rel.composite not in mine or rel.composite not in only[rel.side]:
+                continue
+            comp = mine.pop(rel.composite)
+            found = {s.part: s for s in rel.found or ()}
+            for seg in rel.segments:
+                mine[seg.part] = Logical(
+                    name=seg.part,
+                    source_name=comp.source_name
+                    + ("" if rel.kind == "whole" and not seg.transposed else seg.where()),
+                    entries=comp.entries,
+                    shape=_cut_shape(comp.shape, seg),
+                    dtype=comp.dtype,
+                    layer=comp.layer,
+                    build=self._content_view(comp, rel.side, seg),
+                    stacked_from=comp.source_name,
+                    segment=seg,
+                    found=(
+                        (found[seg.part], self._content_view(comp, rel.side, found[seg.part]))
+                        if seg.part in found
+                        else None
+                    ),
+                    relation=rel,
+                )
+        self.notes.append(
+            f"content matching paired {sum(len(r.segments) for r in plan.relations)} tensor(s) the names "
+            f"left unpaired ({plan.seconds:.2f} s)"
+        )
+
+    def _content_view(self, comp: Logical, side: str, seg):
+        """Builder of one block of a content-matched composite: the composite is loaded once and
+        kept while its blocks are compared (they are compared one after the other)."""
+        from ffdebug.weights.content import cut
+
+        def build():
+            return cut(self._composite(comp, side), seg)
+
+        return build
+
+    def _composite(self, comp: Logical, side: str):
+        key = (side, comp.name)
+        if self._content_cache[0] != key:
+            self._content_cache = (None, None)
+            self._content_cache = (key, self.load(comp, side))
+        return self._content_cache[1]
+
     def _apply_stack(self, rules) -> None:
         """Cut each stacked tensor ([E, …], all experts of one MoE layer) into one logical tensor
         per expert and part, under the other side's per-expert names (either side may be stacked)."""
@@ -623,6 +729,8 @@ class WeightsDiff:
             buffers_not_in_checkpoint=list(self.buffers_not_in_checkpoint),
             restricted=list(self.restricted),
             apply=apply_hint(self.renames) if self.renames else None,
+            content=self.content.to_json() if self.content is not None else None,
+            warnings=list(self.warnings),
         )
 
     def schema_result(self) -> WeightsDiffResult:
@@ -672,6 +780,74 @@ class WeightsDiff:
             keyed.append((first.setdefault(key, i), i, n))
         return [n for *_, n in sorted(keyed)]
 
+    def _explain(self, entry: TensorDiff, r: Logical, t: Logical) -> None:
+        """Name a difference in the port's terms: a block content matching found elsewhere in its
+        composite (a swapped fused part, a permuted expert), or a tensor equal to the port's own
+        initialisation (`--init`: never loaded)."""
+        from ffdebug.compare.metrics import compare_tensors
+
+        if r.source_name != entry.name or t.source_name != entry.name:
+            entry.origin = {"ref": r.source_name, "target": t.source_name}
+        if entry.finding in LOADED:
+            return
+        for side, lg, other, other_side in (("ref", r, t, "target"), ("target", t, r, "ref")):
+            if lg.found is None:
+                continue
+            seg, build = lg.found
+            m = compare_tensors(self.load(other, other_side), build())
+            if V.is_ok(V.classify(m.cos, m.rel)):
+                entry.notes = [n for n in entry.notes if not n.startswith("same dtype, values differ")]
+                entry.finding = "permuted" if lg.relation.kind == "stacked" else "swapped"
+                entry.severity = V.worst(entry.severity, Severity.SCRAMBLE)
+                entry.layout = {
+                    "tensor": lg.stacked_from,
+                    "compared_at": lg.segment.where(),
+                    "found_at": seg.where(),
+                    "cos": m.cos,
+                    "rel": m.rel,
+                }
+                entry.notes.append(
+                    f"{entry.name} is stored at {lg.stacked_from}{seg.where()}, where the port's other "
+                    f"tensors of this kind hold it at {lg.segment.where()}"
+                )
+                return
+        side = self.init_side
+        lg = r if side == "ref" else t
+        x0 = self._init_tensor(lg)
+        if x0 is not None:
+            x = self.load(lg, side)
+            if tuple(x0.shape) == tuple(x.shape) and bytes_equal(x0.to(x.dtype), x):
+                entry.notes = [n for n in entry.notes if not n.startswith("same dtype, values differ")]
+                entry.finding = "not_loaded"
+                entry.severity = V.worst(entry.severity, Severity.BUG)
+                entry.notes.append(
+                    f"{lg.source_name} equals the port's own initialisation (--init): never loaded"
+                )
+                return
+        if entry.finding == "mismatch" and entry.cos is not None and abs(entry.cos) < UNCORRELATED:
+            entry.notes.append(
+                f"uncorrelated with the other side (cos {entry.cos:.3f}): never loaded, or loaded from "
+                "another tensor; --init ENTRY (the port built without loading) tells which"
+            )
+
+    def _init_tensor(self, lg: Logical):
+        """The port's initial value of `lg` (its block, for a content-matched composite), else None."""
+        if self.init_src is None:
+            return None
+        if not hasattr(self, "_init_by_name"):
+            self._init_by_name = {e.key: e for e in self.init_src.entries}
+        rec = self._init_by_name.get(lg.stacked_from or lg.source_name)
+        if rec is None:
+            return None
+        x = rec.load()
+        if lg.segment is not None:
+            from ffdebug.weights.content import cut
+
+            if x.dim() != len(lg.relation.shape):
+                return None
+            x = cut(x, lg.segment)
+        return x
+
     def _run(self, on_tensor) -> WeightsDiffResult:
         tensors = []
         replica = []
@@ -691,6 +867,7 @@ class WeightsDiff:
                     replica.append({"name": name, "side": side, "ranks": list(lg.replica_mismatch)})
             if entry is None:
                 continue
+            self._explain(entry, r, t)
             entry.transformed = transformed
             entry.layer = r.layer
             entry.dequantized = name in deq
@@ -752,6 +929,12 @@ def _stack_sizes(rule: StackRule, lg: Logical, experts: list[list[str]], other: 
     if any(x <= 0 for x in sizes):
         return None, f"{list(lg.shape)}: no room for part {rule.parts[missing[0]]}"
     return sizes, None
+
+
+def _cut_shape(shape, seg) -> tuple:
+    from ffdebug.weights.content import cut_shape
+
+    return cut_shape(tuple(shape), seg)
 
 
 def _dequant_piece(x, scale, name):
