@@ -491,7 +491,7 @@ def relate(ref_shapes: dict, tgt_shapes: dict, load_ref, load_tgt) -> ContentPla
         conv_segs = _segments_from(_as_pattern(conv), f.composite, f.shape) if conv else None
         _, nums = _numbers(f.composite)
         chosen = []
-        for slot, axis, offset, size, transposed, names in f.blocks:
+        for slot, axis, offset, _size, _transposed, names in f.blocks:
             free = [n for n in names if n not in taken[part_side] and n not in chosen]
             pick = None
             if conv_segs:

@@ -365,8 +365,11 @@ class WeightsDiff:
         self._apply_fuse()
         self._schema()
         if self.match_content == "auto" and self.only_ref and self.only_target:
+            by_name = self.renames
             self._apply_content()
             self._schema()
+            # the name suggestions stay (a map to write down), fuse orders as the content has them
+            self.renames = _verified_fuse_orders(by_name, self.content) + self.renames
 
     def ref_name(self, source_name: str) -> str:
         """The name a reference-side tensor is compared under."""
@@ -790,7 +793,7 @@ class WeightsDiff:
             entry.origin = {"ref": r.source_name, "target": t.source_name}
         if entry.finding in LOADED:
             return
-        for side, lg, other, other_side in (("ref", r, t, "target"), ("target", t, r, "ref")):
+        for lg, other, other_side in ((r, t, "target"), (t, r, "ref")):
             if lg.found is None:
                 continue
             seg, build = lg.found
@@ -929,6 +932,38 @@ def _stack_sizes(rule: StackRule, lg: Logical, experts: list[list[str]], other: 
     if any(x <= 0 for x in sizes):
         return None, f"{list(lg.shape)}: no room for part {rule.parts[missing[0]]}"
     return sizes, None
+
+
+def _verified_fuse_orders(renames: list[dict], plan) -> list[dict]:
+    """Fuse suggestions (named parts in the order the names suggest) checked against the
+    content: a composite content matching related gets its parts in the order compared (the
+    port's convention, verified numerically); one it could not relate is marked unverified."""
+    import re
+
+    by_comp = {r.composite: r for r in plan.relations if r.how == "content"}
+    by_part = {p: r for r in plan.relations if r.how == "content" for p in r.parts}
+    out = []
+    for s in renames:
+        if s["kind"] != "fused":
+            out.append(s)
+            continue
+        fused = s["from"] if isinstance(s["from"], str) else s["to"]
+        parts = s["to"] if isinstance(s["from"], str) else s["from"]
+        rel = by_comp.get(fused) or by_part.get(parts[0])
+        m = re.fullmatch(r"--fuse (\S+)=(\S+)", s["apply"])
+        if rel is None or m is None:
+            out.append(dict(s, verified=False))
+            continue
+        order = [p for p in rel.parts if p in parts] if fused == rel.composite else list(parts)
+        comps = m.group(2).split("+")
+        named = dict(zip(parts, comps))
+        if set(order) != set(parts):
+            out.append(dict(s, verified=False))
+            continue
+        new = dict(s, verified=True, apply=f"--fuse {m.group(1)}={'+'.join(named[p] for p in order)}")
+        new["to" if isinstance(s["from"], str) else "from"] = order
+        out.append(new)
+    return out
 
 
 def _cut_shape(shape, seg) -> tuple:
