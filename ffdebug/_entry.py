@@ -62,15 +62,13 @@ def resolve_entry(spec: str):
 
 
 def call_entry(spec: str, *args):
-    """Call an entry with as many of `args` as it takes positionally (0 or more)."""
+    """Call an entry with as many of `args` as it takes positionally (0 or more; a parameter with
+    a default takes one too: `build(checkpoint=None)` gets the checkpoint)."""
     fn = resolve_entry(spec)
     try:
-        params = [
-            p
-            for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-        ]
-        n = len(params)
+        sig = inspect.signature(fn).parameters.values()
+        params = [p for p in sig if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        n = len(args) if any(p.kind == p.VAR_POSITIONAL for p in sig) else len(params)
     except (TypeError, ValueError):
         n = 0
     try:

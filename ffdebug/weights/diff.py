@@ -679,7 +679,13 @@ class WeightsDiff:
         self.common = [n for n in self.ref if n in self.tgt]
         for n in self.common:
             r, t = self.ref[n], self.tgt[n]
-            if r.shape != t.shape:
+            after = (
+                _shape_after(self.transforms, "ref", n, r.shape),
+                _shape_after(self.transforms, "target", n, t.shape),
+            )
+            if r.shape != t.shape and after[0] is not None and after[0] == after[1]:
+                self.notes.append(f"{n}: shapes {list(r.shape)} vs {list(t.shape)} agree after --transform")
+            elif r.shape != t.shape:
                 item = {"name": n, "shape_ref": list(r.shape), "shape_target": list(t.shape)}
                 if len(r.shape) == 2 and t.shape == r.shape[::-1]:
                     item["note"] = "transposed shape"
@@ -857,8 +863,12 @@ class WeightsDiff:
         deq = {d["name"] for d in self.dequantized}
         for name in self._order():
             r, t = self.ref[name], self.tgt[name]
-            transposable = len(r.shape) == 2 and t.shape == r.shape[::-1]
-            if r.shape != t.shape and not transposable:
+            rs, ts = (
+                _shape_after(self.transforms, "ref", name, r.shape),
+                _shape_after(self.transforms, "target", name, t.shape),
+            )
+            transposable = rs is not None and ts is not None and len(rs) == 2 and ts == rs[::-1]
+            if rs is not None and ts is not None and rs != ts and not transposable:
                 continue
             rt = self.load(r, "ref")
             tt = self.load(t, "target")
@@ -932,6 +942,19 @@ def _stack_sizes(rule: StackRule, lg: Logical, experts: list[list[str]], other: 
     if any(x <= 0 for x in sizes):
         return None, f"{list(lg.shape)}: no room for part {rule.parts[missing[0]]}"
     return sizes, None
+
+
+def _shape_after(transforms, side: str, name: str, shape: tuple) -> tuple | None:
+    """The shape after the built-in `transpose` transforms; None when a Python transform applies
+    (its output shape is known only once it ran)."""
+    from ffdebug.weights.transforms import transpose
+
+    for tr in transforms:
+        if tr.side == side and tr.matches(name):
+            if tr.fn is not transpose or len(shape) < 2:
+                return None
+            shape = tuple(shape[:-2]) + (shape[-1], shape[-2])
+    return tuple(shape)
 
 
 def _verified_fuse_orders(renames: list[dict], plan) -> list[dict]:

@@ -223,10 +223,9 @@ def unused_rules(name_map: NameMap, names, side: str) -> list[str]:
         if name_map.add_prefix:
             name = name_map.add_prefix + name
         for i, rule in enumerate(rules):
-            new = rule.apply(name)
-            if new != name:
+            if rule.pattern.search(name):
                 hits[i] += 1
-            name = new
+            name = rule.apply(name)
     out = [
         f"--map / alias rule {rule.spec!r} matched no {side} name (it rewrites {side} names)"
         for rule, n in zip(rules, hits)

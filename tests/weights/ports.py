@@ -20,10 +20,12 @@ class Norm(nn.Module):
 
 
 class Attn(nn.Module):
-    def __init__(self, h: int, q: int, kv: int) -> None:
+    def __init__(self, h: int, q: int, kv: int, head_norm: int | None) -> None:
         super().__init__()
         self.wqkv = nn.Linear(h, q + 2 * kv, bias=False)
         self.wo = nn.Linear(q, h, bias=False)
+        if head_norm:  # Qwen3: per-head q / k norms
+            self.q_norm, self.k_norm = Norm(head_norm), Norm(head_norm)
 
 
 class FF(nn.Module):
@@ -44,10 +46,10 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg, moe: bool) -> None:
         super().__init__()
-        hd = cfg.hidden_size // cfg.num_attention_heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         self.attn_norm = Norm(cfg.hidden_size)
-        self.attn = Attn(cfg.hidden_size, q, kv)
+        self.attn = Attn(cfg.hidden_size, q, kv, hd if moe else None)
         self.ff_norm = Norm(cfg.hidden_size)
         if moe:
             self.moe = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
@@ -90,6 +92,9 @@ def load_hf(port: Port, sd: dict, *, swap_qk_layer=None, skip=(), permute_expert
         put(f"blocks.{i}.attn.wo.weight", sd[p + "self_attn.o_proj.weight"])
         put(f"blocks.{i}.attn_norm.scale", sd[p + "input_layernorm.weight"])
         put(f"blocks.{i}.ff_norm.scale", sd[p + "post_attention_layernorm.weight"])
+        if hasattr(blk.attn, "q_norm"):
+            put(f"blocks.{i}.attn.q_norm.scale", sd[p + "self_attn.q_norm.weight"])
+            put(f"blocks.{i}.attn.k_norm.scale", sd[p + "self_attn.k_norm.weight"])
         if hasattr(blk, "ff"):
             gate, up = sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]
             put(f"blocks.{i}.ff.w13.weight", torch.cat([gate, up]))
@@ -103,3 +108,41 @@ def load_hf(port: Port, sd: dict, *, swap_qk_layer=None, skip=(), permute_expert
         put(f"blocks.{i}.moe.w_gate_up", torch.stack(gu))
         put(f"blocks.{i}.moe.w_down", torch.stack([sd[f"{e}{j}.down_proj.weight"] for j in perm]))
     return port
+
+
+def tiny_qwen3_moe(seed: int = 0):
+    """A seeded `Qwen3MoeForCausalLM` (4 experts, 2 layers), built from its config."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return Qwen3MoeForCausalLM(cfg).eval()
+
+
+ENTRY = """
+import sys
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from ports import build, load_hf
+
+
+def load(checkpoint=None):
+    port = build(AutoConfig.from_pretrained(CKPT))
+    if checkpoint is None:
+        return port  # unloaded: the audit compares against this initialisation
+    return load_hf(port, load_file(checkpoint + "/model.safetensors"), skip=SKIP)
+"""
