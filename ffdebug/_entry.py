@@ -35,11 +35,10 @@ def resolve_entry(spec: str):
             spec_obj = importlib.util.spec_from_file_location(name, mod_name)
             module = importlib.util.module_from_spec(spec_obj)
             sys.modules[name] = module
-            sys.path.insert(0, os.path.dirname(os.path.abspath(mod_name)))  # sibling imports
-            try:
-                spec_obj.loader.exec_module(module)
-            finally:
-                sys.path.pop(0)
+            folder = os.path.dirname(os.path.abspath(mod_name))
+            if folder not in sys.path:  # sibling imports, also those the function makes when called
+                sys.path.insert(0, folder)
+            spec_obj.loader.exec_module(module)
         else:
             if os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.insert(0, os.getcwd())
