@@ -537,12 +537,15 @@ class WeightsDiff:
 
         sides = {"ref": self.ref, "target": self.tgt}
         only = {"ref": self.only_ref, "target": self.only_target}
-        plan = relate(
-            {n: self.ref[n].shape for n in self.only_ref if not quant.is_fp8(self.ref[n].dtype)},
-            {n: self.tgt[n].shape for n in self.only_target if not quant.is_fp8(self.tgt[n].dtype)},
-            lambda n: self.load(self.ref[n], "ref"),
-            lambda n: self.load(self.tgt[n], "target"),
-        )
+        from ffdebug._chunks import single_thread
+
+        with single_thread():  # as in run(): chunked ops gain nothing from torch's thread pool
+            plan = relate(
+                {n: self.ref[n].shape for n in self.only_ref if not quant.is_fp8(self.ref[n].dtype)},
+                {n: self.tgt[n].shape for n in self.only_target if not quant.is_fp8(self.tgt[n].dtype)},
+                lambda n: self.load(self.ref[n], "ref"),
+                lambda n: self.load(self.tgt[n], "target"),
+            )
         self.content = plan
         for rel in plan.relations:
             mine = sides[rel.side]

@@ -4,7 +4,7 @@
 A tensor is viewed as a matrix of rows [N, C] (all dims but the last flattened; a 1-D tensor is
 [n, 1]); a 3-D tensor [E, A, C] keeps its slots (expert e is rows e·A … (e+1)·A). Its row sketch
 is `rows @ g(C)`, and for a 2-D tensor its column sketch is `g(N) @ M`, with `g(n)` a fixed random
-float64 vector of length n. Sketches are linear in the tensor, so a block of rows (or columns) of
+vector of length n (taken in float32, kept in float64). Sketches are linear in the tensor, so a block of rows (or columns) of
 one tensor that equals another tensor has the other's sketch at that offset, a transposed copy
 swaps rows and columns, and a scaled copy scales the sketch. One tensor is read at a time; a
 sketch holds N + C numbers.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 ROWS, COLS = 0, 1
-ROW_CHUNK = 1 << 14
+CHUNK_ELEMS = 1 << 20  # elements converted at a time (4 MiB of float32)
 
 
 @lru_cache(maxsize=64)
@@ -67,17 +67,20 @@ def sketch(name: str, x) -> Sketch | None:
     g = probe(c)
     rows = torch.empty(n, dtype=torch.float64)
     cols = torch.zeros(c, dtype=torch.float64) if x.dim() == 2 else None
-    gn = probe(n) if cols is not None else None
+    g = g.float()
+    gn = probe(n).float() if cols is not None else None
     lo, hi, sq = None, None, 0.0
-    for i in range(0, n, ROW_CHUNK):
-        block = m[i : i + ROW_CHUNK].to(torch.float64)
+    step = max(1, CHUNK_ELEMS // c)
+    for i in range(0, n, step):
+        raw = m[i : i + step]
+        bmin, bmax = (float(v) for v in torch.aminmax(raw))
+        block = raw.to(torch.float32)  # exact for bf16 / fp16; sums well within TOL of content
         rows[i : i + block.shape[0]] = block @ g
         if cols is not None:
             cols += gn[i : i + block.shape[0]] @ block
-        bmin, bmax = float(block.min()), float(block.max())
         lo = bmin if lo is None else min(lo, bmin)
         hi = bmax if hi is None else max(hi, bmax)
-        sq += float(block.pow(2).sum())
+        sq += float(torch.linalg.vector_norm(block, dtype=torch.float64)) ** 2
     slot = shape[1] if x.dim() == 3 else n
     lines = [Line(ROWS, c, rows, slot)]
     if cols is not None:
