@@ -82,7 +82,9 @@ def main() -> None:
     root = args.dir or tempfile.mkdtemp(prefix="ffdebug-bench-content-")
     os.makedirs(root, exist_ok=True)
     try:
-        info = subprocess.run([sys.executable, "-c", WRITE, str(args.size), root], check=True, capture_output=True, text=True)
+        info = subprocess.run(
+            [sys.executable, "-c", WRITE, str(args.size), root], check=True, capture_output=True, text=True
+        )
         layers, n_ref, n_port = info.stdout.split()
         ref = os.path.join(root, "ref.safetensors")
         cli = [sys.executable, "-m", "ffdebug.cli.app", "weights-diff", ref]
@@ -90,14 +92,18 @@ def main() -> None:
         wall_port, rss_port, out = measure(cli + [os.path.join(root, "port.safetensors"), "--json"])
         res = json.loads(out)
         content = res["content"]
-        print(f"reference: {os.path.getsize(ref) / (1 << 30):.2f} GiB, {layers} layers, {n_ref} tensors; port {n_port} tensors")
+        print(
+            f"reference: {os.path.getsize(ref) / (1 << 30):.2f} GiB, {layers} layers, {n_ref} tensors; port {n_port} tensors"
+        )
         print(f"name-matched weights-diff: {wall_named:.1f} s, peak RSS {rss_named:.0f} MiB")
         print(
             f"port, no map: {wall_port:.1f} s (content matching {content['seconds']:.1f} s), "
             f"peak RSS {rss_port:.0f} MiB; {len(res['tensors'])} tensors compared, passed={res['passed']}, "
             f"unmatched {len(content['unmatched_ref']) + len(content['unmatched_target'])}"
         )
-        print(f"ratio: port / name-matched {wall_port / wall_named:.2f}x; content matching alone {content['seconds'] / wall_named:.2f}x")
+        print(
+            f"ratio: port / name-matched {wall_port / wall_named:.2f}x; content matching alone {content['seconds'] / wall_named:.2f}x"
+        )
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
