@@ -35,11 +35,10 @@ def resolve_entry(spec: str):
             spec_obj = importlib.util.spec_from_file_location(name, mod_name)
             module = importlib.util.module_from_spec(spec_obj)
             sys.modules[name] = module
-            sys.path.insert(0, os.path.dirname(os.path.abspath(mod_name)))  # sibling imports
-            try:
-                spec_obj.loader.exec_module(module)
-            finally:
-                sys.path.pop(0)
+            folder = os.path.dirname(os.path.abspath(mod_name))
+            if folder not in sys.path:  # sibling imports, also those the function makes when called
+                sys.path.insert(0, folder)
+            spec_obj.loader.exec_module(module)
         else:
             if os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.insert(0, os.getcwd())
@@ -62,15 +61,13 @@ def resolve_entry(spec: str):
 
 
 def call_entry(spec: str, *args):
-    """Call an entry with as many of `args` as it takes positionally (0 or more)."""
+    """Call an entry with as many of `args` as it takes positionally (0 or more; a parameter with
+    a default takes one too: `build(checkpoint=None)` gets the checkpoint)."""
     fn = resolve_entry(spec)
     try:
-        params = [
-            p
-            for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-        ]
-        n = len(params)
+        sig = inspect.signature(fn).parameters.values()
+        params = [p for p in sig if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        n = len(args) if any(p.kind == p.VAR_POSITIONAL for p in sig) else len(params)
     except (TypeError, ValueError):
         n = 0
     try:

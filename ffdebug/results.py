@@ -549,6 +549,8 @@ class TensorDiff:
     layer: int | None = None
     dequantized: bool = False
     tp: dict | None = None
+    origin: dict | None = None  # {ref, target}: the stored names, where they differ from `name`
+    layout: dict | None = None  # content matching: where a swapped / permuted block really is
 
     def to_json(self) -> dict:
         out: dict = {
@@ -579,6 +581,8 @@ class TensorDiff:
             "layer": self.layer,
             "dequantized": self.dequantized or None,
             "tp": self.tp,
+            "origin": self.origin,
+            "layout": self.layout,
         }
         out.update({k: v for k, v in optional.items() if v is not None})
         return out
@@ -607,6 +611,8 @@ class WeightsDiffResult:
     buffers_not_in_checkpoint: list[dict] = field(default_factory=list)
     restricted: list[dict] = field(default_factory=list)
     apply: str | None = None  # the options that apply the rename suggestions
+    content: dict | None = None  # content matching's plan (`weights.content.ContentPlan.to_json`)
+    warnings: list[str] = field(default_factory=list)  # name rules that matched nothing, …
 
     @property
     def schema_clean(self) -> bool:
@@ -654,4 +660,6 @@ class WeightsDiffResult:
             "notes": self.notes,
             "buffers_not_in_checkpoint": self.buffers_not_in_checkpoint,
             "restricted": self.restricted,
+            "content": self.content,
+            "warnings": self.warnings,
         }

@@ -181,6 +181,8 @@ WEIGHTS_TOP = {
     "notes": list,
     "buffers_not_in_checkpoint": list,
     "restricted": list,
+    "content": (dict, type(None)),  # content matching's plan (docs/weights-diff.md)
+    "warnings": list,
 }
 TENSOR_KEYS = {
     "name": str,
@@ -207,6 +209,8 @@ TENSOR_OPTIONAL = {
     "layer",
     "dequantized",
     "tp",
+    "origin",
+    "layout",
 }
 INSPECT_TOP = {
     "path": str,

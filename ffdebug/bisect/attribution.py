@@ -7,9 +7,13 @@ on the reference's input ids) and comparing the block's output with the referenc
 measures the layer's own error. The reference model, replayed the same way, is the control: what
 it fails to reproduce of its own dump is the replay's noise floor.
 
-Entries are `module:function` or `path/to/file.py:function`; the function takes no arguments
-and returns the model (an `nn.Module`), or `(model, forward_kwargs)` for models that are not fed
-`input_ids`.
+Entries are `module:function` or `path/to/file.py:function` (the file's folder is importable);
+the function takes no arguments and returns one of:
+- the model (an `nn.Module`): fed the reference's `embed.input_ids` as `input_ids=` when its
+  forward takes that keyword (or `**kwargs`), else as its first positional argument;
+- `(model, "keyword")`: the input ids passed as that keyword (`tokens=`);
+- `(model, forward_kwargs)`: the forward called with exactly these keyword arguments.
+Every failure (the entry, the forward) is one line naming the flag, exit 2.
 """
 
 from __future__ import annotations
@@ -32,10 +36,33 @@ def load_entry(spec: str, flag: str):
         out = call_entry(spec)
     except FFDebugError as err:
         raise FFDebugError(f"{flag} {err}") from None
-    model, kwargs = out if isinstance(out, tuple) else (out, None)
+    model, kwargs = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     if not hasattr(model, "named_modules"):
-        raise FFDebugError(f"{flag} {spec!r}: the function must return an nn.Module or (module, kwargs)")
+        raise FFDebugError(
+            f"{flag} {spec!r}: the function must return an nn.Module, (module, 'keyword') or (module, kwargs)"
+        )
+    if kwargs is not None and not isinstance(kwargs, (str, dict)):
+        raise FFDebugError(
+            f"{flag} {spec!r}: the second item must be the input keyword (str) or the forward kwargs "
+            f"(dict), not {type(kwargs).__name__}"
+        )
     return model, kwargs
+
+
+def _ids_call(model, ids, keyword: str | None) -> tuple[tuple, dict]:
+    """(args, kwargs) feeding the input ids: `keyword=` when given, `input_ids=` when the forward
+    takes it, else the forward's first positional argument."""
+    import inspect
+
+    if keyword:
+        return (), {keyword: ids}
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return (), {"input_ids": ids}
+    if any(p.name == "input_ids" or p.kind == p.VAR_KEYWORD for p in params):
+        return (), {"input_ids": ids}
+    return (ids,), {}
 
 
 def _block_inputs(records: list[tuple]) -> tuple[dict, dict, object]:
@@ -50,7 +77,7 @@ def _block_inputs(records: list[tuple]) -> tuple[dict, dict, object]:
     return ins, outs, ids
 
 
-def replay(model, kwargs, ref_in: dict, ids_record) -> dict:
+def replay(model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target") -> dict:
     """Each block's output when fed the reference's hidden_in (layer -> tensor)."""
     import torch
 
@@ -97,16 +124,32 @@ def replay(model, kwargs, ref_in: dict, ids_record) -> dict:
         hooks.append(b.module.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(b.module.register_forward_hook(post, with_kwargs=True))
     try:
-        call_kwargs = dict(kwargs or {})
+        call_args: tuple = ()
+        call_kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
         if not call_kwargs:
             if ids_record is None:
                 raise FFDebugError(
-                    "attribution: the reference dumped no embed.input_ids; make the --model-* entry "
+                    f"attribution: the reference dumped no embed.input_ids; make the {flag} entry "
                     "return (model, forward_kwargs)"
                 )
-            call_kwargs["input_ids"] = ids_record.load()
+            call_args, call_kwargs = _ids_call(
+                model, ids_record.load(), kwargs if isinstance(kwargs, str) else None
+            )
         with torch.no_grad():
-            model(**call_kwargs)
+            try:
+                model(*call_args, **call_kwargs)
+            except FFDebugError:
+                raise
+            except Exception as err:
+                from ffdebug.errors import short_reason
+
+                fed = ", ".join(
+                    [f"{len(call_args)} positional"] * bool(call_args) + [f"{k}=" for k in call_kwargs]
+                )
+                raise FFDebugError(
+                    f"{flag}: {type(model).__name__}.forward({fed}) raised {type(err).__name__}: "
+                    f"{short_reason(err)}; return (model, 'keyword') or (model, forward_kwargs) from the entry"
+                ) from None
     finally:
         for h in hooks:
             h.remove()
@@ -127,7 +170,7 @@ def attribute(
     c_outs = {}
     if model_ref:
         r_model, r_kwargs = load_entry(model_ref, "--model-ref")
-        c_outs = replay(r_model, r_kwargs, ref_in, ids)
+        c_outs = replay(r_model, r_kwargs, ref_in, ids, "--model-ref")
     by_key = {e.key: e for e in stages}
     rows = []
     for layer in sorted(ref_out):

@@ -11,7 +11,7 @@ WEIGHTS_HELP = """Compare two sets of weights: schema first (names, shapes, dtyp
 
 A and B may each be a .safetensors file, a Hugging Face model folder (single file or sharded with model.safetensors.index.json), a *.index.json, a diffusers component folder, a .pt/.bin state dict (weights_only loading only), a weight dump written by maybe_dump_weights_and_exit (per rank), a folder of per-rank checkpoints (rank0/, rank1/ or *rank0*.safetensors), or a Python entry module:function returning a module or a state dict. Tensors are read one at a time.
 
-Name options rewrite target names into reference names (--strip-prefix applies to both sides).
+Name options rewrite target (B) names into reference (A) names (--strip-prefix applies to both sides). Tensors the names leave unpaired are related by content (--match-content auto): equal, transposed or scaled copies, fused tensors (which parts, in which order, verified numerically) and stacked experts; the port's convention is what most of its tensors do, and a tensor that departs from it is named (swapped, permuted), one no content matched is paired by the learned rule (not_loaded with --init).
 
 A weight dump written with FFDEBUG_WEIGHT_DUMP_LAYERS restricts the other side to those layers; buffers only a dump holds (rotary inv_freq, …) are listed as buffers not in checkpoints, not as a schema difference.
 
@@ -31,7 +31,7 @@ Exit codes: 0 match; 1 a schema difference (only-in, shape, dtype unless --allow
 
 AUDIT_HELP = """Audit what a model really loaded from a checkpoint: checkpoint tensors never loaded, model tensors the checkpoint does not hold (left at their initialisation), shape mismatches a non-strict load skipped, and tensors whose loaded values differ from the checkpoint.
 
-ENTRY is module:function (or path/to/file.py:function); it is called with the checkpoint path when it takes an argument, and returns the loaded nn.Module. CHECKPOINT is any weights-diff input. MoE experts that the model holds stacked (transformers 5: experts.gate_up_proj [E, 2I, H]) and the checkpoint per expert are paired automatically (from transformers' own conversion mapping for a PreTrainedModel, else by name and shape) and compared expert by expert.
+ENTRY is module:function (or path/to/file.py:function); it is called with the checkpoint path when it takes an argument, and returns the loaded nn.Module. When that argument is optional, ENTRY is also called without it (same torch seed) to get the model's own initialisation: a tensor still equal to it is reported not loaded (or pass --init). Name options rewrite CHECKPOINT names into the model's names; names that still differ are related by content, as in weights-diff. CHECKPOINT is any weights-diff input. MoE experts that the model holds stacked (transformers 5: experts.gate_up_proj [E, 2I, H]) and the checkpoint per expert are paired automatically (from transformers' own conversion mapping for a PreTrainedModel, else by name and shape) and compared expert by expert.
 
 [bold]Examples[/bold]
 
@@ -41,18 +41,42 @@ ENTRY is module:function (or path/to/file.py:function); it is called with the ch
 Exit codes: 0 everything loaded as stored; 1 anything never loaded, left uncovered, skipped for its shape, or loaded with other values (at or above --fail-on); 2 bad input. """
 
 
-def _name_options():
+def _name_options(rewritten: str, into: str):
+    """The name options of both commands; `rewritten` names the side whose names they rewrite
+    (weights-diff: B, the target; load-audit: CHECKPOINT) and `into` the side they must match."""
     return dict(
         strip_prefix=typer.Option(
             None, "--strip-prefix", help="Remove this prefix from names on both sides (repeatable)."
         ),
-        add_prefix=typer.Option(None, "--add-prefix", help="Prepend this prefix to target names."),
+        add_prefix=typer.Option(None, "--add-prefix", help=f"Prepend this prefix to {rewritten} names."),
         maps=typer.Option(
             None,
             "--map",
-            help="OLD=NEW regex on target names (repeatable); {L} stands for a layer number.",
+            help=f"OLD=NEW regex rewriting {rewritten} names into {into} names (repeatable); {{L}} "
+            "stands for a layer number. A rule that matches nothing is a warning.",
         ),
-        alias_file=typer.Option(None, "--alias-file", help="File of OLD=NEW rules (text, JSON or YAML)."),
+        alias_file=typer.Option(
+            None,
+            "--alias-file",
+            help=f"File of OLD=NEW rules (text, JSON or YAML), OLD a {rewritten} name, NEW a {into} name.",
+        ),
+        fuse=typer.Option(
+            None,
+            "--fuse",
+            help="FUSED=PART+PART\\[@DIM]: pair a fused tensor (either side) with its parts (repeatable).",
+        ),
+        match_content=typer.Option(
+            "auto",
+            "--match-content",
+            help="auto: relate the tensors the names leave unpaired by content (equal, transposed, "
+            "scaled, fused, stacked experts) and compare them; off: names only.",
+        ),
+        init=typer.Option(
+            None,
+            "--init",
+            help="module:function returning the port built without loading (its initialisation): a "
+            "tensor still equal to it is reported not_loaded.",
+        ),
         stack=typer.Option(
             None,
             "--stack",
@@ -64,7 +88,8 @@ def _name_options():
 
 
 def register(app: typer.Typer) -> None:
-    names = _name_options()
+    names = _name_options("target (B)", "reference (A)")
+    audit_names = _name_options("CHECKPOINT", "model")
 
     @app.command("weights-diff", help=WEIGHTS_HELP)
     @handles_errors
@@ -75,10 +100,10 @@ def register(app: typer.Typer) -> None:
         add_prefix: str = names["add_prefix"],
         maps: list[str] = names["maps"],
         alias_file: str = names["alias_file"],
-        fuse: list[str] = typer.Option(
-            None, "--fuse", help="FUSED=PART+PART\\[@DIM]: pair a fused tensor with its parts (repeatable)."
-        ),
+        fuse: list[str] = names["fuse"],
         stack: list[str] = names["stack"],
+        match_content: str = names["match_content"],
+        init: str = names["init"],
         skip: list[str] = typer.Option(
             None, "--skip", help="Glob of tensor names to leave out (repeatable)."
         ),
@@ -124,6 +149,8 @@ def register(app: typer.Typer) -> None:
             thresholds=tuple(threshold or ()),
             fail_on=check_fail_on(fail_on),
             allow_dtype=allow_dtype,
+            match_content=match_content,
+            init=init,
         )
         if json_out:
             result = diff.schema_result() if schema_only else diff.run()
@@ -146,11 +173,14 @@ def register(app: typer.Typer) -> None:
         checkpoint: str = typer.Argument(
             ..., metavar="CHECKPOINT", help="The checkpoint it should have loaded."
         ),
-        strip_prefix: list[str] = names["strip_prefix"],
-        add_prefix: str = names["add_prefix"],
-        maps: list[str] = names["maps"],
-        alias_file: str = names["alias_file"],
-        stack: list[str] = names["stack"],
+        strip_prefix: list[str] = audit_names["strip_prefix"],
+        add_prefix: str = audit_names["add_prefix"],
+        maps: list[str] = audit_names["maps"],
+        alias_file: str = audit_names["alias_file"],
+        fuse: list[str] = audit_names["fuse"],
+        stack: list[str] = audit_names["stack"],
+        match_content: str = audit_names["match_content"],
+        init: str = audit_names["init"],
         skip: list[str] = typer.Option(
             None, "--skip", help="Glob of tensor names to leave out (repeatable)."
         ),
@@ -166,7 +196,10 @@ def register(app: typer.Typer) -> None:
             add_prefix=add_prefix,
             maps=tuple(maps or ()),
             alias_file=alias_file,
+            fuse=tuple(fuse or ()),
             stack=tuple(stack or ()),
+            match_content=match_content,
+            init=init,
             skip=tuple(skip or ()),
             fail_on=check_fail_on(fail_on),
         )

@@ -82,6 +82,9 @@ def print_weights_schema(res: dict, console: Console | None = None) -> None:
         )
     if res.get("apply"):
         console.print(f"  re-run with: {res['apply']}", highlight=False, markup=False)
+    print_content(res.get("content"), console)
+    for w in res.get("warnings") or []:
+        console.print(f"  warning: {w}", style="yellow", highlight=False, markup=False)
     for d in res.get("dequantized") or []:
         scale = f"scale {d['scale']} {d['scale_shape']}" if d.get("scale") else "no scale found"
         console.print(
@@ -91,6 +94,36 @@ def print_weights_schema(res: dict, console: Console | None = None) -> None:
         console.print(f"  [dim]skipped {len(res['skipped'])} tensor(s) (--skip)[/dim]")
     if clean and not res["dtype_mismatch"]:
         console.print("  [green]names and shapes match[/green]")
+
+
+def print_content(content: dict | None, console: Console) -> None:
+    """Content matching's plan: the rules it learned (the map it applied) and what is left."""
+    if not content:
+        return
+    rels = content["relations"]
+    paired = sum(len(r["parts"]) for r in rels)
+    by_rule = sum(1 for r in rels if r["how"] == "name rule")
+    console.print(
+        f"  [cyan]content matching:[/cyan] {len(rels)} tensor(s) related to {paired} of the other side"
+        + (f" ({by_rule} by the learned rule, no content match)" if by_rule else "")
+        + f" in {content['seconds']:.2f} s; map applied:",
+        highlight=False,
+    )
+    for rule in content["rules"]:
+        console.print(f"    {rule}", highlight=False, markup=False)
+    for r in rels:
+        if r.get("found"):
+            found = ", ".join(f"{p['name']} at {p['at']}" for p in r["found"][:4])
+            more = f", … (+{len(r['found']) - 4})" if len(r["found"]) > 4 else ""
+            console.print(
+                f"    [red]{r['tensor']} departs from the convention:[/red] holds {found}{more}",
+                highlight=False,
+            )
+    left = content["unmatched_ref"] + content["unmatched_target"]
+    if left:
+        console.print(
+            f"    unmatched by content ({len(left)}): {_names(left)}", highlight=False, markup=False
+        )
 
 
 def weights_table(tensors: list[dict], show_all: bool = False) -> Table:
@@ -178,6 +211,7 @@ def weights_conclusion(res: dict) -> str:
 
 
 LOADED = ("equal", "dtype_only", "rounding")
+NAMED = ("swapped", "permuted", "not_loaded", "scaled")  # findings whose note says what happened
 
 
 def _numerics_sentence(res: dict, tensors: list[dict], summary: str) -> str:
@@ -217,6 +251,9 @@ def print_weights_numerics(res: dict, console: Console | None = None, show_all: 
     for t in tensors:
         if t["finding"] == "transposed" and t.get("after_transpose"):
             console.print(f"[dim]{t['name']}: after .T cos {fmt(t['after_transpose']['cos'])}[/dim]")
+        if t["finding"] in NAMED:
+            for note in (t.get("notes") or [])[-1:]:
+                console.print(f"  {t['finding']}: {note}", highlight=False, markup=False)
     for note in res.get("notes") or []:
         console.print(f"[dim]note: {note}[/dim]", highlight=False)
     console.print(weights_conclusion(res), highlight=False, markup=False)
@@ -243,8 +280,18 @@ def print_load_audit(res: dict, console: Console | None = None) -> None:
             f"  [red]not in the checkpoint, left at initialisation ({len(names)}):[/red] {_names(names)}",
             highlight=False,
         )
+    for n in res.get("not_loaded") or []:
+        ckpt = (n.get("origin") or {}).get("target", n["name"])
+        console.print(
+            f"  [red]not loaded:[/red] {(n.get('origin') or {}).get('ref', n['name'])} "
+            f"({n.get('module_class') or '?'}) still equals its initialisation; the checkpoint holds it as {ckpt}",
+            highlight=False,
+        )
     if res["value_mismatch"]:
         console.print(weights_table(res["value_mismatch"], show_all=True))
+    print_content(res.get("content"), console)
+    for w in res.get("warnings") or []:
+        console.print(f"  warning: {w}", style="yellow", highlight=False, markup=False)
     for t in res["tied"]:
         console.print(f"  [dim]tied: {t['name']} shares storage with {t['tied_to']}[/dim]", highlight=False)
     for r in res["renames"]:
@@ -265,6 +312,12 @@ def print_load_audit(res: dict, console: Console | None = None) -> None:
         problems.append(f"{len(res['never_loaded'])} checkpoint tensor(s) never loaded")
     if res["not_covered"]:
         problems.append(f"{len(res['not_covered'])} model tensor(s) left at initialisation")
+    if res.get("not_loaded"):
+        first = res["not_loaded"][0]
+        problems.append(
+            f"{len(res['not_loaded'])} model tensor(s) not loaded (still at initialisation), first "
+            f"{(first.get('origin') or {}).get('ref', first['name'])}"
+        )
     if res["value_mismatch"]:
         problems.append(f"{len(res['value_mismatch'])} tensor(s) loaded with other values")
     if problems:

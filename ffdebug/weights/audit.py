@@ -10,8 +10,13 @@ model's state dict (as loaded) with the checkpoint and reports:
   with the module and its class;
 - `value_mismatch`: tensors whose loaded values differ from the checkpoint (findings and
   severities as in weights-diff; dtype casts and rounding are not mismatches).
-Checkpoint names are mapped into model names with the weights-diff options (`strip_prefix`,
-`add_prefix`, `maps`, `alias_file`, `stack`).
+- `not_loaded`: model tensors the checkpoint holds (by name or content) that still equal the
+  model's own initialisation: the entry called without a checkpoint (when that argument is
+  optional) or `init`, both under one torch seed.
+Direction: the name options rewrite *checkpoint* names into the model's names (the model is the
+reference side of the underlying weights-diff). Names that still differ are related by content
+(`weights.content`): a fused or stacked model tensor made of checkpoint tensors is audited part
+by part.
 
 Stacked MoE experts: transformers 5 holds all experts of a layer in one tensor
 (`experts.gate_up_proj` [E, 2I, H]) and converts the per-expert tensors of a checkpoint on load.
@@ -46,6 +51,9 @@ class LoadAuditResult:
     not_covered: list[dict]
     shape_mismatch: list[dict]
     value_mismatch: list[dict]
+    not_loaded: list[dict]
+    warnings: list[str]
+    content: dict | None
     tied: list[dict]
     renames: list[dict]
     loaded: int
@@ -56,13 +64,14 @@ class LoadAuditResult:
 
     @property
     def verdict(self) -> Severity:
-        return V.worst(*(v["severity"] for v in self.value_mismatch))
+        return V.worst(*(v["severity"] for v in self.value_mismatch + self.not_loaded))
 
     def failed(self) -> bool:
         return bool(
             self.never_loaded
             or self.not_covered
             or self.shape_mismatch
+            or self.not_loaded
             or any(V.at_least(v["severity"], self.fail_on) for v in self.value_mismatch)
         )
 
@@ -77,6 +86,9 @@ class LoadAuditResult:
             "not_covered": self.not_covered,
             "shape_mismatch": self.shape_mismatch,
             "value_mismatch": self.value_mismatch,
+            "not_loaded": self.not_loaded,
+            "warnings": self.warnings,
+            "content": self.content,
             "tied": self.tied,
             "renames": self.renames,
             "apply": apply_hint(self.renames) if self.renames else None,
@@ -98,13 +110,26 @@ def _module_info(model, name: str) -> dict:
     return {"module": path, "module_class": cls}
 
 
+INIT_SEED = 0  # the entry is called under this torch seed, loaded and unloaded alike
+
+
+def _call_seeded(spec: str, *args):
+    import torch
+
+    from ffdebug._entry import call_entry
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_SEED)
+        return call_entry(spec, *args)
+
+
 def _resolve_model(model, checkpoint):
     import torch
 
     if isinstance(model, torch.nn.Module):
         return model, f"<{type(model).__name__}>"
     if isinstance(model, str):
-        from ffdebug._entry import call_entry, is_entry_spec
+        from ffdebug._entry import is_entry_spec
 
         if not is_entry_spec(model):
             raise FFDebugError(
@@ -112,13 +137,42 @@ def _resolve_model(model, checkpoint):
                 "returning the loaded model"
             )
         args = (os.fspath(checkpoint),) if isinstance(checkpoint, (str, os.PathLike)) else ()
-        obj = call_entry(model, *args)
+        obj = _call_seeded(model, *args)
         if not isinstance(obj, torch.nn.Module):
             raise FFDebugError(f"{model}: returned {type(obj).__name__}; return the loaded nn.Module")
         return obj, model
     raise FFDebugError(
         f"load_audit: model must be an nn.Module or a module:function entry, not {type(model).__name__}"
     )
+
+
+def _resolve_init(init, model):
+    """The model built without loading: `init` (an nn.Module, a state dict or an entry), else the
+    entry `model` itself when its checkpoint argument is optional (called with none, same seed)."""
+    import inspect
+
+    import torch
+
+    from ffdebug._entry import is_entry_spec, resolve_entry
+
+    if init is not None:
+        if isinstance(init, str):
+            if not is_entry_spec(init):
+                raise FFDebugError(f"--init {init!r}: pass module:function returning the unloaded model")
+            init = _call_seeded(init)
+        if not isinstance(init, (torch.nn.Module, dict)):
+            raise FFDebugError(f"--init: returned {type(init).__name__}; return the unloaded nn.Module")
+        return init
+    if not isinstance(model, str):
+        return None
+    try:
+        params = list(inspect.signature(resolve_entry(model)).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if not params or params[0].default is inspect.Parameter.empty:
+        return None
+    out = _call_seeded(model)
+    return out if isinstance(out, torch.nn.Module) else None
 
 
 def transformers_stack_rules(model) -> tuple[list[StackRule], list[str]]:
@@ -177,11 +231,20 @@ def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
     Stacked MoE experts are paired automatically (see the module docstring).
     """
     module, label = _resolve_model(model, checkpoint)
+    init = _resolve_init(opts.pop("init", None), model)
     fail_on = V.parse_fail_on(opts.get("fail_on", Severity.DIVERGE))
     stack = opts.pop("stack", ()) or ()
     stack = (stack,) if isinstance(stack, (str, StackRule)) else tuple(stack)
     hf_rules, hf_notes = transformers_stack_rules(module)
-    diff = WeightsDiff(module, checkpoint, stack=stack + tuple(hf_rules), auto_stack=True, **opts)
+    diff = WeightsDiff(
+        module,
+        checkpoint,
+        stack=stack + tuple(hf_rules),
+        auto_stack=True,
+        init=init,
+        init_side="ref",
+        **opts,
+    )
     used = {t.stacked_from for t in diff.ref.values() if t.stacked_from}
     if hf_rules and used:
         diff.notes.insert(
@@ -241,11 +304,21 @@ def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
         for t in result.tensors
         if t.finding not in LOADED_FINDINGS
     ]
+    not_loaded = [v for v in value_mismatch if v["finding"] == "not_loaded"]
+    value_mismatch = [v for v in value_mismatch if v["finding"] != "not_loaded"]
+    if init is None:
+        diff.notes.append(
+            "no unloaded build of the model to tell a tensor left at its initialisation: make the "
+            "entry's checkpoint argument optional, or pass --init ENTRY"
+        )
     return LoadAuditResult(
         never_loaded=never_loaded,
         not_covered=not_covered,
         shape_mismatch=shape_mismatch,
         value_mismatch=value_mismatch,
+        not_loaded=not_loaded,
+        warnings=list(diff.warnings),
+        content=diff.content.to_json() if diff.content is not None else None,
         tied=tied,
         renames=diff.renames,
         loaded=sum(1 for t in result.tensors if t.finding in LOADED_FINDINGS),

@@ -33,13 +33,33 @@ from ffdebug.io.record import Record
 from ffdebug.results import TensorDiff, WeightsDiffResult
 from ffdebug.verdict import Severity
 from ffdebug.weights import quant
-from ffdebug.weights.names import NameMap, StackRule, build_name_map, parse_fuse, parse_stack
+from ffdebug.weights.names import (
+    NameMap,
+    StackRule,
+    build_name_map,
+    parse_fuse,
+    parse_stack,
+    unused_rules,
+)
 from ffdebug.weights.schema import apply_hint, stacked_suggestions, suggest_renames
 from ffdebug.weights.sources import WeightSource, open_source
 from ffdebug.weights.tp import Logical, load_logical, plan_merge
 from ffdebug.weights.transforms import apply_transforms, parse_transform
 
-FINDINGS = ("equal", "rounding", "dtype_only", "transposed", "sign_flip", "scaled", "mismatch")
+FINDINGS = (
+    "equal",
+    "rounding",
+    "dtype_only",
+    "transposed",
+    "sign_flip",
+    "scaled",
+    "swapped",
+    "permuted",
+    "not_loaded",
+    "mismatch",
+)
+LOADED = ("equal", "dtype_only", "rounding")
+UNCORRELATED = 0.05  # |cos| below this: no relation between the two tensors
 STABLE_KEYS = (
     "verdict",
     "only_ref",
@@ -138,12 +158,19 @@ def compare_pair(
     )
     if tuple(ref.shape) != tuple(tgt.shape):
         if ref.dim() == 2 and tgt.dim() == 2 and tuple(tgt.shape) == tuple(ref.shape)[::-1]:
-            m = compare_tensors(ref, tgt.t())
-            if V.is_ok(V.classify(m.cos, m.rel)):
-                entry.finding, entry.severity = "transposed", Severity.SCRAMBLE
-                entry.after_transpose = {"cos": m.cos, "rel": m.rel, "max_abs": m.max_abs}
-                entry.notes = ["stored transposed: the shapes are swapped and the values match after .T"]
-                return entry
+            # Never left out: compared after .T, so a transposed and scaled tensor is `scaled`.
+            after = compare_pair(
+                name, ref, tgt.t().contiguous(), dtype_ref, dtype_tgt, thresholds, dequantized
+            )
+            after.shape_target = list(tgt.shape)
+            after.after_transpose = {"cos": after.cos, "rel": after.rel, "max_abs": after.max_abs}
+            if after.finding in ("equal", "dtype_only", "rounding"):
+                after.finding = "transposed"
+                after.notes = ["stored transposed: the shapes are swapped and the values match after .T"]
+            else:
+                after.notes.insert(0, "stored transposed (the shapes are swapped); compared after .T")
+            after.severity = V.worst(after.severity, Severity.SCRAMBLE)
+            return after
         return None
     if not dequantized and bytes_equal(ref, tgt):
         entry.byte_equal, entry.cos, entry.rel, entry.max_abs = True, 1.0, 0.0, 0.0
@@ -278,8 +305,20 @@ class WeightsDiff:
         thresholds=(),
         fail_on: Severity | str = Severity.DIVERGE,
         allow_dtype: bool = False,
+        match_content: str = "auto",
+        init=None,
+        init_side: str = "target",
     ) -> None:
         from ffdebug._env import parse_layers
+
+        if match_content not in ("auto", "off"):
+            raise FFDebugError(f"--match-content {match_content!r} is invalid: use auto or off")
+        if init_side not in ("ref", "target"):
+            raise FFDebugError(f"init_side {init_side!r} is invalid: use ref or target")
+        self.match_content = match_content
+        self.init_side = init_side
+        self._content_cache: tuple = (None, None)
+        self.content = None
 
         self.dequant = _check_dequant(dequant)
         self.tp_merge = _check_tp_merge(tp_merge)
@@ -300,10 +339,13 @@ class WeightsDiff:
 
         self.ref_src = open_source(a, "reference")
         self.tgt_src = open_source(b, "target")
+        self.init_src = open_source(init, "--init") if init is not None else None
+        self.notes: list[str] = []
+        self.warnings: list[str] = []
         ref_groups = _group(self.ref_src, ref_map, "reference")
         tgt_groups = _group(self.tgt_src, tgt_map, "target")
+        self.warnings += unused_rules(tgt_map, [e.key for e in self.tgt_src.entries], "target")
         self.skipped: list[str] = []
-        self.notes: list[str] = []
         ref_groups = self._filter(ref_groups)
         tgt_groups = self._filter(tgt_groups)
         self.restricted: list[dict] = []
@@ -322,6 +364,12 @@ class WeightsDiff:
         self._attach_scales()
         self._apply_fuse()
         self._schema()
+        if self.match_content == "auto" and self.only_ref and self.only_target:
+            by_name = self.renames
+            self._apply_content()
+            self._schema()
+            # the name suggestions stay (a map to write down), fuse orders as the content has them
+            self.renames = _verified_fuse_orders(by_name, self.content) + self.renames
 
     def ref_name(self, source_name: str) -> str:
         """The name a reference-side tensor is compared under."""
@@ -482,6 +530,70 @@ class WeightsDiff:
                     build=_cat_builder(self, pieces, rule.dim),
                 )
 
+    def _apply_content(self) -> None:
+        """Pair what the names left unpaired by content (`weights.content`): each composite is cut
+        into the other side's tensors, under their names; the plan is kept in `self.content`."""
+        from ffdebug.weights.content import relate
+
+        sides = {"ref": self.ref, "target": self.tgt}
+        only = {"ref": self.only_ref, "target": self.only_target}
+        from ffdebug._chunks import single_thread
+
+        with single_thread():  # as in run(): chunked ops gain nothing from torch's thread pool
+            plan = relate(
+                {n: self.ref[n].shape for n in self.only_ref if not quant.is_fp8(self.ref[n].dtype)},
+                {n: self.tgt[n].shape for n in self.only_target if not quant.is_fp8(self.tgt[n].dtype)},
+                lambda n: self.load(self.ref[n], "ref"),
+                lambda n: self.load(self.tgt[n], "target"),
+            )
+        self.content = plan
+        for rel in plan.relations:
+            mine = sides[rel.side]
+            if rel.composite not in mine or rel.composite not in only[rel.side]:
+                continue
+            comp = mine.pop(rel.composite)
+            found = {s.part: s for s in rel.found or ()}
+            for seg in rel.segments:
+                mine[seg.part] = Logical(
+                    name=seg.part,
+                    source_name=comp.source_name
+                    + ("" if rel.kind == "whole" and not seg.transposed else seg.where()),
+                    entries=comp.entries,
+                    shape=_cut_shape(comp.shape, seg),
+                    dtype=comp.dtype,
+                    layer=comp.layer,
+                    build=self._content_view(comp, rel.side, seg),
+                    stacked_from=comp.source_name,
+                    segment=seg,
+                    found=(
+                        (found[seg.part], self._content_view(comp, rel.side, found[seg.part]))
+                        if seg.part in found
+                        else None
+                    ),
+                    relation=rel,
+                )
+        self.notes.append(
+            f"content matching paired {sum(len(r.segments) for r in plan.relations)} tensor(s) the names "
+            f"left unpaired ({plan.seconds:.2f} s)"
+        )
+
+    def _content_view(self, comp: Logical, side: str, seg):
+        """Builder of one block of a content-matched composite: the composite is loaded once and
+        kept while its blocks are compared (they are compared one after the other)."""
+        from ffdebug.weights.content import cut
+
+        def build():
+            return cut(self._composite(comp, side), seg)
+
+        return build
+
+    def _composite(self, comp: Logical, side: str):
+        key = (side, comp.name)
+        if self._content_cache[0] != key:
+            self._content_cache = (None, None)
+            self._content_cache = (key, self.load(comp, side))
+        return self._content_cache[1]
+
     def _apply_stack(self, rules) -> None:
         """Cut each stacked tensor ([E, …], all experts of one MoE layer) into one logical tensor
         per expert and part, under the other side's per-expert names (either side may be stacked)."""
@@ -570,7 +682,13 @@ class WeightsDiff:
         self.common = [n for n in self.ref if n in self.tgt]
         for n in self.common:
             r, t = self.ref[n], self.tgt[n]
-            if r.shape != t.shape:
+            after = (
+                _shape_after(self.transforms, "ref", n, r.shape),
+                _shape_after(self.transforms, "target", n, t.shape),
+            )
+            if r.shape != t.shape and after[0] is not None and after[0] == after[1]:
+                self.notes.append(f"{n}: shapes {list(r.shape)} vs {list(t.shape)} agree after --transform")
+            elif r.shape != t.shape:
                 item = {"name": n, "shape_ref": list(r.shape), "shape_target": list(t.shape)}
                 if len(r.shape) == 2 and t.shape == r.shape[::-1]:
                     item["note"] = "transposed shape"
@@ -623,6 +741,8 @@ class WeightsDiff:
             buffers_not_in_checkpoint=list(self.buffers_not_in_checkpoint),
             restricted=list(self.restricted),
             apply=apply_hint(self.renames) if self.renames else None,
+            content=self.content.to_json() if self.content is not None else None,
+            warnings=list(self.warnings),
         )
 
     def schema_result(self) -> WeightsDiffResult:
@@ -672,14 +792,86 @@ class WeightsDiff:
             keyed.append((first.setdefault(key, i), i, n))
         return [n for *_, n in sorted(keyed)]
 
+    def _explain(self, entry: TensorDiff, r: Logical, t: Logical) -> None:
+        """Name a difference in the port's terms: a block content matching found elsewhere in its
+        composite (a swapped fused part, a permuted expert), or a tensor equal to the port's own
+        initialisation (`--init`: never loaded)."""
+        from ffdebug.compare.metrics import compare_tensors
+
+        if r.source_name != entry.name or t.source_name != entry.name:
+            entry.origin = {"ref": r.source_name, "target": t.source_name}
+        if entry.finding in LOADED:
+            return
+        for lg, other, other_side in ((r, t, "target"), (t, r, "ref")):
+            if lg.found is None:
+                continue
+            seg, build = lg.found
+            m = compare_tensors(self.load(other, other_side), build())
+            if V.is_ok(V.classify(m.cos, m.rel)):
+                entry.notes = [n for n in entry.notes if not n.startswith("same dtype, values differ")]
+                entry.finding = "permuted" if lg.relation.kind == "stacked" else "swapped"
+                entry.severity = V.worst(entry.severity, Severity.SCRAMBLE)
+                entry.layout = {
+                    "tensor": lg.stacked_from,
+                    "compared_at": lg.segment.where(),
+                    "found_at": seg.where(),
+                    "cos": m.cos,
+                    "rel": m.rel,
+                }
+                entry.notes.append(
+                    f"{entry.name} is stored at {lg.stacked_from}{seg.where()}, where the port's other "
+                    f"tensors of this kind hold it at {lg.segment.where()}"
+                )
+                return
+        side = self.init_side
+        lg = r if side == "ref" else t
+        x0 = self._init_tensor(lg)
+        if x0 is not None:
+            x = self.load(lg, side)
+            if tuple(x0.shape) == tuple(x.shape) and bytes_equal(x0.to(x.dtype), x):
+                entry.notes = [n for n in entry.notes if not n.startswith("same dtype, values differ")]
+                entry.finding = "not_loaded"
+                entry.severity = V.worst(entry.severity, Severity.BUG)
+                entry.notes.append(
+                    f"{lg.source_name} equals the port's own initialisation (--init): never loaded"
+                )
+                return
+        if entry.finding == "mismatch" and entry.cos is not None and abs(entry.cos) < UNCORRELATED:
+            entry.notes.append(
+                f"uncorrelated with the other side (cos {entry.cos:.3f}): never loaded, or loaded from "
+                "another tensor; --init ENTRY (the port built without loading) tells which"
+            )
+
+    def _init_tensor(self, lg: Logical):
+        """The port's initial value of `lg` (its block, for a content-matched composite), else None."""
+        if self.init_src is None:
+            return None
+        if not hasattr(self, "_init_by_name"):
+            self._init_by_name = {e.key: e for e in self.init_src.entries}
+        rec = self._init_by_name.get(lg.stacked_from or lg.source_name)
+        if rec is None:
+            return None
+        x = rec.load()
+        if lg.segment is not None:
+            from ffdebug.weights.content import cut
+
+            if x.dim() != len(lg.relation.shape):
+                return None
+            x = cut(x, lg.segment)
+        return x
+
     def _run(self, on_tensor) -> WeightsDiffResult:
         tensors = []
         replica = []
         deq = {d["name"] for d in self.dequantized}
         for name in self._order():
             r, t = self.ref[name], self.tgt[name]
-            transposable = len(r.shape) == 2 and t.shape == r.shape[::-1]
-            if r.shape != t.shape and not transposable:
+            rs, ts = (
+                _shape_after(self.transforms, "ref", name, r.shape),
+                _shape_after(self.transforms, "target", name, t.shape),
+            )
+            transposable = rs is not None and ts is not None and len(rs) == 2 and ts == rs[::-1]
+            if rs is not None and ts is not None and rs != ts and not transposable:
                 continue
             rt = self.load(r, "ref")
             tt = self.load(t, "target")
@@ -691,6 +883,7 @@ class WeightsDiff:
                     replica.append({"name": name, "side": side, "ranks": list(lg.replica_mismatch)})
             if entry is None:
                 continue
+            self._explain(entry, r, t)
             entry.transformed = transformed
             entry.layer = r.layer
             entry.dequantized = name in deq
@@ -752,6 +945,57 @@ def _stack_sizes(rule: StackRule, lg: Logical, experts: list[list[str]], other: 
     if any(x <= 0 for x in sizes):
         return None, f"{list(lg.shape)}: no room for part {rule.parts[missing[0]]}"
     return sizes, None
+
+
+def _shape_after(transforms, side: str, name: str, shape: tuple) -> tuple | None:
+    """The shape after the built-in `transpose` transforms; None when a Python transform applies
+    (its output shape is known only once it ran)."""
+    from ffdebug.weights.transforms import transpose
+
+    for tr in transforms:
+        if tr.side == side and tr.matches(name):
+            if tr.fn is not transpose or len(shape) < 2:
+                return None
+            shape = tuple(shape[:-2]) + (shape[-1], shape[-2])
+    return tuple(shape)
+
+
+def _verified_fuse_orders(renames: list[dict], plan) -> list[dict]:
+    """Fuse suggestions (named parts in the order the names suggest) checked against the
+    content: a composite content matching related gets its parts in the order compared (the
+    port's convention, verified numerically); one it could not relate is marked unverified."""
+    import re
+
+    by_comp = {r.composite: r for r in plan.relations if r.how == "content"}
+    by_part = {p: r for r in plan.relations if r.how == "content" for p in r.parts}
+    out = []
+    for s in renames:
+        if s["kind"] != "fused":
+            out.append(s)
+            continue
+        fused = s["from"] if isinstance(s["from"], str) else s["to"]
+        parts = s["to"] if isinstance(s["from"], str) else s["from"]
+        rel = by_comp.get(fused) or by_part.get(parts[0])
+        m = re.fullmatch(r"--fuse (\S+)=(\S+)", s["apply"])
+        if rel is None or m is None:
+            out.append(dict(s, verified=False))
+            continue
+        order = [p for p in rel.parts if p in parts] if fused == rel.composite else list(parts)
+        comps = m.group(2).split("+")
+        named = dict(zip(parts, comps))
+        if set(order) != set(parts):
+            out.append(dict(s, verified=False))
+            continue
+        new = dict(s, verified=True, apply=f"--fuse {m.group(1)}={'+'.join(named[p] for p in order)}")
+        new["to" if isinstance(s["from"], str) else "from"] = order
+        out.append(new)
+    return out
+
+
+def _cut_shape(shape, seg) -> tuple:
+    from ffdebug.weights.content import cut_shape
+
+    return cut_shape(tuple(shape), seg)
 
 
 def _dequant_piece(x, scale, name):

@@ -207,3 +207,29 @@ def parse_stack(spec: str) -> StackRule:
     if any(p.count("{E}") != 1 for p in parts):
         raise FFDebugError(f"--stack {spec!r}: every part needs {{E}} exactly once")
     return StackRule(m.group(1), parts, int(m.group(3) or 0), spec)
+
+
+def unused_rules(name_map: NameMap, names, side: str) -> list[str]:
+    """A warning for each `--strip-prefix` / `--map` / alias-file rule that changes none of `names`
+    (the side the rules rewrite, applied in order as `NameMap.apply` does)."""
+    rules = name_map.rules
+    hits = [0] * len(rules)
+    stripped = dict.fromkeys(name_map.strip_prefix, 0)
+    for name in names:
+        for p in name_map.strip_prefix:
+            if p and name.startswith(p):
+                stripped[p] += 1
+                name = name[len(p) :]
+        if name_map.add_prefix:
+            name = name_map.add_prefix + name
+        for i, rule in enumerate(rules):
+            if rule.pattern.search(name):
+                hits[i] += 1
+            name = rule.apply(name)
+    out = [
+        f"--map / alias rule {rule.spec!r} matched no {side} name (it rewrites {side} names)"
+        for rule, n in zip(rules, hits)
+        if n == 0
+    ]
+    out += [f"--strip-prefix {p!r} matched no {side} name" for p, n in stripped.items() if n == 0]
+    return out

@@ -33,6 +33,9 @@ class Logical:
     replica_mismatch: list[int] = field(default_factory=list)  # ranks differing from rank 0
     build: object = None  # override: a callable returning the tensor (fused views)
     stacked_from: str | None = None  # source name of the stacked tensor this expert's part is cut from
+    segment: object = None  # content matching: the `content.Segment` of `stacked_from` compared
+    found: object = None  # content matching: where the content really is, when elsewhere
+    relation: object = None  # content matching: the `content.Relation` this tensor belongs to
 
     @property
     def plan(self) -> str:

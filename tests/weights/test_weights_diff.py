@@ -60,7 +60,11 @@ def test_stripped_prefix_suggests_mapping_and_rerun_matches(hf_dir, hf_state, tm
     stripped = {k.removeprefix("model."): v for k, v in hf_state.items()}
     save_file(stripped, tmp_path / "stripped.safetensors")
 
-    code, out = run_json("weights-diff", hf_dir, tmp_path / "stripped.safetensors")
+    off = (
+        "--match-content",
+        "off",
+    )  # the name path (content matching would pair them: test_content_matching.py)
+    code, out = run_json("weights-diff", hf_dir, tmp_path / "stripped.safetensors", *off)
     assert code == 1
     n = sum(1 for k in hf_state if k.startswith("model."))
     assert len(out["only_ref"]) == n and all(k.startswith("model.") for k in out["only_ref"])
@@ -71,7 +75,7 @@ def test_stripped_prefix_suggests_mapping_and_rerun_matches(hf_dir, hf_state, tm
     assert rename["matches"] == n and rename["to"] == "model.*"
     assert out["apply"] == "--strip-prefix model."
 
-    text = run_cli("weights-diff", hf_dir, tmp_path / "stripped.safetensors").stdout
+    text = run_cli("weights-diff", hf_dir, tmp_path / "stripped.safetensors", *off).stdout
     assert "only in ref" in text and "--strip-prefix model." in text and "FAILED" in text
     # The schema is printed before any number.
     assert text.index("suggestion") < text.index("compared tensors")
@@ -88,7 +92,9 @@ def test_layers_h_rename_and_map_option(hf_state, tmp_path):
         k.replace("model.layers.", "transformer.h.").replace(".self_attn.", ".attn."): v
         for k, v in ref.items()
     }
-    result = ffdebug.weights_diff(ref, renamed)
+    result = ffdebug.weights_diff(
+        ref, renamed, match_content="off"
+    )  # the name path (content matching would pair them: test_content_matching.py)
     applies = [r["apply"] for r in result.renames]
     assert any("transformer" in a and "{L}" in a and "self_attn" in a for a in applies), applies
     assert any(a.startswith("--map '^transformer\\.h\\.") for a in applies)
@@ -106,7 +112,9 @@ def test_fused_qkv_suggested_by_shape_and_fuse_option(hf_state):
             fused[k.replace("q_proj", "qkv_proj")] = torch.cat(parts, 0)
         elif ".k_proj." not in k and ".v_proj." not in k:
             fused[k] = v
-    result = ffdebug.weights_diff(ref, fused)
+    result = ffdebug.weights_diff(
+        ref, fused, match_content="off"
+    )  # the name path (content matching would pair them: test_content_matching.py)
     assert not result
     (sug,) = result.renames
     assert sug["kind"] == "fused" and sug["apply"] == "--fuse qkv_proj=q_proj+k_proj+v_proj"
@@ -297,7 +305,7 @@ def test_streaming_reader_recycles_handles(hf_dir, monkeypatch):
 def test_h_n_suggestion_add_prefix_and_schema_only(hf_state, tmp_path):
     layers = {k: v for k, v in hf_state.items() if ".layers." in k}
     h = {k.replace("model.layers.", "h."): v for k, v in layers.items()}
-    res = ffdebug.weights_diff(layers, h, schema_only=True)
+    res = ffdebug.weights_diff(layers, h, schema_only=True, match_content="off")
     assert res.schema_only and not res.tensors and not res
     assert [r["apply"] for r in res.renames] == ["--map '^h\\.=model.layers.'"]
     save_file(h, tmp_path / "h.safetensors")
@@ -312,7 +320,14 @@ def test_h_n_suggestion_add_prefix_and_schema_only(hf_state, tmp_path):
     assert code == 0 and len(out["tensors"]) == len(layers)
     bare = {k.removeprefix("model."): v for k, v in layers.items()}
     assert ffdebug.weights_diff(layers, bare, add_prefix="model.")
-    r = run_cli("weights-diff", tmp_path / "ref.safetensors", tmp_path / "h.safetensors", "--schema-only")
+    r = run_cli(
+        "weights-diff",
+        tmp_path / "ref.safetensors",
+        tmp_path / "h.safetensors",
+        "--schema-only",
+        "--match-content",
+        "off",
+    )
     assert r.exit_code == 1 and "--map" in r.stdout and "Numerics not run" in r.stdout
 
 
