@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from ports import CONVENTIONAL, OPAQUE, make_port, rope_interleaved
+from llama_ports import CONVENTIONAL, OPAQUE, make_port, rope_interleaved
 from tiny_models import tiny_llama
 from typer.testing import CliRunner
 
@@ -50,7 +50,7 @@ def dump(model, directory, side, **options):
     return directory / side
 
 
-def dump_port(port, directory, side, rotary_fn="ports:rope"):
+def dump_port(port, directory, side, rotary_fn="llama_ports:rope"):
     """One install per side, plus the one tap_function line for the port's own rotary code."""
     with ffdebug.tap_function(rotary_fn, ("attn.q_rot", "attn.k_rot")):
         return dump(port, directory, side)
@@ -90,7 +90,7 @@ def test_an_unloaded_final_norm_is_found_at_final_norm_out(hf, tmp_path):
 def test_a_rotary_convention_swap_is_located_at_layer_0_q_rot(hf, tmp_path):
     ref = dump(hf, tmp_path, "ref")
     tgt = dump_port(
-        make_port(hf, OPAQUE, rotary=rope_interleaved), tmp_path, "target", "ports:rope_interleaved"
+        make_port(hf, OPAQUE, rotary=rope_interleaved), tmp_path, "target", "llama_ports:rope_interleaved"
     )
     r = ffdebug.bisect(ref, tgt)
     assert r.exit_code() == 1

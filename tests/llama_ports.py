@@ -2,7 +2,7 @@
 fused q/k/v and gate/up weights, their own rotary code, `forward(input_ids)` returning a plain
 tensor. `make_port(hf, names)` builds one and loads the HF model's weights into it.
 
-Imported by name (`from ports import make_port`), like `tiny_models`.
+Imported by name (`from llama_ports import make_port`), like `tiny_models`.
 """
 
 from __future__ import annotations
