@@ -141,6 +141,11 @@ class GRPOTrainer(BaseTrainer):
         self.feedback = RewardFeedback(self.args)
 
     def setup_roles(self) -> dict[str, str]:
+        """The ``policy`` variant, and the frozen ``reference`` snapshot when ``kl_beta > 0``.
+
+        Returns:
+            ``{role: variant name}``.
+        """
         self.variants.declare_variant("policy")
         if self.args.kl_beta > 0:
             self.variants.add_snapshot("reference", "policy")
@@ -148,6 +153,11 @@ class GRPOTrainer(BaseTrainer):
 
     # ---------------------------------------------------------------- acquisition + feedback
     def sample(self) -> GRPOSamples:
+        """Steps 1-3 of the module docstring: prompts, Flow-SDE rollout, rewards and advantages.
+
+        Returns:
+            The ``GRPOSamples`` of this iteration.
+        """
         args = self.args
         # 1. P prompts, each repeated K times in contiguous groups
         prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
@@ -170,6 +180,11 @@ class GRPOTrainer(BaseTrainer):
 
     # ---------------------------------------------------------------- optimisation
     def optimize(self, samples: GRPOSamples) -> None:
+        """Step 4 of the module docstring: one optimizer step per minibatch of the shuffled samples.
+
+        Args:
+            samples: what ``sample`` returned.
+        """
         args = self.args
         batch = len(samples.prompts)
         steps = trained_steps(args.timestep_fraction, args.num_inference_steps)
@@ -189,7 +204,16 @@ class GRPOTrainer(BaseTrainer):
     def step_loss(
         self, samples: GRPOSamples, index: torch.Tensor, j: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The GRPO loss of samples ``index`` at denoising step j (see the module docstring, step 4)."""
+        """The GRPO loss of samples ``index`` at denoising step j (see the module docstring, step 4).
+
+        Args:
+            samples: this iteration's samples.
+            index: the samples of the microbatch, [b].
+            j: the denoising step.
+
+        Returns:
+            The loss and its metrics (``losses.grpo.grpo_loss``).
+        """
         args = self.args
         _, step, sde_args = self.policy_step(samples, index, j)
         ref_mean = self.reference_mean(samples, index, j, sde_args) if args.kl_beta > 0 else None
@@ -213,6 +237,14 @@ class GRPOTrainer(BaseTrainer):
         Returns the velocity v_θ(x_j, σ_j) [b, C, H, W], the ``SDEStep`` (log p_θ(x_{j+1} | x_j) [b] of the
         stored x_{j+1}, transition mean [b, C, H, W]) and the keyword arguments of ``flow_sde_step`` that
         reproduce this transition for another velocity (the reference's, or the rollout's).
+
+        Args:
+            samples: this iteration's samples.
+            index: the samples, [b].
+            j: the denoising step.
+
+        Returns:
+            ``(v, step, sde_args)`` as above.
         """
         trajectory = samples.trajectory
         sigmas = trajectory.sigmas
@@ -238,6 +270,15 @@ class GRPOTrainer(BaseTrainer):
         transition (mean μ_old; log-prob = the stored log p_old), recomputed elementwise, no graph.
 
         GRPO itself needs only the stored log-probs; GRPO-Guard and DPPO compare μ_θ / v_θ against these.
+
+        Args:
+            samples: this iteration's samples (with the rollout velocities).
+            index: the samples, [b].
+            j: the denoising step.
+            sde_args: the ``flow_sde_step`` arguments from ``policy_step``.
+
+        Returns:
+            ``(v_old, step_old)``.
         """
         velocities = samples.trajectory.velocities
         if velocities is None:
@@ -252,7 +293,17 @@ class GRPOTrainer(BaseTrainer):
         self, samples: GRPOSamples, index: torch.Tensor, j: int, sde_args: dict[str, Any]
     ) -> torch.Tensor:
         """The frozen reference's transition mean [b, C, H, W] at step j, under ``no_grad``: the KL keeps
-        the policy's graph through its own mean only (Flow-Factory issues #122-#124)."""
+        the policy's graph through its own mean only (Flow-Factory issues #122-#124).
+
+        Args:
+            samples: this iteration's samples.
+            index: the samples, [b].
+            j: the denoising step.
+            sde_args: the ``flow_sde_step`` arguments from ``policy_step``.
+
+        Returns:
+            μ_ref, [b, C, H, W] fp32.
+        """
         with torch.no_grad():
             v_ref = self.adapter.forward(
                 sde_args["x"],
@@ -263,5 +314,12 @@ class GRPOTrainer(BaseTrainer):
             return flow_sde_step(v_ref, **sde_args).mean
 
     def kl_std(self, step: SDEStep) -> torch.Tensor:
-        """The KL's denominator (``kl_std``): the transition std σ_t·√(−Δt), or flow_grpo's σ_t."""
+        """The KL's denominator (``kl_std``): the transition std σ_t·√(−Δt), or flow_grpo's σ_t.
+
+        Args:
+            step: the policy's ``SDEStep``.
+
+        Returns:
+            The std, broadcastable to the mean.
+        """
         return step.step_std if self.args.kl_std == "step_std" else step.std_dev_t
