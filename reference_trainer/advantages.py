@@ -66,7 +66,17 @@ class AdvantageConfig:
 def group_normalize(
     rewards: torch.Tensor, group_ids: torch.Tensor, eps: float, global_std: bool
 ) -> torch.Tensor:
-    """A_i = (r_i − mean_G r) / (std_G r + eps), per group G of equal ``group_ids``. [B] -> [B], fp64 inside."""
+    """A_i = (r_i − mean_G r) / (std_G r + eps), per group G of equal ``group_ids``. [B] -> [B], fp64 inside.
+
+    Args:
+        rewards: r per sample, [B].
+        group_ids: the group of each sample, [B].
+        eps: added to the std.
+        global_std: divide by the std of the whole batch instead of the group's.
+
+    Returns:
+        A per sample, [B] fp64.
+    """
     r = rewards.double()
     advantages = torch.empty_like(r)
     batch_std = r.std(unbiased=False)

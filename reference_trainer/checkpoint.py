@@ -2,7 +2,9 @@
 
 Layout of ``DIR/checkpoints/step-NNNNNN/`` (NNNNNN = ``optimizer_step``)::
 
-    model/<variant>/model.safetensors     # export: the trainable variants' weights (+ config.json)
+    model/<variant>/                       # export: a diffusers component folder per trainable variant,
+        config.json                        #   loadable with ``<ModelClass>.from_pretrained(that folder)``
+        diffusion_pytorch_model.safetensors
     state/trainer_state.json               # counters, sampler position, run identity (+ its hash)
     state/variants.safetensors             # every variant's full state_dict and every snapshot
     state/optimizer.safetensors + .json    # CompositeOptimizer state (tensors + JSON skeleton)
@@ -456,15 +458,25 @@ def _fsync_tree(directory: Path) -> None:
     _fsync(directory)
 
 
+EXPORT_WEIGHTS = "diffusion_pytorch_model.safetensors"
+"""The export's weights file: diffusers' ``SAFETENSORS_WEIGHTS_NAME``, so that ``model/<variant>/`` is a
+component folder ``from_pretrained`` loads (with the ``config.json`` written next to it)."""
+
+
 def write_model_export(directory: Path, variants: Mapping[str, torch.nn.Module]) -> None:
-    """``model/<variant>/model.safetensors`` (+ ``config.json`` for diffusers models)."""
+    """``model/<variant>/``: ``diffusion_pytorch_model.safetensors`` (+ ``config.json`` for diffusers models).
+
+    Args:
+        directory: the checkpoint being written.
+        variants: the trainable variants by name (for a diffusers model, its full ``state_dict``).
+    """
     from diffusers.configuration_utils import ConfigMixin
 
     for name, module in variants.items():
         target = directory / "model" / name
         target.mkdir(parents=True)
         weights = {key: value.detach().contiguous() for key, value in module.state_dict().items()}
-        save_file(weights, target / "model.safetensors")
+        save_file(weights, target / EXPORT_WEIGHTS)
         if isinstance(module, ConfigMixin):
             module.save_config(target)
 

@@ -25,7 +25,13 @@ SIGMA_SCHEMES = ("logit_normal", "uniform")
 
 def check_sigma_sampling(scheme: str, sigma_min: float, sigma_max: float) -> None:
     """Config validation of a trainer's ``sigma_scheme`` / ``sigma_min`` / ``sigma_max`` fields (a
-    ``ConfigError`` naming the field), so a bad value fails at load time, not at the first step."""
+    ``ConfigError`` naming the field), so a bad value fails at load time, not at the first step.
+
+    Args:
+        scheme: the sampling scheme name.
+        sigma_min: the lower bound of the draws.
+        sigma_max: the upper bound of the draws.
+    """
     require(scheme in SIGMA_SCHEMES, "sigma_scheme", f"must be one of {SIGMA_SCHEMES}, got {scheme!r}")
     require(
         0.0 <= sigma_min < sigma_max <= 1.0,
@@ -42,18 +48,44 @@ def _bcast(sigma: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def interpolate(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """x_σ = (1 − σ)·x_0 + σ·ε. x0, noise: [B, ...]; sigma: [B]."""
+    """x_σ = (1 − σ)·x_0 + σ·ε. x0, noise: [B, ...]; sigma: [B].
+
+    Args:
+        x0: clean latents, [B, ...].
+        noise: ε, [B, ...].
+        sigma: σ per sample, [B].
+
+    Returns:
+        x_σ, [B, ...].
+    """
     s = _bcast(sigma, x0)
     return (1.0 - s) * x0 + s * noise
 
 
 def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """v* = ε − x_0, [B, ...]."""
+    """v* = ε − x_0, [B, ...].
+
+    Args:
+        x0: clean latents, [B, ...].
+        noise: ε, [B, ...].
+
+    Returns:
+        v*, [B, ...].
+    """
     return noise - x0
 
 
 def predicted_x0(x_t: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """x̂_0 = x_σ − σ·v. x_t, v: [B, ...]; sigma: [B]."""
+    """x̂_0 = x_σ − σ·v. x_t, v: [B, ...]; sigma: [B].
+
+    Args:
+        x_t: noised latents x_σ, [B, ...].
+        v: predicted velocities, [B, ...].
+        sigma: σ per sample, [B].
+
+    Returns:
+        x̂_0, [B, ...].
+    """
     return x_t - _bcast(sigma, x_t) * v
 
 
@@ -67,7 +99,20 @@ def sample_sigmas(
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
 ) -> torch.Tensor:
-    """n training noise levels in [low, high], fp32 [n] (see module docstring)."""
+    """n training noise levels in [low, high], fp32 [n] (see module docstring).
+
+    Args:
+        n: how many noise levels.
+        scheme: the sampling scheme (module docstring).
+        generator: the RNG to draw from.
+        low: the lower bound.
+        high: the upper bound.
+        logit_mean: the mean of the logit-normal scheme.
+        logit_std: the std of the logit-normal scheme.
+
+    Returns:
+        σ, [n] fp32.
+    """
     if not 0.0 <= low < high <= 1.0:
         raise ValueError(f"need 0 <= low < high <= 1, got low={low}, high={high}")
     if scheme == "logit_normal":

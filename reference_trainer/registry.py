@@ -51,7 +51,15 @@ def _register(table: dict[str, type], name: str, cls: type) -> None:
 
 def register_trainer(name: str, *, arguments: type) -> Callable[[type[T]], type[T]]:
     """Class decorator: register a ``BaseTrainer`` subclass under ``name`` together with ``arguments``,
-    the TrainingArguments dataclass its ``train:`` section is parsed into (module docstring)."""
+    the TrainingArguments dataclass its ``train:`` section is parsed into (module docstring).
+
+    Args:
+        name: the trainer's name (the config's ``trainer:``).
+        arguments: its TrainingArguments class.
+
+    Returns:
+        The class decorator (it returns the class unchanged).
+    """
     if not isinstance(arguments, type):
         raise RegistryError(
             f"trainer {name!r}: arguments= must be a TrainingArguments class, got {arguments!r}"
@@ -68,7 +76,14 @@ def register_trainer(name: str, *, arguments: type) -> Callable[[type[T]], type[
 
 
 def register_adapter(name: str) -> Callable[[type[T]], type[T]]:
-    """Class decorator: register a ``BaseAdapter`` subclass under ``name``."""
+    """Class decorator: register a ``BaseAdapter`` subclass under ``name``.
+
+    Args:
+        name: the adapter's name (the config's ``model.adapter``).
+
+    Returns:
+        The class decorator (it returns the class unchanged).
+    """
 
     def decorator(cls: type[T]) -> type[T]:
         _check_free(ADAPTERS, "adapter", name, cls)
@@ -87,13 +102,24 @@ def load_builtins() -> None:
 
 
 def trainer_names() -> list[str]:
-    """Names registered as both a trainer and a TrainingArguments class, sorted."""
+    """Names registered as both a trainer and a TrainingArguments class, sorted.
+
+    Returns:
+        The sorted trainer names.
+    """
     load_builtins()
     return sorted(set(TRAINERS) & set(ARGUMENTS))
 
 
 def resolve_trainer(name: str) -> tuple[type, type]:
-    """Return ``(trainer_class, arguments_class)`` for ``name``; error if either side is missing."""
+    """Return ``(trainer_class, arguments_class)`` for ``name``; error if either side is missing.
+
+    Args:
+        name: a registered trainer name.
+
+    Returns:
+        ``(trainer_class, arguments_class)``.
+    """
     load_builtins()
     trainer_cls, arguments_cls = TRAINERS.get(name), ARGUMENTS.get(name)
     if trainer_cls is None and arguments_cls is None:
@@ -105,7 +131,14 @@ def resolve_trainer(name: str) -> tuple[type, type]:
 
 
 def resolve_adapter(name: str) -> type:
-    """Return the adapter class registered as ``name``."""
+    """Return the adapter class registered as ``name``.
+
+    Args:
+        name: a registered adapter name.
+
+    Returns:
+        The adapter class.
+    """
     load_builtins()
     if name not in ADAPTERS:
         raise RegistryError(f"unknown adapter {name!r}; registered adapters: {', '.join(sorted(ADAPTERS))}")
@@ -113,7 +146,11 @@ def resolve_adapter(name: str) -> type:
 
 
 def describe_registries() -> dict[str, Any]:
-    """Everything ``reference-trainer list`` shows: trainers with their contracts and roles, adapters."""
+    """Everything ``reference-trainer list`` shows: trainers with their contracts and roles, adapters.
+
+    Returns:
+        ``{"trainers": [{name, contract, roles, arguments}, ...], "adapters": [names]}``.
+    """
     trainers = []
     for name in trainer_names():
         trainer_cls, arguments_cls = TRAINERS[name], ARGUMENTS[name]

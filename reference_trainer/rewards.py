@@ -61,7 +61,14 @@ _REWARDS: dict[str, type[Reward]] = {}
 
 
 def register_reward(name: str) -> Callable[[type[Reward]], type[Reward]]:
-    """Class decorator: register a reward under ``name`` (unique)."""
+    """Class decorator: register a reward under ``name`` (unique).
+
+    Args:
+        name: the reward's name (``train.rewards[].name``).
+
+    Returns:
+        The class decorator (it returns the class unchanged).
+    """
 
     def decorator(cls: type[Reward]) -> type[Reward]:
         if name in _REWARDS:
@@ -76,7 +83,11 @@ def register_reward(name: str) -> Callable[[type[Reward]], type[Reward]]:
 
 
 def registered_rewards() -> dict[str, str]:
-    """Name -> kind of every registered reward (for ``reference-trainer list``)."""
+    """Name -> kind of every registered reward (for ``reference-trainer list``).
+
+    Returns:
+        ``{name: kind}``, sorted by name.
+    """
     return {name: cls.kind for name, cls in sorted(_REWARDS.items())}
 
 
@@ -84,6 +95,13 @@ def build_reward(name: str, **kwargs: Any) -> Reward:
     """An instance of the reward registered as ``name``, constructed with ``kwargs``.
 
     Raises ``ValueError`` for an unknown name or arguments the reward does not accept.
+
+    Args:
+        name: a registered reward name.
+        **kwargs: the reward's constructor arguments.
+
+    Returns:
+        The reward instance.
     """
     if name not in _REWARDS:
         raise ValueError(f"unknown reward {name!r}; registered: {sorted(_REWARDS)}")
@@ -129,7 +147,15 @@ def _jpeg_quality(quality: Any) -> int:
 
 
 def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
-    """Size of each image's JPEG encoding (PIL, given quality) in kB (1 kB = 1000 bytes). [B] fp32."""
+    """Size of each image's JPEG encoding (PIL, given quality) in kB (1 kB = 1000 bytes). [B] fp32.
+
+    Args:
+        images: [B, 3, H, W] in [0, 1].
+        quality: PIL's JPEG quality.
+
+    Returns:
+        The sizes in kB, [B] fp32.
+    """
     sizes = []
     for array in _to_uint8_hwc(images):
         buffer = io.BytesIO()
@@ -192,7 +218,14 @@ class ColorTarget(Reward):
 
 
 def fractional_rank(values: torch.Tensor) -> torch.Tensor:
-    """0-based rank with ties sharing their average rank: #{j: v_j < v_i} + (#{j: v_j = v_i} − 1)/2."""
+    """0-based rank with ties sharing their average rank: #{j: v_j < v_i} + (#{j: v_j = v_i} − 1)/2.
+
+    Args:
+        values: [N].
+
+    Returns:
+        The fractional ranks, [N].
+    """
     less = (values.unsqueeze(0) < values.unsqueeze(1)).sum(dim=1)  # [K], row i counts v_j < v_i
     equal = (values.unsqueeze(0) == values.unsqueeze(1)).sum(dim=1)
     return less.double() + (equal.double() - 1.0) / 2.0

@@ -72,6 +72,14 @@ def flow_sde_std_dev(sigma: torch.Tensor, noise_level: float, sigma_max: float |
     At σ = 1 the formula divides by zero; flow_grpo substitutes the schedule's second sigma
     (``sigmas[1]``) inside ``1 − σ`` (``torch.where(sigma == 1, sigma_max, sigma)``). We require the
     caller to pass it explicitly when a σ of exactly 1 occurs, rather than guessing.
+
+    Args:
+        sigma: σ, broadcastable fp32 tensor, in (0, 1].
+        noise_level: a > 0.
+        sigma_max: the schedule's sigmas[1]; required when some σ == 1.
+
+    Returns:
+        σ_t, the shape of ``sigma``.
     """
     if not 0.0 < noise_level:
         raise ValueError(f"noise_level must be > 0 for the SDE step, got {noise_level}")
@@ -92,6 +100,14 @@ def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tenso
     """Mean over non-batch dims of log N(sample; mean, std²), in fp32. Returns [B].
 
     log N(x; μ, s²) = −(x − μ)² / (2 s²) − log s − log √(2π), per element.
+
+    Args:
+        sample: x, [B, ...].
+        mean: μ, [B, ...].
+        std: s, broadcastable to ``sample``.
+
+    Returns:
+        The per-sample mean log-density, [B] fp32.
     """
     sample, mean, std = sample.float(), mean.float(), std.float()
     per_element = -((sample - mean) ** 2) / (2.0 * std**2) - torch.log(std) - LOG_SQRT_2PI
@@ -167,6 +183,15 @@ def flow_ode_step(
 
     Computed in fp32 and cast back to ``x.dtype``. There is no log-prob: an ODE step is a Dirac
     transition (Flow-Factory sets it to 0 and warns; we simply do not offer one).
+
+    Args:
+        v: predicted velocity, [B, ...].
+        x: current latent x_t, [B, ...].
+        sigma: current noise level (scalar or [B]).
+        sigma_next: next noise level (scalar or [B]).
+
+    Returns:
+        x_{t+Δt} in ``x.dtype``, [B, ...].
     """
     x32 = x.float()
     dt = _per_sample(sigma_next, x32) - _per_sample(sigma, x32)

@@ -44,14 +44,28 @@ class Condition:
         return self.prompt_embeds.shape[0]
 
     def select(self, index: torch.Tensor | slice | Sequence[int]) -> Condition:
-        """Rows ``index`` of both tensors."""
+        """Rows ``index`` of both tensors.
+
+        Args:
+            index: the rows to keep.
+
+        Returns:
+            A new ``Condition``.
+        """
         if isinstance(index, Sequence):
             index = torch.as_tensor(index, dtype=torch.long)
         return Condition(prompt_embeds=self.prompt_embeds[index], pooled=self.pooled[index])
 
     @staticmethod
     def cat(conditions: Sequence[Condition]) -> Condition:
-        """Concatenate along the batch dimension."""
+        """Concatenate along the batch dimension.
+
+        Args:
+            conditions: conditions with the same trailing shapes.
+
+        Returns:
+            One ``Condition`` holding all their rows, in order.
+        """
         return Condition(
             prompt_embeds=torch.cat([c.prompt_embeds for c in conditions]),
             pooled=torch.cat([c.pooled for c in conditions]),
@@ -75,7 +89,11 @@ class Trajectory:
 
     @property
     def final(self) -> torch.Tensor:
-        """The generated clean latent x̂_0, [B, C, H, W]."""
+        """The generated clean latent x̂_0, [B, C, H, W].
+
+        Returns:
+            The last latent of the trajectory.
+        """
         return self.latents[:, -1]
 
 
@@ -97,15 +115,34 @@ class BaseAdapter(ABC):
 
     # ---------------------------------------------------------------- component runtime
     def register_component(self, name: str, component: nn.Module | object | None) -> None:
-        """Declare ``name``; ``None`` declares an optional component that is absent."""
+        """Declare ``name``; ``None`` declares an optional component that is absent.
+
+        Args:
+            name: the component's name.
+            component: the component, or ``None`` for an optional one that is absent.
+        """
         self._components[name] = component
 
     def has_component(self, name: str) -> bool:
-        """True when ``name`` is declared and present (not ``None``)."""
+        """True when ``name`` is declared and present (not ``None``).
+
+        Args:
+            name: a component name.
+
+        Returns:
+            Whether it is declared and present.
+        """
         return self._components.get(name) is not None
 
     def get_component(self, name: str) -> nn.Module | object | None:
-        """The component ``name`` (``None`` when declared optional and absent); error when undeclared."""
+        """The component ``name`` (``None`` when declared optional and absent); error when undeclared.
+
+        Args:
+            name: a declared component name.
+
+        Returns:
+            The component, or ``None``.
+        """
         if name not in self._components:
             raise ComponentError(
                 f"{type(self).__name__} declares no component {name!r}; declared: {sorted(self._components)}"
@@ -120,11 +157,19 @@ class BaseAdapter(ABC):
         return component
 
     def component_names(self) -> list[str]:
-        """All declared component names, in declaration order."""
+        """All declared component names, in declaration order.
+
+        Returns:
+            The names.
+        """
         return list(self._components)
 
     def trainable_module(self) -> nn.Module:
-        """The live trainable component (the base variant of ``ComponentVariantRegistry``)."""
+        """The live trainable component (the base variant of ``ComponentVariantRegistry``).
+
+        Returns:
+            The trainable ``nn.Module``.
+        """
         module = self._require_component(self.trainable_component)
         assert isinstance(module, nn.Module)
         return module
@@ -140,7 +185,14 @@ class BaseAdapter(ABC):
 
     @abstractmethod
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Clean latents [B, C, H, W] -> images [B, 3, H·8, W·8] in [0, 1] (no gradient)."""
+        """Clean latents [B, C, H, W] -> images [B, 3, H·8, W·8] in [0, 1] (no gradient).
+
+        Args:
+            latents: clean latents, [B, C, H, W].
+
+        Returns:
+            Images, [B, 3, 8H, 8W] in [0, 1].
+        """
 
     @abstractmethod
     def inference(
@@ -157,6 +209,17 @@ class BaseAdapter(ABC):
 
         ``noise_level > 0`` uses the Flow-SDE (per-step log-probs); ``0`` the deterministic ODE.
         ``module`` / ``parameters`` select the variant / snapshot that predicts the velocity.
+
+        Args:
+            condition: one row per trajectory.
+            num_steps: T denoising steps.
+            noise_level: the SDE's a (0: the ODE).
+            generator: the RNG of the initial noise and the SDE noise.
+            module: the variant that predicts the velocity (default: the trainable one).
+            parameters: a snapshot used functionally instead of ``module``'s weights.
+
+        Returns:
+            The ``Trajectory`` (latents [B, T + 1, C, H, W], log-probs [B, T] for the SDE).
         """
 
     @abstractmethod
@@ -173,20 +236,48 @@ class BaseAdapter(ABC):
 
         ``module`` defaults to the live trainable component; ``parameters`` (a snapshot) are used
         through ``torch.func.functional_call`` without touching the live weights.
+
+        Args:
+            latents: x_σ, [B, C, H, W].
+            sigma: σ per sample, [B].
+            condition: one row per sample.
+            module: the variant to run (default: the trainable one).
+            parameters: a snapshot used functionally instead of ``module``'s weights.
+
+        Returns:
+            The velocity, [B, C, H, W] fp32.
         """
 
     # ---------------------------------------------------------------- shared helpers
     def encode_prompt(self, prompts: Sequence[str]) -> Condition:
-        """Text conditions for ``prompts``; adapters without text conditioning do not override it."""
+        """Text conditions for ``prompts``; adapters without text conditioning do not override it.
+
+        Args:
+            prompts: one text per row.
+
+        Returns:
+            The ``Condition``, one row per prompt.
+        """
         raise NotImplementedError(f"{type(self).__name__} has no text conditioning")
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """Images (uint8 [B, 3, H, W], or float in [0, 1]) -> clean latents x_0 [B, C, H/8, W/8]."""
+        """Images (uint8 [B, 3, H, W], or float in [0, 1]) -> clean latents x_0 [B, C, H/8, W/8].
+
+        Args:
+            images: [B, 3, H, W].
+
+        Returns:
+            Clean latents x_0, [B, C, H/8, W/8].
+        """
         raise NotImplementedError(f"{type(self).__name__} has no image encoder")
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
-        """(C, H, W) of one latent; known once ``load_pipeline`` ran."""
+        """(C, H, W) of one latent; known once ``load_pipeline`` ran.
+
+        Returns:
+            ``(C, H, W)``.
+        """
         if self._latent_shape is None:
             raise ComponentError(
                 f"{type(self).__name__}: call load_pipeline() before asking for latent_shape"
@@ -194,7 +285,14 @@ class BaseAdapter(ABC):
         return self._latent_shape
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The σ schedule [num_steps + 1] from 1 to 0 (diffusers ``FlowMatchEulerDiscreteScheduler``)."""
+        """The σ schedule [num_steps + 1] from 1 to 0 (diffusers ``FlowMatchEulerDiscreteScheduler``).
+
+        Args:
+            num_steps: T.
+
+        Returns:
+            σ_0 = 1 > ... > σ_T = 0, [T + 1] fp32.
+        """
         scheduler = self._require_component("scheduler")
         scheduler.set_timesteps(num_steps)  # type: ignore[attr-defined]
         return scheduler.sigmas.detach().to(torch.float32).clone()  # type: ignore[attr-defined]
@@ -237,7 +335,17 @@ class BaseAdapter(ABC):
 def call_module(
     module: nn.Module, parameters: Mapping[str, torch.Tensor] | None, *args: object, **kwargs: object
 ) -> object:
-    """``module(*args, **kwargs)``, with ``parameters`` substituted functionally when given."""
+    """``module(*args, **kwargs)``, with ``parameters`` substituted functionally when given.
+
+    Args:
+        module: the module to call.
+        parameters: its parameters and buffers to use instead of its own (``functional_call``), or ``None``.
+        *args: positional arguments of the call.
+        **kwargs: keyword arguments of the call.
+
+    Returns:
+        What the module returns.
+    """
     if parameters is None:
         return module(*args, **kwargs)
     return torch.func.functional_call(module, dict(parameters), args, kwargs, strict=False)

@@ -45,6 +45,15 @@ def dmd_generator_loss(
     """L_DM = ½·mean (x − sg(x − g))² with g = (p_real − p_fake)/mean|p_real| per sample (module doc).
 
     x_gen: generator output with grad, [B, ...]; x0_real, x0_fake: score predictions (detached here), [B, ...].
+
+    Args:
+        x_gen: the generator output x = G_θ(z) with its graph, [B, ...].
+        x0_real: the teacher's (real score's) x̂_0 prediction, [B, ...]; detached here.
+        x0_fake: the fake score's x̂_0 prediction, [B, ...]; detached here.
+
+    Returns:
+        The scalar loss L_DM and metrics ``loss``, ``dmd_grad_abs_mean``, ``normaliser_mean``,
+        ``zero_normaliser`` (the count of samples whose normaliser is 0).
     """
     if not x_gen.shape == x0_real.shape == x0_fake.shape:
         raise ValueError(
@@ -77,5 +86,14 @@ def dmd_generator_loss(
 def fake_score_loss(
     v_fake: torch.Tensor, noise: torch.Tensor, x_gen: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """L_fake = mean ‖v_fake − (ε − sg(x))‖² (module doc). All [B, ...]; x_gen is detached here."""
+    """L_fake = mean ‖v_fake − (ε − sg(x))‖² (module doc). All [B, ...]; x_gen is detached here.
+
+    Args:
+        v_fake: the fake score's velocity at x_σ, [B, ...].
+        noise: ε used to build x_σ, [B, ...].
+        x_gen: the generator samples x, [B, ...] (detached).
+
+    Returns:
+        The scalar loss and ``{"loss": ...}``.
+    """
     return flow_matching_loss(v_fake, noise, x_gen.detach())

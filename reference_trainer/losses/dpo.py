@@ -49,6 +49,16 @@ def diffusion_dpo_loss(
 
     Metrics: ``implicit_acc`` (fraction with inside > 0, i.e. the policy prefers w more than the
     reference does), ``reward_w`` / ``reward_l`` (mean implicit rewards −β/2·(e_θ − e_ref)), ``margin``.
+
+    Args:
+        e_theta_w: the policy's per-sample velocity error on the chosen arm, [B].
+        e_theta_l: the policy's per-sample velocity error on the rejected arm, [B].
+        e_ref_w: the reference's error on the chosen arm, [B] (detached here).
+        e_ref_l: the reference's error on the rejected arm, [B] (detached here).
+        beta: β > 0.
+
+    Returns:
+        The scalar loss and the metrics above plus ``loss``.
     """
     if not (e_theta_w.shape == e_theta_l.shape == e_ref_w.shape == e_ref_l.shape and e_theta_w.ndim == 1):
         raise ValueError("Diffusion-DPO errors must all be [B] tensors of the same shape")
@@ -78,7 +88,20 @@ def diffusion_dpo_velocity_loss(
     *,
     beta: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The same loss from velocities [B, ...]: e = mean over non-batch dims of (v − v*)², fp32."""
+    """The same loss from velocities [B, ...]: e = mean over non-batch dims of (v − v*)², fp32.
+
+    Args:
+        v_theta_w: the policy's velocities on the chosen arm, [B, ...].
+        v_theta_l: the policy's velocities on the rejected arm, [B, ...].
+        v_ref_w: the reference's velocities on the chosen arm, [B, ...].
+        v_ref_l: the reference's velocities on the rejected arm, [B, ...].
+        v_target_w: the regression target v* = ε − x_0 of the chosen arm, [B, ...].
+        v_target_l: the target of the rejected arm, [B, ...].
+        beta: β > 0.
+
+    Returns:
+        As ``diffusion_dpo_loss``.
+    """
     return diffusion_dpo_loss(
         per_sample_velocity_error(v_theta_w, v_target_w),
         per_sample_velocity_error(v_theta_l, v_target_l),
@@ -101,6 +124,17 @@ def pair_errors(
     ``policy`` / ``reference`` map (x_σ [2B, ...], σ [2B]) to velocities [2B, ...] for the stacked
     batch [chosen; rejected] (both arms in one forward; the caller binds the condition, repeated
     twice). The reference runs in one ``no_grad`` scope.
+
+    Args:
+        x0_w: clean chosen latents, [B, ...].
+        x0_l: clean rejected latents, [B, ...].
+        sigma: the noise level of each pair, [B].
+        noise: ε of each pair, [B, ...] (shared by both arms).
+        policy: (x_σ, σ) -> velocity with gradients.
+        reference: (x_σ, σ) -> velocity, run under ``no_grad``.
+
+    Returns:
+        ``(e_θ^w, e_θ^l, e_ref^w, e_ref^l)``, each [B] fp32.
     """
     if x0_w.shape != x0_l.shape or noise.shape != x0_w.shape:
         raise ValueError(

@@ -49,6 +49,14 @@ def gaussian_mean_kl(mean: torch.Tensor, old_mean: torch.Tensor, step_std: torch
     """x-based D = mean_dims (μ_θ − μ_old)²/(2s²): KL between N(μ_θ, s²) and N(μ_old, s²) per element. [B] fp32.
 
     mean, old_mean: [B, ...]; step_std: s, broadcastable to them (``SDEStep.step_std``, [B, 1, ...]).
+
+    Args:
+        mean: the policy's transition mean μ_θ, [B, ...].
+        old_mean: the rollout policy's mean μ_old, [B, ...].
+        step_std: the transition std s, broadcastable to ``mean``.
+
+    Returns:
+        D per sample, [B] fp32.
     """
     if mean.shape != old_mean.shape:
         raise ValueError(f"mean {tuple(mean.shape)} and old_mean {tuple(old_mean.shape)} differ")
@@ -57,7 +65,15 @@ def gaussian_mean_kl(mean: torch.Tensor, old_mean: torch.Tensor, step_std: torch
 
 
 def velocity_sq_error(velocity: torch.Tensor, old_velocity: torch.Tensor) -> torch.Tensor:
-    """v-based D = mean_dims (v_θ − v_old)². [B] fp32."""
+    """v-based D = mean_dims (v_θ − v_old)². [B] fp32.
+
+    Args:
+        velocity: the policy's velocity v_θ, [B, ...].
+        old_velocity: the rollout policy's velocity v_old, [B, ...].
+
+    Returns:
+        D per sample, [B] fp32.
+    """
     if velocity.shape != old_velocity.shape:
         raise ValueError(
             f"velocity {tuple(velocity.shape)} and old_velocity {tuple(old_velocity.shape)} differ"
@@ -68,7 +84,17 @@ def velocity_sq_error(velocity: torch.Tensor, old_velocity: torch.Tensor) -> tor
 def trust_region_keep(
     kl_new_old: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, threshold: float
 ) -> torch.Tensor:
-    """keep = 1 − [D ≥ τ]·([r > 1 ∧ A > 0] ∨ [r < 1 ∧ A < 0]), fp32 [B], detached (module docstring)."""
+    """keep = 1 − [D ≥ τ]·([r > 1 ∧ A > 0] ∨ [r < 1 ∧ A < 0]), fp32 [B], detached (module docstring).
+
+    Args:
+        kl_new_old: the divergence D from the rollout policy, [B].
+        ratio: r = exp(log p_θ − log p_old), [B].
+        advantages: A (the sign matters), [B].
+        threshold: τ.
+
+    Returns:
+        The keep mask, [B] fp32 of 0 / 1, without gradient.
+    """
     if not kl_new_old.shape == ratio.shape == advantages.shape:
         raise ValueError(
             f"kl_new_old {tuple(kl_new_old.shape)}, ratio {tuple(ratio.shape)} and advantages "
@@ -97,6 +123,21 @@ def dppo_loss(
     Returns the loss, the keep mask [B] and metrics: ``policy_loss``, ``ratio_mean``, ``keep_frac``,
     ``kl_new_old`` (mean D), ``approx_kl`` (½·mean Δlogp², the monitor GRPO logs), ``kl`` (with β > 0),
     ``loss``. With ``kl_beta > 0``, ``mean``, ``ref_mean`` and ``kl_std`` are required.
+
+    Args:
+        log_prob: log p_θ per sample, [B].
+        old_log_prob: log p_old stored at rollout, [B].
+        advantages: A, [B] (clipped to ±``adv_clip_max`` here).
+        kl_new_old: the trust-region divergence D, [B].
+        threshold: τ of the trust region.
+        adv_clip_max: A_max.
+        kl_beta: β of the KL to the reference (0: none).
+        mean: the policy's transition mean, [B, ...] (with ``kl_beta > 0``).
+        ref_mean: the reference's transition mean, [B, ...] (with ``kl_beta > 0``).
+        kl_std: the KL's std, broadcastable to ``mean`` (with ``kl_beta > 0``).
+
+    Returns:
+        ``(loss, keep, metrics)`` as described above.
     """
     if not (log_prob.ndim == 1 and log_prob.shape == old_log_prob.shape == advantages.shape):
         raise ValueError(

@@ -40,6 +40,16 @@ def ppo_clip_loss(
 
     Metrics: ``ratio_mean``, ``clipfrac`` (fraction with |r − 1| > ε, flow_grpo's definition),
     ``approx_kl`` = ½·mean((log p_θ − log p_old)²) (flow_grpo's monitor, not part of the loss).
+
+    Args:
+        log_prob: log p_θ per sample, [B] (with gradients).
+        old_log_prob: log p_old stored at rollout, [B] (detached here).
+        advantages: A, [B] (detached, clipped to ±``adv_clip_max``).
+        clip_range: ε > 0.
+        adv_clip_max: A_max > 0.
+
+    Returns:
+        The scalar L_pg and metrics ``policy_loss``, ``ratio_mean``, ``clipfrac``, ``approx_kl``.
     """
     if not (log_prob.shape == old_log_prob.shape == advantages.shape and log_prob.ndim == 1):
         raise ValueError(
@@ -67,6 +77,14 @@ def sde_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> tor
     """KL between N(μ_θ, s²) and N(μ_ref, s²) per element = (μ_θ − μ_ref)²/(2s²); mean over all dims.
 
     mean, ref_mean: [B, ...] (the ``SDEStep.mean`` of policy and reference); std broadcastable (s or σ_t).
+
+    Args:
+        mean: the policy's transition mean μ_θ, [B, ...] (with gradients).
+        ref_mean: the reference's mean μ_ref, [B, ...] (detached here).
+        std: the denominator's std, broadcastable to ``mean``.
+
+    Returns:
+        The scalar KL (mean over dims, then over the batch), fp32.
     """
     if mean.shape != ref_mean.shape:
         raise ValueError(f"policy mean {tuple(mean.shape)} and reference mean {tuple(ref_mean.shape)} differ")
@@ -86,7 +104,22 @@ def grpo_loss(
     ref_mean: torch.Tensor | None = None,
     kl_std: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """L = L_pg + β·KL (module docstring). With ``kl_beta > 0``, ``mean``, ``ref_mean`` and ``kl_std`` are required."""
+    """L = L_pg + β·KL (module docstring). With ``kl_beta > 0``, ``mean``, ``ref_mean`` and ``kl_std`` are required.
+
+    Args:
+        log_prob: log p_θ per sample, [B].
+        old_log_prob: log p_old stored at rollout, [B].
+        advantages: A, [B].
+        clip_range: ε of the PPO clip.
+        adv_clip_max: A_max of the advantage clip.
+        kl_beta: β (0: no KL term).
+        mean: the policy's transition mean, [B, ...].
+        ref_mean: the reference's transition mean, [B, ...].
+        kl_std: the KL's std (``SDEStep.step_std`` for the exact KL, ``std_dev_t`` for flow_grpo's form).
+
+    Returns:
+        The scalar loss and the metrics of ``ppo_clip_loss`` plus ``kl`` (with β > 0) and ``loss``.
+    """
     loss, metrics = ppo_clip_loss(
         log_prob, old_log_prob, advantages, clip_range=clip_range, adv_clip_max=adv_clip_max
     )

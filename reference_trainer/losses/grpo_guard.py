@@ -74,6 +74,16 @@ def normalised_log_ratio(
     """log r̃ = (log p_θ − log p_old)·s + mse/(2s), mse = mean_dims (μ_θ − μ_old)² (module docstring). [B] fp32.
 
     Gradients flow through ``log_prob`` and ``mean``; ``old_log_prob`` and ``old_mean`` are detached.
+
+    Args:
+        log_prob: log p_θ per sample, [B].
+        old_log_prob: log p_old, [B].
+        mean: the policy's transition mean μ_θ, [B, ...].
+        old_mean: the rollout policy's mean μ_old, [B, ...].
+        step_std: the transition std s, broadcastable to ``mean``.
+
+    Returns:
+        log r̃ per sample, [B] fp32.
     """
     if not (log_prob.ndim == 1 and log_prob.shape == old_log_prob.shape):
         raise ValueError(
@@ -90,6 +100,14 @@ def noise_form_log_ratio(mean: torch.Tensor, old_mean: torch.Tensor, noise: torc
     """The same log r̃ written as mean_dims((μ_θ − μ_old)·z), z the rollout noise of x' = μ_old + s·z. [B] fp32.
 
     Equal to ``normalised_log_ratio`` up to rounding (the derivation in the module docstring).
+
+    Args:
+        mean: the policy's transition mean μ_θ, [B, ...].
+        old_mean: the rollout policy's mean μ_old, [B, ...].
+        noise: z with x' = μ_old + s·z, [B, ...].
+
+    Returns:
+        log r̃ per sample, [B] fp32.
     """
     if not mean.shape == old_mean.shape == noise.shape:
         raise ValueError(
@@ -113,6 +131,19 @@ def grpo_guard_loss(
 
     log_ratio, advantages: [B]. With ``kl_beta > 0``, ``mean``, ``ref_mean`` and ``kl_std`` are
     required (GRPO's KL, ``losses.grpo.sde_kl``). Metrics as ``losses.grpo.ppo_clip_loss`` (on r̃).
+
+    Args:
+        log_ratio: log r̃ per sample, [B].
+        advantages: A, [B].
+        clip_range: ε of the clip on r̃.
+        adv_clip_max: A_max of the advantage clip.
+        kl_beta: β (0: no KL term).
+        mean: the policy's transition mean, [B, ...].
+        ref_mean: the reference's transition mean, [B, ...].
+        kl_std: the KL's std, broadcastable to ``mean``.
+
+    Returns:
+        The scalar loss and its metrics.
     """
     # GRPO's clip applied to log r̃: ppo_clip_loss forms exp(log_prob − old_log_prob) = exp(log r̃ − 0)
     return grpo_losses.grpo_loss(

@@ -25,7 +25,15 @@ from reference_trainer.flow_matching import velocity_target
 
 
 def per_sample_velocity_error(v_pred: torch.Tensor, v_target: torch.Tensor) -> torch.Tensor:
-    """e_i = mean over non-batch dims of (v_pred − v_target)², fp32. [B, ...] -> [B]."""
+    """e_i = mean over non-batch dims of (v_pred − v_target)², fp32. [B, ...] -> [B].
+
+    Args:
+        v_pred: predicted velocities, [B, ...].
+        v_target: target velocities, [B, ...] (same shape).
+
+    Returns:
+        e, [B] fp32.
+    """
     if v_pred.shape != v_target.shape:
         raise ValueError(
             f"prediction {tuple(v_pred.shape)} and target {tuple(v_target.shape)} differ in shape"
@@ -36,7 +44,17 @@ def per_sample_velocity_error(v_pred: torch.Tensor, v_target: torch.Tensor) -> t
 def flow_matching_loss(
     v_pred: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """L = mean_i w_i · mean_dims (v_θ − (ε − x_0))². Returns a scalar and ``{"loss": ...}``."""
+    """L = mean_i w_i · mean_dims (v_θ − (ε − x_0))². Returns a scalar and ``{"loss": ...}``.
+
+    Args:
+        v_pred: predicted velocities v_θ(x_σ, σ), [B, ...].
+        noise: ε, [B, ...].
+        x0: clean latents x_0, [B, ...].
+        weights: w(σ) per sample, [B]; ``None`` = 1.
+
+    Returns:
+        The scalar loss and ``{"loss": ...}``.
+    """
     errors = per_sample_velocity_error(v_pred, velocity_target(x0.float(), noise.float()))
     if weights is not None:
         if weights.shape != errors.shape:

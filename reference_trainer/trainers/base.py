@@ -136,20 +136,39 @@ class BaseTrainer(ABC):
 
     # ---------------------------------------------------------------- subclass hooks
     def setup_roles(self) -> Mapping[str, str]:
-        """Declare variants/snapshots; return ``{role: variant}``. Default: one ``policy`` variant."""
+        """Declare variants/snapshots; return ``{role: variant}``. Default: one ``policy`` variant.
+
+        Returns:
+            ``{role: variant name}``.
+        """
         self.variants.declare_variant("policy")
         return {"policy": "policy"}
 
     def optimize(self, samples: Any) -> None:
-        """Generation trainers: one rollout iteration's optimizer steps (override)."""
+        """Generation trainers: one rollout iteration's optimizer steps (override).
+
+        Args:
+            samples: what ``sample`` returned.
+        """
         raise NotImplementedError
 
     def sample(self) -> Any:
-        """Generation trainers: acquire this rollout iteration's samples (override)."""
+        """Generation trainers: acquire this rollout iteration's samples (override).
+
+        Returns:
+            The samples ``optimize`` consumes.
+        """
         raise NotImplementedError
 
     def optimize_batch(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Dataset trainers: the loss of one microbatch and its metrics (override)."""
+        """Dataset trainers: the loss of one microbatch and its metrics (override).
+
+        Args:
+            batch: one microbatch of the dataset.
+
+        Returns:
+            The microbatch loss (the base divides it by the accumulation steps) and its metrics.
+        """
         raise NotImplementedError
 
     def cycle_steps(self, items: Sequence[T]) -> Iterator[T]:
@@ -159,6 +178,12 @@ class BaseTrainer(ABC):
         is reached (the cycle is then *cut*; module docstring). Before the first step of a cycle that
         will be cut, the variants' weights are kept so that the cut cycle's ``sample()`` can be
         replayed on resume.
+
+        Args:
+            items: one item per optimizer step of the cycle.
+
+        Returns:
+            An iterator over the items still to step.
         """
         items = list(items)
         if self.cycle_step == 0 and self.optimizer_step + len(items) > self.config.max_steps:
@@ -182,6 +207,9 @@ class BaseTrainer(ABC):
 
         Default: the evaluation rewards of the first role's ODE samples from the fixed evaluation
         noise. Dataset trainers add a held-out loss; DMD2 evaluates its one-step generator.
+
+        Returns:
+            ``{metric: value}``, written to ``eval.jsonl``.
         """
         eval_config = self.config.eval
         prompts, group_ids = evaluation.eval_prompts(eval_config)
@@ -233,13 +261,27 @@ class BaseTrainer(ABC):
 
     # ---------------------------------------------------------------- helpers for subclasses
     def generator(self, *keys: int | str) -> torch.Generator:
-        """A CPU generator seeded by ``(seed, *keys)``: randomness as a pure function of the counters."""
+        """A CPU generator seeded by ``(seed, *keys)``: randomness as a pure function of the counters.
+
+        Args:
+            *keys: the counters and names that identify this randomness.
+
+        Returns:
+            A freshly seeded ``torch.Generator``.
+        """
         text = json.dumps([self.config.seed, *keys])
         seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
         return torch.Generator().manual_seed(seed)
 
     def step_tags(self, phase: str) -> dict[str, Any]:
-        """ffdebug tags for captures of the current cycle."""
+        """ffdebug tags for captures of the current cycle.
+
+        Args:
+            phase: the phase tag (e.g. ``"train"``).
+
+        Returns:
+            The tags (phase, counters) for ``ffdebug.step``.
+        """
         return {
             "optimizer_step": self.optimizer_step,
             "rollout_iteration": self.rollout_iteration,
@@ -473,7 +515,11 @@ class BaseTrainer(ABC):
     # ---------------------------------------------------------------- checkpoints
     def trainer_state(self) -> dict[str, Any]:
         """The checkpoint's ``trainer_state.json``: counters, sampler position, trainer name, run identity
-        and its hash."""
+        and its hash.
+
+        Returns:
+            The JSON-serialisable state.
+        """
         return {
             "optimizer_step": self.optimizer_step,
             "rollout_iteration": self.rollout_iteration,
@@ -490,6 +536,9 @@ class BaseTrainer(ABC):
 
         A checkpoint inside a cycle (``cycle_step > 0``) must carry the cycle's start weights, or it
         could not be resumed; that is checked here, when the run writes it, not when it is resumed.
+
+        Returns:
+            The published checkpoint directory.
         """
         if self.cycle_step and self._cycle_start is None:
             raise RuntimeError(

@@ -116,6 +116,11 @@ class DMD2Trainer(BaseTrainer):
     roles: ClassVar[tuple[str, ...]] = ("generator", "fake")
 
     def setup_roles(self) -> dict[str, str]:
+        """The ``generator`` (the base) and ``fake`` variants, and the frozen ``teacher`` snapshot.
+
+        Returns:
+            ``{role: variant name}``.
+        """
         self.variants.declare_variant("generator")  # the base: the adapter's transformer
         self.variants.declare_variant("fake")  # a copy of the initial weights
         self.variants.add_snapshot("teacher", "generator")  # frozen real score, before any update
@@ -123,6 +128,11 @@ class DMD2Trainer(BaseTrainer):
 
     # ---------------------------------------------------------------- acquisition
     def sample(self) -> list[DMD2Phase]:
+        """The noise and conditions of this iteration's phases (module docstring, step 1).
+
+        Returns:
+            One ``DMD2Phase`` per optimizer step: the fake phases, then the generator's.
+        """
         args: DMD2Arguments = self.args  # type: ignore[assignment]
         roles = ["fake"] * args.fake_updates_per_generator_update + ["generator"]
         phases = []
@@ -136,13 +146,25 @@ class DMD2Trainer(BaseTrainer):
         return phases
 
     def generate(self, phase: DMD2Phase) -> torch.Tensor:
-        """One-step generator: x = x̂_0(z, σ = 1) = z − 1·v_G(z, 1, c), [P, C, H, W]."""
+        """One-step generator: x = x̂_0(z, σ = 1) = z − 1·v_G(z, 1, c), [P, C, H, W].
+
+        Args:
+            phase: its noise z and condition.
+
+        Returns:
+            x, [P, C, H, W].
+        """
         ones = torch.ones(phase.z.shape[0])
         v = self.adapter.forward(phase.z, ones, phase.condition, module=self.variants.variant("generator"))
         return predicted_x0(phase.z, v, ones)
 
     # ---------------------------------------------------------------- optimisation
     def optimize(self, phases: list[DMD2Phase]) -> None:
+        """One optimizer step of its role per phase (module docstring, steps 2-3).
+
+        Args:
+            phases: what ``sample`` returned.
+        """
         for index, phase in self.cycle_steps(list(enumerate(phases))):
             generator = self.generator("dmd2", self.rollout_iteration, index, "noise")
             with ffdebug.step(**self.step_tags(phase.role)), self.optim.phase(phase.role) as step:
@@ -156,7 +178,15 @@ class DMD2Trainer(BaseTrainer):
     def noised(
         self, x: torch.Tensor, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(σ [P], ε [P, ...], x_σ) with σ ~ U(σ_min, σ_max); x_σ is built from the detached x."""
+        """(σ [P], ε [P, ...], x_σ) with σ ~ U(σ_min, σ_max); x_σ is built from the detached x.
+
+        Args:
+            x: generator samples, [P, C, H, W].
+            generator: the RNG of σ and ε.
+
+        Returns:
+            ``(sigma, noise, x_sigma)``.
+        """
         args: DMD2Arguments = self.args  # type: ignore[assignment]
         sigma = sample_sigmas(x.shape[0], "uniform", generator, low=args.sigma_min, high=args.sigma_max)
         noise = torch.randn(x.shape, generator=generator)
@@ -165,7 +195,15 @@ class DMD2Trainer(BaseTrainer):
     def fake_loss(
         self, phase: DMD2Phase, generator: torch.Generator
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """L_fake = mean ‖v_fake(x_σ) − (ε − x)‖² on detached generator samples (module doc, step 2)."""
+        """L_fake = mean ‖v_fake(x_σ) − (ε − x)‖² on detached generator samples (module doc, step 2).
+
+        Args:
+            phase: a ``fake`` phase.
+            generator: the RNG of σ and ε.
+
+        Returns:
+            The loss and its metrics.
+        """
         with torch.no_grad():
             x = self.generate(phase)
         ffdebug.tap("rollout.latents", x)
@@ -176,7 +214,15 @@ class DMD2Trainer(BaseTrainer):
     def generator_loss(
         self, phase: DMD2Phase, generator: torch.Generator
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """L_DM (module doc, step 3): teacher and fake score predictions under ``no_grad``."""
+        """L_DM (module doc, step 3): teacher and fake score predictions under ``no_grad``.
+
+        Args:
+            phase: the ``generator`` phase.
+            generator: the RNG of σ and ε.
+
+        Returns:
+            The loss and its metrics.
+        """
         x = self.generate(phase)  # with gradient to the generator
         ffdebug.tap("rollout.latents", x)
         sigma, _, x_t = self.noised(x, generator)
@@ -196,6 +242,9 @@ class DMD2Trainer(BaseTrainer):
           samples from the same z (RBF bandwidth: their median squared distance) — what distribution
           matching minimises, so it falls as the generator distils the teacher;
         * ``teacher_paired_mse``: mean (G(z) − ODE_teacher(z))², the per-noise gap.
+
+        Returns:
+            ``{metric: value}``.
         """
         eval_config = self.config.eval
         prompts, group_ids = evaluation.eval_prompts(eval_config)
@@ -216,7 +265,16 @@ class DMD2Trainer(BaseTrainer):
         return metrics
 
     def teacher_velocity(self, x_t: torch.Tensor, sigma: torch.Tensor, condition: Condition) -> torch.Tensor:
-        """v_real, classifier-free guided when ``real_guidance_scale`` s > 1: v_u + s·(v_c − v_u)."""
+        """v_real, classifier-free guided when ``real_guidance_scale`` s > 1: v_u + s·(v_c − v_u).
+
+        Args:
+            x_t: noised latents, [P, C, H, W].
+            sigma: σ per sample, [P].
+            condition: the prompts' conditions.
+
+        Returns:
+            The teacher's velocity, [P, C, H, W].
+        """
         scale = self.args.real_guidance_scale
         teacher = self.variants.snapshot("teacher")
         v_cond = self.adapter.forward(x_t, sigma, condition, parameters=teacher)

@@ -75,7 +75,11 @@ class DPPOTrainer(GRPOTrainer):
     roles: ClassVar[tuple[str, ...]] = ("policy",)
 
     def sample(self) -> GRPOSamples:
-        """GRPO's rollout and feedback; also taps the rollout velocities the trust region compares to."""
+        """GRPO's rollout and feedback; also taps the rollout velocities the trust region compares to.
+
+        Returns:
+            The ``GRPOSamples`` of this iteration.
+        """
         samples = super().sample()
         if samples.trajectory.velocities is None:
             raise RuntimeError("DPPO needs the rollout velocities; the adapter recorded none")
@@ -85,7 +89,16 @@ class DPPOTrainer(GRPOTrainer):
     def step_loss(
         self, samples: GRPOSamples, index: torch.Tensor, j: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The DPPO loss of samples ``index`` at denoising step j (module docstring, steps 1-4)."""
+        """The DPPO loss of samples ``index`` at denoising step j (module docstring, steps 1-4).
+
+        Args:
+            samples: this iteration's samples.
+            index: the samples of the microbatch, [b].
+            j: the denoising step.
+
+        Returns:
+            The loss and its metrics.
+        """
         args = self.args
         v, step, sde_args = self.policy_step(samples, index, j)
         v_old, old = self.rollout_step(samples, index, j, sde_args)

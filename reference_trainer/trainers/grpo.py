@@ -13,7 +13,7 @@ One rollout iteration (``sample`` then ``optimize``):
 3. decode x_T, compute the rewards, and the group-normalised advantages A [B] (``feedback.RewardFeedback``);
 4. shuffle the samples and split them into ``gradient_steps_per_iteration`` minibatches; each is one
    optimizer step of the ``policy`` role, accumulating over microbatches and over the trained steps
-   j < ⌈timestep_fraction·T⌉: recompute log p_θ(x_{j+1} | x_j) with gradients and minimise
+   j < ⌊timestep_fraction·T⌋ (``trained_steps``): recompute log p_θ(x_{j+1} | x_j) with gradients and minimise
    L = mean max(−Â·r, −Â·clip(r, 1 ± ε)) + β·KL(p_θ ‖ p_ref) (``losses.grpo.grpo_loss``).
 
 Roles: ``policy`` (trainable, the base variant); ``reference`` (a frozen snapshot of the initial
@@ -22,7 +22,6 @@ policy, declared only when ``kl_beta > 0``, used through ``functional_call``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -40,6 +39,22 @@ from reference_trainer.sde import SDEStep, flow_sde_step
 from reference_trainer.trainers.base import BaseTrainer
 
 
+def trained_steps(timestep_fraction: float, num_steps: int) -> int:
+    """The number of denoising steps trained per trajectory: ``int(num_steps · timestep_fraction)``.
+
+    flow_grpo ``scripts/train_sd3.py`` (``num_train_timesteps``): truncation, not rounding up, so the
+    steps j = 0 .. trained_steps − 1 are trained and the last ones (towards σ = 0) are left out.
+
+    Args:
+        timestep_fraction: the fraction f in (0, 1] of each trajectory to train.
+        num_steps: T, the rollout's denoising steps.
+
+    Returns:
+        ``int(T · f)`` (the float product, truncated, exactly as flow_grpo computes it).
+    """
+    return int(num_steps * timestep_fraction)
+
+
 @dataclass(frozen=True, kw_only=True)
 class GRPOArguments(GenerationRewardArguments):
     """``train:`` section of a GRPO run (defaults: flow_grpo ``config/base.py`` where it has one).
@@ -51,7 +66,9 @@ class GRPOArguments(GenerationRewardArguments):
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
     timestep_fraction: float = 1.0
-    """Train the first ⌈fraction·T⌉ steps of each trajectory (flow_grpo ``timestep_fraction``)."""
+    """Train the first ``int(fraction·T)`` steps of each trajectory, as flow_grpo does
+    (``num_train_timesteps = int(num_steps * timestep_fraction)`` in ``scripts/train_sd3.py``): its
+    0.99 × 10 trains 9 steps, leaving out the final step to σ = 0. Must train at least one step."""
     gradient_steps_per_iteration: int = 1
     """Optimizer steps per rollout iteration (minibatches of the shuffled samples)."""
     microbatch_size: int = 0
@@ -76,6 +93,11 @@ class GRPOArguments(GenerationRewardArguments):
             0 < self.timestep_fraction <= 1,
             "timestep_fraction",
             f"must be in (0, 1], got {self.timestep_fraction}",
+        )
+        require(
+            trained_steps(self.timestep_fraction, self.num_inference_steps) >= 1,
+            "timestep_fraction",
+            f"int({self.timestep_fraction} × num_inference_steps {self.num_inference_steps}) trains no step",
         )
         require(self.clip_range > 0, "clip_range", f"must be > 0, got {self.clip_range}")
         require(self.adv_clip_max > 0, "adv_clip_max", f"must be > 0, got {self.adv_clip_max}")
@@ -119,6 +141,11 @@ class GRPOTrainer(BaseTrainer):
         self.feedback = RewardFeedback(self.args)
 
     def setup_roles(self) -> dict[str, str]:
+        """The ``policy`` variant, and the frozen ``reference`` snapshot when ``kl_beta > 0``.
+
+        Returns:
+            ``{role: variant name}``.
+        """
         self.variants.declare_variant("policy")
         if self.args.kl_beta > 0:
             self.variants.add_snapshot("reference", "policy")
@@ -126,6 +153,11 @@ class GRPOTrainer(BaseTrainer):
 
     # ---------------------------------------------------------------- acquisition + feedback
     def sample(self) -> GRPOSamples:
+        """Steps 1-3 of the module docstring: prompts, Flow-SDE rollout, rewards and advantages.
+
+        Returns:
+            The ``GRPOSamples`` of this iteration.
+        """
         args = self.args
         # 1. P prompts, each repeated K times in contiguous groups
         prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
@@ -148,17 +180,22 @@ class GRPOTrainer(BaseTrainer):
 
     # ---------------------------------------------------------------- optimisation
     def optimize(self, samples: GRPOSamples) -> None:
+        """Step 4 of the module docstring: one optimizer step per minibatch of the shuffled samples.
+
+        Args:
+            samples: what ``sample`` returned.
+        """
         args = self.args
         batch = len(samples.prompts)
-        trained_steps = math.ceil(args.timestep_fraction * args.num_inference_steps)
+        steps = trained_steps(args.timestep_fraction, args.num_inference_steps)
         order = torch.randperm(batch, generator=self.generator("shuffle", self.rollout_iteration))
         for minibatch in self.cycle_steps(order.chunk(args.gradient_steps_per_iteration)):
             micro_size = args.microbatch_size or len(minibatch)
             microbatches = minibatch.split(micro_size)
-            terms = len(microbatches) * trained_steps
+            terms = len(microbatches) * steps
             with ffdebug.step(**self.step_tags("train")), self.optim.phase("policy") as phase:
                 for index in microbatches:
-                    for j in range(trained_steps):
+                    for j in range(steps):
                         with ffdebug.step(timestep=j, microbatch=phase.backward_calls):
                             loss, metrics = self.step_loss(samples, index, j)
                         metrics.pop("loss", None)  # the step's loss is logged by the base
@@ -167,7 +204,16 @@ class GRPOTrainer(BaseTrainer):
     def step_loss(
         self, samples: GRPOSamples, index: torch.Tensor, j: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The GRPO loss of samples ``index`` at denoising step j (see the module docstring, step 4)."""
+        """The GRPO loss of samples ``index`` at denoising step j (see the module docstring, step 4).
+
+        Args:
+            samples: this iteration's samples.
+            index: the samples of the microbatch, [b].
+            j: the denoising step.
+
+        Returns:
+            The loss and its metrics (``losses.grpo.grpo_loss``).
+        """
         args = self.args
         _, step, sde_args = self.policy_step(samples, index, j)
         ref_mean = self.reference_mean(samples, index, j, sde_args) if args.kl_beta > 0 else None
@@ -191,6 +237,14 @@ class GRPOTrainer(BaseTrainer):
         Returns the velocity v_θ(x_j, σ_j) [b, C, H, W], the ``SDEStep`` (log p_θ(x_{j+1} | x_j) [b] of the
         stored x_{j+1}, transition mean [b, C, H, W]) and the keyword arguments of ``flow_sde_step`` that
         reproduce this transition for another velocity (the reference's, or the rollout's).
+
+        Args:
+            samples: this iteration's samples.
+            index: the samples, [b].
+            j: the denoising step.
+
+        Returns:
+            ``(v, step, sde_args)`` as above.
         """
         trajectory = samples.trajectory
         sigmas = trajectory.sigmas
@@ -216,6 +270,15 @@ class GRPOTrainer(BaseTrainer):
         transition (mean μ_old; log-prob = the stored log p_old), recomputed elementwise, no graph.
 
         GRPO itself needs only the stored log-probs; GRPO-Guard and DPPO compare μ_θ / v_θ against these.
+
+        Args:
+            samples: this iteration's samples (with the rollout velocities).
+            index: the samples, [b].
+            j: the denoising step.
+            sde_args: the ``flow_sde_step`` arguments from ``policy_step``.
+
+        Returns:
+            ``(v_old, step_old)``.
         """
         velocities = samples.trajectory.velocities
         if velocities is None:
@@ -230,7 +293,17 @@ class GRPOTrainer(BaseTrainer):
         self, samples: GRPOSamples, index: torch.Tensor, j: int, sde_args: dict[str, Any]
     ) -> torch.Tensor:
         """The frozen reference's transition mean [b, C, H, W] at step j, under ``no_grad``: the KL keeps
-        the policy's graph through its own mean only (Flow-Factory issues #122-#124)."""
+        the policy's graph through its own mean only (Flow-Factory issues #122-#124).
+
+        Args:
+            samples: this iteration's samples.
+            index: the samples, [b].
+            j: the denoising step.
+            sde_args: the ``flow_sde_step`` arguments from ``policy_step``.
+
+        Returns:
+            μ_ref, [b, C, H, W] fp32.
+        """
         with torch.no_grad():
             v_ref = self.adapter.forward(
                 sde_args["x"],
@@ -241,5 +314,12 @@ class GRPOTrainer(BaseTrainer):
             return flow_sde_step(v_ref, **sde_args).mean
 
     def kl_std(self, step: SDEStep) -> torch.Tensor:
-        """The KL's denominator (``kl_std``): the transition std σ_t·√(−Δt), or flow_grpo's σ_t."""
+        """The KL's denominator (``kl_std``): the transition std σ_t·√(−Δt), or flow_grpo's σ_t.
+
+        Args:
+            step: the policy's ``SDEStep``.
+
+        Returns:
+            The std, broadcastable to the mean.
+        """
         return step.step_std if self.args.kl_std == "step_std" else step.std_dev_t

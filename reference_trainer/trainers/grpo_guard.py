@@ -54,7 +54,11 @@ class GRPOGuardTrainer(GRPOTrainer):
     roles: ClassVar[tuple[str, ...]] = ("policy",)
 
     def sample(self) -> GRPOSamples:
-        """GRPO's rollout and feedback; also taps the rollout velocities the ratio normalisation reads."""
+        """GRPO's rollout and feedback; also taps the rollout velocities the ratio normalisation reads.
+
+        Returns:
+            The ``GRPOSamples`` of this iteration.
+        """
         samples = super().sample()
         if samples.trajectory.velocities is None:
             raise RuntimeError("GRPO-Guard needs the rollout velocities; the adapter recorded none")
@@ -64,7 +68,16 @@ class GRPOGuardTrainer(GRPOTrainer):
     def step_loss(
         self, samples: GRPOSamples, index: torch.Tensor, j: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The GRPO-Guard loss of samples ``index`` at denoising step j (module docstring, steps 1-4)."""
+        """The GRPO-Guard loss of samples ``index`` at denoising step j (module docstring, steps 1-4).
+
+        Args:
+            samples: this iteration's samples.
+            index: the samples of the microbatch, [b].
+            j: the denoising step.
+
+        Returns:
+            The loss and its metrics.
+        """
         args = self.args
         _, step, sde_args = self.policy_step(samples, index, j)
         _, old = self.rollout_step(samples, index, j, sde_args)

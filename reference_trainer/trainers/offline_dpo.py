@@ -84,12 +84,24 @@ class OfflineDPOTrainer(BaseTrainer):
     supervision: ClassVar[str | None] = "preference"
 
     def setup_roles(self) -> dict[str, str]:
+        """The ``policy`` variant and the frozen ``reference`` snapshot.
+
+        Returns:
+            ``{role: variant name}``.
+        """
         self.variants.declare_variant("policy")
         self.variants.add_snapshot("reference", "policy")
         return {"policy": "policy"}
 
     def velocity_fns(self, condition: Condition) -> tuple[VelocityFn, VelocityFn]:
-        """(policy, reference) velocity functions over [chosen; rejected] for one shared condition."""
+        """(policy, reference) velocity functions over [chosen; rejected] for one shared condition.
+
+        Args:
+            condition: the pairs' condition (repeated for both arms inside).
+
+        Returns:
+            ``(policy, reference)``, each (x_σ, σ) -> velocity.
+        """
         condition2 = Condition.cat([condition, condition])
         policy, reference = self.variants.variant("policy"), self.variants.snapshot("reference")
 
@@ -106,11 +118,23 @@ class OfflineDPOTrainer(BaseTrainer):
         return policy_velocity, reference_velocity
 
     def optimize_batch(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The DPO loss of one microbatch, σ and ε from the (epoch, batch) generator.
+
+        Args:
+            batch: one microbatch of pairs.
+
+        Returns:
+            The loss and its metrics.
+        """
         return self.batch_loss(batch, self.generator("offline_dpo", self.data_epoch, self.batches_in_epoch))
 
     def evaluate(self) -> dict[str, float]:
         """The evaluation rewards of ODE samples, and the DPO loss, implicit-reward accuracy and margin on
-        the held-out pairs (at θ = ref the margin is exactly 0)."""
+        the held-out pairs (at θ = ref the margin is exactly 0).
+
+        Returns:
+            ``{metric: value}``.
+        """
         assert self.heldout is not None
         metrics = super().evaluate()
         metrics.update(evaluation.heldout_metrics(self.heldout, self.batch_loss, self.config.eval))
@@ -119,7 +143,15 @@ class OfflineDPOTrainer(BaseTrainer):
     def batch_loss(
         self, batch: Mapping[str, Any], generator: torch.Generator
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Steps 1-4 of the module docstring, σ and ε drawn from ``generator``."""
+        """Steps 1-4 of the module docstring, σ and ε drawn from ``generator``.
+
+        Args:
+            batch: one microbatch of pairs.
+            generator: the RNG of σ and ε.
+
+        Returns:
+            The loss and its metrics.
+        """
         args: OfflineDPOArguments = self.args  # type: ignore[assignment]
         # 1. one condition state for the batch, shared by both arms
         condition = self.conditions.get(batch["prompts"])

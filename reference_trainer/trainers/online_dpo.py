@@ -85,7 +85,15 @@ class OnlineDPOSamples:
 
 def best_worst_pairs(advantages: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices (chosen [N], rejected [N]) of the arg-max / arg-min advantage of every group whose
-    advantages are not all equal, groups in order of first appearance (ties: the first index)."""
+    advantages are not all equal, groups in order of first appearance (ties: the first index).
+
+    Args:
+        advantages: A per sample, [B].
+        group_ids: the group of each sample, [B].
+
+    Returns:
+        ``(chosen, rejected)`` sample indices, [N] each (N = 0 when no group has a spread).
+    """
     chosen, rejected = [], []
     for gid in dict.fromkeys(group_ids.tolist()):
         members = (group_ids == gid).nonzero().flatten()
@@ -111,12 +119,22 @@ class OnlineDPOTrainer(BaseTrainer):
         self.feedback = RewardFeedback(self.args)
 
     def setup_roles(self) -> dict[str, str]:
+        """The ``policy`` variant and the frozen ``reference`` snapshot.
+
+        Returns:
+            ``{role: variant name}``.
+        """
         self.variants.declare_variant("policy")
         self.variants.add_snapshot("reference", "policy")
         return {"policy": "policy"}
 
     # ---------------------------------------------------------------- acquisition + feedback
     def sample(self) -> OnlineDPOSamples:
+        """Rollout, rewards and advantages of one iteration (module docstring).
+
+        Returns:
+            The ``OnlineDPOSamples`` of this iteration.
+        """
         args: OnlineDPOArguments = self.args  # type: ignore[assignment]
         prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
         repeated, group_ids = repeat_groups(prompts, args.group_size)
@@ -138,6 +156,11 @@ class OnlineDPOTrainer(BaseTrainer):
 
     # ---------------------------------------------------------------- optimisation
     def optimize(self, samples: OnlineDPOSamples) -> None:
+        """The DPO steps on the best / worst pairs of the iteration (module docstring).
+
+        Args:
+            samples: what ``sample`` returned.
+        """
         args: OnlineDPOArguments = self.args  # type: ignore[assignment]
         chosen, rejected = best_worst_pairs(samples.advantages, samples.group_ids)
         self.cycle_metrics["pairs"] = float(len(chosen))

@@ -72,10 +72,22 @@ class SFTTrainer(BaseTrainer):
     supervision: ClassVar[str | None] = "demonstration"
 
     def optimize_batch(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The flow-matching loss of one microbatch, σ and ε from the (epoch, batch) generator.
+
+        Args:
+            batch: one microbatch of demonstrations.
+
+        Returns:
+            The loss and its metrics.
+        """
         return self.batch_loss(batch, self.generator("sft", self.data_epoch, self.batches_in_epoch))
 
     def evaluate(self) -> dict[str, float]:
-        """The evaluation rewards of ODE samples, and the velocity MSE on the held-out demonstrations."""
+        """The evaluation rewards of ODE samples, and the velocity MSE on the held-out demonstrations.
+
+        Returns:
+            ``{metric: value}``.
+        """
         assert self.heldout is not None
         metrics = super().evaluate()
         metrics.update(evaluation.heldout_metrics(self.heldout, self.batch_loss, self.config.eval))
@@ -84,7 +96,15 @@ class SFTTrainer(BaseTrainer):
     def batch_loss(
         self, batch: Mapping[str, Any], generator: torch.Generator
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Steps 1-4 of the module docstring, σ and ε drawn from ``generator``."""
+        """Steps 1-4 of the module docstring, σ and ε drawn from ``generator``.
+
+        Args:
+            batch: one microbatch of demonstrations.
+            generator: the RNG of σ and ε.
+
+        Returns:
+            The loss and its metrics.
+        """
         args: SFTArguments = self.args  # type: ignore[assignment]
         # 1-2. condition (cached) and target latents (encoded on demand)
         condition = self.conditions.get(batch["prompts"])

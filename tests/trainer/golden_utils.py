@@ -1,16 +1,19 @@
 """Golden values of a trainer run: the first optimizer steps' ``loss`` and ``grad_norm`` (not a test module).
 
 A golden file ``tests/trainer/goldens/<name>.json`` holds the values recorded at one thread, with the
-torch version, the config and the overrides they came from. ``check_golden`` compares a run's
+torch version, the config and the overrides they came from. ``test_goldens.py`` checks one for every
+registered trainer (its example config with ``GOLDEN_OVERRIDES``, 3 steps); the GRPO-Guard and DPPO
+learning runs check theirs too (the same first steps of a longer run). ``check_golden`` compares a run's
 ``metrics.jsonl`` records against it (relative 1e-6: the same maths on another CPU's kernels may move
 the last bits, a changed term moves far more) and skips, saying why, on another torch version.
 
 Re-record (after an intended change of the maths, or for a new torch version)::
 
     REFERENCE_TRAINER_RECORD_GOLDENS=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
-        tests/trainer/test_train_grpo_guard.py tests/trainer/test_train_dppo.py -k golden
+        tests/trainer/test_goldens.py
 
-which rewrites the files from the run the test just made (then review the diff and commit it).
+(add ``-k <trainer>`` for one trainer) which rewrites the files from the runs the test just made;
+review the diff and commit it. A new trainer is recorded the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +29,18 @@ import torch
 GOLDENS = Path(__file__).resolve().parent / "goldens"
 RECORD_ENV = "REFERENCE_TRAINER_RECORD_GOLDENS"
 STEPS = 3
+
+GOLDEN_OVERRIDES: dict[str, list[str]] = {
+    # a KL reference, so the KL term is pinned too; two minibatches: step 2 is off-policy (ratio ≠ 1)
+    "grpo": ["train.kl_beta=0.001", "train.gradient_steps_per_iteration=2"],
+    "grpo_guard": ["train.kl_beta=0.001"],
+    "dppo": ["train.kl_beta=0.001"],
+    # evaluations off: they do not touch the training numbers, only the time
+    "dmd2": ["eval.every=0"],
+    "offline_dpo": ["eval.every=0"],
+    "sft": ["eval.every=0"],
+}
+"""Overrides of each trainer's example config for its golden run (a trainer not listed: none)."""
 
 
 def golden_values(records: list[dict[str, Any]]) -> dict[str, list[float]]:

@@ -55,4 +55,4 @@ def test_grpo_flux_adapter_runs_the_same_contracts(tmp_path):
     records = metrics(tmp_path)
     assert [r["optimizer_step"] for r in records] == [1, 2]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
-    assert (tmp_path / "checkpoints/step-000002/model/policy/model.safetensors").is_file()
+    assert (tmp_path / "checkpoints/step-000002/model/policy/diffusion_pytorch_model.safetensors").is_file()
