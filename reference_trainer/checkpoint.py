@@ -65,7 +65,7 @@ VARIANTS_FILE = "state/variants.safetensors"
 OPTIMIZER_FILES = ("state/optimizer.safetensors", "state/optimizer.json")
 RNG_FILES = ("state/rng.safetensors", "state/rng.json")
 REQUIRED_FILES = (STATE_FILE, VARIANTS_FILE, *OPTIMIZER_FILES, *RNG_FILES)
-"""Files every checkpoint's manifest lists (plus ``model/<variant>/model.safetensors`` per variant)."""
+"""Files every checkpoint's manifest lists (plus ``model/<variant>/diffusion_pytorch_model.safetensors`` per variant)."""
 STEP_NAME = re.compile(r"step-(\d+)")
 
 
@@ -359,7 +359,7 @@ def _check_tensor_layout(checkpoint: Path, state: Mapping[str, Any], files: Mapp
         _check_shapes(
             checkpoint, VARIANTS_FILE, stored, {f"variant.{name}.{key}": s for key, s in shapes.items()}
         )
-        export = f"model/{name}/model.safetensors"
+        export = f"model/{name}/{EXPORT_WEIGHTS}"
         if export not in files:
             raise DamagedCheckpointError(checkpoint, MANIFEST_FILE, f"does not list {export}")
         _check_shapes(checkpoint, export, _header_shapes(checkpoint, export), shapes)

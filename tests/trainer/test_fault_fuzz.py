@@ -425,7 +425,7 @@ def test_bad_yaml(text, extra, expected, capsys, tmp_path, monkeypatch):
 CHECKPOINT_FILES = (
     "manifest.json",
     "model/policy/config.json",
-    "model/policy/model.safetensors",
+    "model/policy/diffusion_pytorch_model.safetensors",
     "state/optimizer.json",
     "state/optimizer.safetensors",
     "state/rng.json",
@@ -550,8 +550,8 @@ CONSISTENT_DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
         "state/variants.safetensors: tensor variant.policy.",
     ),
     "export-wrong-shape": (
-        _reshape_first("model/policy/model.safetensors"),
-        "model/policy/model.safetensors: tensor ",
+        _reshape_first("model/policy/diffusion_pytorch_model.safetensors"),
+        "model/policy/diffusion_pytorch_model.safetensors: tensor ",
     ),
     "optimizer-wrong-shape": (
         _reshape_first("state/optimizer.safetensors", lambda k: "exp_avg" in k),
@@ -604,8 +604,8 @@ CONSISTENT_DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
         "manifest.json: does not list state/rng.json",
     ),
     "manifest-drops-export": (
-        _drop_from_manifest("model/policy/model.safetensors"),
-        "manifest.json: does not list model/policy/model.safetensors",
+        _drop_from_manifest("model/policy/diffusion_pytorch_model.safetensors"),
+        "manifest.json: does not list model/policy/diffusion_pytorch_model.safetensors",
     ),
 }
 
