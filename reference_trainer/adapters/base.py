@@ -100,6 +100,16 @@ class BaseAdapter(ABC):
         """Declare ``name``; ``None`` declares an optional component that is absent."""
         self._components[name] = component
 
+    def route_component(self, name: str, prepared: nn.Module) -> None:
+        """After the backend's prepare: ``get_component(name)`` returns the prepared module (a wrapper
+        of the declared one), so every adapter forward runs through it; a functional call with snapshot
+        parameters unwraps it (``call_module``)."""
+        if self.get_component(name) is not native_module(prepared):
+            raise ComponentError(
+                f"{type(self).__name__}: the prepared module does not wrap component {name!r}"
+            )
+        self._components[name] = prepared
+
     def has_component(self, name: str) -> bool:
         """True when ``name`` is declared and present (not ``None``)."""
         return self._components.get(name) is not None
@@ -149,14 +159,15 @@ class BaseAdapter(ABC):
         *,
         num_steps: int,
         noise_level: float,
-        generator: torch.Generator,
+        generator: torch.Generator | Sequence[torch.Generator],
         module: nn.Module | None = None,
         parameters: Mapping[str, torch.Tensor] | None = None,
     ) -> Trajectory:
         """Sample one trajectory per condition row, from pure noise to a clean latent.
 
         ``noise_level > 0`` uses the Flow-SDE (per-step log-probs); ``0`` the deterministic ODE.
-        ``module`` / ``parameters`` select the variant / snapshot that predicts the velocity.
+        ``module`` / ``parameters`` select the variant / snapshot that predicts the velocity. ``generator``:
+        one for the batch, or one per condition row (``adapters.sampling.sample_trajectory``).
         """
 
     @abstractmethod
@@ -240,4 +251,10 @@ def call_module(
     """``module(*args, **kwargs)``, with ``parameters`` substituted functionally when given."""
     if parameters is None:
         return module(*args, **kwargs)
-    return torch.func.functional_call(module, dict(parameters), args, kwargs, strict=False)
+    # snapshot parameters are named as in the unwrapped module, and need no gradient synchronisation
+    return torch.func.functional_call(native_module(module), dict(parameters), args, kwargs, strict=False)
+
+
+def native_module(module: nn.Module) -> nn.Module:
+    """The module a prepared wrapper (DDP) wraps; ``module`` itself when it is not wrapped."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
