@@ -1,10 +1,10 @@
 """Step time of the reference trainer's GRPO on two CPU ranks (DDP over gloo) against one rank, as a ratio.
 
-    python bench/bench_ddp_step.py [--short 2] [--long 8] [--config examples/grpo/full/sd3_tiny/default.yaml]
+    python bench/bench_ddp_step.py [--short 4] [--long 44] [--config examples/grpo/full/sd3_tiny/default.yaml]
 
 Both sides train the same global batch from the same fixture: one process with the config's
 ``prompts_per_iteration`` P (``backend.kind single``), and ``torchrun --nproc-per-node 2`` with P/2 per
-rank (``backend.kind ddp``). Each side is launched twice, for ``--short`` and ``--long`` optimizer
+rank (``backend.kind ddp``). Each side is launched once untimed (warm caches), then twice, for ``--short`` and ``--long`` optimizer
 steps; its time per step is the difference of the two wall times over the difference of the steps, so
 process start, imports, loading and the final checkpoint cancel out. Printed: ms/step of each side and
 the ratio two ranks / one rank (below 1: the two ranks are faster; on a 2-core machine the tiny model
@@ -35,8 +35,8 @@ def wall(command: list[str], out: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--short", type=int, default=2)
-    parser.add_argument("--long", type=int, default=8)
+    parser.add_argument("--short", type=int, default=4)
+    parser.add_argument("--long", type=int, default=44)
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--prompts", type=int, default=2, help="P of the one-rank side (P/2 per rank)")
     args = parser.parse_args()
@@ -55,6 +55,7 @@ def main() -> None:
     per_step = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, command in (("one rank", one), ("two ranks", two)):
+            wall([*command, "--max-steps", "1"], Path(tmp) / f"{name}-warmup")  # caches warm, not timed
             times = [
                 wall([*command, "--max-steps", str(steps)], Path(tmp) / f"{name}-{steps}")
                 for steps in (args.short, args.long)
