@@ -22,7 +22,9 @@ Advantage clipping (``adv_clip_max``) belongs to the loss, as in flow_grpo, not 
 
 Distributed: when ``torch.distributed`` is initialised with more than one rank, rewards and group ids
 are all-gathered first (every rank must hold the same number of samples), so groups split across
-ranks are normalised over all their members; each rank gets back its own slice.
+ranks are normalised over all their members; each rank gets back its own slice. Group ids must be
+global (``data.repeat_groups(..., first_group)``): equal ids on two ranks are one group. The metrics
+(``advantage_mean``, ``advantage_abs_max``) are over every rank's samples.
 """
 
 from __future__ import annotations
@@ -117,12 +119,12 @@ class AdvantageProcessor:
                 for name, values in rewards.items()
             )
             advantages = (summed - summed.mean()) / (summed.std(unbiased=False) + cfg.eps)
-        advantages = advantages[local].float()
+        everyone = advantages.float()
         metrics = {
-            "advantage_mean": advantages.mean().item(),
-            "advantage_abs_max": advantages.abs().max().item(),
+            "advantage_mean": everyone.mean().item(),
+            "advantage_abs_max": everyone.abs().max().item(),
         }
-        return advantages, metrics
+        return everyone[local], metrics
 
     @staticmethod
     def _gather(
@@ -130,20 +132,25 @@ class AdvantageProcessor:
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, slice]:
         """All-gather across ranks (same local size everywhere); returns the local slice too."""
         local_n = group_ids.shape[0]
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return dict(rewards), group_ids, slice(0, local_n)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([local_n]))
-        if len({int(s) for s in sizes}) != 1:
-            raise ValueError(
-                f"every rank must hold the same number of samples, got {[int(s) for s in sizes]}"
-            )
+        rank = dist.get_rank() if _distributed() else 0
+        gathered = {name: gather_rows(values.double()) for name, values in sorted(rewards.items())}
+        return gathered, gather_rows(group_ids), slice(rank * local_n, (rank + 1) * local_n)
 
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            parts = [torch.empty_like(t) for _ in range(world)]
-            dist.all_gather(parts, t.contiguous())
-            return torch.cat(parts)
 
-        gathered = {name: gather(values.double()) for name, values in sorted(rewards.items())}
-        return gathered, gather(group_ids), slice(rank * local_n, (rank + 1) * local_n)
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` [n, ...] concatenated in rank order (``tensor`` itself at one process);
+    every rank must hold the same n."""
+    if not _distributed():
+        return tensor
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([tensor.shape[0]]))
+    if len({int(s) for s in sizes}) != 1:
+        raise ValueError(f"every rank must hold the same number of samples, got {[int(s) for s in sizes]}")
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)

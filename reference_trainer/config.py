@@ -12,6 +12,7 @@ A config file has these top-level keys (example: ``examples/grpo/full/sd3_tiny/d
     checkpoint:  {every: 4, keep_last: 0}
     eval:        {every: 4, prompts: [...], rewards: [{name: brightness}]}
     runtime:     {threads: 1, deterministic: true}
+    backend:     {kind: single}   # or ddp under torchrun (README "Several processes")
 
 Every error is a ``ConfigError`` (``reference_trainer.errors``) naming the offending field by its
 dotted path (``train.group_size: must be >= 2, got 1``), or the file and line of a YAML error
@@ -229,6 +230,56 @@ class RuntimeConfig:
         require(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
 
 
+BACKEND_KINDS = ("single", "ddp", "fsdp2", "deepspeed")
+NOT_IMPLEMENTED_BACKENDS = ("fsdp2", "deepspeed")
+"""Accepted by the config (their plan rules are checked), refused by ``run.build_trainer``: issue 20."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendConfig:
+    """How the run is executed: one process, or data parallel over the processes of a torchrun launch.
+
+    ``single``: one process (a torchrun launch of several is refused). ``ddp``: Accelerate's
+    DistributedDataParallel, gloo on CPU, launched as ``torchrun --nproc-per-node N -m reference_trainer
+    train CONFIG``; a launch without torchrun is refused (a requested backend that is not applied is an
+    error, never a fallback). ``fsdp2`` and ``deepspeed`` are validated (the rules of
+    ``reference_trainer.distributed.check_plan``) but not implemented yet. Part of the run identity.
+    """
+
+    kind: str = "single"
+    """``single``, ``ddp``, ``fsdp2`` or ``deepspeed`` (FSDP1 is refused: use ``fsdp2``)."""
+    zero_stage: int | None = None
+    """DeepSpeed only: the ZeRO stage, 1 or 2 (ZeRO-3 is refused)."""
+    activation_checkpointing: Literal["none", "full"] = "none"
+    """``full``: gradient checkpointing of every trainable variant (recompute activations in backward)."""
+
+    def __post_init__(self) -> None:
+        if self.kind in ("fsdp", "fsdp1"):
+            raise ConfigError("kind", f"FSDP1 ({self.kind!r}) is refused; use fsdp2 (per-parameter sharding)")
+        require(
+            self.kind in BACKEND_KINDS, "kind", f"must be one of {list(BACKEND_KINDS)}, got {self.kind!r}"
+        )
+        if self.zero_stage is not None:
+            require(
+                self.kind == "deepspeed",
+                "zero_stage",
+                f"is read by kind deepspeed only; remove it for kind {self.kind!r}",
+            )
+            require(
+                self.zero_stage in (1, 2, 3),
+                "zero_stage",
+                f"must be 1 or 2, got {self.zero_stage}",
+            )
+        else:
+            require(
+                self.kind != "deepspeed", "zero_stage", "kind deepspeed needs an explicit zero_stage: 1 or 2"
+            )
+
+
+FSDP1_ONLY_FIELDS = ("use_orig_params",)
+"""FSDP1 options: a ``backend:`` section that sets one is refused naming it (FSDP1 is refused)."""
+
+
 @dataclass(frozen=True)
 class RolloutSize:
     """What one rollout keeps in memory: ``samples`` latents at each of ``steps + 1`` noise levels.
@@ -311,6 +362,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "max_steps", f"must be >= 1, got {self.max_steps}")
@@ -580,6 +632,14 @@ def parse_run_config(raw: Mapping[str, Any], arguments_cls: type) -> RunConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError("", "the config must be a mapping")
     data = dict(raw)
+    backend = data.get("backend")
+    if isinstance(backend, Mapping):
+        for name in FSDP1_ONLY_FIELDS:
+            if name in backend:
+                raise ConfigError(
+                    f"backend.{name}",
+                    "is an FSDP1 option and FSDP1 is refused; fsdp2 shards per parameter and has no such field",
+                )
     train = parse_dataclass(arguments_cls, data.pop("train", {}) or {}, "train")
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(set(data) - fields, key=str)

@@ -4,7 +4,10 @@ Generation (Flow-GRPO / Flow-Factory stage 2, "K-repeat sampling"): each rollout
 ``prompts_per_iteration`` distinct prompts with a generator seeded by ``(seed, rollout_iteration)`` —
 so the draw is a pure function of the counters and needs no saved sampler state — and repeats each
 prompt ``group_size`` times, contiguously (Flow-Factory ``GroupContiguousSampler``): sample ``i`` belongs
-to group ``i // group_size``.
+to group ``i // group_size``. Across ranks the prompts, samples and group ids are global: rank r draws
+the prompts ``r·P .. (r + 1)·P − 1`` of the iteration's one permutation, so its group ids start at r·P
+and its samples at r·P·K (``repeat_groups(..., first_group=r·P)``); the ``AdvantageProcessor`` gathers
+them and normalises each group over all its members.
 
 Dataset (Flow-Factory Draft ``OfflineExecutionDriver``): ``torch.utils.data.DistributedSampler`` is
 used even at one rank, with ``set_epoch(data_epoch)``; the loader is finite; a data epoch advances
@@ -50,13 +53,6 @@ def default_prompts() -> tuple[str, ...]:
     return tuple(line.strip() for line in lines if line.strip())
 
 
-def distributed_rank_and_size() -> tuple[int, int]:
-    """(rank, world_size) of the default process group, or (0, 1) without one."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 class PromptSource:
     """Draws each rollout iteration's prompts; a pure function of ``(seed, rollout_iteration)``."""
 
@@ -78,10 +74,14 @@ class PromptSource:
         return [self.prompts[i] for i in mine]
 
 
-def repeat_groups(prompts: Sequence[str], group_size: int) -> tuple[list[str], torch.Tensor]:
-    """Repeat each prompt ``group_size`` times contiguously -> (prompts [P·K], group ids [P·K])."""
+def repeat_groups(
+    prompts: Sequence[str], group_size: int, first_group: int = 0
+) -> tuple[list[str], torch.Tensor]:
+    """Repeat each prompt ``group_size`` times contiguously -> (prompts [P·K], group ids [P·K]).
+
+    Group ids are global: ``first_group`` is the global index of this rank's first prompt (r·P)."""
     repeated = [prompt for prompt in prompts for _ in range(group_size)]
-    group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)
+    group_ids = torch.arange(first_group, first_group + len(prompts)).repeat_interleave(group_size)
     return repeated, group_ids
 
 
@@ -162,8 +162,13 @@ def load_records(config: DataConfig, supervision: str, split: str = "train") -> 
 
 
 def collate(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """List of records -> ``{"prompts": [B], "<image key>": uint8 [B, 3, H, W], ...}``."""
+    """List of records -> ``{"prompts": [B], "<image key>": uint8 [B, 3, H, W], ..., "indices": [B]}``.
+
+    ``indices``: each record's position in the dataset (``DatasetAcquisition``), which seeds its draws,
+    so that they do not depend on the rank that holds it; absent for records without one."""
     batch: dict[str, Any] = {"prompts": [record["prompt"] for record in records]}
+    if all("index" in record for record in records):
+        batch["indices"] = [record["index"] for record in records]
     for key in ("image", "chosen", "rejected"):
         if key in records[0]:
             batch[key] = torch.stack([record[key] for record in records])
@@ -183,7 +188,7 @@ class DatasetAcquisition:
         rank: int = 0,
         world_size: int = 1,
     ):
-        self.records = list(records)
+        self.records = [{**record, "index": index} for index, record in enumerate(records)]
         self.batch_size = batch_size
         self.sampler = DistributedSampler(
             self.records, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False

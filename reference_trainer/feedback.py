@@ -11,7 +11,9 @@ describe the shared part, validated once; ``RewardFeedback`` is the scoring:
    with the weights w_k of ``advantage.weights`` (1 when not listed);
 3. A = ``AdvantageProcessor``({r_k}, group ids), [B] fp32 (``reference_trainer.advantages``).
 
-It taps ``reward`` (r) and ``advantage`` (A) for ffdebug.
+It taps ``reward`` (r) and ``advantage`` (A) for ffdebug. Under several processes the advantages are
+group-normalised over every rank's samples and the metrics are over all of them (``reward_mean`` of
+the whole rollout iteration, not of rank 0's share).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import ClassVar
 import torch
 
 import ffdebug
-from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor
+from reference_trainer.advantages import AdvantageConfig, AdvantageProcessor, gather_rows
 from reference_trainer.config import RewardSpec, RolloutSize, TrainingArguments, require_unique_rewards
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.errors import require
@@ -103,10 +105,13 @@ class RewardFeedback:
         ffdebug.tap("reward", total)
         advantages, advantage_metrics = self.advantage_processor(rewards, group_ids)
         ffdebug.tap("advantage", advantages)
+        everyone = gather_rows(total)
         metrics = {
-            "reward_mean": float(total.mean()),
-            "reward_std": float(total.std(unbiased=False)),
+            "reward_mean": float(everyone.mean()),
+            "reward_std": float(everyone.std(unbiased=False)),
         }
-        metrics.update({f"reward.{name}": float(values.mean()) for name, values in rewards.items()})
+        metrics.update(
+            {f"reward.{name}": float(gather_rows(values).mean()) for name, values in rewards.items()}
+        )
         metrics.update(advantage_metrics)
         return advantages, metrics

@@ -16,6 +16,8 @@ Training noise levels (``sample_sigmas``): ``logit_normal`` draws σ = sigmoid(m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from reference_trainer.errors import require
@@ -89,10 +91,23 @@ def predicted_x0(x_t: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor) -> tor
     return x_t - _bcast(sigma, x_t) * v
 
 
+Generators = torch.Generator | Sequence[torch.Generator] | None
+"""One generator for a whole batch, or one per sample (row ``i`` drawn from ``generator[i]`` alone)."""
+
+
+def randn_rows(shape: Sequence[int], generator: Generators) -> torch.Tensor:
+    """N(0, I) of ``shape`` [B, ...]; with one generator per sample, row i comes from generator i."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(tuple(shape), generator=generator)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} generators for {shape[0]} rows")
+    return torch.stack([torch.randn(tuple(shape[1:]), generator=g) for g in generator])
+
+
 def sample_sigmas(
     n: int,
     scheme: str,
-    generator: torch.Generator | None,
+    generator: Generators,
     *,
     low: float = 0.0,
     high: float = 1.0,
@@ -115,6 +130,11 @@ def sample_sigmas(
     """
     if not 0.0 <= low < high <= 1.0:
         raise ValueError(f"need 0 <= low < high <= 1, got low={low}, high={high}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        if len(generator) != n:
+            raise ValueError(f"{len(generator)} generators for {n} noise levels")
+        options = dict(low=low, high=high, logit_mean=logit_mean, logit_std=logit_std)
+        return torch.cat([sample_sigmas(1, scheme, g, **options) for g in generator])
     if scheme == "logit_normal":
         sigma = torch.sigmoid(logit_mean + logit_std * torch.randn(n, generator=generator))
     elif scheme == "uniform":

@@ -35,6 +35,7 @@ class ComponentVariantRegistry:
         self.component = component
         self._base = base
         self._variants: dict[str, nn.Module] = {}
+        self._routes: dict[str, nn.Module] = {}
         self._snapshots: dict[str, dict[str, torch.Tensor]] = {}
 
     # ---------------------------------------------------------------- variants
@@ -49,14 +50,23 @@ class ComponentVariantRegistry:
         return module
 
     def variant(self, name: str) -> nn.Module:
-        """The live module of variant ``name``."""
+        """The module that runs variant ``name``'s forwards: the prepared one (``route``) once the
+        backend prepared it, else the live module itself."""
         if name not in self._variants:
             raise RoleError(f"unknown variant {name!r}; declared: {list(self._variants)}")
-        return self._variants[name]
+        return self._routes.get(name, self._variants[name])
+
+    def route(self, prepared: Mapping[str, nn.Module]) -> None:
+        """After the backend's prepare: forwards of each variant go to its prepared module (a DDP
+        wrapper of the same parameters); state, snapshots and exports keep reading the live module."""
+        unknown = sorted(set(prepared) - set(self._variants))
+        if unknown:
+            raise RoleError(f"prepared modules for undeclared variants {unknown}")
+        self._routes.update(prepared)
 
     @property
     def variants(self) -> dict[str, nn.Module]:
-        """Declared variants in declaration order (the first is the base)."""
+        """Declared variants (the live, unwrapped modules) in declaration order (the first is the base)."""
         return dict(self._variants)
 
     # ---------------------------------------------------------------- snapshots
@@ -64,7 +74,8 @@ class ComponentVariantRegistry:
         """Freeze a copy of variant ``source``'s parameters as snapshot ``name``."""
         if name in self._snapshots or name in self._variants:
             raise RoleError(f"snapshot name {name!r} is already used")
-        module = self.variant(source)
+        self.variant(source)  # an unknown name is a RoleError
+        module = self._variants[source]
         self._snapshots[name] = {key: p.detach().clone() for key, p in module.named_parameters()}
         return self._snapshots[name]
 
@@ -78,7 +89,8 @@ class ComponentVariantRegistry:
     def update_snapshot(self, name: str, source: str, decay: float) -> None:
         """EMA update: s ← decay·s + (1 − decay)·θ_source (``decay = 0`` copies)."""
         snapshot = self.snapshot(name)
-        for key, p in self.variant(source).named_parameters():
+        self.variant(source)  # an unknown name is a RoleError
+        for key, p in self._variants[source].named_parameters():
             snapshot[key].mul_(decay).add_(p.detach(), alpha=1.0 - decay)  # type: ignore[index]
 
     @property
@@ -118,7 +130,7 @@ def role_parameters(
 ) -> dict[str, list[nn.Parameter]]:
     """``{role: trainable parameters of its variant}`` for ``role_variants`` = ``{role: variant}``."""
     return {
-        role: [p for p in registry.variant(variant).parameters() if p.requires_grad]
+        role: [p for p in registry.variants[variant].parameters() if p.requires_grad]
         for role, variant in role_variants.items()
     }
 

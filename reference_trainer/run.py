@@ -4,7 +4,9 @@
 1. resolve the trainer and its TrainingArguments from the registries and check that their
    ``ExecutionContract`` values are equal — before any model loads;
 2. check the ``optimizers:`` roles against the trainer's roles, and that no ``data.*`` field of the
-   other acquisition is set (``config.misplaced_data_fields``);
+   other acquisition is set (``config.misplaced_data_fields``); the backend plan rules
+   (``distributed.check_plan``: ZeRO-3, FSDP1, Muon), then apply the backend (``build_backend``: the
+   process group of a ``ddp`` launch) — before any file of the model is opened;
 3. the adapter's fixture directory and the machine limits (``resources``: threads within the cores,
    one rollout within half the memory); pin threads and determinism, seed the global RNGs;
 4. acquisition inputs: prompts (generation), or the dataset plus the accumulation-window check
@@ -13,7 +15,8 @@
    hashes of the input files, ``input_digest``); on resume, validate the checkpoint (content hashes
    and layout; ``--resume latest`` falls back past damaged ones, ``checkpoint.resolve_resume``),
    compare the identities and check the JSONL logs (``jsonl.read_jsonl``) — before loading;
-6. load the adapter's pipeline from its fixture, build the trainer (roles, optimizer);
+6. load the adapter's pipeline from its fixture, build the trainer (roles, optimizer) and prepare
+   its variants with the optimizer on the backend (``BaseTrainer.prepare_backend``);
 7. on resume, check the full identity (incl. parameter / optimizer layout) and restore the state.
 """
 
@@ -37,9 +40,9 @@ from reference_trainer.data import (
     dataset_files,
     default_prompts,
     default_prompts_file,
-    distributed_rank_and_size,
     load_records,
 )
+from reference_trainer.distributed import build_backend, check_plan
 from reference_trainer.errors import ConfigError
 from reference_trainer.jsonl import read_jsonl
 from reference_trainer.registry import resolve_adapter, resolve_trainer
@@ -75,6 +78,8 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
                 f"{entry.role!r} is not a role of {config.trainer!r}; roles: {list(trainer_cls.roles)}",
             )
     check_data_fields(config, trainer_cls)
+    check_plan(config, trainer_cls.roles)
+    backend = build_backend(config)
     # 3. fixture, machine limits, runtime
     adapter = resolve_adapter(config.model.adapter)(config.model.fixture_dir)
     adapter.check_fixture()
@@ -85,7 +90,7 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
         len(config.eval.prompts or default_prompts()),
     )
     apply_runtime(config)
-    rank, world_size = distributed_rank_and_size()
+    rank, world_size = backend.rank, backend.world_size
     # 4. acquisition inputs
     prompts, dataset, heldout = _acquisition_inputs(config, trainer_cls, rank, world_size)
     # 5. resume pre-check on the config part of the identity
@@ -98,6 +103,13 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
     checkpoint = ckpt.resolve_resume(resume, output_dir) if resume else None
     if checkpoint is not None:
         stored = ckpt.read_trainer_state(checkpoint)["identity"]
+        if stored.get("world_size") != world_size:
+            raise ckpt.CheckpointError(
+                f"refusing to resume from {checkpoint}: it was written by a run of world size "
+                f"{stored.get('world_size')}, this launch has world size {world_size}; resume with "
+                f"torchrun --nproc-per-node {stored.get('world_size')} (a world-size change moves every "
+                "sample to another rank)"
+            )
         stored_config = {key: value for key, value in stored.items() if key != "schema"}
         ckpt.require_same_identity(checkpoint, stored_config, identity)
         for name in (METRICS_FILE, EVAL_FILE):
@@ -105,8 +117,16 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
     # 6. models, roles, optimizer
     load_pipeline(adapter)
     trainer = trainer_cls(
-        config, adapter, output_dir, prompts=prompts, dataset=dataset, heldout=heldout, identity=identity
+        config,
+        adapter,
+        output_dir,
+        prompts=prompts,
+        dataset=dataset,
+        heldout=heldout,
+        identity=identity,
+        backend=backend,
     )
+    trainer.prepare_backend()
     # 7. full identity check, then state
     if checkpoint is not None:
         trainer.resume(checkpoint)

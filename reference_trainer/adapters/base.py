@@ -123,6 +123,16 @@ class BaseAdapter(ABC):
         """
         self._components[name] = component
 
+    def route_component(self, name: str, prepared: nn.Module) -> None:
+        """After the backend's prepare: ``get_component(name)`` returns the prepared module (a wrapper
+        of the declared one), so every adapter forward runs through it; a functional call with snapshot
+        parameters unwraps it (``call_module``)."""
+        if self.get_component(name) is not native_module(prepared):
+            raise ComponentError(
+                f"{type(self).__name__}: the prepared module does not wrap component {name!r}"
+            )
+        self._components[name] = prepared
+
     def has_component(self, name: str) -> bool:
         """True when ``name`` is declared and present (not ``None``).
 
@@ -201,7 +211,7 @@ class BaseAdapter(ABC):
         *,
         num_steps: int,
         noise_level: float,
-        generator: torch.Generator,
+        generator: torch.Generator | Sequence[torch.Generator],
         module: nn.Module | None = None,
         parameters: Mapping[str, torch.Tensor] | None = None,
     ) -> Trajectory:
@@ -214,7 +224,8 @@ class BaseAdapter(ABC):
             condition: one row per trajectory.
             num_steps: T denoising steps.
             noise_level: the SDE's a (0: the ODE).
-            generator: the RNG of the initial noise and the SDE noise.
+            generator: the RNG of the initial noise and the SDE noise: one for the batch, or one per
+                condition row (``adapters.sampling.sample_trajectory``).
             module: the variant that predicts the velocity (default: the trainable one).
             parameters: a snapshot used functionally instead of ``module``'s weights.
 
@@ -348,4 +359,10 @@ def call_module(
     """
     if parameters is None:
         return module(*args, **kwargs)
-    return torch.func.functional_call(module, dict(parameters), args, kwargs, strict=False)
+    # snapshot parameters are named as in the unwrapped module, and need no gradient synchronisation
+    return torch.func.functional_call(native_module(module), dict(parameters), args, kwargs, strict=False)
+
+
+def native_module(module: nn.Module) -> nn.Module:
+    """The module a prepared wrapper (DDP) wraps; ``module`` itself when it is not wrapped."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module

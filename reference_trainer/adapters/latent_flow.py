@@ -116,7 +116,7 @@ class LatentFlowAdapter(BaseAdapter):
         *,
         num_steps: int,
         noise_level: float,
-        generator: torch.Generator,
+        generator: torch.Generator | Sequence[torch.Generator],
         module: nn.Module | None = None,
         parameters: Mapping[str, torch.Tensor] | None = None,
     ) -> Trajectory:

@@ -5,16 +5,19 @@ start from x_{σ_0 = 1} ~ N(0, I) and, for j = 0..T−1, predict v_θ(x_j, σ_j)
 (``reference_trainer.sde.flow_sde_step``) to σ_{j+1}, recording the per-step log-prob; with
 ``noise_level == 0`` take deterministic Euler (ODE) steps and record no log-probs. All randomness comes
 from the one ``generator`` passed in, in a fixed order (initial noise, then one draw per step), so a
-trajectory is a pure function of (weights, condition, schedule, generator seed).
+trajectory is a pure function of (weights, condition, schedule, generator seed). With one generator
+per sample (a sequence), sample i's initial noise and step noise come from generator i alone: its
+trajectory does not depend on which other samples share its batch or rank (README "Several processes").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from reference_trainer.adapters.base import Trajectory
+from reference_trainer.flow_matching import randn_rows
 from reference_trainer.sde import flow_ode_step, flow_sde_step
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -28,14 +31,20 @@ def sample_trajectory(
     latent_shape: tuple[int, int, int],
     sigmas: torch.Tensor,
     noise_level: float,
-    generator: torch.Generator,
+    generator: torch.Generator | Sequence[torch.Generator],
 ) -> Trajectory:
     """Integrate from noise to data along ``sigmas`` [T + 1] (1 -> 0).
 
     ``velocity(x [B, C, H, W], sigma [B]) -> v [B, C, H, W]``. Returns latents [B, T + 1, C, H, W]
     and, for the SDE, log-probs [B, T] (fp32).
     """
-    x = torch.randn((batch_size, *latent_shape), generator=generator, dtype=torch.float32)
+    shape = (batch_size, *latent_shape)
+    per_sample = not isinstance(generator, torch.Generator)
+    x = (
+        randn_rows(shape, generator)
+        if per_sample
+        else torch.randn(shape, generator=generator, dtype=torch.float32)
+    )
     latents, log_probs, velocities = [x], [], []
     sigma_max = float(sigmas[1]) if len(sigmas) > 2 else None  # flow_grpo's stand-in for 1 − σ at σ = 1
     for j in range(len(sigmas) - 1):
@@ -44,9 +53,8 @@ def sample_trajectory(
         v = velocity(x, sigma)
         velocities.append(v.float())
         if noise_level > 0:
-            step = flow_sde_step(
-                v, x, sigma, sigma_next, noise_level, sigma_max=sigma_max, generator=generator
-            )
+            draw = dict(noise=randn_rows(shape, generator)) if per_sample else dict(generator=generator)
+            step = flow_sde_step(v, x, sigma, sigma_next, noise_level, sigma_max=sigma_max, **draw)
             x = step.prev_sample
             log_probs.append(step.log_prob)
         else:

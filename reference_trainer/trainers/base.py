@@ -73,6 +73,7 @@ from reference_trainer.adapters.base import BaseAdapter
 from reference_trainer.config import DatasetTrainingArguments, RunConfig
 from reference_trainer.contracts import ExecutionContract
 from reference_trainer.data import ConditionCache, DatasetAcquisition, PromptSource
+from reference_trainer.distributed import Backend
 from reference_trainer.jsonl import truncate_jsonl
 from reference_trainer.optim import RoleOptimizer, StepResult, build_optimizer
 from reference_trainer.roles import ComponentVariantRegistry, check_ownership, role_parameters
@@ -104,8 +105,11 @@ class BaseTrainer(ABC):
         dataset: DatasetAcquisition | None = None,
         heldout: list[dict[str, Any]] | None = None,
         identity: Mapping[str, Any] | None = None,
+        backend: Backend | None = None,
     ):
         self._validate_subclass(config.train)
+        self.backend = backend if backend is not None else Backend()
+        """Ranks and collectives (``reference_trainer.distributed``); every rank runs the same loop."""
         self.config, self.args = config, config.train
         self.adapter = adapter
         self.output_dir = Path(output_dir)
@@ -259,7 +263,24 @@ class BaseTrainer(ABC):
         if missing:
             raise TypeError(f"{cls.__name__} ({cls.execution_contract.describe()}) must implement {missing}")
 
+    def prepare_backend(self) -> None:
+        """Prepare every trainable variant with the one optimizer root (``Backend.prepare``) and route
+        forwards to the prepared modules: ``variants.variant(name)`` and the adapter's
+        ``get_component(trainable_component)`` return them from now on (the base variant is the
+        adapter's component). Called once, by ``run.build_trainer``, before any resume."""
+        prepared = self.backend.prepare(self.variants.variants, self.optim.optimizer)
+        self.variants.route(prepared)
+        base = next(iter(self.variants.variants))
+        self.adapter.route_component(self.adapter.trainable_component, prepared[base])
+
     # ---------------------------------------------------------------- helpers for subclasses
+    def sample_generators(self, *keys: int | str, count: int) -> list[torch.Generator]:
+        """One generator per sample of this rank's ``count`` samples, seeded by ``(seed, *keys, global
+        sample index)``: rank r holds global samples ``r·count .. (r + 1)·count − 1``, so every sample's
+        draws are the same whatever the rank layout (README "Several processes")."""
+        first = self.backend.rank * count
+        return [self.generator(*keys, first + i) for i in range(count)]
+
     def generator(self, *keys: int | str) -> torch.Generator:
         """A CPU generator seeded by ``(seed, *keys)``: randomness as a pure function of the counters.
 
@@ -310,7 +331,7 @@ class BaseTrainer(ABC):
     def start(self) -> None:
         """Run until ``max_steps`` (or the epoch budget, or SIGINT/SIGTERM); always checkpoint at the end."""
         self._write_run_json()
-        handle = ffdebug.install(self.adapter.trainable_module())
+        handle = ffdebug.install(self.variants.variants[next(iter(self.variants.variants))])
         try:
             with self._signals(), self._progress_bar():
                 if self._last_eval_step < 0:  # a fresh run: evaluate the initial weights
@@ -334,7 +355,8 @@ class BaseTrainer(ABC):
         )
 
     def _should_stop(self) -> bool:
-        if self._stop_signal is not None or self.optimizer_step >= self.config.max_steps:
+        # a signal may reach the ranks at different moments: all of them stop at the same boundary
+        if self.backend.any(self._stop_signal is not None) or self.optimizer_step >= self.config.max_steps:
             return True
         if self.execution_contract.acquisition == "dataset":
             return self.data_epoch >= self.args.max_epochs  # type: ignore[attr-defined]
@@ -423,15 +445,31 @@ class BaseTrainer(ABC):
             "data_epoch": self.data_epoch,
             **{f"eval.{key}": value for key, value in metrics.items()},
         }
-        with open(self.output_dir / EVAL_FILE, "a") as stream:
-            stream.write(json.dumps(record) + "\n")
+        if self.backend.is_main:  # every rank evaluated the same weights on the same inputs
+            with open(self.output_dir / EVAL_FILE, "a") as stream:
+                stream.write(json.dumps(record) + "\n")
         self._last_eval_step = self.optimizer_step
 
     # ---------------------------------------------------------------- metrics
     def _record_step(self, result: StepResult) -> None:
-        """Called by ``RoleOptimizer`` after each optimizer step: count it and log one record."""
+        """Called by ``RoleOptimizer`` after each optimizer step: count it and log one record.
+
+        Rank 0 writes the record, of global values: the loss and the phase metrics averaged over the
+        ranks (each rank's loss is the mean over its equal share of the step's samples), the gradient
+        norm of the all-reduced gradient (the same on every rank), and the cycle metrics, which the
+        trainers compute over every rank's samples (``feedback.RewardFeedback``)."""
         self.optimizer_step += 1
         self.cycle_step += 1
+        averaged = self.backend.mean({"loss": result.loss, **result.metrics})
+        result = StepResult(
+            role=result.role,
+            loss=averaged.pop("loss"),
+            grad_norm=result.grad_norm,
+            lr=result.lr,
+            metrics={key: averaged[key] for key in result.metrics},
+        )
+        if not self.backend.is_main:
+            return
         record: dict[str, Any] = {
             "optimizer_step": self.optimizer_step,
             "role": result.role,
@@ -455,7 +493,7 @@ class BaseTrainer(ABC):
     @contextmanager
     def _progress_bar(self) -> Iterator[None]:
         console = Console(stderr=True)
-        if not console.is_terminal:
+        if not console.is_terminal or not self.backend.is_main:
             yield
             return
         columns = (TextColumn(f"[bold]{self.registry_name}[/]"), BarColumn(), MofNCompleteColumn())
@@ -474,6 +512,8 @@ class BaseTrainer(ABC):
         import transformers
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if not self.backend.is_main:
+            return
         run = {
             "config": self.config.to_dict(),
             "identity": self.identity,
@@ -484,6 +524,7 @@ class BaseTrainer(ABC):
                 "transformers": transformers.__version__,
             },
             "threads": torch.get_num_threads(),
+            "backend": {"kind": self.backend.kind, "world_size": self.backend.world_size},
             "deterministic": torch.are_deterministic_algorithms_enabled(),
             "argv": sys.argv,
             "resumed_at_step": self.optimizer_step,
@@ -546,15 +587,21 @@ class BaseTrainer(ABC):
                 f"({self.cycle_step} of its steps done) but the cycle's start weights were not kept; a cycle "
                 "that can be cut must run its steps through cycle_steps()"
             )
-        path = ckpt.save_checkpoint(
-            self.output_dir,
-            trainer_state=self.trainer_state(),
-            variants=self.variants.variants,
-            variant_tensors=self.variants.state_tensors(),
-            optimizer_state=self.optim.optimizer.state_dict(),
-            cycle_start=self._cycle_start if self.cycle_step else None,
-            keep_last=self.config.checkpoint.keep_last,
-        )
+        # rank 0 publishes (the weights and optimizer state are the same on every rank); the others
+        # wait, so that no rank runs ahead of a checkpoint or touches its temp directory
+        self.backend.barrier()
+        path = ckpt.checkpoint_path(self.output_dir, self.optimizer_step)
+        if self.backend.is_main:
+            path = ckpt.save_checkpoint(
+                self.output_dir,
+                trainer_state=self.trainer_state(),
+                variants=self.variants.variants,
+                variant_tensors=self.variants.state_tensors(),
+                optimizer_state=self.optim.optimizer.state_dict(),
+                cycle_start=self._cycle_start if self.cycle_step else None,
+                keep_last=self.config.checkpoint.keep_last,
+            )
+        self.backend.barrier()
         self._last_saved_step = self.optimizer_step
         return path
 
@@ -582,8 +629,10 @@ class BaseTrainer(ABC):
         self._last_eval_step = self.optimizer_step  # evaluated when the checkpointed run ended
         # records past the resumed step were written after the checkpoint (a killed run, or a newer
         # checkpoint that --resume latest skipped as damaged): the resumed run writes them again
-        for name in (METRICS_FILE, EVAL_FILE):
-            truncate_jsonl(self.output_dir / name, self.optimizer_step)
+        if self.backend.is_main:
+            for name in (METRICS_FILE, EVAL_FILE):
+                truncate_jsonl(self.output_dir / name, self.optimizer_step)
+        self.backend.barrier()
 
 
 def config_identity(
@@ -617,6 +666,7 @@ def config_identity(
             "num_threads": torch.get_num_threads(),
         },
         "world_size": world_size,
+        "backend": asdict(config.backend),
         "fixtures": dict(fixture_digest),
         "inputs": {kind: dict(files) for kind, files in inputs.items()},
         "versions": {

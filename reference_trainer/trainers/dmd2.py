@@ -24,8 +24,9 @@ One rollout iteration (``sample`` then ``optimize``); every optimizer step is on
    guided, DMD2 asserts ``fake_guidance_scale == 1``), both without gradient;
    L_DM = ½·mean (x − sg(x − g)),  g = (x̂_0^fake − x̂_0^real)/mean|x − x̂_0^real|.
 
-All randomness comes from ``self.generator("dmd2", rollout_iteration, phase, ...)``: a resumed run is
-bit-identical to the uninterrupted one. ``evaluate`` measures the distillation itself: the distance
+All randomness comes from ``self.sample_generators("dmd2", rollout_iteration, phase, ...)``, one generator
+per sample (by its global index): a resumed run is bit-identical to the uninterrupted one, and the draws
+do not depend on the rank layout. ``evaluate`` measures the distillation itself: the distance
 between the one-step generator's samples and the teacher's multi-step samples (MMD², per-noise MSE).
 """
 
@@ -42,7 +43,7 @@ from reference_trainer.adapters.base import Condition
 from reference_trainer.config import RolloutSize, TrainingArguments
 from reference_trainer.contracts import GENERATION_NO_FEEDBACK, ExecutionContract
 from reference_trainer.errors import require
-from reference_trainer.flow_matching import interpolate, predicted_x0, sample_sigmas
+from reference_trainer.flow_matching import Generators, interpolate, predicted_x0, randn_rows, sample_sigmas
 from reference_trainer.losses.dmd2 import dmd_generator_loss, fake_score_loss
 from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.base import BaseTrainer
@@ -140,8 +141,10 @@ class DMD2Trainer(BaseTrainer):
             prompts = self.prompts.draw(
                 self.rollout_iteration * len(roles) + index, args.prompts_per_iteration
             )
-            generator = self.generator("dmd2", self.rollout_iteration, index, "z")
-            z = torch.randn((len(prompts), *self.adapter.latent_shape), generator=generator)
+            generators = self.sample_generators(
+                "dmd2", self.rollout_iteration, index, "z", count=len(prompts)
+            )
+            z = randn_rows((len(prompts), *self.adapter.latent_shape), generators)
             phases.append(DMD2Phase(role, self.conditions.get(prompts), z))
         return phases
 
@@ -166,7 +169,9 @@ class DMD2Trainer(BaseTrainer):
             phases: what ``sample`` returned.
         """
         for index, phase in self.cycle_steps(list(enumerate(phases))):
-            generator = self.generator("dmd2", self.rollout_iteration, index, "noise")
+            generator = self.sample_generators(
+                "dmd2", self.rollout_iteration, index, "noise", count=len(phase.z)
+            )
             with ffdebug.step(**self.step_tags(phase.role)), self.optim.phase(phase.role) as step:
                 if phase.role == "fake":
                     loss, metrics = self.fake_loss(phase, generator)
@@ -176,7 +181,7 @@ class DMD2Trainer(BaseTrainer):
                 step.backward(loss, metrics)
 
     def noised(
-        self, x: torch.Tensor, generator: torch.Generator
+        self, x: torch.Tensor, generator: Generators
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(σ [P], ε [P, ...], x_σ) with σ ~ U(σ_min, σ_max); x_σ is built from the detached x.
 
@@ -189,17 +194,15 @@ class DMD2Trainer(BaseTrainer):
         """
         args: DMD2Arguments = self.args  # type: ignore[assignment]
         sigma = sample_sigmas(x.shape[0], "uniform", generator, low=args.sigma_min, high=args.sigma_max)
-        noise = torch.randn(x.shape, generator=generator)
+        noise = randn_rows(x.shape, generator)
         return sigma, noise, interpolate(x.detach(), noise, sigma)
 
-    def fake_loss(
-        self, phase: DMD2Phase, generator: torch.Generator
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def fake_loss(self, phase: DMD2Phase, generator: Generators) -> tuple[torch.Tensor, dict[str, float]]:
         """L_fake = mean ‖v_fake(x_σ) − (ε − x)‖² on detached generator samples (module doc, step 2).
 
         Args:
             phase: a ``fake`` phase.
-            generator: the RNG of σ and ε.
+            generator: the RNG of σ and ε (one, or one per sample).
 
         Returns:
             The loss and its metrics.
@@ -212,7 +215,7 @@ class DMD2Trainer(BaseTrainer):
         return fake_score_loss(v_fake, noise, x)
 
     def generator_loss(
-        self, phase: DMD2Phase, generator: torch.Generator
+        self, phase: DMD2Phase, generator: Generators
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L_DM (module doc, step 3): teacher and fake score predictions under ``no_grad``.
 

@@ -11,7 +11,8 @@ One rollout iteration (``sample`` then ``optimize``):
 2. roll out with the Flow-SDE from the current policy (no grad), keeping every latent x_0..x_T and the
    per-step log-probs log p_old(x_{j+1} | x_j) [B, T];
 3. decode x_T, compute the rewards, and the group-normalised advantages A [B] (``feedback.RewardFeedback``);
-4. shuffle the samples and split them into ``gradient_steps_per_iteration`` minibatches; each is one
+4. gather every rank's samples, shuffle the global batch and split it into
+   ``gradient_steps_per_iteration`` minibatches, each rank training on its equal share; each is one
    optimizer step of the ``policy`` role, accumulating over microbatches and over the trained steps
    j < ⌊timestep_fraction·T⌋ (``trained_steps``): recompute log p_θ(x_{j+1} | x_j) with gradients and minimise
    L = mean max(−Â·r, −Â·clip(r, 1 ± ε)) + β·KL(p_θ ‖ p_ref) (``losses.grpo.grpo_loss``).
@@ -31,6 +32,7 @@ import ffdebug
 from reference_trainer.adapters.base import Condition, Trajectory
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.data import repeat_groups
+from reference_trainer.distributed import Backend
 from reference_trainer.errors import require
 from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
 from reference_trainer.losses import grpo as grpo_losses
@@ -129,6 +131,27 @@ class GRPOSamples:
     advantages: torch.Tensor  # [B] fp32
 
 
+def gather_samples(samples: GRPOSamples, backend: Backend) -> GRPOSamples:
+    """Every rank's samples, in rank order (= global sample order): each rank then trains on its share
+    of every global minibatch of the iteration's one shuffle, whatever the rank layout."""
+    if backend.world_size == 1:
+        return samples
+    rows, trajectory = backend.gather_rows, samples.trajectory
+    velocities = trajectory.velocities
+    return GRPOSamples(
+        backend.gather_objects(samples.prompts),
+        rows(samples.group_ids),
+        Condition(rows(samples.condition.prompt_embeds), rows(samples.condition.pooled)),
+        Trajectory(
+            rows(trajectory.latents),
+            rows(trajectory.log_probs) if trajectory.log_probs is not None else None,
+            trajectory.sigmas,
+            rows(velocities) if velocities is not None else None,
+        ),
+        rows(samples.advantages),
+    )
+
+
 @register_trainer("grpo", arguments=GRPOArguments)
 class GRPOTrainer(BaseTrainer):
     """Flow-GRPO (module docstring)."""
@@ -161,14 +184,16 @@ class GRPOTrainer(BaseTrainer):
         args = self.args
         # 1. P prompts, each repeated K times in contiguous groups
         prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
-        repeated, group_ids = repeat_groups(prompts, args.group_size)
+        first_group = self.backend.rank * args.prompts_per_iteration  # global group ids
+        repeated, group_ids = repeat_groups(prompts, args.group_size, first_group)
         condition = self.conditions.get(repeated)
-        # 2. Flow-SDE rollout from the current policy (no grad), log-probs in fp32
+        # 2. Flow-SDE rollout from the current policy (no grad), log-probs in fp32; each sample's noise
+        # from its own generator (seed, rollout_iteration, global sample index)
         trajectory = self.adapter.inference(
             condition,
             num_steps=args.num_inference_steps,
             noise_level=args.noise_level,
-            generator=self.generator("rollout", self.rollout_iteration),
+            generator=self.sample_generators("rollout", self.rollout_iteration, count=len(repeated)),
             module=self.variants.variant("policy"),
         )
         ffdebug.tap("rollout.latents", trajectory.latents)
@@ -176,7 +201,9 @@ class GRPOTrainer(BaseTrainer):
         # 3. rewards on the decoded images, then group-relative advantages
         images = self.adapter.decode_latents(trajectory.final)
         advantages, self.cycle_metrics = self.feedback(images, repeated, group_ids)
-        return GRPOSamples(repeated, group_ids, condition, trajectory, advantages)
+        return gather_samples(
+            GRPOSamples(repeated, group_ids, condition, trajectory, advantages), self.backend
+        )
 
     # ---------------------------------------------------------------- optimisation
     def optimize(self, samples: GRPOSamples) -> None:
@@ -190,6 +217,7 @@ class GRPOTrainer(BaseTrainer):
         steps = trained_steps(args.timestep_fraction, args.num_inference_steps)
         order = torch.randperm(batch, generator=self.generator("shuffle", self.rollout_iteration))
         for minibatch in self.cycle_steps(order.chunk(args.gradient_steps_per_iteration)):
+            minibatch = self.backend.local_part(minibatch)  # this rank's share of the global minibatch
             micro_size = args.microbatch_size or len(minibatch)
             microbatches = minibatch.split(micro_size)
             terms = len(microbatches) * steps

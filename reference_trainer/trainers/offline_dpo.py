@@ -41,7 +41,7 @@ from reference_trainer.adapters.sampling import VelocityFn
 from reference_trainer.config import DatasetTrainingArguments
 from reference_trainer.contracts import DATASET, ExecutionContract
 from reference_trainer.errors import require
-from reference_trainer.flow_matching import check_sigma_sampling, sample_sigmas
+from reference_trainer.flow_matching import Generators, check_sigma_sampling, randn_rows, sample_sigmas
 from reference_trainer.losses.dpo import diffusion_dpo_loss, pair_errors
 from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.base import BaseTrainer
@@ -118,7 +118,7 @@ class OfflineDPOTrainer(BaseTrainer):
         return policy_velocity, reference_velocity
 
     def optimize_batch(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        """The DPO loss of one microbatch, σ and ε from the (epoch, batch) generator.
+        """The DPO loss of one microbatch, σ and ε from one generator per record (epoch, dataset index).
 
         Args:
             batch: one microbatch of pairs.
@@ -126,7 +126,9 @@ class OfflineDPOTrainer(BaseTrainer):
         Returns:
             The loss and its metrics.
         """
-        return self.batch_loss(batch, self.generator("offline_dpo", self.data_epoch, self.batches_in_epoch))
+        # one generator per record, seeded by its dataset index: the draws do not depend on the rank
+        generators = [self.generator("offline_dpo", self.data_epoch, index) for index in batch["indices"]]
+        return self.batch_loss(batch, generators)
 
     def evaluate(self) -> dict[str, float]:
         """The evaluation rewards of ODE samples, and the DPO loss, implicit-reward accuracy and margin on
@@ -141,7 +143,7 @@ class OfflineDPOTrainer(BaseTrainer):
         return metrics
 
     def batch_loss(
-        self, batch: Mapping[str, Any], generator: torch.Generator
+        self, batch: Mapping[str, Any], generator: Generators
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Steps 1-4 of the module docstring, σ and ε drawn from ``generator``.
 
@@ -166,7 +168,7 @@ class OfflineDPOTrainer(BaseTrainer):
             sigma = sample_sigmas(
                 x0_w.shape[0], args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
             )
-            noise = torch.randn(x0_w.shape, generator=generator)
+            noise = randn_rows(x0_w.shape, generator)
             errors = pair_errors(x0_w, x0_l, sigma, noise, *self.velocity_fns(condition))
             loss_k, metrics_k = diffusion_dpo_loss(*errors, beta=args.beta)
             losses.append(loss_k)

@@ -33,7 +33,7 @@ from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.data import repeat_groups
 from reference_trainer.errors import require
 from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
-from reference_trainer.flow_matching import check_sigma_sampling, sample_sigmas
+from reference_trainer.flow_matching import check_sigma_sampling, randn_rows, sample_sigmas
 from reference_trainer.losses.dpo import diffusion_dpo_loss, pair_errors
 from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.base import BaseTrainer
@@ -137,13 +137,14 @@ class OnlineDPOTrainer(BaseTrainer):
         """
         args: OnlineDPOArguments = self.args  # type: ignore[assignment]
         prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
-        repeated, group_ids = repeat_groups(prompts, args.group_size)
+        first_group = self.backend.rank * args.prompts_per_iteration  # global group ids
+        repeated, group_ids = repeat_groups(prompts, args.group_size, first_group)
         condition = self.conditions.get(repeated)
         trajectory = self.adapter.inference(
             condition,
             num_steps=args.num_inference_steps,
             noise_level=args.noise_level,
-            generator=self.generator("rollout", self.rollout_iteration),
+            generator=self.sample_generators("rollout", self.rollout_iteration, count=len(repeated)),
             module=self.variants.variant("policy"),
         )
         x0 = trajectory.final
@@ -163,19 +164,29 @@ class OnlineDPOTrainer(BaseTrainer):
         """
         args: OnlineDPOArguments = self.args  # type: ignore[assignment]
         chosen, rejected = best_worst_pairs(samples.advantages, samples.group_ids)
-        self.cycle_metrics["pairs"] = float(len(chosen))
-        if len(chosen) == 0:  # every group tied: no preference, no optimizer step this iteration
+        # groups never span ranks, so pairs are formed locally; the loss is the mean over every rank's
+        # pairs: this rank's mean weighted by its share (DDP averages the ranks' gradients)
+        pairs, world = self.backend.sum(len(chosen)), self.backend.world_size
+        self.cycle_metrics["pairs"] = float(pairs)
+        if pairs == 0:  # every group tied on every rank: no preference, no optimizer step this iteration
             return
+        weight = len(chosen) * world / pairs
+        if len(chosen) == 0:  # a rank without pairs still joins the step's gradient reduction, weight 0
+            chosen = rejected = torch.zeros(1, dtype=torch.long)
         x0_w, x0_l = samples.x0[chosen], samples.x0[rejected]
         condition = samples.condition.select(chosen)  # chosen and rejected share the group's prompt
         condition2 = Condition.cat([condition, condition])
         policy, reference = self.variants.variant("policy"), self.variants.snapshot("reference")
         for s in self.cycle_steps(range(args.gradient_steps_per_iteration)):
-            generator = self.generator("online_dpo", self.rollout_iteration, s)
+            # one generator per pair, seeded by its global group id: the draws do not depend on the rank
+            generator = [
+                self.generator("online_dpo", self.rollout_iteration, s, int(g))
+                for g in samples.group_ids[chosen]
+            ]
             sigma = sample_sigmas(
                 len(chosen), args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
             )
-            noise = torch.randn(x0_w.shape, generator=generator)  # ε shared by both arms of a pair
+            noise = randn_rows(x0_w.shape, generator)  # ε shared by both arms of a pair
             with ffdebug.step(**self.step_tags("train")), self.optim.phase("policy") as phase:
                 errors = pair_errors(
                     x0_w,
@@ -188,4 +199,4 @@ class OnlineDPOTrainer(BaseTrainer):
                 ffdebug.tap("train.dpo_errors", torch.stack(errors))
                 loss, metrics = diffusion_dpo_loss(*errors, beta=args.beta)
                 metrics.pop("loss")
-                phase.backward(loss, metrics)
+                phase.backward(loss * weight, metrics)

@@ -14,8 +14,8 @@ One microbatch (``optimize_batch``), notation as in the paper:
    x_σ = (1 − σ)x_0 + σε, v_θ = transformer(x_σ, σ, c), L_k = mean ‖v_θ − (ε − x_0)‖²;
 4. L = mean_k L_k; the base back-propagates L / gradient_accumulation_steps in the ``policy`` phase.
 
-All randomness comes from ``self.generator("sft", data_epoch, batch index)``, so a resumed run draws
-the same σ and ε as the uninterrupted one. ``evaluate`` adds ``heldout.loss``, the same loss on the
+All randomness comes from ``self.generator("sft", data_epoch, record index)``, one generator per record,
+so a resumed run draws the same σ and ε as the uninterrupted one, whatever rank holds the record. ``evaluate`` adds ``heldout.loss``, the same loss on the
 held-out demonstrations with the fixed evaluation draws.
 """
 
@@ -32,7 +32,13 @@ from reference_trainer import evaluation
 from reference_trainer.config import DatasetTrainingArguments
 from reference_trainer.contracts import DATASET, ExecutionContract
 from reference_trainer.errors import require
-from reference_trainer.flow_matching import check_sigma_sampling, interpolate, sample_sigmas
+from reference_trainer.flow_matching import (
+    Generators,
+    check_sigma_sampling,
+    interpolate,
+    randn_rows,
+    sample_sigmas,
+)
 from reference_trainer.losses.sft import flow_matching_loss
 from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.base import BaseTrainer
@@ -72,7 +78,7 @@ class SFTTrainer(BaseTrainer):
     supervision: ClassVar[str | None] = "demonstration"
 
     def optimize_batch(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        """The flow-matching loss of one microbatch, σ and ε from the (epoch, batch) generator.
+        """The flow-matching loss of one microbatch, σ and ε from one generator per record (epoch, dataset index).
 
         Args:
             batch: one microbatch of demonstrations.
@@ -80,7 +86,9 @@ class SFTTrainer(BaseTrainer):
         Returns:
             The loss and its metrics.
         """
-        return self.batch_loss(batch, self.generator("sft", self.data_epoch, self.batches_in_epoch))
+        # one generator per record, seeded by its dataset index: the draws do not depend on the rank
+        generators = [self.generator("sft", self.data_epoch, index) for index in batch["indices"]]
+        return self.batch_loss(batch, generators)
 
     def evaluate(self) -> dict[str, float]:
         """The evaluation rewards of ODE samples, and the velocity MSE on the held-out demonstrations.
@@ -94,7 +102,7 @@ class SFTTrainer(BaseTrainer):
         return metrics
 
     def batch_loss(
-        self, batch: Mapping[str, Any], generator: torch.Generator
+        self, batch: Mapping[str, Any], generator: Generators
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Steps 1-4 of the module docstring, σ and ε drawn from ``generator``.
 
@@ -116,7 +124,7 @@ class SFTTrainer(BaseTrainer):
             sigma = sample_sigmas(
                 x0.shape[0], args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
             )  # [B]
-            noise = torch.randn(x0.shape, generator=generator)  # ε, [B, C, H, W]
+            noise = randn_rows(x0.shape, generator)  # ε, [B, C, H, W]
             x_t = interpolate(x0, noise, sigma)
             v_pred = self.adapter.forward(x_t, sigma, condition)
             ffdebug.tap("train.sigma", sigma, timestep_draw=k)
