@@ -278,7 +278,7 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
         missing.append(
             f"{len(cov.calls_only_target)} target call(s) have no reference counterpart: {_calls(cov.calls_only_target)}"
         )
-    if _needs_final(ref, target, inp) and not any(k.kind.startswith("final.") for k in cov.kinds):
+    if _needs_final(ref, target, inp) and not any(is_final_output(k.kind) for k in cov.kinds):
         missing.append(
             "final outputs (final.logits / final.out) were dumped by neither side: the model's output "
             "was never compared"

@@ -136,6 +136,29 @@ class StageResult:
         return out
 
 
+class CoveredVerdict:
+    """What compare, bisect and slot-invariance results share: `failed()` (defined by each), the
+    coverage and the exit code. Truthy when the exit code is 0."""
+
+    coverage: Coverage
+    allow_partial: bool
+
+    def failed(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def complete(self) -> bool:
+        return self.coverage.complete
+
+    def exit_code(self) -> int:
+        """1 failed (at or above fail-on); else 4 when something was left out (0 with
+        `allow_partial`); else 0."""
+        return exit_code(self.failed(), self.coverage, self.allow_partial)
+
+    def __bool__(self) -> bool:
+        return self.exit_code() == 0
+
+
 @dataclass(frozen=True)
 class CallRef:
     """A paired call: its index within the step tags, and the tags."""
@@ -148,7 +171,7 @@ class CallRef:
 
 
 @dataclass
-class CompareResult:
+class CompareResult(CoveredVerdict):
     """Per-stage comparison of two sides. Truthy when no stage is at or above `fail_on`."""
 
     verdict: Severity
@@ -169,14 +192,6 @@ class CompareResult:
     allow_partial: bool = False
 
     @property
-    def complete(self) -> bool:
-        return self.coverage.complete
-
-    def exit_code(self) -> int:
-        """1 at or above fail-on; else 4 when something was left out (unless allowed); else 0."""
-        return exit_code(self.failed(), self.coverage, self.allow_partial)
-
-    @property
     def first_divergence(self) -> StageResult | None:
         return next((s for s in self.stages if not s.ok), None)
 
@@ -191,9 +206,6 @@ class CompareResult:
 
     def failed(self, fail_on: Severity | str | None = None) -> bool:
         return self.first_at_or_above(fail_on or self.fail_on) is not None
-
-    def __bool__(self) -> bool:
-        return self.exit_code() == 0
 
     def to_json(self) -> dict:
         first, first_ni = self.first_divergence, self.first_non_invariant
@@ -289,7 +301,7 @@ SUB_STAGE_FIELDS = ("stage", "key", "severity", "cos", "rel")
 
 
 @dataclass
-class BisectResult:
+class BisectResult(CoveredVerdict):
     """Where the target first parts from the reference. Truthy when the judgement is below
     `fail_on`. `verdict` is the worst band; `judgement` is the verdict raised to bug by a signal."""
 
@@ -317,19 +329,8 @@ class BisectResult:
     coverage: Coverage = field(default_factory=Coverage)
     allow_partial: bool = False
 
-    @property
-    def complete(self) -> bool:
-        return self.coverage.complete
-
-    def exit_code(self) -> int:
-        """1 when the judgement is at or above fail-on; else 4 when incomplete; else 0."""
-        return exit_code(self.failed(), self.coverage, self.allow_partial)
-
     def failed(self, fail_on: Severity | str | None = None) -> bool:
         return at_least(self.judgement, fail_on or self.fail_on)
-
-    def __bool__(self) -> bool:
-        return self.exit_code() == 0
 
     def to_json(self) -> dict:
         sub = None
@@ -441,7 +442,7 @@ class SlotFinding:
 
 
 @dataclass
-class InvarianceResult:
+class InvarianceResult(CoveredVerdict):
     """Every slot of a batched run against slot 0. Truthy when nothing is at or above `fail_on`
     (and, with `exact`, every stage is bit-identical)."""
 
@@ -456,14 +457,6 @@ class InvarianceResult:
     conclusion: str = ""
     coverage: Coverage = field(default_factory=Coverage)
     allow_partial: bool = False
-
-    @property
-    def complete(self) -> bool:
-        return self.coverage.complete
-
-    def exit_code(self) -> int:
-        """1 failed; 4 when stages were left out (unless allowed); else 0."""
-        return exit_code(self.failed(), self.coverage, self.allow_partial)
 
     @property
     def verdict(self) -> Severity:
@@ -490,9 +483,6 @@ class InvarianceResult:
         if self.exact and self.first_non_invariant is not None:
             return True
         return self.verdict.at_least(self.fail_on)
-
-    def __bool__(self) -> bool:
-        return self.exit_code() == 0
 
     def to_json(self) -> dict:
         fni, fsb = self.first_non_invariant, self.first_slot_bug
