@@ -24,10 +24,12 @@ MAX_LINE_BYTES = 1 << 20  # one manifest line
 MAX_JSON_FILE_BYTES = 1 << 20  # run.json, status.json
 MAX_JSON_DEPTH = 64
 
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FLAGS = (
+    os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+)
 
 
-def contained(directory: str, name: str, what: str) -> str:
+def contained(directory: str, name: str, what: str, kind: str = "payload file") -> str:
     """`directory/name` when `name` is a plain file name; else an FFDebugError naming `what`."""
     bad = (
         not name
@@ -40,8 +42,8 @@ def contained(directory: str, name: str, what: str) -> str:
     )
     if bad:
         raise FFDebugError(
-            f"{what}: payload file {name[:80]!r} is not a plain file name inside {directory}; "
-            "a store names its payloads by file name only — the store is damaged or hostile"
+            f"{what}: {kind} {name[:80]!r} is not a plain file name inside {directory}; "
+            "files are named by file name only — the input is damaged or hostile"
         )
     return os.path.join(directory, name)
 
@@ -146,7 +148,9 @@ def loads_bounded(text: str, where: str, what: str):
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError) as err:
         reason = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deep"
-        raise FFDebugError(f"{where}: malformed {what} ({reason}); the store is damaged — re-run the dump") from None
+        raise FFDebugError(
+            f"{where}: malformed {what} ({reason}); the store is damaged — re-run the dump"
+        ) from None
 
 
 def read_json(path: str, what: str, limit: int = MAX_JSON_FILE_BYTES):
@@ -155,5 +159,7 @@ def read_json(path: str, what: str, limit: int = MAX_JSON_FILE_BYTES):
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise FFDebugError(f"{path}: {what} is not UTF-8 text; the store is damaged — re-run the dump") from None
+        raise FFDebugError(
+            f"{path}: {what} is not UTF-8 text; the store is damaged — re-run the dump"
+        ) from None
     return loads_bounded(text, path, what)

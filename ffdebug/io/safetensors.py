@@ -140,5 +140,7 @@ def load_payload(path: str, name: str):
     except Exception as err:  # SafetensorError, ValueError, ...
         raise unreadable(path, err, _STORE_HINT) from None
     if name not in tensors:
-        raise FFDebugError(f"{path}: payload holds no tensor {name[:80]!r}; the store is damaged — re-run the dump")
+        raise FFDebugError(
+            f"{path}: payload holds no tensor {name[:80]!r}; the store is damaged — re-run the dump"
+        )
     return tensors[name]

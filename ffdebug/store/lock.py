@@ -81,7 +81,9 @@ def _read_lock(path: str) -> WriterIdentity | None:
 
     try:
         obj = read_json(path, "writer lock", limit=4096)
-        return WriterIdentity(str(obj["host"]), int(obj["pid"]), obj.get("process_start"), int(obj["claimed_ns"]))
+        return WriterIdentity(
+            str(obj["host"]), int(obj["pid"]), obj.get("process_start"), int(obj["claimed_ns"])
+        )
     except (FFDebugError, KeyError, TypeError, ValueError, AttributeError):
         return None
 

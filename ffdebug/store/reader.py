@@ -63,7 +63,9 @@ def _read_manifest(path: str, rank_dir: str) -> tuple[list[Record], int]:
 
         rec = loads_bounded(line, where, "manifest line")
         if not isinstance(rec, dict):
-            raise FFDebugError(f"{where}: manifest line is not a JSON object; this is not an ffdebug manifest")
+            raise FFDebugError(
+                f"{where}: manifest line is not a JSON object; this is not an ffdebug manifest"
+            )
         records.append(Record.from_manifest(rec, where, payload))
     _check_one_writer(path, records)
     return records, partial

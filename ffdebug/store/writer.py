@@ -91,14 +91,18 @@ class StoreWriter:
         try:
             os.makedirs(self.rank_dir, exist_ok=True)
         except OSError as err:
-            raise FFDebugError(f"{self.rank_dir}: cannot create the rank directory ({err.strerror})") from None
+            raise FFDebugError(
+                f"{self.rank_dir}: cannot create the rank directory ({err.strerror})"
+            ) from None
         self.lock = WriterLock(self.rank_dir, WriterIdentity.current())
         self.lock.claim(overwrite, variable)
         try:
             self._replace_existing(overwrite, variable)
             if self.rank == 0:
                 extra = {"writer": self.writer_id, **(run_extra or {})}
-                atomic_write_json(os.path.join(self.side_dir, "run.json"), run_info(self.side, self.world_size, extra))
+                atomic_write_json(
+                    os.path.join(self.side_dir, "run.json"), run_info(self.side, self.world_size, extra)
+                )
         except BaseException:
             self.lock.release()
             raise
