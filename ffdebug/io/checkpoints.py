@@ -105,7 +105,7 @@ def _weight_map(index_path: str) -> dict:
     from ffdebug.io.contained import MAX_JSON_FILE_BYTES, contained, read_json
 
     try:
-        index = read_json(index_path, "shard index", limit=64 * MAX_JSON_FILE_BYTES)
+        index = read_json(index_path, "shard index", limit=64 * MAX_JSON_FILE_BYTES, follow=True)
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")

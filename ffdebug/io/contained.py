@@ -24,9 +24,8 @@ MAX_LINE_BYTES = 1 << 20  # one manifest line
 MAX_JSON_FILE_BYTES = 1 << 20  # run.json, status.json
 MAX_JSON_DEPTH = 64
 
-_OPEN_FLAGS = (
-    os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-)
+_FOLLOW_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FLAGS = _FOLLOW_FLAGS | getattr(os, "O_NOFOLLOW", 0)
 
 
 def contained(directory: str, name: str, what: str, kind: str = "payload file") -> str:
@@ -62,15 +61,17 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: str, what: str, missing: str = "") -> int:
-    """A read-only descriptor of the regular file `path` (never follows a final symlink, never
-    blocks on a FIFO); the caller closes it. `missing` is the hint when the file does not exist."""
+def open_regular(path: str, what: str, missing: str = "", follow: bool = False) -> int:
+    """A read-only descriptor of the regular file `path` (never blocks on a FIFO); the caller
+    closes it. A final symlink is refused unless `follow` (files the user names directly, e.g. a
+    Hugging Face cache snapshot, whose files are links to blobs). `missing`: the hint when the
+    file does not exist."""
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = os.open(path, _FOLLOW_FLAGS if follow else _OPEN_FLAGS)
     except FileNotFoundError:
         raise FFDebugError(f"{path}: {what} is missing" + (f"; {missing}" if missing else "")) from None
     except OSError as err:
-        if os.path.islink(path):
+        if os.path.islink(path) and not follow:
             raise FFDebugError(
                 f"{path}: {what} is a symbolic link; ffdebug reads only regular files inside the store"
             ) from None
@@ -87,8 +88,9 @@ def open_regular(path: str, what: str, missing: str = "") -> int:
 
 
 def check_regular(path: str, what: str) -> None:
-    """`path` is a regular file (checked with `open_regular`) before a library opens it by name."""
-    os.close(open_regular(path, what))
+    """`path` (a file the user named; symlinks followed) is a regular file, checked with
+    `open_regular` before a library opens it by name: a FIFO or device would block or never end."""
+    os.close(open_regular(path, what, follow=True))
 
 
 def read_fd(fd: int, limit: int | None, path: str, what: str) -> bytes:
@@ -113,9 +115,9 @@ def read_fd(fd: int, limit: int | None, path: str, what: str) -> bytes:
     return data
 
 
-def read_bounded(path: str, limit: int | None, what: str, missing: str = "") -> bytes:
+def read_bounded(path: str, limit: int | None, what: str, missing: str = "", follow: bool = False) -> bytes:
     """The whole regular file `path` (at most `limit` bytes)."""
-    fd = open_regular(path, what, missing)
+    fd = open_regular(path, what, missing, follow)
     try:
         return read_fd(fd, limit, path, what)
     finally:
@@ -153,9 +155,9 @@ def loads_bounded(text: str, where: str, what: str):
         ) from None
 
 
-def read_json(path: str, what: str, limit: int = MAX_JSON_FILE_BYTES):
+def read_json(path: str, what: str, limit: int = MAX_JSON_FILE_BYTES, follow: bool = False):
     """The JSON document in the regular file `path` (≤ `limit` bytes, nesting ≤ MAX_JSON_DEPTH)."""
-    data = read_bounded(path, limit, what)
+    data = read_bounded(path, limit, what, follow=follow)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

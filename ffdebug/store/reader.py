@@ -156,6 +156,32 @@ def _read_object(path: str, what: str) -> dict:
     return obj
 
 
+# status.json fields the writer sets (`StoreWriter.close`) and their types.
+_STATUS_FIELDS = {
+    "records": int,
+    "bytes_written": int,
+    "written": int,
+    "stats_only": int,
+    "over_budget": int,
+    "skipped_graph_capture": int,
+    "writer": str,
+    "complete": bool,
+}
+
+
+def _read_status(path: str) -> dict:
+    status = _read_object(path, "status.json")
+    for name, want in _STATUS_FIELDS.items():
+        v = status.get(name)
+        if v is not None and (type(v) is not want or (want is int and v < 0)):
+            kind = "a non-negative integer" if want is int else ("a boolean" if want is bool else "a string")
+            raise FFDebugError(
+                f"{path}: status.json field '{name}' must be {kind}, got {str(v)[:40]!r}; the store is damaged "
+                "— re-run the dump"
+            )
+    return status
+
+
 def _rank_dirs(path: str) -> list[str]:
     """The `rankNNN` directories of a side; a symlinked one would lead reads outside the store."""
     out = []
@@ -188,7 +214,7 @@ def _open_store_dir(path: str) -> SideStore:
         partial += cut
         status_path = os.path.join(rank_dir, "status.json")
         if os.path.lexists(status_path):
-            status[os.path.basename(rank_dir)] = _read_object(status_path, "status.json")
+            status[os.path.basename(rank_dir)] = _read_status(status_path)
     _check_one_world_size(path, by_rank_dir)
     records.sort(key=lambda r: (r.rank, r.seq))
     return SideStore(path=path, records=records, run=run, status=status, incomplete_lines=partial)
