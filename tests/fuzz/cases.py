@@ -373,9 +373,14 @@ def _json_cases() -> list[Case]:
 
 
 def _raw_line(make: Callable[[], str]) -> Callable:
+    """Append a hand-written line, stamped with the store's writer and world size (else it reads
+    as a second writer or another run)."""
+
     def apply(dump: str, outside: str) -> None:
+        first = read_records(dump)[0]
+        stamp = f'"writer": {json.dumps(first["writer"])}, "world_size": {first["world_size"]}, '
         with open(manifest(dump), "a", encoding="utf-8") as f:
-            f.write(make() + "\n")
+            f.write(make().replace("{", "{" + stamp, 1) + "\n")
 
     return apply
 
