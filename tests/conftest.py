@@ -44,3 +44,23 @@ def input_ids():
     import torch
 
     return torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The fuzz suite's case counts and test time (tests/fuzz; here, not in tests/fuzz/conftest.py,
+    so that the xdist controller, which collects nothing, prints it too)."""
+    counts = {"test_store_mutation[": 0, "test_cli_arguments[": 0}
+    seconds = 0.0
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            nodeid = getattr(rep, "nodeid", "")
+            if getattr(rep, "when", None) == "call" and "tests/fuzz/" in nodeid:
+                seconds += rep.duration
+                for prefix in counts:
+                    counts[prefix] += prefix in nodeid
+    if any(counts.values()):
+        terminalreporter.write_line(
+            f"fuzz: {counts['test_store_mutation[']} store mutations (2-3 commands each), "
+            f"{counts['test_cli_arguments[']} CLI argument cases, {seconds:.1f} s of test time "
+            "(FFDEBUG_FUZZ_CASES=N: more store mutations)"
+        )

@@ -220,6 +220,8 @@ INSPECT_TOP = {
     "complete": bool,
     "incomplete_lines": int,
     "status": dict,
+    "manifest_only": bool,
+    "disagreeing": int,
     "tensors": list,
 }
 INSPECT_TENSOR = {
@@ -233,6 +235,8 @@ INSPECT_TENSOR = {
     "shape": list,
     "stats": (dict, type(None)),
     "payload": bool,
+    "checked": bool,
+    "disagreements": list,
 }
 
 

@@ -71,6 +71,10 @@ def slot_invariance(
 
     if slots < 2:
         raise FFDebugError(f"--slots {slots}: give the batch size of the run, at least 2")
+    if slot_dim < 0:
+        raise FFDebugError(
+            f"--slot-dim {slot_dim}: give the dim of the batch slots, 0 or more (e.g. --slot-dim 0)"
+        )
     store = side if isinstance(side, SideStore) else open_side(side)
     single_store = None
     if single is not None:

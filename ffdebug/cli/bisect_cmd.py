@@ -86,6 +86,10 @@ def register(app: typer.Typer) -> None:
         from ffdebug.report.bisect_text import conclude
 
         fail = check_fail_on(fail_on)
+        if html:  # before the analysis: a bad path is one line, not a lost bisect
+            from ffdebug.report.output import check_output_file
+
+            check_output_file(html, "--html")
         ref, tgt = resolve_sides(sides, dir)
         result = bisect(
             ref,

@@ -15,7 +15,9 @@ HELP = """Print shape, dtype and statistics of every tensor in a dump store or t
   ffdebug inspect model.safetensors --stages 'model.layers.0.*'
   ffdebug inspect hf_model/                  # also a sharded index or a diffusers component folder
 
-Reads stores left by killed runs: only complete tensors are listed.
+Shape, dtype and statistics are recomputed from the payloads and every disagreement with the
+manifest is flagged (exit 2); --manifest-only lists the manifest's own numbers without reading
+payloads. Reads stores left by killed runs: only complete tensors are listed.
 """
 
 
@@ -28,12 +30,18 @@ def register(app: typer.Typer) -> None:
             help="Side directory, weight dump, .safetensors / .pt file, HF or diffusers model folder, *.index.json.",
         ),
         stages: list[str] = typer.Option(None, "--stages", help="Glob over keys (repeatable)."),
+        manifest_only: bool = typer.Option(
+            False,
+            "--manifest-only",
+            help="List the manifest's shape, dtype and statistics without reading payloads.",
+        ),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
         import fnmatch
 
+        from ffdebug.errors import FFDebugError
         from ffdebug.store.reader import open_side
-        from ffdebug.store.schema import tensor_stats
+        from ffdebug.store.recheck import disagreements, payload_facts
         from ffdebug.weights.sources import checkpoint_side_store
 
         store = checkpoint_side_store(path) or open_side(path)
@@ -41,10 +49,12 @@ def register(app: typer.Typer) -> None:
         for rec in store.records:
             if stages and not any(fnmatch.fnmatchcase(rec.key, g) for g in stages):
                 continue
-            rec.verify()
-            stats = rec.stats
-            if stats is None and rec.has_payload:
-                stats = tensor_stats(rec.load())
+            shape, dtype, stats, wrong = list(rec.shape), rec.dtype, rec.stats, []
+            if rec.has_payload and not manifest_only:
+                rec.verify()
+                actual = payload_facts(rec.load())
+                wrong = disagreements(rec, *actual)
+                shape, dtype, stats = list(actual[0]), actual[1], actual[2]
             rows.append(
                 {
                     "key": rec.key,
@@ -53,13 +63,16 @@ def register(app: typer.Typer) -> None:
                     "call": rec.call,
                     "step": rec.step,
                     "rank": rec.rank,
-                    "dtype": rec.dtype,
-                    "shape": list(rec.shape),
+                    "dtype": dtype,
+                    "shape": shape,
                     "stats": stats,
                     "payload": rec.has_payload,
+                    "checked": rec.has_payload and not manifest_only,
+                    "disagreements": wrong,
                 }
             )
         complete = all(s.get("complete") for s in store.status.values()) if store.status else False
+        bad = [r for r in rows if r["disagreements"]]
         info = {
             "path": store.path,
             "kind": store.kind,
@@ -68,42 +81,59 @@ def register(app: typer.Typer) -> None:
             "complete": complete if store.kind == "store" else None,
             "incomplete_lines": store.incomplete_lines,
             "status": store.status,
+            "manifest_only": manifest_only,
+            "disagreeing": len(bad),
             "tensors": rows,
         }
         if json_out:
             emit_json(info)
-            return
-        from rich.console import Console
-        from rich.table import Table
-
-        from ffdebug.report.text import fmt
-
-        console = Console()
-        table = Table(title=f"{store.path} ({store.kind}, side {store.side})", header_style="bold")
-        for col in ("key", "dtype", "shape", "mean", "std", "min", "max", "absmax", "nan/inf"):
-            table.add_column(col, justify="left" if col in ("key", "dtype", "shape") else "right")
-        for r in rows:
-            s = r["stats"] or {}
-            table.add_row(
-                r["key"] + ("" if r["payload"] else " [dim](stats)[/dim]"),
-                r["dtype"] or "-",
-                str(r["shape"]),
-                fmt(s.get("mean"), ".4g"),
-                fmt(s.get("std"), ".4g"),
-                fmt(s.get("min"), ".4g"),
-                fmt(s.get("max"), ".4g"),
-                fmt(s.get("absmax"), ".4g"),
-                f"{s.get('nan', 0)}/{s.get('inf', 0)}",
+        else:
+            _print(store, rows, complete)
+        if bad:
+            first = bad[0]
+            raise FFDebugError(
+                f"{store.path}: {len(bad)} record(s) disagree with their payloads, first {first['key'][:80]!r} "
+                f"({first['disagreements'][0]}); the manifest is damaged or was edited — re-run the dump"
             )
-        console.print(table)
-        if store.kind == "store" and not complete:
+
+
+def _print(store, rows: list[dict], complete: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ffdebug.report.safe_text import esc, key_markup
+    from ffdebug.report.text import fmt
+
+    console = Console()
+    table = Table(title=esc(f"{store.path} ({store.kind}, side {store.side})"), header_style="bold")
+    for col in ("key", "dtype", "shape", "mean", "std", "min", "max", "absmax", "nan/inf"):
+        left = col in ("key", "dtype", "shape")
+        table.add_column(col, justify="left" if left else "right", overflow="fold" if left else "ellipsis")
+    for r in rows:
+        s = r["stats"] or {}
+        cell = key_markup(r["key"]) + ("" if r["payload"] else " [dim](stats)[/dim]")
+        for wrong in r["disagreements"]:
+            cell += f"\n[red]manifest disagrees: {esc(wrong)}[/red]"
+        table.add_row(
+            cell,
+            esc(r["dtype"] or "-"),
+            str(r["shape"]),
+            fmt(s.get("mean"), ".4g"),
+            fmt(s.get("std"), ".4g"),
+            fmt(s.get("min"), ".4g"),
+            fmt(s.get("max"), ".4g"),
+            fmt(s.get("absmax"), ".4g"),
+            f"{s.get('nan', 0)}/{s.get('inf', 0)}",
+        )
+    console.print(table)
+    if store.kind == "store" and not complete:
+        console.print(
+            f"[yellow]note: the run did not finish cleanly (no final status); {len(rows)} complete "
+            f"tensors listed{', 1 partial manifest line skipped' if store.incomplete_lines else ''}[/yellow]"
+        )
+    for rank, st in sorted(store.status.items()):
+        if st.get("over_budget"):
             console.print(
-                f"[yellow]note: the run did not finish cleanly (no final status); {len(rows)} complete "
-                f"tensors listed{', 1 partial manifest line skipped' if store.incomplete_lines else ''}[/yellow]"
+                f"[yellow]note: {esc(rank)}: {esc(st['over_budget'])} capture(s) over the byte budget "
+                "were counted, not written[/yellow]"
             )
-        for rank, st in sorted(store.status.items()):
-            if st.get("over_budget"):
-                console.print(
-                    f"[yellow]note: {rank}: {st['over_budget']} capture(s) over the byte budget "
-                    "were counted, not written[/yellow]"
-                )

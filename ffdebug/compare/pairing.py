@@ -18,7 +18,7 @@ import fnmatch
 import hashlib
 from dataclasses import dataclass, field
 
-from ffdebug.errors import InputIdsMismatch
+from ffdebug.errors import FFDebugError, InputIdsMismatch
 from ffdebug.io.ranks import Replicated, fold, manifest_plan
 from ffdebug.io.record import Record
 from ffdebug.io.side import SideStore
@@ -230,6 +230,19 @@ def align_ranks(group: CallGroup, other: CallGroup) -> CallGroup:
     return out
 
 
+def _ids(rec: Record, label: str):
+    """The input ids of one side: token ids are integers; NaN / Inf ids mean a damaged dump."""
+    import torch
+
+    t = rec.load()
+    if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+        raise FFDebugError(
+            f"{rec.origin or rec.key}: the {label} side's {rec.key} holds NaN / Inf ({t.dtype}); token ids are "
+            "integers — the dump is damaged, re-run it"
+        )
+    return t
+
+
 def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]) -> None:
     """The gate before numerics: equal input ids on both sides of every paired call."""
     import torch
@@ -244,7 +257,7 @@ def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]) -> None:
                 f"input ids: the {missing} side has no embed.input_ids for {where}; dump both sides "
                 "with the same inputs (fix tokenization first)"
             )
-        r, t = rg.input_ids.load(), tg.input_ids.load()
+        r, t = _ids(rg.input_ids, "reference"), _ids(tg.input_ids, "target")
         if tuple(r.shape) != tuple(t.shape):
             raise InputIdsMismatch(
                 f"input ids differ at {where}: shape {list(r.shape)} vs {list(t.shape)} (fix tokenization first)"
@@ -252,8 +265,8 @@ def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]) -> None:
         if not torch.equal(r, t):
             pos = torch.nonzero(r != t)[0].tolist()
             raise InputIdsMismatch(
-                f"input ids differ at {where}, first at position {pos}: ref {int(r[tuple(pos)])} vs "
-                f"target {int(t[tuple(pos)])} (fix tokenization first)"
+                f"input ids differ at {where}, first at position {pos}: ref {r[tuple(pos)].item()} vs "
+                f"target {t[tuple(pos)].item()} (fix tokenization first)"
             )
 
 

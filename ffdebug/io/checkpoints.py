@@ -9,7 +9,6 @@ reads one tensor (`ffdebug.io.safetensors` for the bounded-memory reader).
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 
@@ -102,17 +101,28 @@ def pt_records(path: str, rank: int = 0) -> list[Record]:
 
 
 def _weight_map(index_path: str) -> dict:
+    """The index's {tensor name: shard file}; every shard a plain file name beside the index."""
+    from ffdebug.io.contained import MAX_JSON_FILE_BYTES, contained, read_json
+
     try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
+        index = read_json(index_path, "shard index", limit=64 * MAX_JSON_FILE_BYTES, follow=True)
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (KeyError, TypeError) as err:
         raise FFDebugError(
             f"{index_path}: not a valid shard index ({type(err).__name__}: {short_reason(err)}); it needs a "
             '"weight_map" object {tensor name: shard file}'
         ) from None
+    folder = os.path.dirname(index_path)
+    for name, shard in weight_map.items():
+        if type(shard) is not str:
+            kind = "null" if shard is None else type(shard).__name__
+            raise FFDebugError(
+                f"{index_path}: weight_map[{name[:80]!r}] must be a shard file name, got {kind} {str(shard)[:40]}; "
+                "the index is damaged — re-save or re-download it"
+            )
+        contained(folder, shard, f"{index_path}: weight_map[{name[:80]!r}]", "shard file")
     return weight_map
 
 

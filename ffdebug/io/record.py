@@ -15,6 +15,7 @@ from typing import Any
 from ffdebug.errors import FFDebugError
 
 REDUCTIONS = ("full", "partial")
+MAX_KEY_CHARS = 1024  # a manifest key longer than this is refused (docs/architecture.md, "Hostile stores")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Record:
     reduction: str = "full"
     file: str | None = None
     tensor: str | None = None
+    writer: str | None = None  # the writer lock's identity (ffdebug.store.lock)
     persistent: bool | None = None
     over_budget: bool = False
     extra: dict = field(default_factory=dict)
@@ -133,6 +135,7 @@ _SPEC: dict[str, tuple[tuple, object]] = {
     "reduction": (_STR, "full"),
     "file": (_STR, None),
     "tensor": (_STR, None),
+    "writer": (_STR, None),
     "persistent": (_BOOL, None),
     "over_budget": (_BOOL, False),
     "extra": (_DICT, {}),
@@ -171,6 +174,16 @@ def _checked_fields(obj: dict, where: str) -> dict:
             nullable = "" if default is _REQUIRED or default is not None else " or null"
             raise _bad(where, name, _WANT[types] + nullable, v)
         fields[name] = v
+    if len(fields["key"]) > MAX_KEY_CHARS:
+        raise FFDebugError(
+            f"{where}: manifest field 'key' is {len(fields['key'])} characters long (at most {MAX_KEY_CHARS}); "
+            "the store is damaged or hostile"
+        )
+    stats = fields["stats"]
+    if stats is not None:
+        for name, v in stats.items():
+            if v is not None and type(v) not in (int, float):
+                raise _bad(where, f"stats.{name}", "a number or null", v)
     if fields["reduction"] not in REDUCTIONS:
         raise _bad(where, "reduction", f"one of {', '.join(REDUCTIONS)}", fields["reduction"])
     shape = obj.get("shape")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from ffdebug.errors import FFDebugError, short_reason
+from ffdebug.io.contained import check_regular, loads_bounded, open_regular, read_bounded
 
 RECYCLE_BYTES = 64 << 20
 
@@ -57,6 +58,7 @@ class SafetensorsFile:
         self._handle = None
         self._read = 0
         self.meta: dict[str, tuple[tuple[int, ...], str]] = {}
+        check_regular(path, "safetensors file")  # a FIFO or device would block the library's open
         try:
             f = _safe_open(path)
             for name in f.keys():
@@ -82,32 +84,63 @@ class SafetensorsFile:
 
 
 _STORE_HINT = "it may be truncated — re-run the dump"
+_MISSING = "the store is incomplete — re-run the dump"
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own header limit
 
 
-def _check_exists(path: str) -> None:
-    if not os.path.exists(path):
-        raise FFDebugError(f"{path}: payload file is missing; the store is incomplete — re-run the dump")
+def _payload_bytes(path: str) -> bytes:
+    """The payload file's bytes, read through a checked descriptor (`ffdebug.io.contained`):
+    never by name through the library, so a FIFO, device or symlink is refused first."""
+    return read_bounded(path, None, "payload file", _MISSING)
 
 
 def verify_payload(path: str) -> None:
-    """A store payload file exists and its safetensors header covers the file."""
-    from safetensors import SafetensorError
-
-    _check_exists(path)
+    """A store payload file is a regular file whose safetensors header covers it exactly."""
+    fd = open_regular(path, "payload file", _MISSING)
     try:
-        with _safe_open(path) as f:
-            list(f.keys())
-    except (SafetensorError, OSError, ValueError) as err:
-        raise unreadable(path, err, _STORE_HINT) from None
+        size = os.fstat(fd).st_size
+        head = os.read(fd, 8)
+        if len(head) < 8:
+            raise _damaged(path, "shorter than a safetensors header")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES or n > size - 8:
+            raise _damaged(path, f"header length {n} exceeds the file")
+        header = os.read(fd, n) if n else b""
+    finally:
+        os.close(fd)
+    try:
+        meta = loads_bounded(header.decode("utf-8"), path, "safetensors header")
+    except (UnicodeDecodeError, FFDebugError):
+        raise _damaged(path, "header is not JSON") from None
+    if not isinstance(meta, dict):
+        raise _damaged(path, "header is not a JSON object")
+    end = 0
+    for name, info in meta.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise _damaged(path, f"tensor {name[:40]!r} has no valid data_offsets")
+        end = max(end, offsets[1])
+    if end != size - 8 - n:
+        raise _damaged(path, f"data ends at {end} but the file holds {size - 8 - n} bytes")
+
+
+def _damaged(path: str, reason: str) -> FFDebugError:
+    return FFDebugError(f"{path}: unreadable safetensors file ({reason}); {_STORE_HINT}")
 
 
 def load_payload(path: str, name: str):
-    """One tensor of a store payload file (opened for this read only)."""
-    from safetensors import SafetensorError
+    """One tensor of a store payload file (read whole through a checked descriptor)."""
+    from safetensors.torch import load
 
-    _check_exists(path)
+    data = _payload_bytes(path)
     try:
-        with _safe_open(path) as f:
-            return f.get_tensor(name)
-    except (SafetensorError, OSError, ValueError) as err:
+        tensors = load(data)
+    except Exception as err:  # SafetensorError, ValueError, ...
         raise unreadable(path, err, _STORE_HINT) from None
+    if name not in tensors:
+        raise FFDebugError(
+            f"{path}: payload holds no tensor {name[:80]!r}; the store is damaged — re-run the dump"
+        )
+    return tensors[name]

@@ -17,6 +17,9 @@ def load_weights_only(path: str):
 
     import torch
 
+    from ffdebug.io.contained import check_regular
+
+    check_regular(path, ".pt file")  # a FIFO or device would block torch.load
     try:
         mmap = zipfile.is_zipfile(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from ffdebug.report.safe_text import esc, key_markup
 from ffdebug.report.text import compare_table, coverage_word, fmt, numbers, print_coverage, severity_cell
 from ffdebug.results import SLOT_MEANING, BisectResult, InvarianceResult
 from ffdebug.verdict import PatternName
@@ -76,7 +77,7 @@ def layers_table(result) -> Table:
         table.add_row(
             severity_cell(r.severity),
             str(r.layer),
-            r.layer_class or "",
+            esc(r.layer_class or ""),
             fmt(r.cos_out),
             fmt(r.rel_in, "%"),
             fmt(r.rel_out, "%"),
@@ -98,7 +99,7 @@ def print_bisect(result: BisectResult, console: Console | None = None, all_stage
         console.print(compare_table(result.stages, title="stages", only_problems=not all_stages))
     for c in result.per_class:
         console.print(
-            f"class {c.layer_class}: layers {_ranges(c.layers)}; first bad layer "
+            f"class {esc(c.layer_class)}: layers {_ranges(c.layers)}; first bad layer "
             f"{c.first_bad_layer if c.first_bad_layer is not None else '-'}; introducing "
             f"{_ranges(c.introducing) or '-'}",
             highlight=False,
@@ -106,7 +107,9 @@ def print_bisect(result: BisectResult, console: Console | None = None, all_stage
     for s in result.shards:
         status = "matches" if s["matches"] else "does NOT match"
         how = s.get("explained_by") or s.get("reading") or "no reading"
-        console.print(f"shards: {s['key']} over {s['ranks']} ranks {status} as {how}", highlight=False)
+        console.print(
+            f"shards: {key_markup(s['key'])} over {s['ranks']} ranks {status} as {how}", highlight=False
+        )
     for a in result.attribution or []:
         console.print(
             f"attribution: layer {a['layer']} re-run on the reference input: rel {fmt(a['local_rel'], '%')} "
@@ -114,7 +117,7 @@ def print_bisect(result: BisectResult, console: Console | None = None, all_stage
             highlight=False,
         )
     for note in result.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(f"[dim]note: {esc(note)}[/dim]")
     print_coverage(result.coverage, console)
     console.print(result.conclusion or bisect_sentence(result), highlight=False, markup=False)
 
@@ -147,13 +150,13 @@ def print_invariance(result: InvarianceResult, console: Console | None = None) -
     console = console or Console()
     table = Table(title=f"slot invariance ({result.slots} slots, dim {result.slot_dim})", header_style="bold")
     for col in ("", "layer", "stage", "worst slot", "cos", "rel", "bit-equal", "vs single"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold" if col == "stage" else "ellipsis")
     for s in result.stages:
         w = s.worst
         table.add_row(
             severity_cell(w.severity),
             "" if s.layer is None else str(s.layer),
-            s.key,
+            key_markup(s.key),
             str(w.slot),
             fmt(w.cos),
             fmt(w.rel, "%"),
@@ -162,6 +165,6 @@ def print_invariance(result: InvarianceResult, console: Console | None = None) -
         )
     console.print(table)
     for note in result.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(f"[dim]note: {esc(note)}[/dim]")
     print_coverage(result.coverage, console)
     console.print(invariance_sentence(result), highlight=False, markup=False)

@@ -219,12 +219,6 @@ def bisect_html(data: dict) -> str:
 
 
 def write_bisect_html(data: dict, path: str) -> None:
-    import os
+    from ffdebug.report.output import write_output_file
 
-    from ffdebug.errors import FFDebugError
-
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise FFDebugError(f"--html {path}: directory {parent} does not exist; create it first")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(bisect_html(data))
+    write_output_file(path, bisect_html(data), "--html")

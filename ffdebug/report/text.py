@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ffdebug.report.safe_text import esc, key_markup, shown_key
 from ffdebug.results import CompareResult, StageResult
 from ffdebug.verdict import Severity
 
@@ -35,12 +36,12 @@ def severity_cell(sev: Severity | str) -> str:
 
 
 def stage_label(e: StageResult, multi_call: bool = False) -> str:
-    label = e.stage if e.layer is not None else e.key
+    label = key_markup(e.stage if e.layer is not None else e.key)
     extras = []
     if e.call is not None and multi_call:
         extras.append(f"call {e.call}")
     if e.step:
-        extras.append(",".join(f"{k}={v}" for k, v in e.step.items()))
+        extras.append(esc(",".join(f"{k}={v}" for k, v in e.step.items())))
     if e.rank:
         extras.append(f"rank {e.rank}")
     return label + (f" [dim]({'; '.join(extras)})[/dim]" if extras else "")
@@ -60,7 +61,7 @@ def stage_note(e: StageResult) -> str:
     if e.stats_only:
         return "[dim]statistics only[/dim]"
     if e.cos is None and e.rel is None:
-        return f"[red]{e.notes[0] if e.notes else 'no finite values'}[/red]"
+        return f"[red]{esc(e.notes[0]) if e.notes else 'no finite values'}[/red]"
     return ""
 
 
@@ -91,7 +92,7 @@ def compare_table(
         table.add_row(
             severity_cell(e.severity),
             "" if e.layer is None else str(e.layer),
-            e.layer_class or "",
+            esc(e.layer_class or ""),
             cell,
             fmt(e.cos),
             fmt(e.rel, "%"),
@@ -173,9 +174,10 @@ def print_compare(result: CompareResult, console: Console | None = None, only_pr
     title = f"{result.ref_path}  vs  {result.target_path}"
     console.print(compare_table(result.stages, title=title, only_problems=only_problems, width=console.width))
     for note in result.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(f"[dim]note: {esc(note)}[/dim]")
     for label, keys in (("ref", result.only_ref), ("target", result.only_target)):
-        if keys:  # every key, wrapped: never cut
-            console.print(Text(f"only in {label} ({len(keys)}): ", style="yellow") + Text(", ".join(keys)))
+        if keys:  # every key, wrapped (long ones elided with their hash; --json holds them whole)
+            shown = ", ".join(shown_key(k) for k in keys)
+            console.print(Text(f"only in {label} ({len(keys)}): ", style="yellow") + Text(shown))
     print_coverage(result.coverage, console)
     console.print(compare_conclusion(result), highlight=False, markup=False)

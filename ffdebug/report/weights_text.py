@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ffdebug.report.safe_text import esc, key_markup
 from ffdebug.report.text import fmt, severity_cell
 from ffdebug.verdict import Severity
 
@@ -18,7 +19,7 @@ LIST_LIMIT = 12
 
 
 def _names(items: list, limit: int = LIST_LIMIT) -> str:
-    shown = ", ".join(items[:limit])
+    shown = ", ".join(key_markup(i) for i in items[:limit])
     return shown + (f", … (+{len(items) - limit} more)" if len(items) > limit else "")
 
 
@@ -63,21 +64,21 @@ def print_weights_schema(res: dict, console: Console | None = None) -> None:
         clean = False
         note = f" ({s['note']})" if s.get("note") else ""
         console.print(
-            f"  [red]shape mismatch:[/red] {s['name']}  ref {s['shape_ref']}  target {s['shape_target']}{note}",
+            f"  [red]shape mismatch:[/red] {key_markup(s['name'])}  ref {s['shape_ref']}  target {s['shape_target']}{esc(note)}",
             highlight=False,
         )
     for s in res["dtype_mismatch"]:
         tag = " (dequantised for the comparison)" if s.get("dequantized") else ""
         console.print(
-            f"  [yellow]dtype mismatch:[/yellow] {s['name']}  ref {s['dtype_ref']}  target {s['dtype_target']}{tag}",
+            f"  [yellow]dtype mismatch:[/yellow] {key_markup(s['name'])}  ref {s['dtype_ref']}  target {s['dtype_target']}{tag}",
             highlight=False,
         )
     for r in res["renames"]:
         to = r["to"] if isinstance(r["to"], str) else " + ".join(r["to"])
         frm = r["from"] if isinstance(r["from"], str) else " + ".join(r["from"])
         console.print(
-            f"  [cyan]suggestion:[/cyan] {frm} → {to}  ({r['matches']} match{'es' if r['matches'] != 1 else ''})"
-            f"  apply with [bold]{r['apply']}[/bold]",
+            f"  [cyan]suggestion:[/cyan] {esc(frm)} → {esc(to)}  ({r['matches']} match{'es' if r['matches'] != 1 else ''})"
+            f"  apply with [bold]{esc(r['apply'])}[/bold]",
             highlight=False,
         )
     if res.get("apply"):
@@ -88,7 +89,8 @@ def print_weights_schema(res: dict, console: Console | None = None) -> None:
     for d in res.get("dequantized") or []:
         scale = f"scale {d['scale']} {d['scale_shape']}" if d.get("scale") else "no scale found"
         console.print(
-            f"  [dim]dequantised {d['side']} {d['name']} ({d['dtype']}, {scale})[/dim]", highlight=False
+            f"  [dim]dequantised {d['side']} {key_markup(d['name'])} ({d['dtype']}, {esc(scale)})[/dim]",
+            highlight=False,
         )
     if res.get("skipped"):
         console.print(f"  [dim]skipped {len(res['skipped'])} tensor(s) (--skip)[/dim]")
@@ -161,7 +163,7 @@ def weights_table(tensors: list[dict], show_all: bool = False) -> Table:
         table.add_row(
             severity_cell(t["severity"]),
             finding,
-            t["name"],
+            key_markup(t["name"]),
             dtype,
             shape,
             fmt(t.get("cos")),
@@ -250,12 +252,14 @@ def print_weights_numerics(res: dict, console: Console | None = None, show_all: 
         console.print(f"[green]{equal} tensor(s) byte-equal[/green] (--all lists them)")
     for t in tensors:
         if t["finding"] == "transposed" and t.get("after_transpose"):
-            console.print(f"[dim]{t['name']}: after .T cos {fmt(t['after_transpose']['cos'])}[/dim]")
+            console.print(
+                f"[dim]{key_markup(t['name'])}: after .T cos {fmt(t['after_transpose']['cos'])}[/dim]"
+            )
         if t["finding"] in NAMED:
             for note in (t.get("notes") or [])[-1:]:
                 console.print(f"  {t['finding']}: {note}", highlight=False, markup=False)
     for note in res.get("notes") or []:
-        console.print(f"[dim]note: {note}[/dim]", highlight=False)
+        console.print(f"[dim]note: {esc(note)}[/dim]", highlight=False)
     console.print(weights_conclusion(res), highlight=False, markup=False)
 
 
@@ -266,7 +270,7 @@ def print_load_audit(res: dict, console: Console | None = None) -> None:
     )
     for s in res["shape_mismatch"]:
         console.print(
-            f"  [red]shape mismatch (skipped by the load):[/red] {s['name']} "
+            f"  [red]shape mismatch (skipped by the load):[/red] {key_markup(s['name'])} "
             f"({s['module_class'] or '?'} at {s['module'] or '<root>'}): model {s['shape_model']} "
             f"vs checkpoint {s['shape_checkpoint']}",
             highlight=False,
@@ -293,13 +297,16 @@ def print_load_audit(res: dict, console: Console | None = None) -> None:
     for w in res.get("warnings") or []:
         console.print(f"  warning: {w}", style="yellow", highlight=False, markup=False)
     for t in res["tied"]:
-        console.print(f"  [dim]tied: {t['name']} shares storage with {t['tied_to']}[/dim]", highlight=False)
+        console.print(
+            f"  [dim]tied: {key_markup(t['name'])} shares storage with {key_markup(t['tied_to'])}[/dim]",
+            highlight=False,
+        )
     for r in res["renames"]:
         console.print(
-            f"  [cyan]suggestion:[/cyan] apply with [bold]{r['apply']}[/bold] ({r['matches']} matches)"
+            f"  [cyan]suggestion:[/cyan] apply with [bold]{esc(r['apply'])}[/bold] ({r['matches']} matches)"
         )
     for note in res.get("notes") or []:
-        console.print(f"  [dim]note: {note}[/dim]", highlight=False)
+        console.print(f"  [dim]note: {esc(note)}[/dim]", highlight=False)
     word = "PASSED" if res["passed"] else "FAILED"
     problems = []
     if res["shape_mismatch"]:

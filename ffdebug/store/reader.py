@@ -7,15 +7,19 @@ Accepted inputs for `open_side(path)`:
 - anything a registered importer detects (`ffdebug.io.registry`): built in are ATOM-style `.pt`
   dumps (a directory of `.pt` files or one file, loaded weights-only) and a `.safetensors` file
   (each tensor becomes a record, read when loaded).
+
+Stores are untrusted (docs/architecture.md, "Hostile stores"): every file is opened through
+`ffdebug.io.contained` (regular files only, bounded), a payload `file` must be a plain name inside
+its rank directory, and a rank directory must hold one writer's records with unique `seq`.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 from ffdebug.errors import FFDebugError
+from ffdebug.io.contained import MAX_LINE_BYTES, contained, loads_bounded, open_regular, read_fd, read_json
 from ffdebug.io.record import Record
 from ffdebug.io.registry import find_importer
 from ffdebug.io.side import SideStore
@@ -24,38 +28,71 @@ from ffdebug.io.sources import StorePayload
 __all__ = ["Record", "SideStore", "open_side", "sides_in"]
 
 
+def _manifest_lines(path: str):
+    """(line number, text) of every complete line; the count of a trailing partial line (0 or 1).
+    Read through a checked descriptor, each line at most MAX_LINE_BYTES."""
+    fd = open_regular(path, "manifest")
+    try:
+        data = read_fd(fd, None, path, "manifest")
+    finally:
+        os.close(fd)
+    lines = data.split(b"\n")
+    # A last line without its newline is a write cut short by a kill: skip it, keep the rest.
+    partial = 1 if lines and lines[-1] != b"" else 0
+    out = []
+    for lineno, line in enumerate(lines[:-1], start=1):
+        if len(line) > MAX_LINE_BYTES:
+            raise FFDebugError(
+                f"{path}:{lineno}: manifest line is {len(line)} bytes (at most {MAX_LINE_BYTES}); "
+                "the store is damaged or hostile"
+            )
+        out.append((lineno, line.decode("utf-8", errors="replace")))
+    return out, partial
+
+
 def _read_manifest(path: str, rank_dir: str) -> tuple[list[Record], int]:
     records: list[Record] = []
-    partial = 0
-
-    def payload(file: str, tensor: str) -> StorePayload:
-        return StorePayload(os.path.join(rank_dir, file), tensor)
-
-    with open(path, encoding="utf-8", errors="replace") as f:
-        data = f.read()
-    lines = data.split("\n")
-    # A last line without its newline is a write cut short by a kill: skip it, keep the rest.
-    if lines and lines[-1] != "":
-        partial = 1
-    for lineno, line in enumerate(lines[:-1], start=1):
+    lines, partial = _manifest_lines(path)
+    for lineno, line in lines:
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise FFDebugError(
-                f"{path}:{lineno}: malformed manifest line ({err.msg}); the store is damaged — re-run the dump"
-            ) from None
+        where = f"{path}:{lineno}"
+
+        def payload(file: str, tensor: str, where=where) -> StorePayload:
+            return StorePayload(contained(rank_dir, file, where), tensor)
+
+        rec = loads_bounded(line, where, "manifest line")
         if not isinstance(rec, dict):
             raise FFDebugError(
-                f"{path}:{lineno}: manifest line is not a JSON object; this is not an ffdebug manifest"
+                f"{where}: manifest line is not a JSON object; this is not an ffdebug manifest"
             )
-        records.append(Record.from_manifest(rec, f"{path}:{lineno}", payload))
+        records.append(Record.from_manifest(rec, where, payload))
+    _check_one_writer(path, records)
     return records, partial
 
 
+def _check_one_writer(path: str, records: list[Record]) -> None:
+    """One rank directory holds one writer's records, each `seq` once: two writers on one side
+    would otherwise be read as one run."""
+    writers = list(dict.fromkeys(r.writer for r in records))
+    if len(writers) > 1:
+        named = ", ".join(repr(w)[:60] for w in writers[:3])
+        raise FFDebugError(
+            f"{path}: records of {len(writers)} writers ({named}) in one rank directory; two runs wrote "
+            "one side — delete the side directory and re-run one dump"
+        )
+    seen: set[int] = set()
+    for r in records:
+        if r.seq in seen:
+            raise FFDebugError(
+                f"{path}: seq {r.seq} appears twice; two writers or a damaged manifest — "
+                "delete the side directory and re-run the dump"
+            )
+        seen.add(r.seq)
+
+
 def _is_side_dir(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "run.json")) or bool(
+    return os.path.lexists(os.path.join(path, "run.json")) or bool(
         glob.glob(os.path.join(path, "rank*", "manifest.jsonl"))
     )
 
@@ -112,36 +149,72 @@ def _check_one_world_size(path: str, by_rank_dir: list[tuple[str, list[Record]]]
         )
 
 
+def _read_object(path: str, what: str) -> dict:
+    obj = read_json(path, what)
+    if not isinstance(obj, dict):
+        raise FFDebugError(f"{path}: {what} is not a JSON object; the store is damaged — re-run the dump")
+    return obj
+
+
+# status.json fields the writer sets (`StoreWriter.close`) and their types.
+_STATUS_FIELDS = {
+    "records": int,
+    "bytes_written": int,
+    "written": int,
+    "stats_only": int,
+    "over_budget": int,
+    "skipped_graph_capture": int,
+    "writer": str,
+    "complete": bool,
+}
+
+
+def _read_status(path: str) -> dict:
+    status = _read_object(path, "status.json")
+    for name, want in _STATUS_FIELDS.items():
+        v = status.get(name)
+        if v is not None and (type(v) is not want or (want is int and v < 0)):
+            kind = "a non-negative integer" if want is int else ("a boolean" if want is bool else "a string")
+            raise FFDebugError(
+                f"{path}: status.json field '{name}' must be {kind}, got {str(v)[:40]!r}; the store is damaged "
+                "— re-run the dump"
+            )
+    return status
+
+
+def _rank_dirs(path: str) -> list[str]:
+    """The `rankNNN` directories of a side; a symlinked one would lead reads outside the store."""
+    out = []
+    for rank_dir in sorted(glob.glob(os.path.join(path, "rank*"))):
+        if os.path.islink(rank_dir):
+            raise FFDebugError(
+                f"{rank_dir}: rank directory is a symbolic link; ffdebug reads only files inside the store"
+            )
+        if os.path.isdir(rank_dir):
+            out.append(rank_dir)
+    return out
+
+
 def _open_store_dir(path: str) -> SideStore:
     run: dict = {}
     run_path = os.path.join(path, "run.json")
-    if os.path.exists(run_path):
-        try:
-            with open(run_path, encoding="utf-8") as f:
-                run = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise FFDebugError(f"{run_path}: malformed run.json ({err}); re-run the dump") from None
-        if not isinstance(run, dict):
-            raise FFDebugError(f"{run_path}: run.json is not a JSON object; re-run the dump")
+    if os.path.lexists(run_path):
+        run = _read_object(run_path, "run.json")
     records: list[Record] = []
     by_rank_dir: list[tuple[str, list[Record]]] = []
     status: dict = {}
     partial = 0
-    for rank_dir in sorted(glob.glob(os.path.join(path, "rank*"))):
+    for rank_dir in _rank_dirs(path):
         manifest = os.path.join(rank_dir, "manifest.jsonl")
-        if not os.path.exists(manifest):
+        if not os.path.lexists(manifest):
             continue
         recs, cut = _read_manifest(manifest, rank_dir)
         records.extend(recs)
         by_rank_dir.append((rank_dir, recs))
         partial += cut
         status_path = os.path.join(rank_dir, "status.json")
-        if os.path.exists(status_path):
-            try:
-                with open(status_path, encoding="utf-8") as f:
-                    status[os.path.basename(rank_dir)] = json.load(f)
-            except json.JSONDecodeError:
-                status[os.path.basename(rank_dir)] = {"complete": False}
+        if os.path.lexists(status_path):
+            status[os.path.basename(rank_dir)] = _read_status(status_path)
     _check_one_world_size(path, by_rank_dir)
     records.sort(key=lambda r: (r.rank, r.seq))
     return SideStore(path=path, records=records, run=run, status=status, incomplete_lines=partial)

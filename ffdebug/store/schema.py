@@ -35,6 +35,7 @@ RECORD_KEYS = (
     "stats",
     "shard",  # {dim, index, count} or null
     "reduction",  # full | partial
+    "writer",  # identity of the writer that held the rank directory (ffdebug.store.lock)
 )
 
 # Record `phase` values that mark a warm-up call: tagged by the engine, or guessed (a dummy batch).

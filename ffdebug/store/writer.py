@@ -4,6 +4,9 @@ Write protocol (a killed run leaves a readable store): the payload goes to a tem
 directory, is fsynced and renamed into place; only then is its manifest line appended (one write of
 one complete line, flushed). Readers ignore a trailing partial line, so at worst the last tensor
 is lost, never the store.
+
+One writer per rank directory (`ffdebug.store.lock`): the writer claims `writer.lock` before it
+writes anything, stamps its identity into every record (`writer`) and releases the lock at close.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import shutil
 import threading
 
 from ffdebug.errors import FFDebugError
+from ffdebug.store.lock import LOCK_NAME, WriterIdentity, WriterLock, live_writer
 from ffdebug.store.schema import dumps_record, run_info, tensor_stats
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -28,6 +32,16 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
 
 
 def atomic_write_json(path: str, obj: dict) -> None:
@@ -73,33 +87,59 @@ class StoreWriter:
         self._manifest = open(os.path.join(self.rank_dir, "manifest.jsonl"), "a", encoding="utf-8")
 
     def _prepare(self, overwrite: bool, variable: str, run_extra: dict | None) -> None:
-        existing = os.path.isdir(self.rank_dir) and os.listdir(self.rank_dir)
-        run_json = os.path.join(self.side_dir, "run.json")
-        if self.rank == 0 and os.path.exists(run_json) and not existing:
-            existing = True
-        if existing:
-            if not overwrite:
-                raise FFDebugError(
-                    f"{self.side_dir} already holds a dump: set {variable}=1 to replace it, "
-                    "or choose another directory"
-                )
-            # Each rank replaces only its own directory (rank 0 also run.json): deleting other
-            # ranks' directories would race with ranks that started first.
-            shutil.rmtree(self.rank_dir, ignore_errors=True)
+        # The claim comes first: a second writer is refused before it touches anything.
+        try:
+            os.makedirs(self.rank_dir, exist_ok=True)
+        except OSError as err:
+            raise FFDebugError(
+                f"{self.rank_dir}: cannot create the rank directory ({err.strerror})"
+            ) from None
+        self.lock = WriterLock(self.rank_dir, WriterIdentity.current())
+        self.lock.claim(overwrite, variable)
+        try:
+            self._replace_existing(overwrite, variable)
             if self.rank == 0:
-                self._remove_ranks_beyond_world()
-                if os.path.exists(run_json):
-                    os.remove(run_json)
-        os.makedirs(self.rank_dir, exist_ok=True)
+                extra = {"writer": self.writer_id, **(run_extra or {})}
+                atomic_write_json(
+                    os.path.join(self.side_dir, "run.json"), run_info(self.side, self.world_size, extra)
+                )
+        except BaseException:
+            self.lock.release()
+            raise
+
+    @property
+    def writer_id(self) -> str:
+        return self.lock.identity.writer_id
+
+    def _replace_existing(self, overwrite: bool, variable: str) -> None:
+        existing = any(n != LOCK_NAME for n in os.listdir(self.rank_dir))
+        run_json = os.path.join(self.side_dir, "run.json")
+        if self.rank == 0 and os.path.lexists(run_json) and not existing:
+            existing = True
+        if not existing:
+            return
+        if not overwrite:
+            raise FFDebugError(
+                f"{self.side_dir} already holds a dump: set {variable}=1 to replace it, or choose another directory"
+            )
+        # Each rank replaces only its own directory (rank 0 also run.json): deleting other ranks'
+        # directories would race with ranks that started first.
+        for name in os.listdir(self.rank_dir):
+            if name != LOCK_NAME:
+                _remove(os.path.join(self.rank_dir, name))
         if self.rank == 0:
-            atomic_write_json(run_json, run_info(self.side, self.world_size, run_extra))
+            self._remove_ranks_beyond_world()
+            if os.path.lexists(run_json):
+                _remove(run_json)
 
     def _remove_ranks_beyond_world(self) -> None:
-        """Rank directories no rank of this run will write (an earlier run had more ranks)."""
+        """Rank directories no rank of this run will write (an earlier run had more ranks), unless
+        a live writer holds them."""
         for name in os.listdir(self.side_dir):
             match = re.fullmatch(r"rank(\d+)", name)
-            if match and int(match.group(1)) >= self.world_size:
-                shutil.rmtree(os.path.join(self.side_dir, name), ignore_errors=True)
+            path = os.path.join(self.side_dir, name)
+            if match and int(match.group(1)) >= self.world_size and live_writer(path) is None:
+                _remove(path)
 
     def update_run_info(self, **fields) -> None:
         """Merge fields into run.json (rank 0 only), e.g. the sha256 of the input ids."""
@@ -144,6 +184,7 @@ class StoreWriter:
                 "stats": None if t.is_complex() else tensor_stats(t),
                 "shard": None,
                 "reduction": "full",
+                "writer": self.writer_id,
             }
             for k in ("call", "invocation", "phase", "step", "layer", "layer_class"):
                 record[k] = meta.get(k)
@@ -188,5 +229,12 @@ class StoreWriter:
             self._manifest.close()
             atomic_write_json(
                 os.path.join(self.rank_dir, "status.json"),
-                {"records": self.seq, "bytes_written": self.bytes_written, **self.counts, "complete": True},
+                {
+                    "records": self.seq,
+                    "bytes_written": self.bytes_written,
+                    **self.counts,
+                    "writer": self.writer_id,
+                    "complete": True,
+                },
             )
+            self.lock.release()
