@@ -238,7 +238,11 @@ def _kind_counts(inp: CoverageInput) -> list[KindCount]:
         for group, attr in ((rg, "ref"), (tg, "target")):
             for key, _inv in {(sk[0], sk[1]) for sk in group.order}:
                 count(key, attr)
-    for key, *_ in {(e.key, e.invocation, e.call, tuple(sorted(e.step.items()))) for e in inp.results}:
+    paired = {
+        (e.key, str(e.invocation), e.call, tuple(sorted((str(k), str(v)) for k, v in e.step.items())))
+        for e in inp.results
+    }
+    for key, *_ in paired:
         count(key, "paired")
     return sorted(counts.values(), key=lambda k: k.kind)
 

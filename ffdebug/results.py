@@ -161,13 +161,18 @@ class CoveredVerdict:
 
 @dataclass(frozen=True)
 class CallRef:
-    """A paired call: its index within the step tags, and the tags."""
+    """A paired call: its index within the step tags, the tags, and the target rank when each
+    target rank was compared with a single-rank reference on its own."""
 
     call: int | None
     step: dict
+    rank: int | None = None
 
     def to_json(self) -> dict:
-        return {"call": self.call, "step": dict(self.step)}
+        out = {"call": self.call, "step": dict(self.step)}
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
 
 
 @dataclass

@@ -276,3 +276,65 @@ def test_slot_invariance_blocks_on_unsplit_stages(tmp_path):
     ]
     code, _ = run("slot-invariance", "--dir", str(tmp_path), "--slots", "3", "--allow-partial")
     assert code == 0
+
+
+def test_two_reference_ranks_against_four_target_ranks_compare_every_target_rank(
+    model, tmp_path, monkeypatch
+):
+    """Replicated ranks on both sides but other world sizes: every target rank is still compared
+    (rank 3 with a bug used to pass, folded away behind rank 0)."""
+    for side, world in (("ref", 2), ("target", 4)):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        for rank in range(world):
+            monkeypatch.setenv("RANK", str(rank))
+            m = model
+            if side == "target" and rank == 3:
+                m = copy.deepcopy(model)
+                with torch.no_grad():
+                    m.model.layers[1].mlp.down_proj.weight.mul_(3.0)
+            dump(m, tmp_path, side)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    c = compare(tmp_path / "ref", tmp_path / "target")
+    assert c.exit_code() == 1 and c.coverage.ranks_compared == [0, 1, 2, 3]
+    assert (c.first_divergence.layer, c.first_divergence.rank) == (1, 3)
+    b = ffdebug.bisect(tmp_path / "ref", tmp_path / "target")
+    assert b.exit_code() == 1 and b.call.rank == 3 and b.first_divergence.layer == 1
+    assert "on target rank 3" in b.conclusion
+
+
+def test_a_warm_up_call_on_the_reference_side_is_set_aside(model, tmp_path):
+    with ffdebug.capture(model, dir=tmp_path, side="ref"), torch.no_grad():
+        model(input_ids=torch.full((2, 8), 5))  # an untagged warm-up: one repeated id
+        model(input_ids=ids())
+    dump(model, tmp_path, "target")
+    res = compare(tmp_path / "ref", tmp_path / "target")
+    assert res.exit_code() == 0 and not res.coverage.calls_only_ref
+    assert any("reference side were set aside" in n for n in res.notes)
+
+
+def test_list_valued_step_tags_do_not_crash(model, tmp_path):
+    for side in ("ref", "target"):
+        with ffdebug.capture(model, dir=tmp_path, side=side), torch.no_grad(), ffdebug.step(sizes=[2, 8]):
+            model(input_ids=ids())
+    assert compare(tmp_path / "ref", tmp_path / "target").exit_code() == 0
+    assert ffdebug.bisect(tmp_path / "ref", tmp_path / "target").exit_code() == 0
+
+
+def test_slot_invariance_says_which_ranks_and_calls_it_did_not_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        with ffdebug.capture(None, dir=tmp_path, side="target"):
+            for step in (0, 1):
+                with ffdebug.step(step=step):
+                    ffdebug.tap("h", torch.ones(2, 3))
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    code, data = run("slot-invariance", "--dir", str(tmp_path), "--slots", "2")
+    assert code == 4
+    missing = " | ".join(data["coverage"]["missing"])
+    assert (
+        "rank(s) 1 of the batched run were not checked" in missing
+        and "1 other non-warm-up call(s)" in missing
+    )

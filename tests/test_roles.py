@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -248,3 +249,53 @@ def test_children_without_a_role_are_warned_recorded_and_listed_in_coverage(tmp_
         in res.coverage.selected_out
     )
     assert "L000.a.out" in {s.key for s in res.stages}
+
+
+def test_first_call_records_keep_execution_order(hf, tmp_path):
+    """The first call of a block is held until its roles are known; taps and children are then
+    written in the order they ran, so a bad attention norm is the first lossy sub-stage (not the
+    rotated q that comes after it)."""
+    ref = dump(hf, tmp_path, "ref")
+    bad = copy.deepcopy(hf)
+    with torch.no_grad():
+        bad.model.layers[0].input_layernorm.weight.mul_(1.5)
+    tgt = dump(bad, tmp_path, "target")
+    order = [r.key for r in open_side(tgt).records if r.key.startswith("L000.")]
+    assert order == [f"L000.{s}" for s in BLOCK]
+    r = ffdebug.bisect(ref, tgt)
+    assert (r.first_divergence.key, r.sub_stage.key) == ("L000.attn_norm_out", "L000.attn_norm_out")
+
+
+def test_a_port_with_token_and_position_embeddings_finds_its_input_embedding(tmp_path):
+    class Gpt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wpe = torch.nn.Embedding(16, 8)  # registered first on purpose
+            self.wte = torch.nn.Embedding(50, 8)
+            self.h = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+            self.head = torch.nn.Linear(8, 50)
+
+        def forward(self, input_ids):
+            x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1]))
+            for b in self.h:
+                x = b(x)
+            return self.head(x)
+
+    model = Gpt()
+    with ffdebug.capture(model, dir=tmp_path, side="s"), torch.no_grad():
+        model(input_ids=torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(0)))
+    recs = {r.key: r for r in open_side(tmp_path / "s").records}
+    assert "final.logits" in recs and recs["embed.out"].module_class == "Embedding"
+    assert torch.equal(recs["embed.out"].load(), model.wte(recs["embed.input_ids"].load()).detach())
+
+
+def test_tap_function_restores_what_it_replaced(tmp_path):
+    import llama_ports
+
+    original = llama_ports.rope
+    t1 = ffdebug.tap_function("llama_ports:rope", ("a", "b"))
+    t2 = ffdebug.tap_function("llama_ports:rope", ("c", "d"))
+    t2.remove()
+    assert llama_ports.rope is not original and llama_ports.rope.__wrapped__ is original  # t1 still on
+    t1.remove()
+    assert llama_ports.rope is original

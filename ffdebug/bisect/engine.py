@@ -134,11 +134,23 @@ def _per_class(rows: list[LayerRow], p: pat.Pattern) -> list[ClassSummary]:
     return list(out.values())
 
 
-def _by_call(stages: list[StageResult]) -> dict[tuple, list[StageResult]]:
-    groups: dict[tuple, list[StageResult]] = {}
+def _by_call(stages: list[StageResult]) -> list[tuple[CallRef, list[StageResult]]]:
+    """The stages of each paired call, in execution order; a call whose target ranks were each
+    compared with a single-rank reference is analysed once per rank (shared stages in each)."""
+    groups: dict[tuple, tuple[CallRef, list[StageResult]]] = {}
     for e in stages:
-        groups.setdefault((tuple(sorted(e.step.items())), e.call), []).append(e)
-    return groups
+        key = (tuple(sorted((str(k), str(v)) for k, v in e.step.items())), e.call)
+        groups.setdefault(key, (CallRef(e.call, dict(e.step)), []))[1].append(e)
+    out = []
+    for ref, st in groups.values():
+        ranks = sorted({e.rank for e in st if e.per_rank})
+        if not ranks:
+            out.append((ref, st))
+            continue
+        for rank in ranks:
+            mine = [e for e in st if not e.per_rank or e.rank == rank]
+            out.append((CallRef(ref.call, ref.step, rank), mine))
+    return out
 
 
 def bisect(
@@ -188,10 +200,10 @@ def bisect(
 
     # one analysis per paired call; the first call that is not a clean match is the one reported
     index = {id(e): i for i, e in enumerate(result.stages)}
-    analyses = [(key, st, _analyse_call(st, None)) for key, st in _by_call(result.stages).items()]
+    analyses = [(key, st, _analyse_call(st, None)) for key, st in _by_call(result.stages)]
     if not analyses:
         raise FFDebugError(f"{result.ref_path} and {result.target_path}: no stage appears on both sides")
-    (tags, call), st, analysis = next((a for a in analyses if not a[2].clean), analyses[0])
+    chosen, st, analysis = next((a for a in analyses if not a[2].clean), analyses[0])
     attribution = None
     if model_target:
         from ffdebug.bisect.attribution import attribute
@@ -202,9 +214,12 @@ def bisect(
 
     p = analysis.pattern
     verdict = worst_of(result.stages)
-    calls = [CallSummary(CallRef(c, dict(t)), a.pattern.name, worst_of(s)) for (t, c), s, a in analyses]
+    calls = [CallSummary(ref, a.pattern.name, worst_of(s)) for ref, s, a in analyses]
     if len(analyses) > 1:
-        notes.append(f"{len(analyses)} paired calls; reporting call {call} {dict(tags) or ''}".rstrip())
+        on_rank = f" on target rank {chosen.rank}" if chosen.rank is not None else ""
+        notes.append(
+            f"{len(analyses)} paired calls; reporting call {chosen.call} {chosen.step or ''}{on_rank}".rstrip()
+        )
     return BisectResult(
         verdict=verdict,
         judgement=V.judge(verdict, analysis.signal),
@@ -218,7 +233,7 @@ def bisect(
         stages=st,
         ref_path=result.ref_path,
         target_path=result.target_path,
-        call=CallRef(call, dict(tags)),
+        call=chosen,
         calls=calls,
         fail_on=V.parse_fail_on(fail_on),
         signal=analysis.signal,

@@ -15,6 +15,8 @@ run's tensor. The first stage that is not bit-identical is classified:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ffdebug import verdict as V
 from ffdebug.compare.metrics import compare_tensors
 from ffdebug.coverage import Coverage, side_coverage, side_sentences
@@ -40,16 +42,26 @@ def _cmp(a, b, slot, against: str) -> SlotCompare:
     return SlotCompare(slot, against, m.cos, m.rel, m.max_abs, m.bit_equal, V.classify(m.cos, m.rel))
 
 
-def _records(store, step: dict | None, call: int | None):
+@dataclass(frozen=True)
+class Checked:
+    """The records of the call and rank checked, and what else the run holds (coverage)."""
+
+    records: list
+    other_calls: int  # non-warm-up calls of the run not checked
+    other_ranks: list[int]  # ranks of the run not checked
+
+
+def _records(store, step: dict | None, call: int | None) -> Checked:
     from ffdebug.compare.pairing import Filters, group_calls
 
-    groups = [g for g in group_calls(store, Filters(step=dict(step or {}))) if not g.warmup]
-    if call is not None:
-        groups = [g for g in groups if g.call == call]
+    every = [g for g in group_calls(store, Filters(step=dict(step or {}))) if not g.warmup]
+    groups = [g for g in every if g.call == call] if call is not None else every
     if not groups:
         raise FFDebugError(f"{store.path}: no non-warm-up call to check; check --step / --call")
     g = groups[0]
-    return [g.records[sk] for sk in g.order if sk[2] == 0]
+    rank = min(g.ranks())
+    records = [g.records[sk] for sk in g.order if sk[2] == rank]
+    return Checked(records, len(every) - 1, sorted(g.ranks() - {rank}))
 
 
 def slot_invariance(
@@ -79,8 +91,9 @@ def slot_invariance(
     single_store = None
     if single is not None:
         single_store = single if isinstance(single, SideStore) else open_side(single)
-    recs = _records(store, step, call)
-    single_recs = {r.key: r for r in _records(single_store, step, None)} if single_store else {}
+    checked = _records(store, step, call)
+    recs = checked.records
+    single_recs = {r.key: r for r in _records(single_store, step, None).records} if single_store else {}
     out: list[SlotStage] = []
     notes: list[str] = []
     skipped = []
@@ -141,6 +154,15 @@ def slot_invariance(
         )
     if stages:
         coverage.selected_out.append(f"--stages {' '.join(stages)}")
+    if checked.other_ranks:
+        ranks = ", ".join(str(r) for r in checked.other_ranks)
+        coverage.missing.append(f"rank(s) {ranks} of the batched run were not checked (one rank is read)")
+    if checked.other_calls:
+        sentence = f"{checked.other_calls} other non-warm-up call(s) of the batched run were not checked"
+        if call is not None:
+            coverage.selected_out.append(f"--call {call}: {sentence}")
+        else:
+            coverage.missing.append(sentence + "; pick one with --call (each call is a separate check)")
     if not out:
         raise FFDebugError(
             f"{store.path}: no stage has {slots} slots along dim {slot_dim}; check --slots / --slot-dim"

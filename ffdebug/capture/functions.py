@@ -25,15 +25,22 @@ TRANSFORMERS_ROTARY = ("apply_rotary_pos_emb", ("attn.q_rot", "attn.k_rot"))
 
 @dataclass
 class FunctionTap:
-    """An installed function tap; `remove()` puts the original back everywhere."""
+    """An installed function tap; `remove()` puts back what each binding held before, where the
+    binding still holds this tap (a later tap of the same function stays until it is removed)."""
 
     spec: str
     original: object
-    replaced: list = field(default_factory=list)  # (module, attribute name)
+    wrapper: object = None
+    replaced: list = field(default_factory=list)  # (module, attribute name, previous value)
 
     def remove(self) -> None:
-        for module, name in self.replaced:
-            setattr(module, name, self.original)
+        for module, name, previous in self.replaced:
+            if getattr(module, name, None) is self.wrapper:
+                setattr(module, name, previous)
+        # modules that imported the function by name while it was tapped
+        for module in list(sys.modules.values()):
+            for attr in _bindings(module, self.wrapper):
+                setattr(module, attr, self.original)
         self.replaced.clear()
 
     def __enter__(self) -> FunctionTap:
@@ -73,8 +80,9 @@ def tap_function(spec: str, stages: tuple[str, ...] | list[str]) -> FunctionTap:
         raise FFDebugError(
             f"tap_function {spec!r}: give the stage names as a tuple, e.g. ('attn.q_rot', 'attn.k_rot')"
         )
-    module, name, original = _resolve(spec)
-    if getattr(original, "__ffdebug_tap__", None):
+    module, name, current = _resolve(spec)
+    original = current
+    while getattr(original, "__ffdebug_tap__", False):  # tapping a tapped function taps the original
         original = original.__wrapped__
     stages = tuple(stages)
 
@@ -88,28 +96,24 @@ def tap_function(spec: str, stages: tuple[str, ...] | list[str]) -> FunctionTap:
         return out
 
     tapped.__ffdebug_tap__ = True
-    handle = FunctionTap(spec, original)
-    for mod in list(sys.modules.values()):
-        for attr in _names_bound_to(mod, original, name):
+    handle = FunctionTap(spec, original, tapped)
+    for mod in list(sys.modules.values()):  # every binding, under any name, of what is there now
+        for attr in _bindings(mod, current):
+            handle.replaced.append((mod, attr, current))
             setattr(mod, attr, tapped)
-            handle.replaced.append((mod, attr))
-    if not handle.replaced:  # the defining module itself always gets it
+    if not handle.replaced:
+        handle.replaced.append((module, name, current))
         setattr(module, name, tapped)
-        handle.replaced.append((module, name))
     return handle
 
 
-def _names_bound_to(module, fn, name: str) -> list[str]:
+def _bindings(module, fn) -> list[str]:
+    """Module-level names bound to `fn` in `module`."""
     try:
         namespace = vars(module)
     except TypeError:
         return []
-    value = namespace.get(name)
-    if value is fn or (
-        getattr(value, "__ffdebug_tap__", False) and getattr(value, "__wrapped__", None) is fn
-    ):
-        return [name]
-    return []
+    return [attr for attr, value in list(namespace.items()) if value is fn]
 
 
 def known_function_taps(block_modules: list[object]) -> list[tuple[str, tuple[str, ...]]]:

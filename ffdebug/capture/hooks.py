@@ -124,11 +124,12 @@ def install(
     def root_pre(module, args, kwargs):
         ids = _input_ids(args, kwargs)
         session.begin_call(ids)
+        if session.call_depth == 1:
+            root_state.update(ids=ids, embedded=False)
         if session.call_depth == 1 and ids is not None:
             capture("embed.input_ids", ids, io="in", module_class=type(module).__name__, module_path="")
 
-    vocab = _vocab_size(model)
-    root_state: dict = {"final_norm": None}
+    root_state: dict = {"final_norm": None, "vocab": _vocab_size(model)}
 
     def root_post(module, args, kwargs, output):
         try:
@@ -141,6 +142,7 @@ def install(
                 logits = getattr(output, "logits", None)
                 if logits is None and isinstance(output, dict):
                     logits = output.get("logits")
+                vocab = root_state["vocab"]
                 if logits is None and isinstance(output, torch.Tensor) and vocab and output.dim() >= 1:
                     logits = output if output.shape[-1] == vocab else None
                 if isinstance(logits, torch.Tensor):
@@ -165,14 +167,26 @@ def install(
     for b in blocks:
         inside_blocks.update(id(m) for m in b.module.modules())
 
-    # input embedding
+    # input embedding: the model's own, else the nn.Embedding outside the blocks fed the root's ids
     emb = _input_embedding(model)
-    if emb is not None and id(emb) not in inside_blocks:
-        handle.add(
-            emb.register_forward_hook(
-                lambda m, a, o: capture("embed.out", o, module_class=type(m).__name__, module_path="embed")
-            )
-        )
+    known = emb is not None
+    candidates = [emb] if known else [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    for e in candidates:
+        if id(e) in inside_blocks:
+            continue
+
+        def emb_post(m, a, o, known=known):
+            if session.call_depth != 1 or root_state.get("embedded"):
+                return
+            ids = root_state.get("ids")
+            if not known and not (a and isinstance(a[0], torch.Tensor) and _same_ids(a[0], ids)):
+                return
+            root_state["embedded"] = True
+            if root_state["vocab"] is None:
+                root_state["vocab"] = getattr(m, "num_embeddings", None)
+            capture("embed.out", o, module_class=type(m).__name__, module_path="embed")
+
+        handle.add(e.register_forward_hook(emb_post))
 
     # final norm: the last norm (by type or behaviour) that runs after the last block
     root_state["blocks_done"] = 0
@@ -198,6 +212,15 @@ def install(
     for spec, stages in (*known_function_taps([b.module for b in blocks]), *config.tap_functions):
         handle.add(tap_function(spec, stages))
     return handle
+
+
+def _same_ids(x, ids) -> bool:
+    """`x` is the root's token ids (the same tensor, or equal values)."""
+    import torch
+
+    if ids is None:
+        return False
+    return x is ids or (x.shape == ids.shape and x.dtype == ids.dtype and bool(torch.equal(x, ids)))
 
 
 def _vocab_size(model) -> int | None:
@@ -252,7 +275,7 @@ def _install_block(handle: Handle, session, capture, block, sub_globs: tuple[str
     prefix = f"L{block.layer:03d}"
     children = ChildRoles(session, capture, block, prefix, base)
     children.install(handle)
-    _hook_block_io(handle, session, capture, block, prefix, base, children.flush, block_done)
+    _hook_block_io(handle, session, capture, block, prefix, base, children.begin, children.flush, block_done)
     if sub_globs:
         _hook_substages(handle, session, capture, block, prefix, base, sub_globs)
 
@@ -264,7 +287,7 @@ def _capture_outputs(capture, key: str, output, **meta) -> None:
 
 
 def _hook_block_io(
-    handle: Handle, session, capture, block, prefix: str, base: dict, flush, block_done
+    handle: Handle, session, capture, block, prefix: str, base: dict, begin, flush, block_done
 ) -> None:
     """`L{NNN}.hidden_in` (+ `encoder_hidden_in`) before the block, `L{NNN}.hidden_out` after.
 
@@ -286,6 +309,7 @@ def _hook_block_io(
         enc = kwargs.get("encoder_hidden_states")
         if isinstance(enc, torch.Tensor):
             capture(f"{prefix}.encoder_hidden_in", enc, io="in", invocation=inv, **meta)
+        begin()
 
     def post(module, args, kwargs, output):
         try:
@@ -307,9 +331,11 @@ def _hook_block_io(
 class ChildRoles:
     """The direct children of one block, named by role (`ffdebug.models.roles`).
 
-    On the block's first call the children's outputs are held (a copy, and the live tensor for
-    its gradient) until the block returns: only then is the order around the residual adds known.
-    Later calls capture at once under the names decided then."""
+    On the block's first call every capture made inside it (its children, taps, sub-stages, inner
+    blocks) is held by the session, in capture order, until the block returns: only then is the
+    order around the residual adds known. The held captures are then written in that same order
+    (a copy of each tensor is held, and the live one for its gradient). Later calls capture at
+    once under the names decided then."""
 
     _warned: set[str] = set()
 
@@ -318,7 +344,7 @@ class ChildRoles:
         self.prefix, self.base = prefix, base
         self.names: dict[str, str] | None = None
         self.called: list[tuple[str, str]] = []
-        self.held: list[tuple] = []
+        self.holding = False
 
     def install(self, handle: Handle) -> None:
         for name, child in self.block.module.named_children():
@@ -332,32 +358,43 @@ class ChildRoles:
                     )
                 )
 
+    def begin(self) -> None:
+        """At the block's start (after its input was captured): hold until the names are known."""
+        if self.names is None and not self.holding:
+            self.holding = True
+            self.session.begin_hold()
+
     def on_output(self, name: str, module, output, meta: dict) -> None:
         inv = self.session.invocations.get(self.block.path, 1) - 1
         if self.names is not None:
-            stage = self.names.get(name, f"{name}.out")
-            _capture_outputs(self.capture, f"{self.prefix}.{stage}", output, invocation=inv, **meta)
+            self.emit(name, [(sfx, t, t) for sfx, t in _tensors(output)], inv, meta)
             return
         pairs = list(_tensors(output))
         if not pairs:
             return
         if name not in {n for n, _ in self.called}:
             self.called.append((name, NORM if is_norm(module, pairs[0][1]) else BRANCH))
-        self.held.append((name, [(sfx, t.detach().clone(), t) for sfx, t in pairs], inv, meta))
+        held = [(sfx, t.detach().clone(), t) for sfx, t in pairs]
+        if not self.session.hold(lambda: self.emit(name, held, inv, meta)):
+            self.emit(name, held, inv, meta)
+
+    def emit(self, name: str, pairs: list, inv: int, meta: dict) -> None:
+        stage = (self.names or {}).get(name, f"{name}.out")
+        for i, (suffix, copy, live) in enumerate(pairs):
+            key = f"{self.prefix}.{stage}" if i == 0 else f"{self.prefix}.{stage}{suffix}"
+            self.capture(key, copy, grad_source=live, invocation=inv, **meta)
 
     def flush(self) -> None:
         """At the block's return: decide the names (first call) and write what was held."""
-        if self.names is None and self.called:
+        if self.names is None:
             placement = place_children(self.called, CANONICAL_CHILDREN)
             self.names = placement.names
             if placement.unplaced:
                 self._warn(placement.unplaced)
-        held, self.held = self.held, []
-        for name, pairs, inv, meta in held:
-            stage = (self.names or {}).get(name, f"{name}.out")
-            for i, (suffix, copy, live) in enumerate(pairs):
-                key = f"{self.prefix}.{stage}" if i == 0 else f"{self.prefix}.{stage}{suffix}"
-                self.capture(key, copy, grad_source=live, invocation=inv, **meta)
+        if self.holding:
+            self.holding = False
+            for replay in self.session.end_hold():
+                replay()
 
     def _warn(self, unplaced: tuple[str, ...]) -> None:
         import sys

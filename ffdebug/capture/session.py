@@ -90,6 +90,8 @@ class Session:
         self.invocations: dict[tuple, int] = {}
         self.input_ids_sha: str | None = None
         self.unplaced: dict[str, list[str]] = {}  # block class -> children without a role
+        self._held: list | None = None
+        self._hold_depth = 0
         self.closed = False
 
     # -- writer -----------------------------------------------------------------------------
@@ -164,6 +166,10 @@ class Session:
     def capture(self, key: str, tensor, tags: dict | None = None, **meta) -> None:
         """Write one tensor, cloned (the dump must not see later in-place ops). `tags` are step tags
         of this capture only, on top of the `ffdebug.step(...)` ones."""
+        if self._held is not None:  # inside a block's first call: written in order at its return
+            copy, extra = tensor.detach().clone(), dict(tags or {})
+            self._held.append(lambda: self.capture(key, copy, tags=extra, **meta))
+            return
         ids = key == "embed.input_ids" or bool((meta.get("extra") or {}).get("input_ids"))
         if not self.wants(key, meta.get("layer"), ids):
             self.filtered += 1
@@ -189,6 +195,27 @@ class Session:
 
             self.input_ids_sha = sha256_of_tensor(t)
             self.writer().update_run_info(input_ids_sha256=self.input_ids_sha)
+
+    # -- holding (a block's first call: its captures wait until the block's stage names are known)
+    def begin_hold(self) -> None:
+        if self._hold_depth == 0:
+            self._held = []
+        self._hold_depth += 1
+
+    def end_hold(self) -> list:
+        """Leave one hold level; the held replays (in capture order) when the outermost ends."""
+        self._hold_depth = max(0, self._hold_depth - 1)
+        if self._hold_depth:
+            return []
+        held, self._held = self._held or [], None
+        return held
+
+    def hold(self, replay) -> bool:
+        """Queue `replay()` while holding; False when nothing is held (the caller acts now)."""
+        if self._held is None:
+            return False
+        self._held.append(replay)
+        return True
 
     def note_unplaced(self, block_class: str, children: tuple[str, ...]) -> None:
         """Record in run.json the block children role detection could not name (coverage lists them)."""

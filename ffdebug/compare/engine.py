@@ -169,6 +169,10 @@ def compare(
     notes: list[str] = []
     if pairing.warmup_skipped:
         notes.append(f"{len(pairing.warmup_skipped)} warm-up call(s) on the target side were set aside")
+    if pairing.warmup_skipped_ref:
+        notes.append(
+            f"{len(pairing.warmup_skipped_ref)} warm-up call(s) on the reference side were set aside"
+        )
     if any(e.stats_only for e in stages_out):
         notes.append("some stages were dumped as statistics only and compared on their stats")
     if any(r["matches"] and not r["declared"] for r in readings):

@@ -3,13 +3,13 @@
 A *call group* is every record with the same step tags and call index. Reference groups are
 matched to target groups with equal step tags, preferring equal input ids, then equal call index
 among non-warm-up calls, then the call that looks like the same prefill (`pick_prefill_call`).
-Target groups tagged `phase=warmup` (or guessed so: a dummy batch of one repeated id) that have no
-counterpart are set aside, never reported as divergences.
+Groups tagged `phase=warmup` (or guessed so: a dummy batch of one repeated id) that have no
+counterpart, on either side, are set aside, never reported as divergences or missing calls.
 
-Ranks: when one side was dumped on several ranks and the other on fewer (a TP engine against a
-single-process reference), `align_ranks` folds the multi-rank records of each stage into one:
-summed when the manifest says `reduction="partial"`, concatenated along `shard.dim` when it gives a
-`shard`, else rank 0 stands for all (replicated), with the other ranks kept for diagnosis.
+Ranks (`pair_stages`, docs/architecture.md "Ranks"): the same ranks on both sides pair rank by
+rank; otherwise the reference is folded to one rank as its manifest declares, and every target
+rank is compared: folded when the manifest says `reduction="partial"` (summed) or gives a `shard`
+(concatenated along `shard.dim`), else each rank on its own as a replica of the reference.
 """
 
 from __future__ import annotations
@@ -143,7 +143,8 @@ class Pairing:
     pairs: list[tuple[CallGroup, CallGroup]]
     unpaired_ref: list[CallGroup]
     unpaired_target: list[CallGroup]
-    warmup_skipped: list[CallGroup]
+    warmup_skipped: list[CallGroup]  # the target's warm-up calls without a counterpart
+    warmup_skipped_ref: list[CallGroup] = field(default_factory=list)  # the reference's
 
 
 def pair_calls(ref_groups: list[CallGroup], tgt_groups: list[CallGroup]) -> Pairing:
@@ -189,7 +190,9 @@ def pair_calls(ref_groups: list[CallGroup], tgt_groups: list[CallGroup]) -> Pair
         pairs.append((rg, tgt_groups[choice]))
     left = [g for i, g in enumerate(tgt_groups) if i not in used]
     warm = [g for g in left if g.warmup]
-    return Pairing(pairs, unpaired_ref, [g for g in left if not g.warmup], warm)
+    warm_ref = [g for g in unpaired_ref if g.warmup]
+    real_ref = [g for g in unpaired_ref if not g.warmup]
+    return Pairing(pairs, real_ref, [g for g in left if not g.warmup], warm, warm_ref)
 
 
 def _shapes_agree(a: CallGroup, b: CallGroup) -> bool:
@@ -205,29 +208,6 @@ def merge_rank_records(parts: list[Record]) -> Record:
     """Fold one stage's per-rank records as their manifest says (partial sums, shards, replicas)."""
     plan, ordered = manifest_plan(parts)
     return fold(ordered, plan)
-
-
-def align_ranks(group: CallGroup, other: CallGroup) -> CallGroup:
-    """`group` with its stages folded to rank 0 when it has ranks that `other` lacks."""
-    mine, theirs = group.ranks(), other.ranks()
-    if len(mine) <= 1 or mine <= theirs:
-        return group
-    by_stage: dict[tuple, list[Record]] = {}
-    order: list[tuple] = []
-    for sk in group.order:
-        stage = (sk[0], sk[1])
-        if stage not in by_stage:
-            by_stage[stage] = []
-            order.append(stage)
-        by_stage[stage].append(group.records[sk])
-    out = CallGroup(tags=group.tags, call=group.call, phase=group.phase, input_ids=group.input_ids)
-    for stage in order:
-        parts = by_stage[stage]
-        rec = parts[0] if len(parts) == 1 else merge_rank_records(parts)
-        sk = (stage[0], stage[1], 0)
-        out.records[sk] = rec
-        out.order.append(sk)
-    return out
 
 
 def _ids(rec: Record, label: str):
@@ -314,20 +294,32 @@ def _by_stage(group: CallGroup) -> tuple[list[tuple], dict[tuple, list[Record]]]
 def pair_stages(rg: CallGroup, tg: CallGroup) -> StagePairing:
     """Pair the stages of one paired call across ranks.
 
-    Same ranks on both sides: rank r with rank r. One rank each (also `--rank N` against a
-    single-rank reference): stage with stage. A single-rank reference against several target
-    ranks: each stage's ranks folded as the manifest declares (partial sums, shards), else every
-    rank is a replica compared with the reference. Otherwise both sides are folded to one rank."""
+    Same ranks on both sides: rank r with rank r. Otherwise the reference is folded to one rank
+    (as its manifest declares; replicated: rank 0 stands), and then: one target rank (also
+    `--rank N`): stage with stage; several: each stage's target ranks folded as the manifest
+    declares (partial sums, shards), else every target rank is a replica compared with the
+    reference — never a target rank left out."""
     ref_ranks, tgt_ranks = rg.ranks(), tg.ranks()
     if ref_ranks == tgt_ranks:
         return _pair_exact(rg, tg)
-    if len(tgt_ranks) > 1 and len(ref_ranks) == 1:
+    if len(ref_ranks) > 1:  # the reference folded to one rank by its manifest (replicated: rank 0)
+        rg = fold_all(rg)
+    if len(tgt_ranks) > 1:  # every target rank compared: declared folds, else each as a replica
         return _pair_replicas(rg, tg)
-    if len(tgt_ranks) > 1:
-        tg = align_ranks(tg, rg)
-    if len(ref_ranks) > 1:
-        rg = align_ranks(rg, tg)
     return _pair_by_stage(rg, tg)
+
+
+def fold_all(group: CallGroup) -> CallGroup:
+    """`group` with every stage's ranks folded to one record, as its manifest declares."""
+    order, parts = _by_stage(group)
+    out = CallGroup(tags=group.tags, call=group.call, phase=group.phase, input_ids=group.input_ids)
+    for stage in order:
+        pieces = parts[stage]
+        rec = pieces[0] if len(pieces) == 1 else merge_rank_records(pieces)
+        sk = (stage[0], stage[1], 0)
+        out.records[sk] = rec
+        out.order.append(sk)
+    return out
 
 
 def _pair_exact(rg: CallGroup, tg: CallGroup) -> StagePairing:

@@ -34,6 +34,8 @@ def bisect_sentence(result: BisectResult) -> str:
         where = f"{first.key} (outside the layers)"
     else:
         where = f"layer {first.layer} ({first.layer_class or 'no class'}), {first.stage}"
+    if first.per_rank:
+        where += f" on target rank {first.rank}"
     sub = result.sub_stage
     inside = ""
     if sub is not None and first.layer is not None and sub.stage != first.stage:
