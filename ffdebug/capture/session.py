@@ -112,6 +112,8 @@ class Session:
                 max_bytes=self.config.max_bytes,
                 overwrite=self.config.overwrite,
             )
+            if self.unplaced:
+                self._writer.update_run_info(unplaced_stages=dict(self.unplaced))
         return self._writer
 
     # -- calls ------------------------------------------------------------------------------
@@ -222,7 +224,8 @@ class Session:
         if not self.enabled_rank or self.unplaced.get(block_class) == list(children):
             return
         self.unplaced[block_class] = list(children)
-        self.writer().update_run_info(unplaced_stages=dict(self.unplaced))
+        if self._writer is not None:  # else written when the writer starts (a tracer never has one)
+            self._writer.update_run_info(unplaced_stages=dict(self.unplaced))
 
     def tap(self, stage: str, tensor, tags: dict) -> None:
         """A free tap. Reserved tags describe the tensor (`io`, `shard`, `reduction`, `layer`,
