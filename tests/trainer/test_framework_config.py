@@ -79,6 +79,7 @@ CONTRACTS = [
     ("dppo", "generation+runtime_reward", None),
     ("grpo", "generation+runtime_reward", None),
     ("grpo_guard", "generation+runtime_reward", None),
+    ("nft", "generation+runtime_reward", None),
     ("offline_dpo", "dataset+none", "preference"),
     ("online_dpo", "generation+runtime_reward", None),
     ("sft", "dataset+none", "demonstration"),
