@@ -124,10 +124,15 @@ class DecoupledTrainer(BaseTrainer):
         """The snapshot that rolls out (None: the live policy)."""
         return None
 
+    def train_terms(self, steps: int) -> list[tuple[int, ...]]:
+        """The backward terms of a minibatch, each a tuple of trained step indices j: by default one
+        term per σ_j (accumulated); AWM trains all its σ_j in one term (its ratio may average over them)."""
+        return [(j,) for j in range(steps)]
+
     def term_loss(
-        self, samples: DecoupledSamples, index: torch.Tensor, j: int, minibatch: int
+        self, samples: DecoupledSamples, index: torch.Tensor, js: tuple[int, ...], minibatch: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of samples ``index`` at σ_j and its metrics (override)."""
+        """The loss of samples ``index`` at the noise levels σ_j, j ∈ ``js``, and its metrics (override)."""
         raise NotImplementedError
 
     def after_step(self) -> None:
@@ -186,12 +191,13 @@ class DecoupledTrainer(BaseTrainer):
         chunks = self.minibatch_order(samples).chunk(args.gradient_steps_per_iteration)
         for m, minibatch in self.cycle_steps(list(enumerate(chunks))):
             index = self.backend.local_part(minibatch)
+            terms = self.train_terms(steps)
             with ffdebug.step(**self.step_tags("train")), self.optim.phase("policy") as phase:
-                for j in range(steps):
-                    with ffdebug.step(timestep=j, microbatch=phase.backward_calls):
-                        loss, metrics = self.term_loss(samples, index, j, m)
+                for js in terms:
+                    with ffdebug.step(timestep=js[0], microbatch=phase.backward_calls):
+                        loss, metrics = self.term_loss(samples, index, js, m)
                     metrics.pop("loss", None)  # the step's loss is logged by the base
-                    phase.backward(loss / steps, metrics)
+                    phase.backward(loss / len(terms), metrics)
             self.after_step()
         if not self._cycle_cut:
             self.after_cycle()

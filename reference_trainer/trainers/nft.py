@@ -89,10 +89,11 @@ class NFTTrainer(DecoupledTrainer):
         return self.variants.snapshot("old")
 
     def term_loss(
-        self, samples: DecoupledSamples, index: torch.Tensor, j: int, minibatch: int
+        self, samples: DecoupledSamples, index: torch.Tensor, js: tuple[int, ...], minibatch: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """``losses.nft.nft_loss`` of samples ``index`` at σ_j (module docstring)."""
+        """``losses.nft.nft_loss`` of samples ``index`` at σ_j, ``js = (j,)`` (module docstring)."""
         args = self.args
+        (j,) = js
         x0, _, sigma, x_t = self.noised(samples, index, j, minibatch)
         condition = samples.condition.select(index)
         v_old = self.velocity(x_t, sigma, condition, snapshot="old")
