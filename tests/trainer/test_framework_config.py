@@ -76,6 +76,7 @@ def test_trainer_list_is_derived_from_both_registries(monkeypatch):
 # every registered trainer: (name, the contract both of its classes declare, dataset supervision)
 CONTRACTS = [
     ("awm", "generation+runtime_reward", None),
+    ("crd", "generation+runtime_reward", None),
     ("dgpo", "generation+runtime_reward", None),
     ("dmd2", "generation+none", None),
     ("dppo", "generation+runtime_reward", None),
