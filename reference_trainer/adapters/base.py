@@ -259,6 +259,62 @@ class BaseAdapter(ABC):
             The velocity, [B, C, H, W] fp32.
         """
 
+    # ---------------------------------------------------------------- classifier-free guidance
+    def unconditional(self, batch_size: int) -> Condition:
+        """The unconditional (empty-prompt) condition, ``batch_size`` rows: the negative prompt "" of
+        diffusers' SD3 / Flux pipelines when no negative prompt is given.
+
+        Args:
+            batch_size: rows.
+
+        Returns:
+            ``encode_prompt([""] * batch_size)``.
+        """
+        return self.encode_prompt([""] * batch_size)
+
+    def guided_forward(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        condition: Condition,
+        *,
+        guidance_scale: float,
+        uncondition: Condition | None = None,
+        module: nn.Module | None = None,
+        parameters: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Classifier-free guided velocity v_u + s·(v_c − v_u) (Ho & Salimans 2022, arXiv 2207.12598; the
+        diffusers SD3 pipeline's ``noise_pred_uncond + guidance_scale * (noise_pred_text − noise_pred_uncond)``),
+        computed like diffusers in one forward of the doubled batch [uncond, cond]. ``guidance_scale`` ≤ 1
+        is no guidance: the plain conditional ``forward``.
+
+        Args:
+            latents: x_σ, [B, C, H, W].
+            sigma: σ per sample, [B].
+            condition: the conditional rows, [B].
+            guidance_scale: s.
+            uncondition: the unconditional rows (default: ``unconditional(B)``).
+            module: the variant to run (default: the trainable one).
+            parameters: a snapshot used functionally instead of ``module``'s weights.
+
+        Returns:
+            The guided velocity, [B, C, H, W] fp32.
+        """
+        if guidance_scale <= 1.0:
+            return self.forward(latents, sigma, condition, module=module, parameters=parameters)
+        uncondition = uncondition if uncondition is not None else self.unconditional(len(condition))
+        if len(uncondition) != len(condition):
+            raise ValueError(f"{len(uncondition)} unconditional rows for {len(condition)} conditional ones")
+        both = self.forward(
+            torch.cat([latents, latents]),
+            torch.cat([sigma, sigma]),
+            Condition.cat([uncondition, condition]),
+            module=module,
+            parameters=parameters,
+        )
+        v_uncond, v_cond = both.chunk(2)
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+
     # ---------------------------------------------------------------- shared helpers
     def encode_prompt(self, prompts: Sequence[str]) -> Condition:
         """Text conditions for ``prompts``; adapters without text conditioning do not override it.

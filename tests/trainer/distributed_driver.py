@@ -6,6 +6,8 @@ distributed_driver.py probe OUT
 distributed_driver.py resume OUT TRAINER N M [key=value ...]
     a straight N-step run into OUT/straight, then an M-step run into OUT/cut resumed to N (all with
     backend.kind=ddp); the test compares the two directories.
+distributed_driver.py straight OUT TRAINER N [key=value ...]
+    one N-step run into OUT/straight (backend.kind=ddp), e.g. for a one-rank comparison.
 """
 
 from __future__ import annotations
@@ -104,5 +106,10 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     if mode == "probe":
         probe(out)
+    elif mode == "straight":
+        from reference_trainer.run import train
+
+        config = (example(sys.argv[3]), "backend.kind=ddp", *sys.argv[5:])
+        train(load(*config, max_steps=int(sys.argv[4])), out / "straight")
     else:
         resume(out, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:])

@@ -35,6 +35,9 @@ GOLDEN_OVERRIDES: dict[str, list[str]] = {
     "grpo": ["train.kl_beta=0.001", "train.gradient_steps_per_iteration=2"],
     "grpo_guard": ["train.kl_beta=0.001"],
     "dppo": ["train.kl_beta=0.001"],
+    "nft": ["train.kl_beta=0.001"],
+    "dgpo": ["train.kl_beta=0.001"],
+    "awm": ["train.kl_beta=0.001", "train.ema_kl_beta=0.1"],
     # evaluations off: they do not touch the training numbers, only the time
     "dmd2": ["eval.every=0"],
     "offline_dpo": ["eval.every=0"],

@@ -75,10 +75,14 @@ def test_trainer_list_is_derived_from_both_registries(monkeypatch):
 
 # every registered trainer: (name, the contract both of its classes declare, dataset supervision)
 CONTRACTS = [
+    ("awm", "generation+runtime_reward", None),
+    ("crd", "generation+runtime_reward", None),
+    ("dgpo", "generation+runtime_reward", None),
     ("dmd2", "generation+none", None),
     ("dppo", "generation+runtime_reward", None),
     ("grpo", "generation+runtime_reward", None),
     ("grpo_guard", "generation+runtime_reward", None),
+    ("nft", "generation+runtime_reward", None),
     ("offline_dpo", "dataset+none", "preference"),
     ("online_dpo", "generation+runtime_reward", None),
     ("sft", "dataset+none", "demonstration"),
