@@ -22,6 +22,7 @@ minibatch order (DGPO keeps whole groups) and the noise key (DGPO shares ε with
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -129,11 +130,12 @@ class DecoupledTrainer(BaseTrainer):
         term per σ_j (accumulated); AWM trains all its σ_j in one term (its ratio may average over them)."""
         return [(j,) for j in range(steps)]
 
+    @abstractmethod
     def term_loss(
         self, samples: DecoupledSamples, index: torch.Tensor, js: tuple[int, ...], minibatch: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of samples ``index`` at the noise levels σ_j, j ∈ ``js``, and its metrics (override)."""
-        raise NotImplementedError
+        """The loss of samples ``index`` at the noise levels σ_j, j ∈ ``js``, and its metrics (each
+        algorithm's own)."""
 
     def after_step(self) -> None:
         """Called after each optimizer step (snapshot updates)."""
