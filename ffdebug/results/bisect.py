@@ -1,0 +1,131 @@
+"""What bisect found: the layer budget, per-class summaries, the calls, and `BisectResult`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ffdebug.coverage import Coverage
+from ffdebug.results.stages import CallRef, CoveredVerdict, StageResult
+from ffdebug.verdict import PatternName, Severity, at_least
+
+
+@dataclass
+class LayerRow:
+    """One layer's error budget (bisect): rel in / out of the block, the error it adds."""
+
+    layer: int
+    layer_class: str | None
+    rel_in: float | None = None
+    rel_out: float | None = None
+    cos_in: float | None = None
+    cos_out: float | None = None
+    added: float | None = None
+    severity: Severity = Severity.OK  # of hidden_out (bands, after noise)
+    exact_in: bool = False  # hidden_in (or embed.out) dumped, bit-equal, same dtype on both sides
+    exact_out: bool = False
+    noise_added: float | None = None
+    noise_rel_out: float | None = None
+    local: str | None = None  # attribution verdict: "local" | "inherited" | None (not run)
+    introduces: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["severity"] = self.severity.value
+        return out
+
+
+@dataclass
+class ClassSummary:
+    """Per layer class: its layers, the first bad layer, the layers introducing error."""
+
+    layer_class: str
+    layers: list[int] = field(default_factory=list)
+    first_bad_layer: int | None = None
+    first_over_threshold: int | None = None
+    introducing: list[int] = field(default_factory=list)
+    max_added: float | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CallSummary:
+    """One paired call's pattern and worst severity (bisect's `calls`)."""
+
+    call: CallRef
+    pattern: PatternName
+    verdict: Severity
+
+    def to_json(self) -> dict:
+        return {**self.call.to_json(), "pattern": self.pattern.value, "verdict": self.verdict.value}
+
+
+FIRST_DIVERGENCE_FIELDS = ("layer", "layer_class", "stage", "key", "severity", "cos", "rel")
+SUB_STAGE_FIELDS = ("stage", "key", "severity", "cos", "rel")
+
+
+@dataclass
+class BisectResult(CoveredVerdict):
+    """Where the target first parts from the reference. Truthy when the judgement is below
+    `fail_on`. `verdict` is the worst band; `judgement` is the verdict raised to bug by a signal."""
+
+    verdict: Severity
+    judgement: Severity
+    pattern: PatternName
+    reason: str
+    first_divergence: StageResult | None
+    sub_stage: StageResult | None
+    sub_stage_why: str
+    per_class: list[ClassSummary]
+    layers: list[LayerRow]
+    stages: list[StageResult]
+    ref_path: str
+    target_path: str
+    call: CallRef
+    calls: list[CallSummary]
+    fail_on: Severity = Severity.DIVERGE
+    signal: str | None = None
+    shards: list[dict] = field(default_factory=list)
+    attribution: list[dict] | None = None
+    warmup_skipped: int = 0
+    notes: list[str] = field(default_factory=list)
+    conclusion: str = ""  # the closing sentence, written by ffdebug.report.bisect_text.conclude
+    coverage: Coverage = field(default_factory=Coverage)
+    allow_partial: bool = False
+
+    def failed(self, fail_on: Severity | str | None = None) -> bool:
+        return at_least(self.judgement, fail_on or self.fail_on)
+
+    def to_json(self) -> dict:
+        sub = None
+        if self.sub_stage is not None:
+            sub = dict(self.sub_stage.summary(*SUB_STAGE_FIELDS), why=self.sub_stage_why)
+        first = self.first_divergence.summary(*FIRST_DIVERGENCE_FIELDS) if self.first_divergence else None
+        return {
+            "verdict": self.verdict.value,
+            "first_divergence": first,
+            "pattern": self.pattern.value,
+            "per_class": [c.to_json() for c in self.per_class],
+            "sub_stage": sub,
+            "reason": self.reason,
+            "signal": self.signal,
+            "judgement": self.judgement.value,
+            "layers": [r.to_json() for r in self.layers],
+            "call": self.call.to_json(),
+            "calls": [c.to_json() for c in self.calls],
+            "shards": self.shards,
+            "attribution": self.attribution,
+            "warmup_skipped": self.warmup_skipped,
+            "stages": [s.to_json() for s in self.stages],
+            "ref": self.ref_path,
+            "target": self.target_path,
+            "notes": self.notes,
+            "fail_on": self.fail_on.value,
+            "passed": self.exit_code() == 0,
+            "complete": self.complete,
+            "coverage": self.coverage.to_json(),
+            "allow_partial": self.allow_partial,
+            "conclusion": self.conclusion,
+        }
