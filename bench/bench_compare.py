@@ -1,4 +1,4 @@
-"""Compare two ~SIZE stores against simply reading them (DESIGN §8).
+"""Compare two ~SIZE stores against simply reading them (README "Benchmarks").
 
 Writes two stores (ref, target = ref + small noise) of `--size` bytes of fp32 each, in tensors of
 `--tensor-mb`, then measures as whole processes:

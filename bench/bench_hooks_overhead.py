@@ -1,6 +1,6 @@
 """Forward time: no ffdebug vs dumps disabled (install returns None) vs stats-only dumps.
 
-Target (DESIGN §8): disabled / none ≤ 1.01 (and no hook installed at all). Usage:
+Target (README "Benchmarks"): disabled / none ≤ 1.01 (and no hook installed at all). Usage:
 python bench/bench_hooks_overhead.py [--iters 200]
 """
 

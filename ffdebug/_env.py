@@ -1,4 +1,4 @@
-"""Every environment variable ffdebug reads, parsed and validated once per process (DESIGN §2).
+"""Every environment variable ffdebug reads, parsed and validated once per process (README "Dumping your own runs").
 
 `dump_config()` returns `None` when forward dumps are disabled (no `FFDEBUG_FWD_DUMP_DIR` and no
 `ATOM_FWD_DUMP_DIR`), so the disabled path costs one cached lookup. An invalid value raises

@@ -1,6 +1,6 @@
 """A small, complete, CPU-runnable reference trainer for diffusion / flow-matching RL finetuning.
 
-Layers, imports pointing down only (DESIGN.md §9):
+Layers, imports pointing down only (docs/architecture.md):
 
 1. ``errors`` (``ConfigError``, ``require``), ``contracts`` (``ExecutionContract``), ``registry``
    (trainers with their TrainingArguments, adapters), ``config`` (YAML -> frozen dataclasses);

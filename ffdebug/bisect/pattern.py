@@ -1,10 +1,10 @@
-"""Per-layer error budget and the pattern of a divergence (DESIGN §5).
+"""Per-layer error budget and the pattern of a divergence (README "Comparing" and "--json" keys).
 
 For every layer L with a block input and output dumped on both sides (rel against the reference):
 
     rel_in(L)  = rel of L's hidden_in          (error the layer inherits)
     rel_out(L) = rel of L's hidden_out         (error it passes on)
-    added(L)   = rel_out(L) - rel_in(L)        (error it adds; DESIGN: error out - error in)
+    added(L)   = rel_out(L) - rel_in(L)        (error it adds; README: error out − error in)
 
 A layer *introduces* error when `added` is beyond noise: above k x the noise run's added error
 for that layer (k = 2 for fp32, 3 for bf16/fp16) when a noise run is given, else above 0, and in
@@ -146,7 +146,7 @@ def _localised(name: PatternName, focus: LayerRow, intro: list[LayerRow], reason
 
 
 def decide(rows: list[LayerRow]) -> Pattern:
-    """The pattern of the error budget, in DESIGN order: match, layer_class, jump, drift."""
+    """The pattern of the error budget, in README order: match, layer_class, jump, drift."""
     intro = [r for r in rows if r.introduces]
     if not intro:
         return Pattern(PatternName.MATCH, None, [], "no layer introduces error beyond noise")

@@ -1,1 +1,1 @@
-"""Capturing: sessions, module hooks, taps, reference patching and weight dumps (DESIGN §2)."""
+"""Capturing: sessions, module hooks, taps, reference patching and weight dumps (README "Dumping your own runs")."""

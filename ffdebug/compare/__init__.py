@@ -1,1 +1,1 @@
-"""Pairing, float64 metrics and severity verdicts (DESIGN §4)."""
+"""Pairing, float64 metrics and severity verdicts (README "Comparing")."""

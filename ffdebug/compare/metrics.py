@@ -10,7 +10,7 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
 
 Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 64 Ki-element chunks copied into
 preallocated float64 buffers stay in cache and ran the maths at ~4 GB/s on our 2-core machine,
-while 1 Mi-element chunks fall to ~1 GB/s (DESIGN §8). Per chunk: two copies, one subtraction,
+while 1 Mi-element chunks fall to ~1 GB/s (README "Benchmarks"). Per chunk: two copies, one subtraction,
 four dot products, one min/max and one |·| sum — each a single pass (on this machine `torch.mm` of
 a 3×m block and `vector_norm(·, 1)` were slower than dots and abs-sum); a bit-identical chunk
 (checked with one memcmp-speed `torch.equal` on integer views) needs only ‖r‖². Non-finite values take a slow path only in the

@@ -13,7 +13,7 @@ Schema (validated on load; an error names the file and the field)::
     summary: ...                 # a paragraph
     use_when: [...]              # optional
     not_for: [...]               # optional
-    sources: [...]               # optional: DESIGN sections, seeds
+    sources: [...]               # optional: where the item comes from (docs, seeds)
     sections:                    # non-empty
       - id: phase-1
         title: ...

@@ -1,7 +1,7 @@
 """`weights_diff(a, b)`: schema first (names, shapes, dtypes, rename suggestions), then float64
 numerics per tensor, one tensor pair in memory at a time.
 
-Per-tensor findings (DESIGN §5 `finding`):
+Per-tensor findings (README "Weights first", `finding`):
 
 | finding      | meaning                                                              | severity      |
 |--------------|----------------------------------------------------------------------|---------------|
@@ -13,7 +13,7 @@ Per-tensor findings (DESIGN §5 `finding`):
 | `scaled`     | cos ≈ 1 but the norms differ: a constant factor (`scale_factor`)     | bands (bug)   |
 | `mismatch`   | anything else                                                        | bands; same dtype: ≥ bug |
 
-"bands" = `classify(cos, rel)` of the comparison as loaded (DESIGN §4), with --threshold overrides.
+"bands" = `classify(cos, rel)` of the comparison as loaded (README "Comparing"), with --threshold overrides.
 Same dtype on both sides and not dequantized: a difference beyond one ulp is never `ok`. Within one
 ulp of bf16 / fp16 (a round trip through it) it is `rounding`, at least `drift`; otherwise the
 loader changed the values, `mismatch` at least `bug`, however small cos / rel make it look (a few
@@ -1040,7 +1040,7 @@ def weights_diff(a, b, **opts) -> WeightsDiffResult:
 
     Options: strip_prefix, add_prefix, maps, alias_file, fuse, stack, skip, layers, transforms, dequant
     ("auto" | "always" | "none"), tp_merge ("auto" | dim), thresholds, fail_on, allow_dtype,
-    schema_only. The result is truthy when the sides match; `.to_json()` has DESIGN §5's keys.
+    schema_only. The result is truthy when the sides match; `.to_json()` has the README's keys.
     """
     schema_only = opts.pop("schema_only", False)
     diff = WeightsDiff(a, b, **opts)

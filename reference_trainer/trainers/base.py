@@ -481,7 +481,7 @@ class BaseTrainer(ABC):
             f"lr.{result.role}": result.lr,
         }
         for key, value in {**self.cycle_metrics, **result.metrics}.items():
-            record.setdefault(key, value)  # the DESIGN §6 keys above are never overridden
+            record.setdefault(key, value)  # the run-identity keys above are never overridden
         with open(self.output_dir / METRICS_FILE, "a") as stream:
             stream.write(json.dumps(record) + "\n")
         if self._progress is not None:
