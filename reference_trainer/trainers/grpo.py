@@ -158,6 +158,9 @@ class GRPOTrainer(BaseTrainer):
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
     roles: ClassVar[tuple[str, ...]] = ("policy",)
+    uses_rollout_velocities: ClassVar[bool] = False
+    """Subclasses that compare against the rollout policy's velocities (GRPO-Guard, DPPO) set this:
+    ``sample`` then checks the adapter recorded them and taps them as ``rollout.velocity``."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -201,9 +204,12 @@ class GRPOTrainer(BaseTrainer):
         # 3. rewards on the decoded images, then group-relative advantages
         images = self.adapter.decode_latents(trajectory.final)
         advantages, self.cycle_metrics = self.feedback(images, repeated, group_ids)
-        return gather_samples(
+        samples = gather_samples(
             GRPOSamples(repeated, group_ids, condition, trajectory, advantages), self.backend
         )
+        if self.uses_rollout_velocities:
+            ffdebug.tap("rollout.velocity", self.rollout_velocities(samples))
+        return samples
 
     # ---------------------------------------------------------------- optimisation
     def optimize(self, samples: GRPOSamples) -> None:
@@ -308,14 +314,25 @@ class GRPOTrainer(BaseTrainer):
         Returns:
             ``(v_old, step_old)``.
         """
+        v_old = self.rollout_velocities(samples)[index, j]
+        with torch.no_grad():
+            return v_old, flow_sde_step(v_old, **sde_args)
+
+    def rollout_velocities(self, samples: GRPOSamples) -> torch.Tensor:
+        """The rollout policy's velocities [B, T, C, H, W] (an error when the adapter recorded none).
+
+        Args:
+            samples: this iteration's samples.
+
+        Returns:
+            The velocities.
+        """
         velocities = samples.trajectory.velocities
         if velocities is None:
             raise RuntimeError(
                 f"{type(self).__name__} needs the rollout velocities; the adapter recorded none"
             )
-        v_old = velocities[index, j]
-        with torch.no_grad():
-            return v_old, flow_sde_step(v_old, **sde_args)
+        return velocities
 
     def reference_mean(
         self, samples: GRPOSamples, index: torch.Tensor, j: int, sde_args: dict[str, Any]

@@ -52,18 +52,7 @@ class GRPOGuardTrainer(GRPOTrainer):
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
     roles: ClassVar[tuple[str, ...]] = ("policy",)
-
-    def sample(self) -> GRPOSamples:
-        """GRPO's rollout and feedback; also taps the rollout velocities the ratio normalisation reads.
-
-        Returns:
-            The ``GRPOSamples`` of this iteration.
-        """
-        samples = super().sample()
-        if samples.trajectory.velocities is None:
-            raise RuntimeError("GRPO-Guard needs the rollout velocities; the adapter recorded none")
-        ffdebug.tap("rollout.velocity", samples.trajectory.velocities)
-        return samples
+    uses_rollout_velocities: ClassVar[bool] = True
 
     def step_loss(
         self, samples: GRPOSamples, index: torch.Tensor, j: int
