@@ -63,6 +63,19 @@ def assert_bit_identical(before: dict[str, torch.Tensor], after: dict[str, torch
     assert not changed, f"frozen tensors changed: {changed[:5]}"
 
 
+def assert_frozen_except_followers(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], following: tuple[str, ...]
+) -> None:
+    """Frozen state is bit-identical except the snapshots that follow the policy (key prefixes in
+    ``following``), and each of those changed."""
+    assert_bit_identical(
+        {k: v for k, v in before.items() if not k.startswith(following)},
+        {k: v for k, v in after.items() if not k.startswith(following)},
+    )
+    for prefix in following:
+        assert any(not torch.equal(v, after[k]) for k, v in before.items() if k.startswith(prefix)), prefix
+
+
 def gradient_free_parameters(trainer: Any, module: torch.nn.Module) -> set[str]:
     """Parameters that get no gradient from any velocity output (e.g. the context query of SD3's last,
     ``context_pre_only`` block): probed with one backward through a deep copy of ``module``."""
