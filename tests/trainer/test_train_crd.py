@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import trainer_utils
 from golden_utils import check_golden
 from trainer_utils import (
     REPO,
@@ -16,9 +17,7 @@ from trainer_utils import (
     assert_frozen_except_followers,
     frozen_state,
     load,
-    make_trainer,
     metrics,
-    variant_state,
 )
 
 from reference_trainer.errors import ConfigError
@@ -197,15 +196,7 @@ STEPS = 30
 @pytest.fixture(scope="module")
 def learning_run(tmp_path_factory):
     """30 steps (15 rollout iterations × 2 minibatches) of the example config."""
-    from framework_utils import eval_reward
-
-    out = tmp_path_factory.mktemp("crd")
-    trainer = make_trainer("crd", out, STEPS, *OVERRIDES)
-    frozen, initial = frozen_state(trainer), variant_state(trainer)
-    before = eval_reward(trainer)
-    trainer.start()
-    after = eval_reward(trainer)
-    return dict(trainer=trainer, out=out, frozen=frozen, initial=initial, before=before, after=after)
+    return trainer_utils.learning_run("crd", tmp_path_factory.mktemp("crd"), STEPS, *OVERRIDES)
 
 
 def test_crd_raises_reward_and_keeps_frozen_roles(learning_run, capsys):

@@ -8,15 +8,14 @@ import math
 
 import pytest
 import torch
+import trainer_utils
 from golden_utils import check_golden
 from trainer_utils import (
     REPO,
     assert_bit_identical,
     assert_every_parameter_changed,
     frozen_state,
-    make_trainer,
     metrics,
-    variant_state,
 )
 
 from reference_trainer.losses.grpo_guard import (
@@ -167,22 +166,7 @@ STEPS = 30
 @pytest.fixture(scope="module")
 def learning_run(tmp_path_factory):
     """30 steps (15 rollout iterations × 2 minibatches) of the example config with a KL reference."""
-    from framework_utils import eval_reward
-
-    out = tmp_path_factory.mktemp("grpo_guard")
-    trainer = make_trainer("grpo_guard", out, STEPS, *OVERRIDES)
-    frozen, initial = frozen_state(trainer), variant_state(trainer)
-    before = eval_reward(trainer)
-    trainer.start()
-    after = eval_reward(trainer)
-    return dict(
-        trainer=trainer,
-        out=out,
-        frozen=frozen,
-        initial=initial,
-        before=before,
-        after=after,
-    )
+    return trainer_utils.learning_run("grpo_guard", tmp_path_factory.mktemp("grpo_guard"), STEPS, *OVERRIDES)
 
 
 def test_rollout_velocities_reproduce_the_stored_log_probs(learning_run):

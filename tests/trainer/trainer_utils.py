@@ -63,6 +63,19 @@ def assert_bit_identical(before: dict[str, torch.Tensor], after: dict[str, torch
     assert not changed, f"frozen tensors changed: {changed[:5]}"
 
 
+def learning_run(name: str, out, steps: int, *overrides: str) -> dict[str, Any]:
+    """Train ``name`` for ``steps`` steps into ``out``: the trainer, its frozen state and variants
+    before, and the fixed-noise evaluation reward before and after (the learning tests' fixture)."""
+    from framework_utils import eval_reward
+
+    trainer = make_trainer(name, out, steps, *overrides)
+    frozen, initial = frozen_state(trainer), variant_state(trainer)
+    before = eval_reward(trainer)
+    trainer.start()
+    after = eval_reward(trainer)
+    return dict(trainer=trainer, out=out, frozen=frozen, initial=initial, before=before, after=after)
+
+
 def assert_frozen_except_followers(
     before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], following: tuple[str, ...]
 ) -> None:
