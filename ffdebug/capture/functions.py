@@ -64,16 +64,6 @@ def _resolve(spec: str):
     return module, fn_name, fn
 
 
-def _tensors_of(out) -> list:
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for t in out if isinstance(t, torch.Tensor)]
-    return []
-
-
 def tap_function(spec: str, stages: tuple[str, ...] | list[str]) -> FunctionTap:
     """Tap `spec`'s tensor outputs, in order, as `stages` (see the module doc)."""
     if isinstance(stages, str) or not stages:
@@ -89,9 +79,10 @@ def tap_function(spec: str, stages: tuple[str, ...] | list[str]) -> FunctionTap:
     @functools.wraps(original)
     def tapped(*args, **kwargs):
         import ffdebug
+        from ffdebug.capture.hooks import _tensors
 
         out = original(*args, **kwargs)
-        for stage, tensor in zip(stages, _tensors_of(out)):
+        for stage, (_, tensor) in zip(stages, _tensors(out)):
             ffdebug.tap(stage, tensor)
         return out
 

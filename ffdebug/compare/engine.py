@@ -10,8 +10,7 @@ from ffdebug.capture.stage_map import StageMap
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, StageUnit, check_input_ids, group_calls, pair_calls, pair_stages
 from ffdebug.compare.shards import best_fold
-from ffdebug.coverage import CoverageInput, assess
-from ffdebug.coverage import filter_sentences as filters_sentences
+from ffdebug.coverage import CoverageInput, assess, filter_sentences
 from ffdebug.errors import FFDebugError
 from ffdebug.io.ranks import fold
 from ffdebug.io.record import Record
@@ -195,7 +194,7 @@ def compare(
             unpaired_ref=pairing.unpaired_ref,
             unpaired_target=pairing.unpaired_target,
             compared_ranks={r for u in units for r in u.target_ranks},
-            filters=filters_sentences(layers, stages, step, rank),
+            filters=filter_sentences(layers, stages, step, rank),
             stage_filter=bool(stages),
             rank_filter=rank,
         ),
