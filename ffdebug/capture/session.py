@@ -333,6 +333,7 @@ CAPTURE_OPTIONS = (
     "overwrite",
     "topk",
     "layer_attrs",
+    "substages",
 )
 
 
