@@ -100,3 +100,53 @@ def test_sub_stages_are_off_by_default(hf, tmp_path):
     with ffdebug.capture(hf, dir=tmp_path, side="s"), torch.no_grad():
         hf(input_ids=ids())
     assert not [k for k in open_side(tmp_path / "s").keys() if k.endswith(SUB)]
+
+
+# --- MoE: a port with stacked expert weights against HF Qwen3-MoE -------------------------------
+
+MOE = ("moe.router.out", "moe.topk_ids.out", "moe.topk_weights.out")
+
+
+@pytest.fixture(scope="module")
+def hf_moe():
+    from moe_port import tiny_qwen3_moe
+
+    return tiny_qwen3_moe(num_layers=2)
+
+
+def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_path):
+    """Both sides stack their expert weights ([E, 2I, H]); HF loops experts in (slot, token) order,
+    the port in (token, slot) order: expert rows are matched to tokens and sorted, so they pair."""
+    from moe_port import make_moe_port
+
+    ref = dump(hf_moe, tmp_path, "ref")
+    tgt = dump(make_moe_port(hf_moe), tmp_path, "target", tap="moe_port:rope")
+    experts = sorted(k for k in ref if k.startswith("L001.moe.expert"))
+    assert experts and set(experts) == {k for k in tgt if k.startswith("L001.moe.expert")}
+    for kind in (*MOE, "attn.q.out", "attn.k.out"):
+        assert f"L001.{kind}" in ref and f"L001.{kind}" in tgt
+    assert list(ref["L000.moe.router.out"].shape) == [2, 12, 8] == list(tgt["L000.moe.router.out"].shape)
+    assert list(tgt["L000.moe.topk_ids.out"].shape) == [2, 12, 2]
+    e = experts[0]
+    assert ref[e].extra["tokens"] == tgt[e].extra["tokens"] and len(ref[e].extra["tokens"]) == ref[e].shape[0]
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    assert res.exit_code() == 0, res.coverage.missing
+    assert all(s.ok for s in res.stages)
+
+
+def test_a_bug_in_one_expert_is_located_at_that_layer_and_expert(hf_moe, tmp_path):
+    from moe_port import make_moe_port
+
+    ref = dump(hf_moe, tmp_path, "ref")
+    used = sorted(int(k[-7:-4]) for k in ref if k.startswith("L001.moe.expert"))
+    bad = used[len(used) // 2]
+    port = make_moe_port(hf_moe)
+    with torch.no_grad():
+        port.trunk[1].route.w_out[bad].mul_(1.3)  # one expert's down projection mis-scaled
+    dump(port, tmp_path, "target", tap="moe_port:rope")
+    r = ffdebug.bisect(tmp_path / "ref", tmp_path / "target")
+    assert r.exit_code() == 1
+    assert (r.first_divergence.layer, r.sub_stage.key) == (1, f"L001.moe.expert{bad:03d}.out")
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    wrong = {s.key for s in res.stages if not s.ok and ".moe.expert" in s.key}
+    assert wrong == {f"L001.moe.expert{bad:03d}.out"}  # the other experts still match

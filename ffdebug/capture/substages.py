@@ -73,6 +73,15 @@ def _expert_structure(module, path: str):
     return members, stacked, count
 
 
+def _row_keys(rows, weights):
+    """An exact integer key per row: its elements' bits times fixed random weights, summed in int64
+    (integer sums do not depend on the reduction order)."""
+    import torch
+
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows.element_size()]
+    return (rows.contiguous().view(ints).long() * weights).sum(-1)
+
+
 class BranchRecorder:
     """Hooks of one block child: trace its call, then write the role sub-stages of that trace."""
 
@@ -210,25 +219,26 @@ class BranchRecorder:
 
     # -- expert rows -> tokens -------------------------------------------------------------------
     def _row_index(self, rows):
+        """The branch input's rows keyed by their bits (an expert's rows are exact copies of them)."""
         import torch
 
         g = torch.Generator().manual_seed(0)
-        self._fingerprint = torch.rand(rows.shape[-1], generator=g, dtype=torch.float64)
-        keys = (rows.double() * self._fingerprint).sum(-1)
-        order = keys.argsort()
-        return rows.clone(), keys[order], order
+        self._fingerprint = torch.randint(1, 2**31, (rows.shape[-1],), generator=g, dtype=torch.int64)
+        keys = _row_keys(rows, self._fingerprint)
+        keys, order = keys.sort()
+        return rows.clone(), keys, order
 
     def _tokens(self, x):
         """Token index in the branch input of each row of `x` (an expert's gathered rows), or None."""
         import torch
 
-        if self._rows is None or x.shape[-1] != self._rows[0].shape[-1]:
+        if self._rows is None or x.shape[-1] != self._rows[0].shape[-1] or x.dtype != self._rows[0].dtype:
             return None
         rows, keys, order = self._rows
         flat = x.detach().reshape(-1, x.shape[-1])
-        pos = torch.searchsorted(keys, (flat.double() * self._fingerprint).sum(-1)).clamp(max=len(keys) - 1)
+        pos = torch.searchsorted(keys, _row_keys(flat, self._fingerprint)).clamp(max=len(keys) - 1)
         tokens = order[pos]
-        return tokens if torch.equal(rows[tokens], flat.to(rows.dtype)) else None
+        return tokens if torch.equal(rows[tokens], flat) else None
 
     # -- writing ---------------------------------------------------------------------------------
     def emit(self, trace: BranchTrace, index: int) -> None:

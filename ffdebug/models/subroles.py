@@ -227,9 +227,10 @@ def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
         by_expert.setdefault(c.expert, []).append(c)
     for e in sorted(by_expert):
         runs, first = [], None  # each run of the expert: (its down projection, its first projection)
-        for c in by_expert[e]:
-            first = first or c
-            if c.out_features == trace.hidden:
+        for c in by_expert[e]:  # a run: projections of the gathered rows, then one back to hidden
+            if first is None:
+                first = c
+            elif c.out_features == trace.hidden and c.tokens is None:
                 runs.append((c, first))
                 first = None
         if not runs:
