@@ -150,3 +150,47 @@ def test_a_bug_in_one_expert_is_located_at_that_layer_and_expert(hf_moe, tmp_pat
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     wrong = {s.key for s in res.stages if not s.ok and ".moe.expert" in s.key}
     assert wrong == {f"L001.moe.expert{bad:03d}.out"}  # the other experts still match
+
+
+def test_projections_no_rule_takes_keep_their_module_path_and_are_named(tmp_path, capsys):
+    """An MLP with three input projections fits no rule: each keeps `L{NNN}.<module path>.out`,
+    the warning and run.json name them; the rest of the block still gets its roles."""
+
+    class Tri(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p, self.q, self.r = (torch.nn.Linear(8, 16) for _ in range(3))
+            self.o = torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.o(self.p(x) * self.q(x) + self.r(x))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+            self.a = torch.nn.Linear(8, 8)
+            self.m = Tri()
+
+        def forward(self, x):
+            x = x + self.a(self.n1(x))
+            return x + self.m(self.n2(x))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    model = Net()
+    with ffdebug.capture(model, dir=tmp_path, side="s", substages=True), torch.no_grad():
+        model(torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0)))
+    keys = set(open_side(tmp_path / "s").keys())
+    assert {"L000.m.p.out", "L000.m.q.out", "L000.m.r.out", "L001.m.r.out"} <= keys
+    assert {"L000.mlp.act.out", "L000.mlp.down.out", "L000.ffn_out"} <= keys  # o: the down projection
+    assert "no role sub-stage for m.p, m.q, m.r" in capsys.readouterr().err
+    assert open_side(tmp_path / "s").run["unplaced_stages"]["Block.m"] == ["m.p", "m.q", "m.r"]

@@ -11,9 +11,12 @@ so records keep execution order (q before the rotary taps, the context before th
 
 from __future__ import annotations
 
-from ffdebug.models.subroles import BranchTrace, Dims, LinearCall, branch_substages
+import sys
+
+from ffdebug.models.subroles import BranchTrace, Dims, LinearCall, SubStage, branch_substages
 
 _ACTIVATIONS: tuple = ()
+_WARNED: set[tuple[str, str]] = set()  # (block class, child) warned about once per process
 
 
 def _activations() -> tuple:
@@ -246,11 +249,33 @@ class BranchRecorder:
         block's roles are known)."""
         if trace.stages is None:
             stage = (self.roles.names or {}).get(self.name, "")
-            trace.stages = branch_substages(trace, stage, self.dims)
-        stages = trace.stages
+            stages = branch_substages(trace, stage, self.dims)
+            trace.stages = stages + self._unmatched(trace, stages)
         inv = self.session.invocations.get(self.roles.block.path, 1) - 1
-        for s in stages:
+        for s in trace.stages:
             if s.at != index:
                 continue
             meta = dict(self.base, module_class=self.classes.get(s.module_path), module_path=s.module_path)
             self.capture(f"{self.prefix}.{s.kind}.out", s.tensor, invocation=inv, extra=s.extra, **meta)
+
+    def _unmatched(self, trace: BranchTrace, stages: list[SubStage]) -> list[SubStage]:
+        """Projections no role rule took (outside the experts): kept under their module path
+        relative to the block, warned about once per block class and listed in run.json."""
+        taken = {s.at for s in stages}
+        left = [c for c in trace.calls if c.expert is None and c.index not in taken]
+        block = self.roles.block
+        out = []
+        for c in left:
+            rel = c.path[len(block.path) + 1 :] if c.path.startswith(f"{block.path}.") else c.path
+            out.append(SubStage(rel, c.y, c.index, c.path, {"orig_shape": list(c.y.shape)}))
+        if out:
+            names = tuple(dict.fromkeys(s.kind for s in out))
+            self.session.note_unplaced(f"{block.class_name}.{self.name}", names)
+            if (block.class_name, self.name) not in _WARNED:
+                _WARNED.add((block.class_name, self.name))
+                print(
+                    f"ffdebug: warning: {block.class_name} ({block.path}.{self.name}): no role sub-stage "
+                    f"for {', '.join(names)}; dumped as L{{NNN}}.<module path>.out",
+                    file=sys.stderr,
+                )
+        return out
