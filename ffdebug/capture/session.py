@@ -172,8 +172,10 @@ class Session:
             copy, extra = tensor.detach().clone(), dict(tags or {})
             self._held.append(lambda: self.capture(key, copy, tags=extra, **meta))
             return
-        ids = key == "embed.input_ids" or bool((meta.get("extra") or {}).get("input_ids"))
-        if not self.wants(key, meta.get("layer"), ids):
+        extra = meta.get("extra") or {}
+        ids = key == "embed.input_ids" or bool(extra.get("input_ids"))
+        small = ids or bool(extra.get("token_mask"))  # kept always, like the ids (compare/align.py)
+        if not self.wants(key, meta.get("layer"), small):
             self.filtered += 1
             return
         if _graph_capturing():
@@ -188,9 +190,9 @@ class Session:
             if reserved in tags:
                 meta.setdefault(reserved, tags[reserved])
         t = tensor.detach()
-        if self.config.mode == "full" or ids:
+        if self.config.mode == "full" or small:
             t = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-        self.writer().write(key, t, meta, always_payload=ids)
+        self.writer().write(key, t, meta, always_payload=small)
         self.captured += 1
         if ids and self.input_ids_sha is None:  # run.json identifies the run by its first input ids
             from ffdebug.store.schema import sha256_of_tensor
