@@ -86,6 +86,7 @@ CONTRACTS = [
     ("offline_dpo", "dataset+none", "preference"),
     ("online_dpo", "generation+runtime_reward", None),
     ("sft", "dataset+none", "demonstration"),
+    ("tdm", "generation+none", None),
 ]
 
 
