@@ -78,6 +78,7 @@ CONTRACTS = [
     ("awm", "generation+runtime_reward", None),
     ("crd", "generation+runtime_reward", None),
     ("dgpo", "generation+runtime_reward", None),
+    ("diffusion_opd", "generation+none", None),
     ("dmd2", "generation+none", None),
     ("dppo", "generation+runtime_reward", None),
     ("grpo", "generation+runtime_reward", None),
