@@ -41,6 +41,7 @@ GOLDEN_OVERRIDES: dict[str, list[str]] = {
     # evaluations off: they do not touch the training numbers, only the time
     "dmd2": ["eval.every=0"],
     "tdm": ["eval.every=0"],
+    "tdm_r1": ["eval.every=0"],
     "offline_dpo": ["eval.every=0"],
     "sft": ["eval.every=0"],
 }

@@ -88,6 +88,7 @@ CONTRACTS = [
     ("online_dpo", "generation+runtime_reward", None),
     ("sft", "dataset+none", "demonstration"),
     ("tdm", "generation+none", None),
+    ("tdm_r1", "generation+runtime_reward", None),
 ]
 
 
