@@ -4,8 +4,8 @@ run cut after its first optimizer step resumes to the same bits.
 Compositions (README "Trainers"): coupled generated feedback (GRPO: the loss uses the sampler's own
 log-probs), decoupled generated feedback (DGPO: a reward, but a likelihood-free loss on the samples),
 generated no feedback (DiffusionOPD: the student's rollouts, a teacher instead of a reward), dataset
-no feedback (SFT on demonstrations, offline DPO on preference pairs), and multi-role (TDM: generator and
-fake score, two roles stepping in a phase cycle, so the cut lands inside a cycle). Every registered
+no feedback (SFT on demonstrations, offline DPO on preference pairs), and multi-role (TDM-R1: generator,
+fake score and surrogate stepping in a three-phase cycle, so the cut lands inside a cycle). Every registered
 trainer is cut at every step in ``test_resume.py``; this one is the compact matrix of the seeds.
 """
 
@@ -29,7 +29,7 @@ MATRIX = [
     ("generated no feedback", "diffusion_opd", "generation+none", None, ("student",)),
     ("dataset no feedback (demonstrations)", "sft", "dataset+none", None, ("policy",)),
     ("dataset no feedback (preferences)", "offline_dpo", "dataset+none", None, ("policy",)),
-    ("multi-role", "tdm", "generation+none", None, ("generator", "fake")),
+    ("multi-role", "tdm_r1", "generation+runtime_reward", "TDMTrainer", ("generator", "fake", "surrogate")),
 ]
 
 
