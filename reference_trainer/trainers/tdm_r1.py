@@ -22,7 +22,10 @@ One rollout iteration, a three-phase cycle:
 2. ``fake_updates_per_generator_update`` ``fake`` phases: TDM's fake-score loss;
 3. one ``surrogate`` phase: per group one boundary b ∈ {1..K} of the trajectory, x_t = (1 − σ)·x_b + σ·ε
    with σ ~ U(σ_min, 1 − ``stage_margin``), v* = ε − x_b; the DSM values of surrogate, teacher and slow
-   surrogate; the clipped group preference (loss module), time weight (b + 1)/K; then the slow update;
+   surrogate; the clipped group preference (loss module), time weight (b + 1)/K; then the slow update.
+   Flow-Factory draws the query time with ``tdm_time_sampling.sample_query_timestep`` (uniform inside an
+   interval by default); the interval it uses for the surrogate was not verified here, so σ is uniform
+   over the whole range, and the boundary indexing of its ``_time_weight`` is read as b ∈ {1..K};
 4. one ``generator`` phase: TDM's stage replay and re-noise; TDM term + ``tdm_weight``·guidance reward +
    (1 − ``tdm_weight``)·surrogate reward (the surrogate queried with the teacher's guidance scale).
 """
