@@ -75,3 +75,23 @@ def test_each_composition_runs_and_resumes_exactly(composition, name, contract, 
             assert torch.equal(a[key], b[key]) and a[key].dtype == b[key].dtype, (
                 f"{composition}: {file}:{key}"
             )
+
+
+def test_reference_trainer_list_shows_all_fourteen_trainers():
+    """``reference-trainer list`` names the framework's fourteen trainers, the three distillation
+    trainers with their roles."""
+    from typer.testing import CliRunner
+
+    from reference_trainer.cli import app
+
+    listed = CliRunner().invoke(app, ["list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    trainers = {t["name"]: t for t in json.loads(listed.stdout)["trainers"]}
+    assert sorted(trainers) == [
+        "awm", "crd", "dgpo", "diffusion_opd", "dmd2", "dppo", "grpo", "grpo_guard",
+        "nft", "offline_dpo", "online_dpo", "sft", "tdm", "tdm_r1",
+    ]  # fmt: skip
+    assert trainers["diffusion_opd"]["roles"] == ["student"]
+    assert trainers["tdm"]["roles"] == ["generator", "fake"]
+    assert trainers["tdm_r1"]["roles"] == ["generator", "fake", "surrogate"]
+    assert trainers["tdm_r1"]["contract"] == "generation+runtime_reward"
