@@ -13,6 +13,9 @@ directory and diff against the committed files after a version bump):
   latent to nearly the same grey image (brightness std ~1e-3 across latents), which would leave image
   rewards almost constant; the fitted one decodes latents to distinct colours (std ~0.06), so a reward
   on decoded images gives the trainers a real signal.
+* ``sd3_tiny_teacher/transformer/``: a second seeded init of the tiny SD3 transformer
+  (``torch.manual_seed(SEED + 4)``): the frozen teacher of the example DiffusionOPD config, a model
+  other than the student's init (``make_teacher_fixture``).
 * ``prompts.txt``: the tiny generation prompt list.
 * ``tiny_dataset/``: ``images.safetensors`` (``images`` uint8 [12, 3, 32, 32], procedural colour
   gradients: 8 training colours, which the VAE is fitted to, then 4 held-out colours);
@@ -171,6 +174,16 @@ def make_dataset(root: Path) -> None:
         (directory / filename).write_text("".join(json.dumps(record) + "\n" for record in records))
 
 
+def make_teacher_fixture(root: Path) -> None:
+    """Write ``sd3_tiny_teacher/transformer/`` under ``root`` (module docstring)."""
+    from diffusers import SD3Transformer2DModel
+
+    directory = root / "sd3_tiny_teacher"
+    shutil.rmtree(directory, ignore_errors=True)
+    torch.manual_seed(SEED + 4)
+    SD3Transformer2DModel(**SD3_TINY).save_pretrained(directory / "transformer")
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI: write the model fixtures, ``tiny_dataset/`` and ``prompts.txt`` under ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -180,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     make_model_fixtures(args.out)
+    make_teacher_fixture(args.out)
     make_dataset(args.out)
     print(f"fixtures written to {args.out}")
 

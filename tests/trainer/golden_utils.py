@@ -40,6 +40,8 @@ GOLDEN_OVERRIDES: dict[str, list[str]] = {
     "awm": ["train.kl_beta=0.001", "train.ema_kl_beta=0.1"],
     # evaluations off: they do not touch the training numbers, only the time
     "dmd2": ["eval.every=0"],
+    "tdm": ["eval.every=0"],
+    "tdm_r1": ["eval.every=0"],
     "offline_dpo": ["eval.every=0"],
     "sft": ["eval.every=0"],
 }

@@ -78,6 +78,7 @@ CONTRACTS = [
     ("awm", "generation+runtime_reward", None),
     ("crd", "generation+runtime_reward", None),
     ("dgpo", "generation+runtime_reward", None),
+    ("diffusion_opd", "generation+none", None),
     ("dmd2", "generation+none", None),
     ("dppo", "generation+runtime_reward", None),
     ("grpo", "generation+runtime_reward", None),
@@ -86,6 +87,8 @@ CONTRACTS = [
     ("offline_dpo", "dataset+none", "preference"),
     ("online_dpo", "generation+runtime_reward", None),
     ("sft", "dataset+none", "demonstration"),
+    ("tdm", "generation+none", None),
+    ("tdm_r1", "generation+runtime_reward", None),
 ]
 
 

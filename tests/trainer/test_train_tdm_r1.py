@@ -1,0 +1,202 @@
+"""TDM-R1: the surrogate's clips and loss and the generator's reward terms against hand values and
+Flow-Factory's formulas; the arguments are validated with the field named; on the tiny SD3 model the
+surrogate learns the reward's preference (its DSM advantage-weighted gap to the reference turns
+negative), the teacher and frozen components stay bit-identical, every trainable role changes, the
+phase order is (fake, surrogate, generator), the first steps match the golden and two identical dumped
+runs compare ``ok`` with every stage tapped (exact resume: test_resume.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from golden_utils import GOLDEN_OVERRIDES, check_golden
+from trainer_utils import (
+    REPO,
+    assert_bit_identical,
+    assert_every_parameter_changed,
+    frozen_state,
+    load,
+    make_trainer,
+    metrics,
+    variant_state,
+)
+
+from reference_trainer.errors import ConfigError
+from reference_trainer.losses.tdm import revised_x0_loss
+from reference_trainer.losses.tdm_r1 import generator_reward_loss, runaway_clip, surrogate_loss
+
+CONFIG = "examples/tdm_r1/full/sd3_tiny/default.yaml"
+
+
+def test_runaway_clip_and_surrogate_loss_hand_values():
+    """One group of K = 2, Â = (1, −1), d_s = (0.5, 1.5), d_ref = (1, 1), τ = 0.1, β = 1, no trust clip:
+    both improved in their advantage's direction with (d_s − d_ref)² = 0.25 > τ → both detached;
+    s_G = (1·(−0.5) + (−1)·0.5)/2 = −0.5; L = w·[mean σ(−0.5)·Â·d + β_ref·mean (d_s − d_ref)²]
+    = 1·[σ(−0.5)·(0.5 − 1.5)/2 + 0.01·0.25]. No gradient reaches d_s through the preference (both
+    clipped), only through the penalty: ∂L/∂d_s = β_ref·2·(d_s − d_ref)/2 = 0.01·(−0.5, 0.5)."""
+    adv = torch.tensor([1.0, -1.0])
+    d = torch.tensor([0.5, 1.5], requires_grad=True)
+    ref = torch.tensor([1.0, 1.0])
+    values, clipped = runaway_clip(d, ref, adv, 0.1)
+    assert clipped.tolist() == [True, True]
+    (grad,) = torch.autograd.grad(values.sum(), d)
+    assert torch.equal(grad, torch.zeros(2))  # both rows detached
+    loss, info = surrogate_loss(
+        d, ref, ref, adv, torch.tensor([0, 0]), group_size=2, beta=1.0, clip_range=0.0,
+        runaway_threshold=0.1, reference_beta=0.01, time_weight=torch.ones(2),
+    )  # fmt: skip
+    loss.backward()
+    sigmoid = torch.sigmoid(torch.tensor(-0.5)).item()
+    assert loss.item() == pytest.approx(sigmoid * (0.5 - 1.5) / 2 + 0.01 * 0.25)
+    assert info["runaway_clip_ratio"] == 1.0
+    torch.testing.assert_close(d.grad, torch.tensor([-0.005, 0.005]))
+
+
+def test_generator_reward_loss_hand_values():
+    """Squared error: x̂_0 = 0, real = 1, fake = 0.5, surrogate = 2 (one element each):
+    TDM term (0 − 0.5)²/|0 − 1| = 0.25; surrogate reward (0 − (2 − 1))²/|0 − 2| = 0.5; guidance reward
+    with direction 3: 9/1 = 9. w = 0.3: L = 0.25 + 0.3·9 + 0.7·0.5 = 3.3 (0.6 without guidance)."""
+    z, real, fake, sur = torch.zeros(1, 1), torch.ones(1, 1), torch.full((1, 1), 0.5), torch.full((1, 1), 2.0)
+    loss, info = generator_reward_loss(
+        z, real, fake, sur, tdm_weight=0.3, guidance_direction=3 * real, huber_c=None
+    )
+    assert loss.item() == pytest.approx(3.3) and info["tdm_loss"] == pytest.approx(0.25)
+    loss, info = generator_reward_loss(
+        z, real, fake, sur, tdm_weight=0.3, guidance_direction=None, huber_c=None
+    )
+    assert loss.item() == pytest.approx(0.6) and info["guidance_reward_loss"] == 0.0
+
+
+def flow_factory_surrogate_loss(d, ref, slow, adv, groups, K, beta, eps, tau, beta_ref, w):
+    """Flow-Factory ``tdm_r1.py`` ``_surrogate_boundary_loss`` with ``_clip_outside_trust_region``,
+    ``_clip_runaway_surrogate`` and ``group_preference_loss`` (legacy), one boundary unit of weight w."""
+    ratio = torch.exp(slow.detach() - d.detach())
+    trust = torch.where(adv > 0, ratio > 1.0 + eps, ratio < 1.0 - eps)
+    clipped = torch.where(trust, d.detach(), d)
+    improved = torch.where(adv > 0, clipped < ref, clipped > ref)
+    runaway = improved & ((clipped - ref).square() > tau)
+    clipped = torch.where(runaway, clipped.detach(), clipped)
+    delta = clipped.detach() - ref.detach()
+    logits = torch.zeros(int(groups.max()) + 1).scatter_add_(0, groups, adv * beta * delta / K)
+    preference = (torch.sigmoid(logits)[groups].detach() * adv * clipped).mean()
+    return w * (preference + beta_ref * (d - ref).square().mean())
+
+
+def test_transcription_of_flow_factory_surrogate_and_generator_losses():
+    g = torch.Generator().manual_seed(1)
+    B, K = 8, 4
+    d = (torch.rand(B, generator=g) + 0.5).requires_grad_(True)
+    d_ref = d.detach().clone().requires_grad_(True)
+    ref = torch.rand(B, generator=g) + 0.5
+    slow = d.detach() + 0.01 * torch.randn(B, generator=g)
+    adv = torch.randn(B, generator=g)
+    groups = torch.arange(B) // K
+    kwargs = dict(group_size=K, beta=1.0, clip_range=1e-3, runaway_threshold=0.05, reference_beta=1e-3)
+    ours, info = surrogate_loss(d, ref, slow, adv, groups, time_weight=torch.full((B,), 0.75), **kwargs)
+    theirs = flow_factory_surrogate_loss(d_ref, ref, slow, adv, groups, K, 1.0, 1e-3, 0.05, 1e-3, 0.75)
+    ours.backward()
+    theirs.backward()
+    assert 0 < info["trust_clip_ratio"] < 1
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(d.grad, d_ref.grad)
+
+    shape = (3, 2, 2, 2)
+    x0 = torch.randn(shape, generator=g, requires_grad=True)
+    real, fake, sur, cond, uncond = (torch.randn(shape, generator=g) for _ in range(5))
+    s, c_r, w = 4.5, 3.5, 0.3
+    guided = uncond + s * (cond - uncond)
+    # Flow-Factory: direction = cfg_reward_scale / (s − 1) · (x0_real(guided) − x0_conditional)
+    direction = c_r / (s - 1.0) * (guided - cond)
+    ours, _ = generator_reward_loss(
+        x0, real, fake, sur, tdm_weight=w, guidance_direction=c_r * (cond - uncond), huber_c=1e-3
+    )
+    expected = (
+        revised_x0_loss(x0, x0.detach() + real - fake, real, huber_c=1e-3)[0]
+        + w * revised_x0_loss(x0, x0.detach() + direction, real, huber_c=1e-3)[0]
+        + (1 - w) * revised_x0_loss(x0, x0.detach() + sur - real, sur, huber_c=1e-3)[0]
+    )
+    torch.testing.assert_close(ours, expected)
+
+
+def test_tdm_r1_arguments_are_validated_with_the_field_named():
+    assert load(REPO / CONFIG).train.group_size == 4
+    for override, message in [
+        ("train.group_size=1", r"train\.group_size: must be >= 2"),
+        ("train.tdm_weight=1", r"train\.tdm_weight: must be in \(0, 1\)"),
+        ("train.surrogate_clip_range=-1", r"train\.surrogate_clip_range: must be >= 0"),
+        ("train.surrogate_reference_threshold=0", r"train\.surrogate_reference_threshold: must be > 0"),
+        ("train.surrogate_slow_decay_min=0.5", r"train\.surrogate_slow_decay_min: need 0 <= min <= max"),
+        ("train.rewards=[]", r"train\.rewards: needs at least one reward"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load(REPO / CONFIG, override)
+
+
+def test_tdm_r1_surrogate_learns_the_preference_and_every_role_moves(tmp_path, capsys):
+    """18 steps = 6 cycles of (fake, surrogate, generator): teacher and frozen components bit-identical;
+    every parameter of the three trainable roles changed; the slow surrogate moved; the golden's first
+    steps. Then the surrogate objective itself, from the teacher's weights on a fixed batch, learns the
+    reward's preference (the advantage-weighted DSM gap to the reference falls from 0 below 0)."""
+    overrides = GOLDEN_OVERRIDES.get("tdm_r1", [])
+    trainer = make_trainer("tdm_r1", tmp_path, 18, *overrides)
+    frozen = {k: v for k, v in frozen_state(trainer).items() if "slow_surrogate" not in k}
+    initial = variant_state(trainer)
+    trainer.start()
+    records = metrics(tmp_path)
+    assert [r["role"] for r in records] == ["fake", "surrogate", "generator"] * 6
+    after = {k: v for k, v in frozen_state(trainer).items() if "slow_surrogate" not in k}
+    assert_bit_identical(frozen, after)
+    for role in ("generator", "fake", "surrogate"):
+        assert_every_parameter_changed(trainer, initial[role], trainer.variants.variant(role), role)
+    slow = trainer.variants.snapshot("slow_surrogate")
+    assert any(not torch.equal(slow[k], initial["surrogate"][k]) for k in slow)
+    gaps = [r["preference_gap"] for r in records if r["role"] == "surrogate"]
+    assert gaps[0] == 0.0  # the surrogate starts as the teacher
+    check_golden("tdm_r1", records, config=CONFIG, overrides=overrides)
+
+    # the surrogate objective on one fixed rollout and fixed draws: 8 Adam steps make the surrogate
+    # prefer that rollout's high-advantage samples (mean Â·(d_s − d_ref) from 0 to < 0)
+    trainer.rollout_iteration += 1
+    rollout = trainer.sample()
+    surrogate = trainer.variants.variant("surrogate")
+    with torch.no_grad():
+        for key, p in surrogate.named_parameters():
+            p.copy_(trainer.variants.snapshot("teacher")[key])
+    optimizer = torch.optim.Adam(surrogate.parameters(), lr=1e-3)
+    start = trainer.surrogate_phase_loss(rollout, 1)[1]["preference_gap"]
+    for _ in range(8):
+        optimizer.zero_grad()
+        trainer.surrogate_phase_loss(rollout, 1)[0].backward()
+        optimizer.step()
+    end = trainer.surrogate_phase_loss(rollout, 1)[1]["preference_gap"]
+    with capsys.disabled():
+        print(f"\nTDM-R1 surrogate mean Â·(d_s − d_ref) on a fixed batch: {start:.6f} -> {end:.6f}")
+    assert start == 0.0 and end < 0
+
+
+@pytest.mark.integration
+def test_two_identical_dumped_runs_compare_ok_with_every_stage_tapped(tmp_path):
+    from dump_utils import dumped_runs_compare
+
+    result = dumped_runs_compare(tmp_path, REPO / CONFIG, "eval.every=0", max_steps=3)
+    keys = {stage["key"] for stage in result["stages"]}
+    assert result["verdict"] == "ok" and result["first_divergence"] is None
+    expected = {
+        "rollout.latents",
+        "reward",
+        "advantage",
+        "train.x0",
+        "train.x_t",
+        "train.importance",
+        "train.surrogate_x_t",
+        "train.surrogate_dsm",
+        "train.reference_dsm",
+        "train.x0_real",
+        "train.x0_fake",
+        "train.x0_surrogate",
+        "loss.fake",
+        "loss.surrogate",
+        "loss.generator",
+        "grad_norm.surrogate",
+    }
+    assert expected <= keys, sorted(expected - keys)
