@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from ffdebug.models.subroles import BranchTrace, Dims, LinearCall, SubStage, branch_substages
+from ffdebug.models.subroles import BranchTrace, Dims, LinearCall, SubStage, branch_substages, leading_shape
 
 _ACTIVATIONS: tuple = ()
 _WARNED: set[tuple[str, str]] = set()  # (block class, child) warned about once per process
@@ -267,7 +267,9 @@ class BranchRecorder:
         out = []
         for c in left:
             rel = c.path[len(block.path) + 1 :] if c.path.startswith(f"{block.path}.") else c.path
-            out.append(SubStage(rel, c.y, c.index, c.path, {"orig_shape": list(c.y.shape)}))
+            out.append(
+                SubStage(rel, leading_shape(c.y, trace), c.index, c.path, {"orig_shape": list(c.y.shape)})
+            )
         if out:
             names = tuple(dict.fromkeys(s.kind for s in out))
             self.session.note_unplaced(f"{block.class_name}.{self.name}", names)
