@@ -114,13 +114,15 @@ def hf_moe():
     return tiny_qwen3_moe(num_layers=2)
 
 
-def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_path):
-    """Both sides stack their expert weights ([E, 2I, H]); HF loops experts in (slot, token) order,
-    the port in (token, slot) order: expert rows are matched to tokens and sorted, so they pair."""
+@pytest.mark.parametrize("expert_list", [False, True], ids=["stacked", "expert-list"])
+def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_path, expert_list):
+    """HF stacks its expert weights ([E, 2I, H]); the port stacks them too, or keeps a list of
+    expert modules. HF loops experts in (slot, token) order, the port in (token, slot) order:
+    expert rows are matched to tokens and sorted, so they pair."""
     from moe_port import make_moe_port
 
     ref = dump(hf_moe, tmp_path, "ref")
-    tgt = dump(make_moe_port(hf_moe), tmp_path, "target", tap="moe_port:rope")
+    tgt = dump(make_moe_port(hf_moe, expert_list), tmp_path, "target", tap="moe_port:rope")
     experts = sorted(k for k in ref if k.startswith("L001.moe.expert"))
     assert experts and set(experts) == {k for k in tgt if k.startswith("L001.moe.expert")}
     for kind in (*MOE, "attn.q.out", "attn.k.out"):
