@@ -114,13 +114,15 @@ def hf_moe():
     return tiny_qwen3_moe(num_layers=2)
 
 
-def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_path):
-    """Both sides stack their expert weights ([E, 2I, H]); HF loops experts in (slot, token) order,
-    the port in (token, slot) order: expert rows are matched to tokens and sorted, so they pair."""
+@pytest.mark.parametrize("expert_list", [False, True], ids=["stacked", "expert-list"])
+def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_path, expert_list):
+    """HF stacks its expert weights ([E, 2I, H]); the port stacks them too, or keeps a list of
+    expert modules. HF loops experts in (slot, token) order, the port in (token, slot) order:
+    expert rows are matched to tokens and sorted, so they pair."""
     from moe_port import make_moe_port
 
     ref = dump(hf_moe, tmp_path, "ref")
-    tgt = dump(make_moe_port(hf_moe), tmp_path, "target", tap="moe_port:rope")
+    tgt = dump(make_moe_port(hf_moe, expert_list), tmp_path, "target", tap="moe_port:rope")
     experts = sorted(k for k in ref if k.startswith("L001.moe.expert"))
     assert experts and set(experts) == {k for k in tgt if k.startswith("L001.moe.expert")}
     for kind in (*MOE, "attn.q.out", "attn.k.out"):
@@ -199,7 +201,7 @@ def test_projections_no_rule_takes_keep_their_module_path_and_are_named(tmp_path
 # --- packed [T, ...] against padded [B, S, ...] --------------------------------------------------
 
 
-def _padded_and_packed(tmp_path, mask_on_ref=True, bad_row=None, lens=(5, 3)):
+def _padded_and_packed(tmp_path, mask_on_ref=True, bad_row=None, lens=(5, 3), lens_on_target=False):
     g = torch.Generator().manual_seed(0)
     mask = torch.zeros(2, 5, dtype=torch.long)
     for b, n in enumerate(lens):
@@ -216,6 +218,8 @@ def _padded_and_packed(tmp_path, mask_on_ref=True, bad_row=None, lens=(5, 3)):
         ffdebug.tap("L000.attn.q.out", h)
     with ffdebug.capture(None, dir=tmp_path, side="target"):
         ffdebug.tap("embed.input_ids", ids[mask.bool()])
+        if lens_on_target:
+            ffdebug.tap("embed.seq_lens", torch.tensor(lens))
         ffdebug.tap("L000.attn.q.out", packed_h)
     return ffdebug.compare(tmp_path / "ref", tmp_path / "target")
 
@@ -225,6 +229,12 @@ def test_a_packed_side_is_aligned_with_a_padded_one_by_its_attention_mask(tmp_pa
     q = next(s for s in res.stages if s.key == "L000.attn.q.out")
     assert q.ok and q.bit_equal == 1.0 and any("padded -> [8, 4, 2] packed" in n for n in q.notes)
     assert res.exit_code() == 0
+
+
+def test_or_by_the_packed_sides_sequence_lengths(tmp_path):
+    res = _padded_and_packed(tmp_path, mask_on_ref=False, lens_on_target=True)
+    q = next(s for s in res.stages if s.key == "L000.attn.q.out")
+    assert q.ok and q.bit_equal == 1.0 and res.exit_code() == 0
 
 
 def test_an_aligned_packed_row_that_differs_is_found(tmp_path):
@@ -254,3 +264,13 @@ def test_hf_records_the_attention_mask_of_its_first_call(hf, tmp_path):
         hf(input_ids=ids(), attention_mask=mask)
     recs = {r.key: r for r in open_side(tmp_path / "s").records}
     assert torch.equal(recs["embed.attention_mask"].load(), mask)
+
+
+def test_the_env_switch_is_read_and_checked():
+    from ffdebug._env import read_dump_config
+    from ffdebug.errors import FFDebugError
+
+    assert read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d", "FFDEBUG_FWD_DUMP_SUBSTAGES": "1"}).substages
+    assert not read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d"}).substages
+    with pytest.raises(FFDebugError, match="FFDEBUG_FWD_DUMP_SUBSTAGES='yes please' is invalid"):
+        read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d", "FFDEBUG_FWD_DUMP_SUBSTAGES": "yes please"})

@@ -7,7 +7,7 @@ import math
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
-from ffdebug.compare.align import align
+from ffdebug.compare.align import TokenLayout, align, layouts
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, StageUnit, check_input_ids, group_calls, pair_calls, pair_stages
 from ffdebug.compare.shards import best_fold
@@ -69,10 +69,14 @@ def stage_result(key: str, r: Record, t: Record) -> StageResult:
 
 
 def compare_records(
-    r: Record, t: Record, thresholds: tuple[Threshold, ...] = (), exact: bool = False, masks=(None, None)
+    r: Record,
+    t: Record,
+    thresholds: tuple[Threshold, ...] = (),
+    exact: bool = False,
+    masks: tuple[TokenLayout, TokenLayout] = (TokenLayout(), TokenLayout()),
 ) -> StageResult:
     """Compare one pair of records into a StageResult, graded by the verdict rules. `masks` are the
-    two sides' attention-mask records: a packed side meets a padded one through them (`align`)."""
+    two sides' token layouts: a packed side meets a padded one through them (`align`)."""
     key = r.key
     e = stage_result(key, r, t)
     aligned = None
@@ -160,7 +164,7 @@ def compare(
     stages_out: list[StageResult] = []
     pairs_out: list[tuple] = []
     readings: list[dict] = []
-    masks = {id(rg): (rg.token_mask, tg.token_mask) for rg, tg in pairing.pairs}
+    masks = {id(rg): layouts(rg, tg) for rg, tg in pairing.pairs}
     for unit, (results, records, reading) in zip(units, _map_units(units, thresholds, exact, masks)):
         for e in results:
             if noise_index is not None:
@@ -229,7 +233,7 @@ def compare(
 
 
 def _compare_unit(
-    unit: StageUnit, thresholds, exact: bool, masks=(None, None)
+    unit: StageUnit, thresholds, exact: bool, masks=(TokenLayout(), TokenLayout())
 ) -> tuple[list[StageResult], list[tuple], dict | None]:
     """The stage results of one unit, their record pairs, and the shard reading (multi-rank)."""
     r = unit.ref
@@ -331,7 +335,10 @@ def _map_units(units: list[StageUnit], thresholds, exact: bool, masks: dict | No
 
     with single_thread():
         return [
-            _compare_unit(u, thresholds, exact, (masks or {}).get(id(u.group), (None, None))) for u in units
+            _compare_unit(
+                u, thresholds, exact, (masks or {}).get(id(u.group), (TokenLayout(), TokenLayout()))
+            )
+            for u in units
         ]
 
 
