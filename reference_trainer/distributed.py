@@ -68,7 +68,7 @@ def check_plan(config: RunConfig, roles: Sequence[str]) -> None:
     if backend.kind in NOT_IMPLEMENTED_BACKENDS:
         raise ConfigError(
             "backend.kind",
-            f"{backend.kind} is not implemented yet (issue 20: ZeRO-1/2); use single, ddp or fsdp2",
+            f"{backend.kind} is not implemented yet (issue 20); use single, ddp or fsdp2",
         )
 
 
