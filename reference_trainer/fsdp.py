@@ -55,6 +55,25 @@ def blocks(module: nn.Module) -> list[nn.Module]:
     return found
 
 
+def checkpoint_blocks(name: str, module: nn.Module, found: list[nn.Module], mode: str) -> None:
+    """Activation checkpointing of variant ``name`` per block (``mode`` ``full``; ``none``: nothing),
+    refused when gradient checkpointing is already on (the adapter's or diffusers': never both)."""
+    if getattr(module, "is_gradient_checkpointing", False):
+        raise ConfigError(
+            "backend.activation_checkpointing",
+            f"variant {name!r} already has gradient checkpointing on; under fsdp2 the backend applies "
+            "it per block (set backend.activation_checkpointing: full, and do not enable it in the adapter)",
+        )
+    if mode == "none":
+        return
+    if mode != "full":
+        raise ConfigError("backend.activation_checkpointing", f"must be none or full, got {mode!r}")
+    from torch.distributed._composable import checkpoint
+
+    for block in found:
+        checkpoint(block)
+
+
 class FSDP2Backend(ProcessGroupBackend):
     """``fully_shard`` per block, then the root, on a gloo device mesh (module docstring)."""
 
@@ -92,24 +111,9 @@ class FSDP2Backend(ProcessGroupBackend):
                     "ModuleList of blocks",
                 )
             template = meta_template(module)
-            self._checkpoint_blocks(name, module, found)
+            checkpoint_blocks(name, module, found, self.activation_checkpointing)
             for block in found:
                 fully_shard(block, mesh=self.mesh)
             fully_shard(module, mesh=self.mesh)
             prepared[name] = ShardedModule(module, template)
         return prepared
-
-    def _checkpoint_blocks(self, name: str, module: nn.Module, found: list[nn.Module]) -> None:
-        if getattr(module, "is_gradient_checkpointing", False):
-            raise ConfigError(
-                "backend.activation_checkpointing",
-                f"variant {name!r} already has gradient checkpointing on; under fsdp2 the backend "
-                "applies it per block (set backend.activation_checkpointing: full, and do not enable it "
-                "in the adapter)",
-            )
-        if self.activation_checkpointing == "none":
-            return
-        from torch.distributed._composable import checkpoint
-
-        for block in found:
-            checkpoint(block)

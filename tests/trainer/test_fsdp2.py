@@ -10,6 +10,9 @@
   (``distributed_driver.py resume``): metrics and the final checkpoint are bitwise equal, and match a
   one-process run with the same global batch (metrics within 1e-7 + 1e-5·|value|, exported weights
   within 1e-5: the export holds the gathered full weights).
+
+In-process: which modules are blocks; per-block activation checkpointing (a block's forward runs
+again in backward) and its refusal when gradient checkpointing is already on.
 """
 
 from __future__ import annotations
@@ -126,3 +129,39 @@ def test_blocks_are_the_children_of_the_outermost_module_lists():
     found = blocks(model)
     assert [id(m) for m in found] == [id(first), id(model["a"][1]), id(model["b"][0])]
     assert blocks(nn.Linear(2, 2)) == []
+
+
+def _block_model():
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+
+
+def _forwards_of_first_block(model, mode: str) -> int:
+    from reference_trainer.fsdp import blocks, checkpoint_blocks
+
+    found = blocks(model)
+    checkpoint_blocks("policy", model, found, mode)
+    calls = []
+    found[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    h = model[0](torch.ones(2, 3))
+    for block in model[1]:
+        h = block(h)
+    h.square().sum().backward()
+    return len(calls)
+
+
+def test_full_activation_checkpointing_recomputes_each_block_in_process():
+    assert _forwards_of_first_block(_block_model(), "none") == 1
+    assert _forwards_of_first_block(_block_model(), "full") == 2
+
+
+def test_activation_checkpointing_already_on_is_refused():
+    from reference_trainer.errors import ConfigError
+    from reference_trainer.fsdp import blocks, checkpoint_blocks
+
+    model = _block_model()
+    model.is_gradient_checkpointing = True  # what diffusers' enable_gradient_checkpointing() sets
+    with pytest.raises(ConfigError, match="backend.activation_checkpointing: variant 'policy' already has"):
+        checkpoint_blocks("policy", model, blocks(model), "full")
