@@ -591,10 +591,10 @@ class BaseTrainer(ABC):
                 f"({self.cycle_step} of its steps done) but the cycle's start weights were not kept; a cycle "
                 "that can be cut must run its steps through cycle_steps()"
             )
-        # rank 0 publishes (the weights and optimizer state are the same on every rank); the others
-        # wait, so that no rank runs ahead of a checkpoint or touches its temp directory
+        # rank 0 publishes (after the gather every rank holds the same full state; under FSDP2 every
+        # rank joins it, and the layout is that of every backend); the others wait, so that no rank
+        # runs ahead of a checkpoint or touches its temp directory
         self.backend.barrier()
-        # full tensors on every rank (under FSDP2 a gather, which every rank joins): one layout for all
         variant_tensors = full_tensors(self.variants.state_tensors())
         optimizer_state = full_state(self.optim.optimizer.state_dict())
         cycle_start = full_tensors(self._cycle_start) if self.cycle_step else None  # type: ignore[arg-type]
