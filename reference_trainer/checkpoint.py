@@ -463,19 +463,28 @@ EXPORT_WEIGHTS = "diffusion_pytorch_model.safetensors"
 component folder ``from_pretrained`` loads (with the ``config.json`` written next to it)."""
 
 
-def write_model_export(directory: Path, variants: Mapping[str, torch.nn.Module]) -> None:
+def write_model_export(
+    directory: Path,
+    variants: Mapping[str, torch.nn.Module],
+    variant_tensors: Mapping[str, torch.Tensor] | None = None,
+) -> None:
     """``model/<variant>/``: ``diffusion_pytorch_model.safetensors`` (+ ``config.json`` for diffusers models).
 
     Args:
         directory: the checkpoint being written.
         variants: the trainable variants by name (for a diffusers model, its full ``state_dict``).
+        variant_tensors: full weights as ``variant.<name>.<key>`` (``roles.ComponentVariantRegistry.
+            state_tensors``, gathered under FSDP2); default: each module's own ``state_dict``.
     """
     from diffusers.configuration_utils import ConfigMixin
 
     for name, module in variants.items():
         target = directory / "model" / name
         target.mkdir(parents=True)
-        weights = {key: value.detach().contiguous() for key, value in module.state_dict().items()}
+        state = module.state_dict()
+        if variant_tensors is not None:
+            state = {key: variant_tensors[f"variant.{name}.{key}"] for key in state}
+        weights = {key: value.detach().contiguous() for key, value in state.items()}
         save_file(weights, target / EXPORT_WEIGHTS)
         if isinstance(module, ConfigMixin):
             module.save_config(target)
@@ -500,7 +509,7 @@ def save_checkpoint(
     final = checkpoint_path(output_dir, step)
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     (tmp / "state").mkdir(parents=True)
-    write_model_export(tmp, variants)
+    write_model_export(tmp, variants, variant_tensors)
     save_file({k: v.contiguous() for k, v in variant_tensors.items()}, tmp / "state" / "variants.safetensors")
     _write_split(tmp / "state", "optimizer", optimizer_state)
     _write_split(tmp / "state", "rng", rng_state())

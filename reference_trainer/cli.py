@@ -98,7 +98,11 @@ def train(
         list[str] | None, typer.Option("--set", help="dotted.key=value override (repeatable)")
     ] = None,
 ) -> None:
-    """Train from CONFIG; writes run.json, metrics.jsonl and checkpoints/step-NNNNNN/ in the output dir."""
+    """Train from CONFIG; writes run.json, metrics.jsonl and checkpoints/step-NNNNNN/ in the output dir.
+
+    Several processes (gloo on CPU): torchrun --nproc-per-node 2 -m reference_trainer train CONFIG
+    --set backend.kind=fsdp2 (or ddp).
+    """
     usage, failures = _known_errors()
     output_dir = output_dir or Path("runs") / config.stem
     _quiet_loading()

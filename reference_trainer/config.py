@@ -231,8 +231,8 @@ class RuntimeConfig:
 
 
 BACKEND_KINDS = ("single", "ddp", "fsdp2", "deepspeed")
-NOT_IMPLEMENTED_BACKENDS = ("fsdp2", "deepspeed")
-"""Accepted by the config (their plan rules are checked), refused by ``run.build_trainer``: issue 20."""
+NOT_IMPLEMENTED_BACKENDS = ("deepspeed",)
+"""Accepted by the config (their plan rules are checked), refused by ``run.build_trainer``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,7 +242,8 @@ class BackendConfig:
     ``single``: one process (a torchrun launch of several is refused). ``ddp``: Accelerate's
     DistributedDataParallel, gloo on CPU, launched as ``torchrun --nproc-per-node N -m reference_trainer
     train CONFIG``; a launch without torchrun is refused (a requested backend that is not applied is an
-    error, never a fallback). ``fsdp2`` and ``deepspeed`` are validated (the rules of
+    error, never a fallback). ``fsdp2``: ``fully_shard`` per block then the root, over the same torchrun
+    launch (``reference_trainer.fsdp``). ``deepspeed`` is validated (the rules of
     ``reference_trainer.distributed.check_plan``) but not implemented yet. Part of the run identity.
     """
 
@@ -251,7 +252,8 @@ class BackendConfig:
     zero_stage: int | None = None
     """DeepSpeed only: the ZeRO stage, 1 or 2 (ZeRO-3 is refused)."""
     activation_checkpointing: Literal["none", "full"] = "none"
-    """``full``: gradient checkpointing of every trainable variant (recompute activations in backward)."""
+    """``full``: gradient checkpointing of every trainable variant (recompute activations in backward);
+    under ``fsdp2`` applied by the backend per block, before sharding."""
 
     def __post_init__(self) -> None:
         if self.kind in ("fsdp", "fsdp1"):

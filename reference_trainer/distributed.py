@@ -1,11 +1,12 @@
-"""Execution backends: one process (``single``), or data parallel over a torchrun launch (``ddp``).
+"""Execution backends: one process (``single``), or data parallel over a torchrun launch (``ddp``, and
+``fsdp2`` in ``reference_trainer.fsdp``).
 
 Plan rules (``check_plan``) run before anything is loaded or hashed (``run.build_trainer`` step 2):
 
 * ZeRO-3 is refused (with several trainable roles: DeepSpeed needs ZeRO-1 or 2), FSDP1 is refused
   (``config.BackendConfig``; an FSDP1 field such as ``use_orig_params`` is refused naming it);
 * Muon is refused when ``torch.optim.Muon`` is absent, or with DeepSpeed;
-* ``fsdp2`` and ``deepspeed`` pass these rules and are then refused: not implemented yet (issue 20).
+* ``deepspeed`` passes these rules and is then refused: not implemented yet.
 
 ``build_backend`` applies the backend or fails: a backend that was asked for and not applied is an
 error, never a fallback. ``ddp`` builds ``Accelerator(cpu=True)`` (gloo) on a machine without CUDA —
@@ -66,7 +67,8 @@ def check_plan(config: RunConfig, roles: Sequence[str]) -> None:
             )
     if backend.kind in NOT_IMPLEMENTED_BACKENDS:
         raise ConfigError(
-            "backend.kind", f"{backend.kind} is not implemented yet (issue 20); use single or ddp"
+            "backend.kind",
+            f"{backend.kind} is not implemented yet (issue 20); use single, ddp or fsdp2",
         )
 
 
@@ -93,6 +95,9 @@ class Backend:
     kind = "single"
     rank = 0
     world_size = 1
+    replaces_parameters = False
+    """True when ``prepare`` replaces the variants' parameters (FSDP2's DTensors): the trainer then
+    rebuilds its role registry and optimizer from the prepared modules (``BaseTrainer.prepare_backend``)."""
 
     def __init__(self, activation_checkpointing: str = "none"):
         self.activation_checkpointing = activation_checkpointing
@@ -155,42 +160,9 @@ class Backend:
             )
 
 
-class DDPBackend(Backend):
-    """Accelerate's DistributedDataParallel over a torchrun launch (gloo on CPU)."""
-
-    kind = "ddp"
-
-    def __init__(self, activation_checkpointing: str = "none"):
-        super().__init__(activation_checkpointing)
-        world = launch_world_size()
-        if world < 2:
-            raise ConfigError(
-                "backend.kind",
-                "ddp needs a launch of several processes: "
-                "torchrun --nproc-per-node N -m reference_trainer train CONFIG (WORLD_SIZE is "
-                f"{os.environ.get('WORLD_SIZE', 'unset')})",
-            )
-        if torch.cuda.is_available():
-            raise ConfigError(
-                "backend.kind",
-                "ddp on CUDA devices is not implemented yet (the adapters place tensors on the CPU); "
-                "hide the GPUs (CUDA_VISIBLE_DEVICES=) to train over gloo",
-            )
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedDataParallelKwargs, DistributedType
-
-        # buffers are loaded from the same fixture on every rank and never change: no broadcast, so
-        # that a forward without gradients (rollouts, evaluation) runs no collective
-        handlers = [DistributedDataParallelKwargs(broadcast_buffers=False)]
-        self.accelerator = Accelerator(cpu=True, kwargs_handlers=handlers)
-        state = self.accelerator.state
-        if state.distributed_type != DistributedType.MULTI_CPU or self.accelerator.num_processes != world:
-            raise ConfigError(
-                "backend.kind",
-                f"ddp was requested but Accelerate started {state.distributed_type} with "
-                f"{self.accelerator.num_processes} process(es) for WORLD_SIZE={world}",
-            )
-        self.rank, self.world_size = self.accelerator.process_index, world
+class ProcessGroupBackend(Backend):
+    """The collectives of a torchrun launch of several processes (gloo on CPU); subclasses apply the
+    parallelism (``DDPBackend`` here, ``fsdp.FSDP2Backend``)."""
 
     def barrier(self) -> None:
         dist.barrier()
@@ -224,6 +196,51 @@ class DDPBackend(Backend):
         dist.all_gather_object(parts, list(items))
         return [item for part in parts for item in part]
 
+
+def require_launch(kind: str) -> int:
+    """torchrun's world size for backend ``kind``; ``ConfigError`` for a launch of one process, or on a
+    machine with CUDA devices (the adapters place their tensors on the CPU)."""
+    world = launch_world_size()
+    if world < 2:
+        raise ConfigError(
+            "backend.kind",
+            f"{kind} needs a launch of several processes: "
+            "torchrun --nproc-per-node N -m reference_trainer train CONFIG (WORLD_SIZE is "
+            f"{os.environ.get('WORLD_SIZE', 'unset')})",
+        )
+    if torch.cuda.is_available():
+        raise ConfigError(
+            "backend.kind",
+            f"{kind} on CUDA devices is not implemented yet (the adapters place tensors on the CPU); "
+            "hide the GPUs (CUDA_VISIBLE_DEVICES=) to train over gloo",
+        )
+    return world
+
+
+class DDPBackend(ProcessGroupBackend):
+    """Accelerate's DistributedDataParallel over a torchrun launch (gloo on CPU)."""
+
+    kind = "ddp"
+
+    def __init__(self, activation_checkpointing: str = "none"):
+        super().__init__(activation_checkpointing)
+        world = require_launch("ddp")
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+
+        # buffers are loaded from the same fixture on every rank and never change: no broadcast, so
+        # that a forward without gradients (rollouts, evaluation) runs no collective
+        handlers = [DistributedDataParallelKwargs(broadcast_buffers=False)]
+        self.accelerator = Accelerator(cpu=True, kwargs_handlers=handlers)
+        state = self.accelerator.state
+        if state.distributed_type != DistributedType.MULTI_CPU or self.accelerator.num_processes != world:
+            raise ConfigError(
+                "backend.kind",
+                f"ddp was requested but Accelerate started {state.distributed_type} with "
+                f"{self.accelerator.num_processes} process(es) for WORLD_SIZE={world}",
+            )
+        self.rank, self.world_size = self.accelerator.process_index, world
+
     def prepare(
         self, modules: Mapping[str, nn.Module], optimizer: CompositeOptimizer
     ) -> dict[str, nn.Module]:
@@ -250,6 +267,10 @@ def build_backend(config: RunConfig) -> Backend:
     checkpointing = config.backend.activation_checkpointing
     if kind == "ddp":
         return DDPBackend(checkpointing)
+    if kind == "fsdp2":
+        from reference_trainer.fsdp import FSDP2Backend
+
+        return FSDP2Backend(checkpointing)
     world = launch_world_size()
     if world > 1:
         raise ConfigError(

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import ffdebug
+from reference_trainer.sharding import full_tensor, like
 
 if TYPE_CHECKING:  # a type only: the YAML config module is not imported at run time
     from reference_trainer.config import OptimizerConfig
@@ -90,7 +91,7 @@ class CompositeOptimizer:
                 f"optimizer state has {len(states)} children, the optimizer has {len(self.children)}"
             )
         for child, child_state in zip(self.children, states):
-            child.load_state_dict(child_state)
+            child.load_state_dict(_sharded_like_params(child, child_state))
 
     def describe(self) -> list[dict]:
         """Layout for the run identity: child type, role, kind and parameter shapes of every group."""
@@ -104,6 +105,23 @@ class CompositeOptimizer:
             for child in self.children
             for group in child.param_groups
         ]
+
+
+def _sharded_like_params(child: torch.optim.Optimizer, state: Mapping) -> Mapping:
+    """A child's state whose full per-parameter tensors (a checkpoint's) are sharded like its ``DTensor``
+    parameters (FSDP2); unchanged for plain parameters. Scalars (``step``) stay as they are."""
+    params = [p for group in child.param_groups for p in group["params"]]
+    ids = [i for group in state.get("param_groups", ()) for i in group["params"]]
+    if len(ids) != len(params):
+        return state  # load_state_dict names the mismatch
+    per_param = dict(state.get("state", {}))
+    for param_id, param in zip(ids, params):
+        if param_id in per_param:
+            per_param[param_id] = {
+                key: like(param, value) if isinstance(value, torch.Tensor) and value.ndim else value
+                for key, value in per_param[param_id].items()
+            }
+    return {**state, "state": per_param}
 
 
 def build_optimizer(
@@ -232,7 +250,10 @@ class RoleOptimizer:
     def _finish(self, phase: RolePhase) -> StepResult:
         params = self.roles[phase.role]
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+        grads = [p.grad for p in params if p.grad is not None]
+        # FSDP2: a norm of sharded gradients is a partial DTensor; its full value is the global norm
+        grad_norm = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=False))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=False)
         ffdebug.tap(f"grad_norm.{phase.role}", grad_norm.detach().clone())
         if not bool(torch.isfinite(grad_norm)):
             raise NonFiniteLossError(

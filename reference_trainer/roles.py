@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from reference_trainer.sharding import copy_into, full_tensor
+
 
 class RoleError(ValueError):
     """Invalid variant / snapshot / role declaration."""
@@ -76,7 +78,8 @@ class ComponentVariantRegistry:
             raise RoleError(f"snapshot name {name!r} is already used")
         self.variant(source)  # an unknown name is a RoleError
         module = self._variants[source]
-        self._snapshots[name] = {key: p.detach().clone() for key, p in module.named_parameters()}
+        # full tensors also under FSDP2 (a collective then): snapshots are never sharded
+        self._snapshots[name] = {key: full_tensor(p.detach()).clone() for key, p in module.named_parameters()}
         return self._snapshots[name]
 
     def snapshot(self, name: str) -> Mapping[str, torch.Tensor]:
@@ -91,7 +94,7 @@ class ComponentVariantRegistry:
         snapshot = self.snapshot(name)
         self.variant(source)  # an unknown name is a RoleError
         for key, p in self._variants[source].named_parameters():
-            snapshot[key].mul_(decay).add_(p.detach(), alpha=1.0 - decay)  # type: ignore[index]
+            snapshot[key].mul_(decay).add_(full_tensor(p.detach()), alpha=1.0 - decay)  # type: ignore[index]
 
     @property
     def snapshots(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -100,7 +103,8 @@ class ComponentVariantRegistry:
 
     # ---------------------------------------------------------------- checkpoint state
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Flat ``{"variant.<name>.<param>": t, "snapshot.<name>.<param>": t}`` for checkpoints."""
+        """Flat ``{"variant.<name>.<param>": t, "snapshot.<name>.<param>": t}`` for checkpoints (under
+        FSDP2 a variant's parameters are this rank's ``DTensor`` shards: ``sharding.full_tensors``)."""
         tensors = {}
         for name, module in self._variants.items():
             for key, value in module.state_dict().items():
@@ -112,14 +116,15 @@ class ComponentVariantRegistry:
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Restore variants and snapshots in place from ``state_tensors`` output (exact copy)."""
+        """Restore variants and snapshots in place from ``state_tensors`` output (exact copy); full
+        tensors are sharded like a ``DTensor`` parameter (``sharding.copy_into``)."""
         expected = set(self.state_tensors())
         if set(tensors) != expected:
             missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
             raise RoleError(f"variant state mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
         for name, module in self._variants.items():
-            prefix = f"variant.{name}."
-            module.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+            for key, target in module.state_dict(keep_vars=True).items():
+                copy_into(target, tensors[f"variant.{name}.{key}"])
         for name, params in self._snapshots.items():
             for key, value in params.items():
                 value.copy_(tensors[f"snapshot.{name}.{key}"])

@@ -416,9 +416,33 @@ def call_module(
     if parameters is None:
         return module(*args, **kwargs)
     # snapshot parameters are named as in the unwrapped module, and need no gradient synchronisation
-    return torch.func.functional_call(native_module(module), dict(parameters), args, kwargs, strict=False)
+    return torch.func.functional_call(functional_module(module), dict(parameters), args, kwargs, strict=False)
 
 
 def native_module(module: nn.Module) -> nn.Module:
-    """The module a prepared wrapper (DDP) wraps; ``module`` itself when it is not wrapped."""
-    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+    """The module a prepared wrapper (DDP, FSDP2's ``ShardedModule``) wraps; ``module`` itself when it is
+    not wrapped."""
+    from reference_trainer.sharding import ShardedModule
+
+    if isinstance(module, nn.parallel.DistributedDataParallel | ShardedModule):
+        return module.module
+    return module
+
+
+def functional_module(module: nn.Module) -> nn.Module:
+    """The module a functional call with snapshot parameters runs: the unwrapped one, or for a variant
+    sharded by FSDP2 its unsharded template (FSDP2's pre-forward hook would swap the live parameters
+    back in over the snapshot's). A sharded module reached without its wrapper is refused."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from reference_trainer.sharding import ShardedModule
+
+    if isinstance(module, ShardedModule):
+        return module.template
+    native = native_module(module)
+    if isinstance(native, FSDPModule):
+        raise TypeError(
+            f"a functional call on the sharded {type(native).__name__} would run its live parameters; "
+            "pass the routed variant (variants.variant(name)), which carries the unsharded template"
+        )
+    return native

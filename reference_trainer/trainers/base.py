@@ -77,6 +77,7 @@ from reference_trainer.distributed import Backend
 from reference_trainer.jsonl import truncate_jsonl
 from reference_trainer.optim import RoleOptimizer, StepResult, build_optimizer
 from reference_trainer.roles import ComponentVariantRegistry, check_ownership, role_parameters
+from reference_trainer.sharding import check_sharded_optimizer, full_state, full_tensors
 
 T = TypeVar("T")
 EVAL_FILE = "eval.jsonl"
@@ -272,6 +273,9 @@ class BaseTrainer(ABC):
         self.variants.route(prepared)
         base = next(iter(self.variants.variants))
         self.adapter.route_component(self.adapter.trainable_component, prepared[base])
+        if self.backend.replaces_parameters:  # FSDP2: roles and optimizer from the sharded parameters
+            self.optim = self._build_optimizer()
+            check_sharded_optimizer(self.optim.optimizer, self.variants.variants.values())
 
     # ---------------------------------------------------------------- helpers for subclasses
     def sample_generators(self, *keys: int | str, count: int) -> list[torch.Generator]:
@@ -587,18 +591,22 @@ class BaseTrainer(ABC):
                 f"({self.cycle_step} of its steps done) but the cycle's start weights were not kept; a cycle "
                 "that can be cut must run its steps through cycle_steps()"
             )
-        # rank 0 publishes (the weights and optimizer state are the same on every rank); the others
-        # wait, so that no rank runs ahead of a checkpoint or touches its temp directory
+        # rank 0 publishes (after the gather every rank holds the same full state; under FSDP2 every
+        # rank joins it, and the layout is that of every backend); the others wait, so that no rank
+        # runs ahead of a checkpoint or touches its temp directory
         self.backend.barrier()
+        variant_tensors = full_tensors(self.variants.state_tensors())
+        optimizer_state = full_state(self.optim.optimizer.state_dict())
+        cycle_start = full_tensors(self._cycle_start) if self.cycle_step else None  # type: ignore[arg-type]
         path = ckpt.checkpoint_path(self.output_dir, self.optimizer_step)
         if self.backend.is_main:
             path = ckpt.save_checkpoint(
                 self.output_dir,
                 trainer_state=self.trainer_state(),
                 variants=self.variants.variants,
-                variant_tensors=self.variants.state_tensors(),
-                optimizer_state=self.optim.optimizer.state_dict(),
-                cycle_start=self._cycle_start if self.cycle_step else None,
+                variant_tensors=variant_tensors,
+                optimizer_state=optimizer_state,
+                cycle_start=cycle_start,
                 keep_last=self.config.checkpoint.keep_last,
             )
         self.backend.barrier()

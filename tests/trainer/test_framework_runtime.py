@@ -170,8 +170,8 @@ KILL_DRIVER = """
 import os, signal, sys
 from reference_trainer import checkpoint
 original = checkpoint.write_model_export
-def write_then_die(directory, variants):
-    original(directory, variants)
+def write_then_die(directory, *args):
+    original(directory, *args)
     if "step-000002" in str(directory):
         os.kill(os.getpid(), signal.SIGKILL)  # mid-save: model written, state not yet
 checkpoint.write_model_export = write_then_die
