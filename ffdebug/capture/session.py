@@ -150,6 +150,7 @@ class Session:
         if self.call_depth == 0:
             self.call = None
             self.call_selected = True
+            self.ids_shape = None
 
     def next_invocation(self, path: str) -> int:
         n = self.invocations.get(path, 0)
