@@ -16,7 +16,8 @@ from ffdebug.io.prefetch import ReadAhead
 
 
 def _stores(tmp_path):
-    """Six stages: equal, noisy over several chunks, one NaN, an offset, bf16, and an int tensor."""
+    """Seven stages: equal, noisy over several chunks, one NaN, an offset, bf16, an int tensor and
+    logits (their KL / top-k metrics too)."""
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(3 * CHUNK + 7, generator=g), torch.randn(2, 5000, generator=g)]
     for side, noise in (("ref", 0.0), ("target", 1.0)):
@@ -31,6 +32,7 @@ def _stores(tmp_path):
             ffdebug.tap("offset", base[1] + noise * 0.5)
             ffdebug.tap("bf16", (base[1] * (1 + noise * 1e-2)).bfloat16())
             ffdebug.tap("ints", torch.arange(100) + int(noise))
+            ffdebug.tap("final.logits", base[1][:, :4000].reshape(80, 100) * (1 + noise * 0.1))
     return tmp_path / "ref", tmp_path / "target"
 
 

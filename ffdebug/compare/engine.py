@@ -333,11 +333,12 @@ def _map_units(units: list[StageUnit], thresholds, exact: bool, workers: int | N
 
     jobs = [_payload_records(u) for u in units]
     n = workers if workers is not None else parallel.auto_workers(jobs, READ_AHEAD_BYTES)
-    with single_thread(), ReadAhead(jobs, READ_AHEAD_BYTES) as ahead:
+    with ReadAhead(jobs, READ_AHEAD_BYTES) as ahead:
 
         def one(i: int) -> tuple:
-            try:
-                return _compare_unit(units[i], thresholds, exact, ahead.take(i))
+            try:  # single_thread is per Python thread: each worker sets its own
+                with single_thread():
+                    return _compare_unit(units[i], thresholds, exact, ahead.take(i))
             finally:
                 ahead.release(i)
 
