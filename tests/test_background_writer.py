@@ -123,3 +123,13 @@ def test_sigterm_with_default_action_drains_and_still_dies(tmp_path):
     store = open_side(tmp_path / "ref")
     assert [r.key for r in store.records] == [f"t{i}" for i in range(30)]
     assert all(float(r.load()[0]) == i for i, r in enumerate(store.records))
+
+
+def test_queue_bytes_zero_writes_on_the_forward_thread(tmp_path):
+    """queue_bytes=0: no writer thread, no SIGTERM handler; the record is on disk when tap returns."""
+    before = signal.getsignal(signal.SIGTERM)
+    with ffdebug.capture(None, dir=tmp_path, side="t", queue_bytes=0):
+        ffdebug.tap("x", torch.arange(4.0))
+        assert [r.key for r in open_side(tmp_path / "t").records] == ["x"]
+        assert not [t for t in threading.enumerate() if t.name == "ffdebug-dump-writer"]
+        assert signal.getsignal(signal.SIGTERM) is before
