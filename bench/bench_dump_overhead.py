@@ -6,7 +6,8 @@ runs `--forwards` forwards inside one capture session and measures
   total    wall time of the N forwards plus the session close (the background writer's drain)
   forward  median latency of one forward (what the caller of the model waits for)
 Modes are interleaved over `--rounds` rounds (medians), so drift of a shared machine hits each
-alike. Prints total / none per mode (target: stats <= 1.5x) and forward / none.
+alike. Prints total / none per mode (target: stats <= 1.5x), the process CPU time of the same span
+(steadier than wall on a shared machine) and forward / none.
 
 Usage: python bench/bench_dump_overhead.py                   (smoke: --layers 2 --forwards 2)
 """
@@ -36,8 +37,8 @@ def build(layers: int, hidden: int):
     return LlamaForCausalLM(config).eval()
 
 
-def run_mode(model, ids, mode: str, forwards: int, root: str, round_: int) -> tuple[float, float]:
-    """(total wall incl. the drain, median forward latency) of `forwards` forwards."""
+def run_mode(model, ids, mode: str, forwards: int, root: str, round_: int) -> tuple[float, float, float]:
+    """(total wall incl. the drain, median forward latency, process CPU seconds incl. the drain)."""
     import contextlib
 
     import torch
@@ -50,13 +51,13 @@ def run_mode(model, ids, mode: str, forwards: int, root: str, round_: int) -> tu
         if mode != "none"
         else contextlib.nullcontext()
     )
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad(), ctx:
         for _ in range(forwards):
             t = time.perf_counter()
             model(input_ids=ids)
             lat.append(time.perf_counter() - t)
-    return time.perf_counter() - t0, statistics.median(lat)
+    return time.perf_counter() - t0, statistics.median(lat), time.process_time() - c0
 
 
 def main() -> None:
@@ -79,14 +80,17 @@ def main() -> None:
     modes = ("none", "stats", "full")
     totals: dict[str, list[float]] = {m: [] for m in modes}
     lats: dict[str, list[float]] = {m: [] for m in modes}
+    cpus: dict[str, list[float]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as root:
         for r in range(args.rounds):
             for mode in modes:
-                total, lat = run_mode(model, ids, mode, args.forwards, root, r)
+                total, lat, cpu_s = run_mode(model, ids, mode, args.forwards, root, r)
                 totals[mode].append(total)
                 lats[mode].append(lat)
+                cpus[mode].append(cpu_s)
     total = {m: statistics.median(v) for m, v in totals.items()}
     lat = {m: statistics.median(v) for m, v in lats.items()}
+    cpu = {m: statistics.median(v) for m, v in cpus.items()}
     print(
         f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, {args.forwards} forwards, "
         f"{args.threads} threads; medians of {args.rounds} interleaved rounds"
@@ -94,6 +98,7 @@ def main() -> None:
     for m in modes:
         print(
             f"{m:6s} total {total[m]:7.2f} s  ratio {total[m] / total['none']:5.2f}x   "
+            f"CPU {cpu[m]:7.2f} s  ratio {cpu[m] / cpu['none']:5.2f}x   "
             f"forward {lat[m] * 1e3:8.1f} ms  ratio {lat[m] / lat['none']:5.2f}x   "
             f"(totals {', '.join(f'{t:.2f}' for t in totals[m])})"
         )
