@@ -13,9 +13,9 @@ preallocated float64 buffers stay in cache and ran the maths at ~4 GB/s on our 2
 while 1 Mi-element chunks fall to ~1 GB/s (README "Benchmarks"). Per chunk: two copies, one subtraction,
 one `mv` of the [r; t] rows with t (r·t and t·t in one pass over t), two dots (r·r, d·d), one
 integer-difference count of equal bits, and |d| taken in place for its max and its sum — each a
-single pass; on our 2-core machine `amax` of |d| is about 3x faster than `aminmax` of d, and
-`torch.mm` of the 3×m block and `vector_norm(·, 1)` were slower than these (bench/ops in
-README "Benchmarks"); a bit-identical chunk
+single pass; in per-op timings at 64 Ki elements (bench/README.md) `amax` of |d| was about 3x
+faster than `aminmax` of d, `mv` of two rows cheaper than two dots, and `torch.mm` of the 3×m block
+and `vector_norm(·, 1)` slower than these; a bit-identical chunk
 (checked with one memcmp-speed `torch.equal` on integer views) needs only ‖r‖². Non-finite values take a slow path only in the
 chunks that hold them. `bit_equal` counts positions with identical bits (same dtype), or equal
 values (different dtypes).
