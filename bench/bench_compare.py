@@ -1,14 +1,22 @@
-"""Compare two ~SIZE stores against simply reading them (README "Benchmarks").
+"""`ffdebug compare` and `ffdebug bisect` against the read floor and a naive loop (README "Benchmarks").
 
-Writes two stores (ref, target = ref + small noise) of `--size` bytes of fp32 each, in tensors of
-`--tensor-mb`, then measures as whole processes:
-  baseline  a script that reads both stores with safetensors and touches every page
-  compare   `ffdebug compare REF TARGET --json`
-and prints wall-time ratio (target ≤ 1.5× the baseline), throughput relative to read speed (≥ 0.5),
-peak RSS (target ≤ 600 MiB at 1 GiB, ≤ 3 × largest tensor + 300 MB) and the in-process metric
-throughput (target ≥ 4 GB/s).
+Writes two stores (ref, target = ref + small noise) of `--size` bytes of fp32 each, as layer stages
+`L{i}.hidden_out`, in one of two layouts:
+  uniform  `--count` tensors of equal size (default 200: 1 GiB = 200 x 5.1 MiB)
+  mixed    `--count` tensors from 4 KiB to 64 MiB (sizes 4 KiB x 16384^(u^p), u in [0, 1], p chosen
+           so the sizes add up to `--size`; shuffled with a fixed seed)
+then measures, each as a whole process, interleaved `--repeat` times (medians; peak RSS = max):
+  floor    a script that opens every payload of both stores with safetensors and touches every page
+  naive    a loop that loads each pair and computes whole-tensor float64 cos, rel and max |a - b|
+           (2 intra-op threads)
+  compare  `ffdebug compare REF TARGET --json`
+  bisect   `ffdebug bisect REF TARGET --json`
+and prints compare / floor (target <= 1.25), compare / naive (<= 0.5), peak RSS (<= 600 MiB at
+1 GiB), bisect / compare (<= 1.15), and the in-process metric maths (both fp32 inputs counted, one
+thread; target >= 4 GB/s) in wall time and in thread CPU time (a shared machine steals wall time).
 
-Usage: python bench/bench_compare.py --size 1GiB      (smoke: --size 64MiB)
+Usage: python bench/bench_compare.py --size 1GiB                     (smoke: --size 64MiB --count 20)
+       python bench/bench_compare.py --size 1GiB --layout mixed --count 2000
 """
 
 from __future__ import annotations
@@ -17,13 +25,14 @@ import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 READ_ONLY = r"""
-import sys, glob, json, os
+import sys, glob, os
 from safetensors import safe_open
 total = 0.0
 for side in sys.argv[1:]:
@@ -35,6 +44,32 @@ for side in sys.argv[1:]:
 print(total)
 """
 
+NAIVE = r"""
+import sys, glob, os, torch
+from safetensors import safe_open
+torch.set_num_threads(2)
+ref, tgt = sys.argv[1], sys.argv[2]
+names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ref, "rank000", "*.safetensors")))
+worst = 0.0
+for name in names:
+    with safe_open(os.path.join(ref, "rank000", name), framework="pt") as f:
+        a = f.get_tensor("tensor").double()
+    with safe_open(os.path.join(tgt, "rank000", name), framework="pt") as f:
+        b = f.get_tensor("tensor").double()
+    cos = float(torch.dot(a.flatten(), b.flatten()) / (a.norm() * b.norm()))
+    rel = float((a - b).norm() / a.norm())
+    mx = float((a - b).abs().max())
+    worst = max(worst, rel)
+print(worst)
+"""
+
+MAKE_STORES = r"""
+import sys
+sys.path.insert(0, sys.argv[5])
+from bench_compare import make_stores
+print(make_stores(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))
+"""
+
 
 def parse_size(s: str) -> int:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMG]i?B)?", s.strip(), re.I)
@@ -44,98 +79,146 @@ def parse_size(s: str) -> int:
     return int(float(m.group(1)) * mult.get((m.group(2) or "b").lower(), 1))
 
 
-def run(cmd: list[str]) -> tuple[float, int]:
-    """Wall time and peak RSS (bytes) of a child process."""
-    t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, _, ru = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t
-    return wall, ru.ru_maxrss * 1024
+def tensor_numels(size: int, count: int, layout: str) -> list[int]:
+    """Element counts of the `count` tensors of one store (fp32)."""
+    if layout == "uniform":
+        return [max(1, size // count // 4)] * count
+    lo, hi = 4 << 10, 64 << 20
+    if count * lo > size:
+        raise SystemExit(f"--size too small for {count} tensors of at least 4 KiB")
+    us = [k / max(count - 1, 1) for k in range(count)]
+
+    def sizes(p: float) -> list[int]:
+        return [int(lo * (hi / lo) ** (u**p)) // 4 * 4 for u in us]
+
+    a, b = 0.01, 100.0  # total(p) falls as p grows
+    for _ in range(60):
+        p = (a * b) ** 0.5
+        a, b = (p, b) if sum(sizes(p)) > size else (a, p)
+    import random
+
+    out = [s // 4 for s in sizes(b)]
+    random.Random(0).shuffle(out)
+    return out
 
 
-MAKE_STORES = r"""
-import sys
-sys.path.insert(0, sys.argv[4])
-from bench_compare import make_stores
-print(make_stores(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
-"""
-
-
-def make_stores(root: str, size: int, tensor_mb: int) -> int:
+def make_stores(root: str, size: int, count: int, layout: str) -> str:
     import torch
 
     import ffdebug
 
-    numel = tensor_mb * (1 << 20) // 4
-    count = max(1, size // (numel * 4))
-    g = torch.Generator().manual_seed(0)
+    numels = tensor_numels(size, count, layout)
     for side, noise in (("ref", 0.0), ("target", 1e-4)):
-        g.manual_seed(0)
+        g = torch.Generator().manual_seed(0)
         with ffdebug.capture(None, dir=root, side=side):
-            for i in range(count):
-                x = torch.randn(numel, generator=g)
+            ffdebug.tap("embed.input_ids", torch.tensor([[1, 2, 3]]), input_ids=True)
+            for i, n in enumerate(numels):
+                x = torch.randn(n, generator=g)
                 if noise:
-                    x = x + noise * torch.randn(numel, generator=torch.Generator().manual_seed(i))
-                ffdebug.tap(f"t{i:04d}", x)
-    return numel * 4
+                    x = x + noise * torch.randn(n, generator=torch.Generator().manual_seed(i))
+                ffdebug.tap(f"L{i:04d}.hidden_out", x, layer=i)
+    return f"{len(numels)} {min(numels) * 4} {max(numels) * 4} {sum(numels) * 4}"
 
 
-def metric_throughput(numel: int) -> float:
+def measure(cmd: list[str]) -> tuple[float, int, float]:
+    """Wall time, peak RSS (bytes) and CPU seconds (user + system) of a child process."""
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    code = os.waitstatus_to_exitcode(status)
+    if code not in (0, 1, 4):
+        raise SystemExit(f"{' '.join(cmd[:4])} failed with {code}: {p.stderr.read().decode()[-2000:]}")
+    return wall, ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime
+
+
+def metric_throughput(numel: int, repeat: int) -> tuple[float, float]:
+    """(wall GB/s, thread-CPU GB/s) of `compare_tensors` on two in-memory fp32 tensors (medians)."""
     import torch
 
     from ffdebug.compare.metrics import compare_tensors
 
+    torch.set_num_threads(1)
     a = torch.randn(numel)
-    b = a + 1e-4
+    b = a + 1e-4 * torch.randn(numel)
     compare_tensors(a[: 1 << 16], b[: 1 << 16])
-    t = time.perf_counter()
-    compare_tensors(a, b)
-    return 2 * a.numel() * 4 / (time.perf_counter() - t) / 1e9
+    walls, cpus = [], []
+    for _ in range(repeat):
+        t, c = time.perf_counter(), time.thread_time()
+        compare_tensors(a, b)
+        walls.append(time.perf_counter() - t)
+        cpus.append(time.thread_time() - c)
+    nbytes = 2 * numel * 4
+    return nbytes / statistics.median(walls) / 1e9, nbytes / statistics.median(cpus) / 1e9
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="64MiB", help="bytes per store (1GiB for the figure)")
-    ap.add_argument("--tensor-mb", type=int, default=64, help="size of each tensor in MiB")
+    ap.add_argument("--count", type=int, default=200, help="tensors per store")
+    ap.add_argument("--layout", choices=("uniform", "mixed"), default="uniform")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved runs of each command (median)")
+    ap.add_argument("--no-bisect", action="store_true")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     size = parse_size(args.size)
     root = tempfile.mkdtemp(prefix="ffdebug-bench-")
+    py = sys.executable
     try:
         # Stores are written by a child process: a forked child inherits its parent's peak RSS,
         # so this process must stay small for the children's ru_maxrss to mean anything.
+        here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                MAKE_STORES,
-                root,
-                str(size),
-                str(min(args.tensor_mb, max(1, size >> 20))),
-                os.path.dirname(os.path.abspath(__file__)),
-            ],
+            [py, "-c", MAKE_STORES, root, str(size), str(args.count), args.layout, here],
             check=True,
             capture_output=True,
             text=True,
         )
-        largest = int(out.stdout.strip().splitlines()[-1])
+        count, smallest, largest, total = map(int, out.stdout.strip().splitlines()[-1].split())
         ref, tgt = os.path.join(root, "ref"), os.path.join(root, "target")
         subprocess.run(["sync"], check=False)
-        run([sys.executable, "-c", READ_ONLY, ref, tgt])  # warm the page cache
-        base_t, base_rss = run([sys.executable, "-c", READ_ONLY, ref, tgt])
-        cmp_t, cmp_rss = run([sys.executable, "-m", "ffdebug.cli.app", "compare", ref, tgt, "--json"])
-        gbps = metric_throughput(min(largest // 4, 64 << 20))
+        measure([py, "-c", READ_ONLY, ref, tgt])  # warm the page cache
+        cmds = {
+            "floor": [py, "-c", READ_ONLY, ref, tgt],
+            "naive": [py, "-c", NAIVE, ref, tgt],
+            "compare": [py, "-m", "ffdebug.cli.app", "compare", ref, tgt, "--json"],
+        }
+        if not args.no_bisect:
+            cmds["bisect"] = [py, "-m", "ffdebug.cli.app", "bisect", ref, tgt, "--json"]
+        runs: dict[str, list[tuple[float, int, float]]] = {k: [] for k in cmds}
+        for _ in range(args.repeat):
+            for name, cmd in cmds.items():
+                runs[name].append(measure(cmd))
+        wall = {k: statistics.median(w for w, _, _ in v) for k, v in runs.items()}
+        rss = {k: max(r for _, r, _ in v) for k, v in runs.items()}
+        cpu = {k: statistics.median(c for _, _, c in v) for k, v in runs.items()}
+        gbps, gbps_cpu = metric_throughput(min(largest // 4, 16 << 20), max(3, args.repeat))
         mib = 1 << 20
-        print(f"stores: 2 x {size / mib:.0f} MiB, largest tensor {largest / mib:.0f} MiB")
-        print(f"read-only baseline   {base_t:6.2f} s   peak RSS {base_rss / mib:7.1f} MiB")
-        print(f"ffdebug compare      {cmp_t:6.2f} s   peak RSS {cmp_rss / mib:7.1f} MiB")
-        print(f"wall ratio           {cmp_t / base_t:6.2f}x  (target <= 1.5x)")
-        print(f"throughput vs read   {base_t / cmp_t:6.2f}   (target >= 0.5)")
         print(
-            f"peak RSS             {cmp_rss / mib:6.0f} MiB = {cmp_rss / largest:.2f} x largest tensor "
-            f"(target <= 3 x largest + 300 MB; <= 600 MiB at 1 GiB)"
+            f"stores: 2 x {total / mib:.0f} MiB, {count} fp32 tensors ({args.layout}, "
+            f"{smallest / 1024:.0f} KiB .. {largest / mib:.1f} MiB); medians of {args.repeat} interleaved runs"
         )
-        print(f"metric maths         {gbps:6.2f} GB/s in-process (target >= 4 GB/s)")
+        for name in cmds:
+            walls = ", ".join(f"{w:.2f}" for w, _, _ in runs[name])
+            print(
+                f"{name:10s} {wall[name]:7.2f} s   CPU {cpu[name]:7.2f} s   peak RSS {rss[name] / mib:7.1f} MiB"
+                f"   (walls {walls})"
+            )
+        print(
+            f"compare / read floor   {wall['compare'] / wall['floor']:6.2f}x wall, "
+            f"{cpu['compare'] / cpu['floor']:.2f}x CPU  (target <= 1.25)"
+        )
+        print(
+            f"compare / naive loop   {wall['compare'] / wall['naive']:6.2f}x wall, "
+            f"{cpu['compare'] / cpu['naive']:.2f}x CPU  (target <= 0.5)"
+        )
+        print(f"compare peak RSS       {rss['compare'] / mib:6.0f} MiB (target <= 600 MiB at 1 GiB)")
+        if "bisect" in wall:
+            print(
+                f"bisect / compare       {wall['bisect'] / wall['compare']:6.2f}x wall, "
+                f"{cpu['bisect'] / cpu['compare']:.2f}x CPU  (target <= 1.15)"
+            )
+        print(f"metric maths           {gbps:6.2f} GB/s wall, {gbps_cpu:.2f} GB/s thread CPU (target >= 4)")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -21,32 +21,28 @@ def iter_chunks(flat, chunk: int = CHUNK):
         yield out
 
 
-_threads_lock = threading.Lock()
-_threads_depth = 0
-_threads_prev = 1
+_threads = threading.local()  # per Python thread: torch's intra-op setting is per thread (OpenMP / MKL)
 
 
 class single_thread:
     """Run the chunk loops on one intra-op thread: 64 Ki-element ops gain nothing from more, and an
-    OpenMP team spinning on a busy 2-core machine made them 20x slower. Re-entrant and safe across
-    Python threads (the outermost entry saves and restores the setting)."""
+    OpenMP team spinning on a busy 2-core machine made them 20x slower. torch's thread count is
+    a per-thread setting (OpenMP ICV, MKL local), so each Python thread — the forward, the
+    background dump writer, compare workers — saves and restores its own; re-entrant."""
 
     def __enter__(self):
-        global _threads_depth, _threads_prev
         import torch
 
-        with _threads_lock:
-            if _threads_depth == 0:
-                _threads_prev = torch.get_num_threads()
-                if _threads_prev != 1:
-                    torch.set_num_threads(1)
-            _threads_depth += 1
+        depth = getattr(_threads, "depth", 0)
+        if depth == 0:
+            _threads.prev = torch.get_num_threads()
+            if _threads.prev != 1:
+                torch.set_num_threads(1)
+        _threads.depth = depth + 1
 
     def __exit__(self, *exc):
-        global _threads_depth
         import torch
 
-        with _threads_lock:
-            _threads_depth -= 1
-            if _threads_depth == 0 and _threads_prev != 1:
-                torch.set_num_threads(_threads_prev)
+        _threads.depth -= 1
+        if _threads.depth == 0 and _threads.prev != 1:
+            torch.set_num_threads(_threads.prev)

@@ -156,6 +156,7 @@ class DumpConfig:
     mode: str = "full"  # full | stats
     grads: bool = False
     max_bytes: int | None = None
+    queue_bytes: int = 256 << 20  # background writer bound (ffdebug.store.background); 0: write inline
     ranks: LayerSelection = field(default_factory=LayerSelection)
     overwrite: bool = False
     topk: int = 0
@@ -236,6 +237,7 @@ def read_dump_config(environ: dict[str, str] | None = None) -> DumpConfig | None
         mode=mode,
         grads=_bool("FFDEBUG_FWD_DUMP_GRADS", _get("FFDEBUG_FWD_DUMP_GRADS", env), False),
         max_bytes=_int("FFDEBUG_FWD_DUMP_MAX_BYTES", _get("FFDEBUG_FWD_DUMP_MAX_BYTES", env), 1),
+        queue_bytes=_queue_bytes(_get("FFDEBUG_FWD_DUMP_QUEUE_BYTES", env)),
         ranks=parse_layers(_get("FFDEBUG_FWD_DUMP_RANKS", env), "FFDEBUG_FWD_DUMP_RANKS"),
         overwrite=_bool("FFDEBUG_FWD_DUMP_OVERWRITE", _get("FFDEBUG_FWD_DUMP_OVERWRITE", env), False),
         topk=_int("FFDEBUG_DEBUG_TOPK", _get("FFDEBUG_DEBUG_TOPK", env)) or 0,
@@ -244,6 +246,11 @@ def read_dump_config(environ: dict[str, str] | None = None) -> DumpConfig | None
             _get("FFDEBUG_FWD_DUMP_TAP_FUNCTIONS", env), "FFDEBUG_FWD_DUMP_TAP_FUNCTIONS"
         ),
     )
+
+
+def _queue_bytes(value: str | None) -> int:
+    n = _int("FFDEBUG_FWD_DUMP_QUEUE_BYTES", value, 0)
+    return 256 << 20 if n is None else n
 
 
 def parse_tap_functions(value: str | None, name: str) -> tuple[tuple[str, tuple[str, ...]], ...]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -97,6 +99,7 @@ def test_disabled_installs_no_hooks_and_tap_is_noop(tiny_llama, input_ids, tmp_p
     monkeypatch.chdir(tmp_path)
     global_hooks = (nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks)
     before = [dict(h) for h in global_hooks]
+    sigterm = signal.getsignal(signal.SIGTERM)
     assert ffdebug.install(tiny_llama) is None
     for m in tiny_llama.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
@@ -109,6 +112,9 @@ def test_disabled_installs_no_hooks_and_tap_is_noop(tiny_llama, input_ids, tmp_p
         tiny_llama(input_ids=input_ids)
     assert active_session() is None
     assert not any(tmp_path.iterdir())
+    # no SIGTERM handler and no background writer thread either
+    assert signal.getsignal(signal.SIGTERM) is sigterm
+    assert not [t for t in threading.enumerate() if t.name == "ffdebug-dump-writer"]
 
 
 def test_calls_steps_taps_and_first_real(tmp_path, tiny_llama, input_ids):

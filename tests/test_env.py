@@ -40,12 +40,21 @@ def test_calls():
         ("FFDEBUG_FWD_DUMP_MODE", "everything"),
         ("FFDEBUG_FWD_DUMP_GRADS", "maybe"),
         ("FFDEBUG_FWD_DUMP_MAX_BYTES", "lots"),
+        ("FFDEBUG_FWD_DUMP_QUEUE_BYTES", "-1"),
         ("FFDEBUG_FWD_DUMP_SIDE", "a b/c"),
     ],
 )
 def test_invalid_values_name_the_variable(var, value):
     with pytest.raises(FFDebugError, match=var):
         read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d", var: value})
+
+
+def test_queue_bytes_default_and_zero():
+    """256 MiB unless set; 0 (write on the forward thread) is allowed."""
+    assert read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d"}).queue_bytes == 256 << 20
+    assert (
+        read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d", "FFDEBUG_FWD_DUMP_QUEUE_BYTES": "0"}).queue_bytes == 0
+    )
 
 
 def test_atom_aliases_and_precedence(capsys):

@@ -102,6 +102,10 @@ def test_two_writers_in_one_process_and_release(tmp_path):
 def test_killed_writer_leaves_readable_store_and_a_named_stale_lock(tmp_path):
     p = _dump(tmp_path, "target", hold=True)
     assert p.stdout.readline().strip() == "holding"
+    manifest = tmp_path / "target" / "rank000" / "manifest.jsonl"
+    deadline = time.monotonic() + 30  # the background writer lands the 4 queued captures
+    while manifest.read_text().count("\n") < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait(30)
     store = open_side(tmp_path / "target")  # readable: every listed tensor is complete

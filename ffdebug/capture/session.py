@@ -75,6 +75,7 @@ class Session:
         self.rank, self.world_size = _dist_coords()
         self.enabled_rank = config.ranks.contains(self.rank, self.world_size)
         self._writer = None
+        self._background = None  # ffdebug.store.background.BackgroundWriter, at the first capture
         self.captured = 0
         self.filtered = 0
         self.installs = 0
@@ -116,6 +117,18 @@ class Session:
             if self.unplaced:
                 self._writer.update_run_info(unplaced_stages=dict(self.unplaced))
         return self._writer
+
+    def _write(self, key: str, tensor, meta: dict, always_payload: bool) -> None:
+        """Hand one capture (our own copy) to the background writer; inline when its queue is 0."""
+        writer = self.writer()
+        if self.config.queue_bytes <= 0:
+            writer.write(key, tensor, meta, always_payload=always_payload)
+            return
+        if self._background is None:
+            from ffdebug.store.background import BackgroundWriter
+
+            self._background = BackgroundWriter(writer, self.config.queue_bytes)
+        self._background.submit(key, tensor, meta, always_payload=always_payload)
 
     # -- calls ------------------------------------------------------------------------------
     def begin_call(self, input_ids=None) -> None:
@@ -169,8 +182,10 @@ class Session:
         return ids or self.config.keep_stage(key)
 
     def capture(self, key: str, tensor, tags: dict | None = None, **meta) -> None:
-        """Write one tensor, cloned (the dump must not see later in-place ops). `tags` are step tags
-        of this capture only, on top of the `ffdebug.step(...)` ones."""
+        """Write one tensor, cloned (the dump must not see later in-place ops) in both modes: its
+        statistics and payload are computed and written by the background writer, off the
+        forward thread. `tags` are step tags of this capture only, on top of the
+        `ffdebug.step(...)` ones."""
         if self._held is not None:  # inside a block's first call: written in order at its return
             copy, extra = tensor.detach().clone(), dict(tags or {})
             self._held.append(lambda: self.capture(key, copy, tags=extra, **meta))
@@ -193,9 +208,8 @@ class Session:
             if reserved in tags:
                 meta.setdefault(reserved, tags[reserved])
         t = tensor.detach()
-        if self.config.mode == "full" or small:
-            t = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-        self.writer().write(key, t, meta, always_payload=small)
+        t = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+        self._write(key, t, meta, always_payload=small)
         self.captured += 1
         if ids and self.input_ids_sha is None:  # run.json identifies the run by its first input ids
             from ffdebug.store.schema import sha256_of_tensor
@@ -255,7 +269,9 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        if self._writer is not None:
+        if self._background is not None:
+            self._background.close()  # drains the queue, then closes the store writer
+        elif self._writer is not None:
             self._writer.close()
 
     def report_problems(self) -> None:
@@ -355,6 +371,7 @@ CAPTURE_OPTIONS = (
     "mode",
     "grads",
     "max_bytes",
+    "queue_bytes",
     "overwrite",
     "topk",
     "layer_attrs",

@@ -33,6 +33,7 @@ HELP = """Compare a reference dump with a target dump, stage by stage, in float6
   ffdebug compare /tmp/dump/ref /tmp/dump/target --layers 0-3 --stages 'L*.ffn_*'
   ffdebug compare ref-vs-target --dir D --threshold 'final.logits:cos>=0.999,rel<=0.05' --json
   ffdebug compare run1 run2 --exact          # run-to-run determinism: any bit difference fails
+  ffdebug compare ref-vs-target --dir D --workers 2   # two threads comparing whole tensors
 
 Exit codes: 0 nothing at or above --fail-on and everything compared; 1 a difference at or above
 it; 2 bad input; 3 the two sides were fed different input ids (fix tokenization first); 4
@@ -63,6 +64,13 @@ def register(app: typer.Typer) -> None:
         alias_file: str = ALIAS_FILE_OPT,
         allow_partial: bool = ALLOW_PARTIAL_OPT,
         json_out: bool = JSON_OPT,
+        workers: int = typer.Option(
+            None,
+            "--workers",
+            min=1,
+            help="Threads comparing whole tensors in parallel (default: one per free core); "
+            "the output is bit-identical at any count.",
+        ),
     ) -> None:
         from ffdebug.compare.engine import compare
 
@@ -82,6 +90,7 @@ def register(app: typer.Typer) -> None:
             allow_partial=allow_partial,
             maps=tuple(maps or ()),
             alias_file=alias_file,
+            workers=workers,
         )
         if json_out:
             emit_json(result.to_json())

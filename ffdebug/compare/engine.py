@@ -7,6 +7,7 @@ import math
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
+from ffdebug.compare import parallel
 from ffdebug.compare.align import TokenLayout, align, layouts
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, StageUnit, check_input_ids, group_calls, pair_calls, pair_stages
@@ -19,6 +20,8 @@ from ffdebug.io.side import SideStore
 from ffdebug.results import CallRef, CompareResult, StageResult, TensorMeta, worst_of
 from ffdebug.store.reader import open_side
 from ffdebug.verdict import Severity, Threshold
+
+READ_AHEAD_BYTES = 256 << 20  # payload bytes read ahead and in use at once (peak RSS: README "Benchmarks")
 
 
 def _as_store(x) -> SideStore:
@@ -74,14 +77,16 @@ def compare_records(
     thresholds: tuple[Threshold, ...] = (),
     exact: bool = False,
     masks: tuple[TokenLayout, TokenLayout] = (TokenLayout(), TokenLayout()),
+    load=Record.load,
 ) -> StageResult:
     """Compare one pair of records into a StageResult, graded by the verdict rules. `masks` are the
-    two sides' token layouts: a packed side meets a padded one through them (`align`)."""
+    two sides' token layouts: a packed side meets a padded one through them (`align`). `load(record)`
+    reads a tensor (the compare loop passes its read-ahead, `ffdebug.io.prefetch`)."""
     key = r.key
     e = stage_result(key, r, t)
     aligned = None
     if list(r.shape or []) != list(t.shape or []) and any(masks) and r.has_payload and t.has_payload:
-        aligned = align(r.load(), t.load(), *masks)
+        aligned = align(load(r), load(t), *masks)
     if list(r.shape or []) != list(t.shape or []) and aligned is None:
         e.severity = V.shape_mismatch()
         e.finding = "shape_mismatch"
@@ -90,7 +95,7 @@ def compare_records(
     if not (r.has_payload and t.has_payload):
         _stats_compare(r, t, e)
         return e
-    rt, tt = (r.load(), t.load()) if aligned is None else aligned[:2]
+    rt, tt = (load(r), load(t)) if aligned is None else aligned[:2]
     if aligned is not None:
         e.notes.append(aligned[2])
     m = compare_tensors(rt, tt)
@@ -127,12 +132,14 @@ def compare(
     allow_partial: bool = False,
     maps=(),
     alias_file: str | None = None,
+    workers: int | None = None,
 ) -> CompareResult:
     """Compare two sides (paths or SideStores).
 
     Raises InputIdsMismatch (exit 3) when the sides were fed different input ids, FFDebugError
     (exit 2) on unreadable input. The result's coverage says what was left out (exit 4 unless
-    `allow_partial`).
+    `allow_partial`). `workers`: threads comparing whole tensors in parallel (None: one per free
+    core, `ffdebug.compare.parallel`); the result is bit-identical at any count.
     """
     from ffdebug._env import parse_layers
 
@@ -165,7 +172,7 @@ def compare(
     pairs_out: list[tuple] = []
     readings: list[dict] = []
     masks = {id(rg): layouts(rg, tg) for rg, tg in pairing.pairs}
-    for unit, (results, records, reading) in zip(units, _map_units(units, thresholds, exact, masks)):
+    for unit, (results, records, reading) in zip(units, _map_units(units, thresholds, exact, workers, masks)):
         for e in results:
             if noise_index is not None:
                 _apply_noise(e, noise_index.get((unit.group.tags, unit.group.call, unit.sk)))
@@ -233,12 +240,12 @@ def compare(
 
 
 def _compare_unit(
-    unit: StageUnit, thresholds, exact: bool, masks=(TokenLayout(), TokenLayout())
+    unit: StageUnit, thresholds, exact: bool, load=Record.load, masks=(TokenLayout(), TokenLayout())
 ) -> tuple[list[StageResult], list[tuple], dict | None]:
     """The stage results of one unit, their record pairs, and the shard reading (multi-rank)."""
     r = unit.ref
     if not unit.replicas:
-        e = compare_records(r, unit.target, thresholds, exact, masks)
+        e = compare_records(r, unit.target, thresholds, exact, masks, load)
         e.unsharded_ref, e.unsharded_target = _unsharded(r), _unsharded(unit.target)
         reading = None
         if e.unsharded_target is not None and e.unsharded_target["how"] != "replicated":
@@ -248,12 +255,12 @@ def _compare_unit(
         return [e], [(r, unit.target)], reading
     per_rank = []
     for part in unit.replicas:
-        e = compare_records(r, part, thresholds, exact)
+        e = compare_records(r, part, thresholds, exact, load)
         e.rank, e.per_rank = part.rank, True
         per_rank.append(e)
     if all(e.ok for e in per_rank) or not (r.has_payload and all(p.has_payload for p in unit.replicas)):
         return per_rank, [(r, p) for p in unit.replicas], None
-    best, rows = best_fold(r.load(), [p.load() for p in unit.replicas])
+    best, rows = best_fold(load(r), [load(p) for p in unit.replicas])
     reading = {
         "key": r.key,
         "ranks": len(unit.replicas),
@@ -327,19 +334,41 @@ def _budget_notes(pairs: list[tuple[Record, Record]]) -> list[str]:
     return notes
 
 
-def _map_units(units: list[StageUnit], thresholds, exact: bool, masks: dict | None = None) -> list[tuple]:
-    """`_compare_unit` over every unit, in order, one pair loaded at a time (memory stays
-    bounded by the largest pair). The chunk loop runs on one intra-op thread; a second Python
-    worker thread was measured here and gained under 10% while doubling the peak memory."""
-    from ffdebug._chunks import single_thread
+def _map_units(
+    units: list[StageUnit], thresholds, exact: bool, workers: int | None, masks: dict | None = None
+) -> list[tuple]:
+    """`_compare_unit` over every unit, results in unit order.
 
-    with single_thread():
-        return [
-            _compare_unit(
-                u, thresholds, exact, (masks or {}).get(id(u.group), (TokenLayout(), TokenLayout()))
-            )
-            for u in units
-        ]
+    Payloads are read ahead on one thread (`ffdebug.io.prefetch`, at most `READ_AHEAD_BYTES` held)
+    while units are compared; with `workers` > 1, whole units go to worker threads (the chunk
+    loop releases the GIL inside each kernel). One tensor's reduction never leaves its worker and
+    runs on one intra-op thread, so every value is bit-identical at any worker count."""
+    from ffdebug._chunks import single_thread
+    from ffdebug.io.prefetch import ReadAhead
+
+    jobs = [_payload_records(u) for u in units]
+    n = workers if workers is not None else parallel.auto_workers(jobs, READ_AHEAD_BYTES)
+    with ReadAhead(jobs, READ_AHEAD_BYTES) as ahead:
+
+        def one(i: int) -> tuple:
+            try:  # single_thread is per Python thread: each worker sets its own
+                with single_thread():
+                    mask = (masks or {}).get(id(units[i].group), (TokenLayout(), TokenLayout()))
+                    return _compare_unit(units[i], thresholds, exact, ahead.take(i), mask)
+            finally:
+                ahead.release(i)
+
+        return parallel.map_ordered(one, len(units), n)
+
+
+def _payload_records(unit: StageUnit) -> list[Record]:
+    """The records whose tensors comparing `unit` reads (none for a stats-only or shape-mismatched pair)."""
+    r = unit.ref
+    out = [r]
+    for t in unit.replicas or (unit.target,):
+        if list(r.shape or []) == list(t.shape or []) and r.has_payload and t.has_payload:
+            out.append(t)
+    return out if len(out) > 1 else []
 
 
 def _noise_index(noise, ref_groups, filters) -> dict:

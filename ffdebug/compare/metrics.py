@@ -11,8 +11,11 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
 Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 64 Ki-element chunks copied into
 preallocated float64 buffers stay in cache and ran the maths at ~4 GB/s on our 2-core machine,
 while 1 Mi-element chunks fall to ~1 GB/s (README "Benchmarks"). Per chunk: two copies, one subtraction,
-four dot products, one min/max and one |·| sum — each a single pass (on this machine `torch.mm` of
-a 3×m block and `vector_norm(·, 1)` were slower than dots and abs-sum); a bit-identical chunk
+one `mv` of the [r; t] rows with t (r·t and t·t in one pass over t), two dots (r·r, d·d), one
+integer-difference count of equal bits, and |d| taken in place for its max and its sum — each a
+single pass; in per-op timings at 64 Ki elements (bench/README.md) `amax` of |d| was about 3x
+faster than `aminmax` of d, `mv` of two rows cheaper than two dots, and `torch.mm` of the 3×m block
+and `vector_norm(·, 1)` slower than these; a bit-identical chunk
 (checked with one memcmp-speed `torch.equal` on integer views) needs only ‖r‖². Non-finite values take a slow path only in the
 chunks that hold them. `bit_equal` counts positions with identical bits (same dtype), or equal
 values (different dtypes).
@@ -129,7 +132,8 @@ def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
         if scale != 1.0:
             xt.mul_(scale)
         torch.sub(xt, xr, out=xd)
-        rr_, tt_, rt_, dd_ = (float(torch.dot(a, b)) for a, b in ((xr, xr), (xt, xt), (xr, xt), (xd, xd)))
+        rt_, tt_ = torch.mv(x[:2, :m], xt).tolist()  # both dots with t in one pass over t
+        rr_, dd_ = float(torch.dot(xr, xr)), float(torch.dot(xd, xd))
         if math.isfinite(rr_ + tt_ + rt_ + dd_):
             if bits is not None:  # integer difference is zero exactly where the bits are equal
                 equal += m - int(
@@ -137,11 +141,11 @@ def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
                 )
             else:
                 equal += m - int(torch.count_nonzero(xd))
-            lo, hi = torch.aminmax(xd)
-            chunk_max = max(float(hi), -float(lo))  # hi first: +0.0, not -0.0, when both are 0
+            xd.abs_()  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
+            chunk_max = float(xd.amax())
             if chunk_max > max_abs:
-                max_abs, max_at = chunk_max, i + int(torch.argmax(xd.abs()))
-            sum_abs += float(xd.abs_().sum())
+                max_abs, max_at = chunk_max, i + int(torch.argmax(xd))
+            sum_abs += float(xd.sum())
             nr2 += rr_
             nt2 += tt_
             dot += rt_
