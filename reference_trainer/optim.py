@@ -17,7 +17,7 @@ every gradient is cleared.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,8 +26,9 @@ from torch import nn
 
 import ffdebug
 
-if TYPE_CHECKING:  # a type only: the YAML config module is not imported at run time
+if TYPE_CHECKING:  # types only: the YAML config module is not imported at run time
     from reference_trainer.config import OptimizerConfig
+    from reference_trainer.taps import UpdateTaps
 
 MUON_DEFAULTS = dict(nesterov=True, ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5)
 
@@ -198,8 +199,10 @@ class RoleOptimizer:
         max_grad_norm: float,
         next_step: Callable[[], int],
         on_step: Callable[[StepResult], None],
+        update_taps: UpdateTaps | None = None,
     ):
         self.optimizer = optimizer
+        self.update_taps = update_taps
         self.roles = dict(roles)
         self.max_grad_norm = max_grad_norm
         self._next_step = next_step
@@ -238,7 +241,8 @@ class RoleOptimizer:
             raise NonFiniteLossError(
                 f"grad_norm.{phase.role} is {grad_norm.item()} at optimizer step {phase.optimizer_step}; aborting"
             )
-        self.optimizer.step(phase.role)
+        with self.update_taps.around_step(phase.role) if self.update_taps else nullcontext():
+            self.optimizer.step(phase.role)  # update.<name>: each watched tensor's update norm
         return StepResult(
             role=phase.role,
             loss=phase.loss,

@@ -136,11 +136,14 @@ def _per_class(rows: list[LayerRow], p: pat.Pattern) -> list[ClassSummary]:
 
 def _by_call(stages: list[StageResult]) -> list[tuple[CallRef, list[StageResult]]]:
     """The stages of each paired call, in execution order; a call whose target ranks were each
-    compared with a single-rank reference is analysed once per rank (shared stages in each)."""
+    compared with a single-rank reference is analysed once per rank (shared stages in each).
+    Calls are told apart by phase too: a trainer's rollout taps and its train-phase taps of one
+    optimizer step share their counters but are two calls (docs/trainer-taps.md)."""
     groups: dict[tuple, tuple[CallRef, list[StageResult]]] = {}
     for e in stages:
-        key = (tuple(sorted((str(k), str(v)) for k, v in e.step.items())), e.call)
-        groups.setdefault(key, (CallRef(e.call, dict(e.step)), []))[1].append(e)
+        key = (tuple(sorted((str(k), str(v)) for k, v in e.step.items())), e.phase, e.call)
+        tags = dict(e.step, phase=e.phase) if e.phase is not None else dict(e.step)
+        groups.setdefault(key, (CallRef(e.call, tags), []))[1].append(e)
     out = []
     for ref, st in groups.values():
         ranks = sorted({e.rank for e in st if e.per_rank})
@@ -170,6 +173,7 @@ def bisect(
     allow_partial: bool = False,
     maps=(),
     alias_file: str | None = None,
+    exclude=(),
 ) -> BisectResult:
     """Localise the first divergence of `target` from `ref` (paths or opened stores).
 
@@ -194,6 +198,7 @@ def bisect(
         allow_partial=allow_partial,
         maps=maps,
         alias_file=alias_file,
+        exclude=tuple(exclude),
     )
     notes = list(result.notes)
     _relabel(result.stages, layer_class)

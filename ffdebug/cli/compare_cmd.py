@@ -8,6 +8,7 @@ from ffdebug.cli.common import (
     ALIAS_FILE_OPT,
     ALLOW_PARTIAL_OPT,
     DIR_OPT,
+    EXCLUDE_OPT,
     FAIL_ON_HELP,
     JSON_OPT,
     LAYERS_OPT,
@@ -50,6 +51,7 @@ def register(app: typer.Typer) -> None:
         dir: str = DIR_OPT,
         layers: str = LAYERS_OPT,
         stages: list[str] = STAGES_OPT,
+        exclude: list[str] = EXCLUDE_OPT,
         step: list[str] = STEP_OPT,
         rank: int = typer.Option(None, "--rank", help="Compare this rank only."),
         threshold: list[str] = THRESHOLD_OPT,
@@ -82,6 +84,7 @@ def register(app: typer.Typer) -> None:
             allow_partial=allow_partial,
             maps=tuple(maps or ()),
             alias_file=alias_file,
+            exclude=tuple(exclude or ()),
         )
         if json_out:
             emit_json(result.to_json())

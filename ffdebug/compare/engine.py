@@ -7,6 +7,7 @@ import math
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
+from ffdebug.compare.inputs_gate import check_trainer_inputs
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, StageUnit, check_input_ids, group_calls, pair_calls, pair_stages
 from ffdebug.compare.shards import best_fold
@@ -116,12 +117,13 @@ def compare(
     allow_partial: bool = False,
     maps=(),
     alias_file: str | None = None,
+    exclude: tuple[str, ...] | list[str] = (),
 ) -> CompareResult:
     """Compare two sides (paths or SideStores).
 
     Raises InputIdsMismatch (exit 3) when the sides were fed different input ids, FFDebugError
     (exit 2) on unreadable input. The result's coverage says what was left out (exit 4 unless
-    `allow_partial`).
+    `allow_partial`); `exclude` globs leave stages out, and the coverage lists them as selected out.
     """
     from ffdebug._env import parse_layers
 
@@ -132,11 +134,12 @@ def compare(
     if isinstance(layers, str):
         layers = parse_layers(layers)
     thresholds = tuple(t if isinstance(t, Threshold) else V.parse_threshold(t) for t in thresholds)
-    filters = Filters(layers=layers, stages=tuple(stages), step=dict(step or {}), rank=rank)
+    exclude = tuple(exclude)
+    filters = Filters(layers=layers, stages=tuple(stages), step=dict(step or {}), rank=rank, exclude=exclude)
     ref_filters = filters
     if rank is not None and {r.rank for r in ref_store.records} <= {0} and rank != 0:
         # --rank N against a single-rank reference: that rank against the reference's one
-        ref_filters = Filters(layers=layers, stages=tuple(stages), step=dict(step or {}), rank=None)
+        ref_filters = dataclasses.replace(filters, rank=None)
     ref_groups = group_calls(ref_store, ref_filters)
     tgt_groups = group_calls(tgt_store, filters)
     if not ref_groups and not tgt_groups:
@@ -146,6 +149,7 @@ def compare(
         )
     pairing = pair_calls(ref_groups, tgt_groups)
     check_input_ids(pairing.pairs)
+    check_trainer_inputs(pairing.pairs)  # trainer stores: same prompts / noise / order (inputs_gate)
 
     noise_index = _noise_index(noise, ref_groups, ref_filters) if noise is not None else None
     stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
@@ -194,8 +198,8 @@ def compare(
             unpaired_ref=pairing.unpaired_ref,
             unpaired_target=pairing.unpaired_target,
             compared_ranks={r for u in units for r in u.target_ranks},
-            filters=filter_sentences(layers, stages, step, rank),
-            stage_filter=bool(stages),
+            filters=filter_sentences(layers, stages, step, rank) + excluded_sentences(exclude),
+            stage_filter=bool(stages or exclude),
             rank_filter=rank,
         ),
     )
@@ -258,6 +262,11 @@ def _compare_unit(
     e.notes.append(f"target ranks match as the {best.reading}; declare it in the dump")
     reading.update(reading=best.how, cos=e.cos, rel=e.rel, explained_by=best.reading)
     return [e], [(r, folded)], reading
+
+
+def excluded_sentences(exclude: tuple[str, ...]) -> list[str]:
+    """`--exclude` as a selection sentence of the coverage (selected out, never silent)."""
+    return [f"--exclude {' '.join(exclude)}"] if exclude else []
 
 
 def _renamed(store: SideStore, stage_map: StageMap) -> SideStore:
