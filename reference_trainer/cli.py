@@ -110,6 +110,12 @@ def train(
         list[str] | None,
         typer.Option("--inputs-map", help="OLD=NEW rename of the --inputs-from store's stages (repeatable)"),
     ] = None,
+    inputs_map_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--inputs-map-file", help="The renames as a file (ffdebug compare --alias-file's format)"
+        ),
+    ] = None,
 ) -> None:
     """Train from CONFIG; writes run.json, metrics.jsonl and checkpoints/step-NNNNNN/ in the output dir.
 
@@ -125,7 +131,12 @@ def train(
 
         run_config = load_config(config, overrides=tuple(set_ or ()), max_steps=max_steps)
         run_train(
-            run_config, output_dir, resume=resume, inputs_from=inputs_from, inputs_map=tuple(inputs_map or ())
+            run_config,
+            output_dir,
+            resume=resume,
+            inputs_from=inputs_from,
+            inputs_map=tuple(inputs_map or ()),
+            inputs_map_file=inputs_map_file,
         )
     except usage as error:
         _fail(error, 2)

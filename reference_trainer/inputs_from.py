@@ -13,8 +13,9 @@ tap contract's names (docs/trainer-taps.md) instead of drawing its own:
 So a trainer written from scratch, with its own RNG, is compared stage by stage without copying the
 reference's seeding. An input the store lacks for an iteration is drawn by the reference as usual and
 listed as *not taken*; ``DIR/inputs_from.json`` and one stderr line say what was taken (the
-coverage of the forcing). The target's stage names may differ: ``--inputs-map OLD=NEW`` renames
-them with ffdebug's stage map before the lookup.
+coverage of the forcing). The target's stage names may differ: ``--inputs-map OLD=NEW`` (or
+``--inputs-map-file FILE``, compare's ``--alias-file`` format) renames them with ffdebug's stage map
+before the lookup.
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ INPUTS_FILE = "inputs_from.json"
 class InputsFrom:
     """The inputs of a target's store, by (stage, rollout_iteration), for one rank (module docstring)."""
 
-    def __init__(self, store: str | Path, *, rank: int = 0, maps: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        store: str | Path,
+        *,
+        rank: int = 0,
+        maps: Sequence[str] = (),
+        map_file: str | Path | None = None,
+    ) -> None:
         from ffdebug.capture.stage_map import StageMap
         from ffdebug.errors import FFDebugError
         from ffdebug.store.reader import open_side
@@ -45,7 +53,7 @@ class InputsFrom:
         self.store = str(store)
         try:
             side = open_side(self.store)
-            stage_map = StageMap.of(list(maps))
+            stage_map = StageMap.of(list(maps), str(map_file) if map_file else None)
         except FFDebugError as error:
             raise ConfigError("--inputs-from", str(error)) from None
         self._records: dict[tuple[str, int], Any] = {}

@@ -166,17 +166,26 @@ class RolePhase:
     backward_calls: int = 0
     metric_sums: dict[str, float] = field(default_factory=dict)
 
-    def backward(self, loss: torch.Tensor, metrics: Mapping[str, float | torch.Tensor] | None = None) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        metrics: Mapping[str, float | torch.Tensor] | None = None,
+        *,
+        scale: float | None = None,
+    ) -> None:
         """Back-propagate one microbatch loss (already scaled by 1/num_microbatches by the caller).
 
         ``loss.<role>`` for the step is the sum of these values; metrics are averaged over calls.
+        ``scale``: Σ|terms| of the loss (scaled the same way), tapped so that a loss of cancelling
+        terms is judged with an absolute tolerance (docs/trainer-taps.md "Near-zero values").
         """
         if not bool(torch.isfinite(loss)):
             raise NonFiniteLossError(
                 f"loss.{self.role} is {loss.item()} at optimizer step {self.optimizer_step} "
                 f"(microbatch {self.backward_calls}); aborting"
             )
-        ffdebug.tap(f"loss.{self.role}", loss, microbatch=self.backward_calls)
+        extra = {} if scale is None else {"scale": scale}
+        ffdebug.tap(f"loss.{self.role}", loss, microbatch=self.backward_calls, **extra)
         loss.backward()
         self.loss += float(loss.detach())
         self.backward_calls += 1

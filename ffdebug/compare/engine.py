@@ -7,6 +7,7 @@ import math
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
+from ffdebug.compare import near_zero
 from ffdebug.compare.inputs_gate import check_trainer_inputs
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, StageUnit, check_input_ids, group_calls, pair_calls, pair_stages
@@ -91,6 +92,8 @@ def compare_records(
         e.nan_mismatch, e.inf_mismatch = m.nan_mismatch, m.inf_mismatch
     severity = V.classify(m.cos, m.rel, key, thresholds)
     severity = V.zero_side(severity, m.ref_norm, m.target_norm, m.numel)
+    if not (m.nan_mismatch or m.inf_mismatch):
+        severity = near_zero.grade(severity, r, t, m.max_abs, e.notes)  # declared `scale`: absolute atol
     severity = V.nonfinite(severity, m.nan_mismatch, m.inf_mismatch)
     if exact:
         severity, e.invariance = V.exact(severity, m.bit_equal)

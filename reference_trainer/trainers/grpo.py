@@ -58,6 +58,13 @@ def trained_steps(timestep_fraction: float, num_steps: int) -> int:
     return int(num_steps * timestep_fraction)
 
 
+def loss_scale(advantages: torch.Tensor, metrics: dict[str, float], args: GRPOArguments) -> float:
+    """Σ|terms| / B of the GRPO loss, ≈ mean|Â|·mean ρ + β·KL: the size of what ``loss.<role>`` is the
+    mean of, so a loss of cancelling terms (on-policy, ρ = 1) is judged against its rounding."""
+    adv = advantages.float().clamp(-args.adv_clip_max, args.adv_clip_max).abs().mean().item()
+    return adv * metrics.get("ratio_mean", 1.0) + args.kl_beta * metrics.get("kl", 0.0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class GRPOArguments(GenerationRewardArguments):
     """``train:`` section of a GRPO run (defaults: flow_grpo ``config/base.py`` where it has one).
@@ -251,7 +258,8 @@ class GRPOTrainer(BaseTrainer):
                         with ffdebug.step(timestep=j, microbatch=phase.backward_calls):
                             loss, metrics = self.step_loss(samples, index, j)
                         metrics.pop("loss", None)  # the step's loss is logged by the base
-                        phase.backward(loss / terms, metrics)
+                        scale = loss_scale(samples.advantages[index], metrics, args)
+                        phase.backward(loss / terms, metrics, scale=scale / terms)
 
     def step_loss(
         self, samples: GRPOSamples, index: torch.Tensor, j: int
