@@ -95,33 +95,39 @@ def velocity(model, x, sigma, cond):
 
 # ------------------------------------------------------------------------------------- Flow-SDE
 def sde_moments(v, x, t, t_next, a, t_max):
-    """Mean and std of x_{t+Δt} | x_t (paper eq. 12): σ_t = a·√(t/(1−t)), std = σ_t·√(−Δt)."""
+    """Mean of x_{t+Δt} | x_t (paper eq. 12), σ_t = a·√(t/(1−t)) and Δt < 0, each [B, 1, 1, 1] or [B, ...]."""
     t, t_next = t.view(-1, 1, 1, 1), t_next.view(-1, 1, 1, 1)
     dt = t_next - t
     sig = a * torch.sqrt(t / (1.0 - torch.where(t == 1.0, torch.full_like(t, t_max), t)))
-    std = sig * torch.sqrt(-dt)
     mean = x * (1.0 + sig**2 / (2.0 * t) * dt) + v * (1.0 + sig**2 * (1.0 - t) / (2.0 * t)) * dt
-    return mean, std
+    return mean, sig, dt
 
 
-def log_prob(x_next, mean, std):
-    """Mean over latent dims of log N(x_next; mean, std²), [B]."""
+def transition_std(sig, dt):
+    """The std of the Gaussian transition: σ_t·√(−Δt)."""
+    return sig * torch.sqrt(-dt)
+
+
+def log_prob(x_next, mean, sig, dt):
+    """Mean over latent dims of log N(x_next; mean, (σ_t√(−Δt))²), [B]."""
+    std = transition_std(sig, dt)
     per = -((x_next - mean) ** 2) / (2.0 * std**2) - torch.log(std) - 0.5 * math.log(2.0 * math.pi)
     return per.expand(x_next.shape).mean(dim=(1, 2, 3))
 
 
 @torch.no_grad()
 def rollout(model, cond, sigmas, a, rng, batch):
+    """x_T ~ N(0, I), then T SDE steps; returns (x_T, ε [B, T, ...], latents [B, T + 1, ...], log p [B, T])."""
     noise = torch.randn(batch, 4, 8, 8, generator=rng)
     x, xs, logps, eps_all = noise, [noise], [], []
     for j in range(len(sigmas) - 1):
         t, t_next = sigmas[j].expand(batch), sigmas[j + 1].expand(batch)
-        mean, std = sde_moments(velocity(model, x, t, cond), x, t, t_next, a, float(sigmas[1]))
+        mean, sig, dt = sde_moments(velocity(model, x, t, cond), x, t, t_next, a, float(sigmas[1]))
         eps = torch.randn(batch, 4, 8, 8, generator=rng)
-        x = mean + std * eps
+        x = mean + transition_std(sig, dt) * eps
         xs.append(x)
         eps_all.append(eps)
-        logps.append(log_prob(x, mean, std))
+        logps.append(log_prob(x, mean, sig, dt))
     return noise, torch.stack(eps_all, 1), torch.stack(xs, 1), torch.stack(logps, 1)
 
 
@@ -145,12 +151,12 @@ def step_loss(policy, frozen, s: Settings, batch, j, sigmas):
     x, x_next = batch["x"][:, j], batch["x"][:, j + 1]
     n = len(x)
     t, t_next = sigmas[j].expand(n), sigmas[j + 1].expand(n)
-    mean, std = sde_moments(
+    mean, sig, dt = sde_moments(
         velocity(policy, x, t, batch["cond"]), x, t, t_next, s.noise_level, float(sigmas[1])
     )
-    logp = log_prob(x_next, mean, std)
+    logp = log_prob(x_next, mean, sig, dt)
     with torch.no_grad():
-        ref_mean, _ = sde_moments(
+        ref_mean, _, _ = sde_moments(
             velocity(frozen, x, t, batch["cond"]), x, t, t_next, s.noise_level, float(sigmas[1])
         )
     ratio = torch.exp(logp - batch["logp"][:, j])
@@ -158,7 +164,7 @@ def step_loss(policy, frozen, s: Settings, batch, j, sigmas):
     ffdebug.tap("pg.ratio", ratio.detach())
     adv = batch["adv"].clamp(-s.adv_clip, s.adv_clip)
     terms = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - s.clip, 1.0 + s.clip))
-    kl = kl_term(mean, ref_mean, std)
+    kl = kl_term(mean, ref_mean, transition_std(sig, dt))
     ffdebug.tap("pg.kl", kl.detach())
     scale = float((adv.abs() * ratio.detach()).mean()) + s.beta * float(kl.detach())
     return terms.mean() + s.beta * kl, scale
@@ -226,7 +232,9 @@ def train(s: Settings) -> None:
             optimizer.zero_grad()
             tap_deltas("delta.policy", params, before)
             tap_deltas("delta.frozen", list(frozen.parameters()), frozen_before)
-        print(f"step {it + 1}: reward {float(r.mean()):.4f} loss {float(loss):.3e} grad {float(gnorm):.3e}")
+        print(
+            f"step {it + 1}: reward {float(r.mean()):.4f} loss {float(loss.detach()):.3e} grad {float(gnorm):.3e}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

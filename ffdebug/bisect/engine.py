@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ffdebug import verdict as V
 from ffdebug.bisect import pattern as pat
+from ffdebug.bisect import training
 from ffdebug.bisect.substage import first_lossy
 from ffdebug.models.blocks import declared_class, parse_layer_class_spec
 from ffdebug.results import (
@@ -156,6 +157,23 @@ def _by_call(stages: list[StageResult]) -> list[tuple[CallRef, list[StageResult]
     return out
 
 
+def _in_training_order(stages: list[StageResult], analyses: list, notes: list[str]) -> tuple | None:
+    """The call holding the first divergence in training order (`training.locate`), its analysis
+    naming that stage; None when every stage matches."""
+    located = training.locate(stages)
+    if located is None:
+        return None
+    notes.append(located.sentence())
+    for ref, st, analysis in analyses:
+        if any(e is located.stage for e in st):
+            if located.stage.layer is None or analysis.first is None:
+                analysis.first, analysis.sub, analysis.why_sub = located.stage, None, ""
+            if located.exact_signal:
+                analysis.signal = EXACT_PREFIX_SIGNAL
+            return ref, st, analysis
+    return None
+
+
 def bisect(
     ref,
     target,
@@ -209,6 +227,8 @@ def bisect(
     if not analyses:
         raise FFDebugError(f"{result.ref_path} and {result.target_path}: no stage appears on both sides")
     chosen, st, analysis = next((a for a in analyses if not a[2].clean), analyses[0])
+    if training.is_trainer_run(result.stages):  # trainer stores: training order, not call order
+        chosen, st, analysis = _in_training_order(result.stages, analyses, notes) or (chosen, st, analysis)
     attribution = None
     if model_target:
         from ffdebug.bisect.attribution import attribute
