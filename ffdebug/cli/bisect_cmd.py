@@ -38,6 +38,11 @@ layer whose own step loses accuracy. Ends with one sentence naming layer, class,
   ffdebug bisect --dir D --noise /tmp/noise/ref        # calibrate: the reference run twice
   ffdebug bisect --dir D --layer-class 'hash:0-2,routed:3-' --json
   ffdebug bisect --dir D --model-ref my_models:build_ref --model-target my_models:build_engine
+  ffdebug bisect --dir D --alias-file examples/external_trainer/taps.txt   # your trainer vs the reference
+
+Trainer stores (optimizer_step tags, docs/trainer-taps.md): the first divergent stage in training
+order (rollout, reward, advantage, train forwards, loss, gradients, updates) of the first divergent
+optimizer step, and per role.
 
 Dump sub-stages by naming more classes: FFDEBUG_FWD_DUMP_BLOCK_CLASS=DecoderLayer,TopkRouter,MLP.
 Per-rank target dumps are folded as their manifest says (reduction='partial': summed; shard: concatenated);
