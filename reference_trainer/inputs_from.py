@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,13 @@ class InputsFrom:
         (self.taken if rec is not None else self.not_taken)[key].append(iteration)
         return None if rec is None else rec.load()
 
-    def prompts(self, iteration: int, group_size: int, known: Sequence[str], token_ids) -> list[str] | None:
+    def prompts(
+        self,
+        iteration: int,
+        group_size: int,
+        known: Sequence[str],
+        token_ids: Callable[[list[str]], torch.Tensor],
+    ) -> list[str] | None:
         """The iteration's P distinct prompts (one per group of ``group_size`` rows), or None.
 
         ``token_ids(prompts) -> [n, L]`` tokenizes as the adapter does; ``known``: the config's prompts.

@@ -147,7 +147,7 @@ def test_injected_bug_is_located_at_its_optimizer_step_and_stage(runs, tmp_path,
     example = _example()
     name, replacement, stage, step = _bugs(example)[bug]
     monkeypatch.setattr(example, name, replacement)
-    _target(tmp_path, "buggy", "--steps", "2", example=example)
+    _target(tmp_path, "buggy", "--steps", str(step + 1), example=example)  # up to the step it acts at
 
     result = ffdebug.bisect(runs / "dumps" / "ref", tmp_path / "buggy", alias_file=TAPS, allow_partial=True)
     first = result.first_divergence
