@@ -38,6 +38,7 @@ __all__ = [
     "bisect",
     "capture",
     "compare",
+    "enabled",
     "install",
     "maybe_dump_weights_and_exit",
     "patch_block_forward",
@@ -64,6 +65,12 @@ def install(model, classes=None, layer_class: str | None = None, stage_names=Non
 
     classes = tuple(classes.split(",")) if isinstance(classes, str) else classes
     return _install(model, s, classes, layer_class, stage_names=stage_names)
+
+
+def enabled() -> bool:
+    """True when dumps are on in this process (env vars or an open `ffdebug.capture`): lets a caller
+    skip work done only for a tap, such as copying weights to tap their update."""
+    return _session.active_session() is not None
 
 
 def tap(stage: str, tensor, **tags):

@@ -201,7 +201,7 @@ def stats_only(rel: float | None) -> Severity:
 
 def exact(severity: Severity, bit_equal: float | None) -> tuple[Severity, str | None]:
     """Exact rule (`--exact`): a stage that is not bit-identical is at least drift; its class is
-    `numerical` when the bands say ok (nondeterministic kernels, reduction order) and `divergent`
+    `numerical` when the bands say ok (a rounding-size difference, whatever its cause) and `divergent`
     otherwise. Returns the new grade and the class (None when bit-identical)."""
     if (bit_equal or 0.0) >= 1.0:
         return severity, None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -97,11 +98,32 @@ def train(
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="dotted.key=value override (repeatable)")
     ] = None,
+    inputs_from: Annotated[
+        Path | None,
+        typer.Option(
+            "--inputs-from",
+            help="A target's ffdebug store (DIR/<side>): take its prompts, noise, timesteps and sample order "
+            "(docs/trainer-taps.md); DIR/inputs_from.json says what was taken",
+        ),
+    ] = None,
+    inputs_map: Annotated[
+        list[str] | None,
+        typer.Option("--inputs-map", help="OLD=NEW rename of the --inputs-from store's stages (repeatable)"),
+    ] = None,
+    inputs_map_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--inputs-map-file", help="The renames as a file (ffdebug compare --alias-file's format)"
+        ),
+    ] = None,
 ) -> None:
     """Train from CONFIG; writes run.json, metrics.jsonl and checkpoints/step-NNNNNN/ in the output dir.
 
     Several processes (gloo on CPU): torchrun --nproc-per-node 2 -m reference_trainer train CONFIG
     --set backend.kind=fsdp2 (or ddp).
+
+    Teacher forcing against your own trainer (README "Compare your own trainer"):
+    FFDEBUG_FWD_DUMP_DIR=D FFDEBUG_FWD_DUMP_SIDE=ref reference-trainer train CONFIG --inputs-from D/target
     """
     usage, failures = _known_errors()
     output_dir = output_dir or Path("runs") / config.stem
@@ -111,7 +133,14 @@ def train(
         from reference_trainer.run import train as run_train
 
         run_config = load_config(config, overrides=tuple(set_ or ()), max_steps=max_steps)
-        run_train(run_config, output_dir, resume=resume)
+        run_train(
+            run_config,
+            output_dir,
+            resume=resume,
+            inputs_from=inputs_from,
+            inputs_map=tuple(inputs_map or ()),
+            inputs_map_file=inputs_map_file,
+        )
     except usage as error:
         _fail(error, 2)
     except failures as error:
@@ -149,11 +178,16 @@ def _read_metrics(run: Path) -> list[dict[str, Any]]:
     return list(read_jsonl(path).records)
 
 
-def first_difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The first optimizer step whose records differ (any key, exact float equality), or None."""
+def first_difference(
+    a: list[dict[str, Any]], b: list[dict[str, Any]], keys: Collection[str] | None = None
+) -> dict[str, Any] | None:
+    """The first optimizer step whose records differ (exact float equality), or None.
+
+    ``keys``: compare only these metric keys (``diff`` passes the keys both runs log); None compares
+    every key either record has, a key missing on one side being a difference."""
     for record_a, record_b in zip(a, b):
-        keys = sorted(set(record_a) | set(record_b))
-        differing = [key for key in keys if record_a.get(key) != record_b.get(key)]
+        wanted = sorted(set(record_a) | set(record_b)) if keys is None else sorted(keys)
+        differing = [key for key in wanted if record_a.get(key) != record_b.get(key)]
         if differing:
             step = record_a.get("optimizer_step", record_b.get("optimizer_step"))
             values = {key: [record_a.get(key), record_b.get(key)] for key in differing}
@@ -168,26 +202,59 @@ def first_difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[s
     return None
 
 
+COUNTER_KEYS = frozenset({"optimizer_step", "rollout_iteration", "data_epoch"})
+"""Progress counters every record carries: not metrics by themselves."""
+
+
+def metric_keys(records: list[dict[str, Any]]) -> set[str]:
+    """Every metric key any record of a run logs."""
+    return {key for record in records for key in record}
+
+
 @app.command()
 def diff(
     run_a: Annotated[Path, typer.Argument(help="First run directory")],
     run_b: Annotated[Path, typer.Argument(help="Second run directory")],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
-    """The first optimizer step whose metrics differ between two runs (exit 1 when one does)."""
+    """The first optimizer step whose metrics differ between two runs (exit 1 when one does).
+
+    The metric keys both runs log are compared; the keys only one run logs (another trainer, another
+    reward) are listed, never compared. Example: reference-trainer diff runs/a runs/b --json
+    """
     from reference_trainer.jsonl import LogError
 
     try:
-        difference = first_difference(_read_metrics(run_a), _read_metrics(run_b))
+        a, b = _read_metrics(run_a), _read_metrics(run_b)
     except (FileNotFoundError, LogError) as error:
         _fail(error, 2)
+    keys_a, keys_b = metric_keys(a), metric_keys(b)
+    shared = keys_a & keys_b
+    if not shared - COUNTER_KEYS:
+        _fail(ValueError(f"{run_a} and {run_b} log no metric key in common; nothing to compare"), 2)
+    only_a, only_b = sorted(keys_a - keys_b), sorted(keys_b - keys_a)
+    difference = first_difference(a, b, shared)
     if as_json:
-        print(json.dumps({"identical": difference is None, "first_difference": difference}))
-    elif difference is None:
-        print("PASSED | metrics identical at every optimizer step")
+        print(
+            json.dumps(
+                {
+                    "identical": difference is None,
+                    "first_difference": difference,
+                    "compared_keys": sorted(shared),
+                    "only_in_a": only_a,
+                    "only_in_b": only_b,
+                }
+            )
+        )
+        raise typer.Exit(0 if difference is None else 1)
+    if difference is None:
+        print(f"PASSED | the {len(shared)} metric keys both runs log are identical at every optimizer step")
     else:
         shown = ", ".join(f"{key}: {a!r} vs {b!r}" for key, (a, b) in list(difference["values"].items())[:4])
         print(f"FAILED | first difference at optimizer_step {difference['optimizer_step']}: {shown}")
+    for run, only in ((run_a, only_a), (run_b, only_b)):
+        if only:
+            print(f"not compared: only {run} logs {', '.join(only)}")
     raise typer.Exit(0 if difference is None else 1)
 
 

@@ -17,7 +17,7 @@ every gradient is cleared.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,8 +27,9 @@ from torch import nn
 import ffdebug
 from reference_trainer.sharding import full_tensor, like
 
-if TYPE_CHECKING:  # a type only: the YAML config module is not imported at run time
+if TYPE_CHECKING:  # types only: the YAML config module is not imported at run time
     from reference_trainer.config import OptimizerConfig
+    from reference_trainer.taps import UpdateTaps
 
 MUON_DEFAULTS = dict(nesterov=True, ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5)
 
@@ -183,17 +184,26 @@ class RolePhase:
     backward_calls: int = 0
     metric_sums: dict[str, float] = field(default_factory=dict)
 
-    def backward(self, loss: torch.Tensor, metrics: Mapping[str, float | torch.Tensor] | None = None) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        metrics: Mapping[str, float | torch.Tensor] | None = None,
+        *,
+        scale: float | None = None,
+    ) -> None:
         """Back-propagate one microbatch loss (already scaled by 1/num_microbatches by the caller).
 
         ``loss.<role>`` for the step is the sum of these values; metrics are averaged over calls.
+        ``scale``: Σ|terms| of the loss (scaled the same way), tapped so that a loss of cancelling
+        terms is judged with an absolute tolerance (docs/trainer-taps.md "Near-zero values").
         """
         if not bool(torch.isfinite(loss)):
             raise NonFiniteLossError(
                 f"loss.{self.role} is {loss.item()} at optimizer step {self.optimizer_step} "
                 f"(microbatch {self.backward_calls}); aborting"
             )
-        ffdebug.tap(f"loss.{self.role}", loss, microbatch=self.backward_calls)
+        extra = {} if scale is None else {"scale": scale}
+        ffdebug.tap(f"loss.{self.role}", loss, microbatch=self.backward_calls, **extra)
         loss.backward()
         self.loss += float(loss.detach())
         self.backward_calls += 1
@@ -216,8 +226,10 @@ class RoleOptimizer:
         max_grad_norm: float,
         next_step: Callable[[], int],
         on_step: Callable[[StepResult], None],
+        update_taps: UpdateTaps | None = None,
     ):
         self.optimizer = optimizer
+        self.update_taps = update_taps
         self.roles = dict(roles)
         self.max_grad_norm = max_grad_norm
         self._next_step = next_step
@@ -259,7 +271,8 @@ class RoleOptimizer:
             raise NonFiniteLossError(
                 f"grad_norm.{phase.role} is {grad_norm.item()} at optimizer step {phase.optimizer_step}; aborting"
             )
-        self.optimizer.step(phase.role)
+        with self.update_taps.around_step(phase.role) if self.update_taps else nullcontext():
+            self.optimizer.step(phase.role)  # update.<name>: each watched tensor's update norm
         return StepResult(
             role=phase.role,
             loss=phase.loss,

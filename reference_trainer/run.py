@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -212,8 +213,34 @@ def _acquisition_inputs(
     return None, dataset, heldout
 
 
-def train(config: RunConfig, output_dir: str | Path, *, resume: str | None = None) -> BaseTrainer:
-    """Build and run; returns the finished trainer."""
+def train(
+    config: RunConfig,
+    output_dir: str | Path,
+    *,
+    resume: str | None = None,
+    inputs_from: str | Path | None = None,
+    inputs_map: Sequence[str] = (),
+    inputs_map_file: str | Path | None = None,
+) -> BaseTrainer:
+    """Build and run; returns the finished trainer.
+
+    ``inputs_from``: a target's ffdebug store whose prompts, noise, schedule and sample order the
+    rollouts take (``reference_trainer.inputs_from``); ``inputs_map`` / ``inputs_map_file``: renames of its
+    stages (``OLD=NEW`` rules, an alias file).
+    """
     trainer = build_trainer(config, output_dir, resume=resume)
+    if inputs_from is not None:
+        from reference_trainer.inputs_from import InputsFrom
+
+        if not type(trainer).takes_inputs:
+            raise ConfigError(
+                "--inputs-from",
+                f"trainer {config.trainer!r} cannot take a target's inputs (the GRPO family can)",
+            )
+        trainer.inputs_from = InputsFrom(
+            inputs_from, rank=trainer.backend.rank, maps=inputs_map, map_file=inputs_map_file
+        )
     trainer.start()
+    if trainer.inputs_from is not None:
+        trainer.inputs_from.finish(trainer.output_dir)
     return trainer

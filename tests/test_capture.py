@@ -388,3 +388,25 @@ def test_stats_only_record_holds_hand_derived_statistics(tmp_path):
     assert (st["min"], st["max"], st["absmax"]) == (-2.0, 3.0, 3.0)
     assert st["l2"] == math.sqrt(14.0)
     assert (st["nan"], st["inf"], st["zero"], st["numel"]) == (1, 1, 1, 6)
+
+
+def test_install_on_a_deep_copy_of_an_installed_model_installs_once(tmp_path, tiny_llama, input_ids):
+    """One session: the model is installed, deep-copied, the copy installed; a forward of the copy
+    writes each stage once (the copy's inherited hooks are dropped), the original keeps its hooks."""
+    import copy
+
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="copy") as original:
+        clone = copy.deepcopy(tiny_llama)
+        installed = ffdebug.install(clone)
+        assert installed.num_hooks == original.num_hooks
+        with torch.no_grad():
+            clone(input_ids=input_ids)
+        installed.remove()
+    copied = open_side(tmp_path / "copy")
+    assert len(copied.records) == len(_expected_keys(4)), "a stage of the copy was captured twice"
+    assert set(copied.keys()) == _expected_keys(4)
+    with ffdebug.capture(dir=tmp_path, side="orig"):
+        ffdebug.install(tiny_llama)
+        with torch.no_grad():
+            tiny_llama(input_ids=input_ids)
+    assert set(open_side(tmp_path / "orig").keys()) == _expected_keys(4)

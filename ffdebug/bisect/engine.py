@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ffdebug import verdict as V
 from ffdebug.bisect import pattern as pat
+from ffdebug.bisect import training
 from ffdebug.bisect.substage import first_lossy
 from ffdebug.models.blocks import declared_class, parse_layer_class_spec
 from ffdebug.results import (
@@ -136,11 +137,14 @@ def _per_class(rows: list[LayerRow], p: pat.Pattern) -> list[ClassSummary]:
 
 def _by_call(stages: list[StageResult]) -> list[tuple[CallRef, list[StageResult]]]:
     """The stages of each paired call, in execution order; a call whose target ranks were each
-    compared with a single-rank reference is analysed once per rank (shared stages in each)."""
+    compared with a single-rank reference is analysed once per rank (shared stages in each).
+    Calls are told apart by phase too: a trainer's rollout taps and its train-phase taps of one
+    optimizer step share their counters but are two calls (docs/trainer-taps.md)."""
     groups: dict[tuple, tuple[CallRef, list[StageResult]]] = {}
     for e in stages:
-        key = (tuple(sorted((str(k), str(v)) for k, v in e.step.items())), e.call)
-        groups.setdefault(key, (CallRef(e.call, dict(e.step)), []))[1].append(e)
+        key = (tuple(sorted((str(k), str(v)) for k, v in e.step.items())), e.phase, e.call)
+        tags = dict(e.step, phase=e.phase) if e.phase is not None else dict(e.step)
+        groups.setdefault(key, (CallRef(e.call, tags), []))[1].append(e)
     out = []
     for ref, st in groups.values():
         ranks = sorted({e.rank for e in st if e.per_rank})
@@ -151,6 +155,23 @@ def _by_call(stages: list[StageResult]) -> list[tuple[CallRef, list[StageResult]
             mine = [e for e in st if not e.per_rank or e.rank == rank]
             out.append((CallRef(ref.call, ref.step, rank), mine))
     return out
+
+
+def _in_training_order(stages: list[StageResult], analyses: list, notes: list[str]) -> tuple | None:
+    """The call holding the first divergence in training order (`training.locate`), its analysis
+    naming that stage; None when every stage matches."""
+    located = training.locate(stages)
+    if located is None:
+        return None
+    notes.append(located.sentence())
+    for ref, st, analysis in analyses:
+        if any(e is located.stage for e in st):
+            if located.stage.layer is None or analysis.first is None:
+                analysis.first, analysis.sub, analysis.why_sub = located.stage, None, ""
+            if located.exact_signal:
+                analysis.signal = EXACT_PREFIX_SIGNAL
+            return ref, st, analysis
+    return None
 
 
 def bisect(
@@ -170,6 +191,7 @@ def bisect(
     allow_partial: bool = False,
     maps=(),
     alias_file: str | None = None,
+    exclude=(),
 ) -> BisectResult:
     """Localise the first divergence of `target` from `ref` (paths or opened stores).
 
@@ -194,6 +216,7 @@ def bisect(
         allow_partial=allow_partial,
         maps=maps,
         alias_file=alias_file,
+        exclude=tuple(exclude),
     )
     notes = list(result.notes)
     _relabel(result.stages, layer_class)
@@ -204,6 +227,8 @@ def bisect(
     if not analyses:
         raise FFDebugError(f"{result.ref_path} and {result.target_path}: no stage appears on both sides")
     chosen, st, analysis = next((a for a in analyses if not a[2].clean), analyses[0])
+    if training.is_trainer_run(result.stages):  # trainer stores: training order, not call order
+        chosen, st, analysis = _in_training_order(result.stages, analyses, notes) or (chosen, st, analysis)
     attribution = None
     if model_target:
         from ffdebug.bisect.attribution import attribute

@@ -10,6 +10,7 @@ children as `L{NNN}.{child}.out`), sub-stage classes named in the block-class li
 from __future__ import annotations
 
 from ffdebug.capture import session as sess
+from ffdebug.capture.copies import drop_inherited, remember
 from ffdebug.capture.functions import known_function_taps, tap_function
 from ffdebug.capture.stage_map import StageMap
 from ffdebug.models.blocks import CANONICAL_CHILDREN, find_blocks
@@ -25,6 +26,7 @@ class Handle:
         self._hooks: list = []
 
     def add(self, hook) -> None:
+        remember(hook)
         self._hooks.append(hook)
 
     def remove(self) -> None:
@@ -94,6 +96,7 @@ def install(
     import torch
 
     config = session.config
+    drop_inherited(model)  # a deep copy of an installed model: its copied hooks go (capture.copies)
     globs = tuple(classes) if classes is not None else config.block_classes
     block_globs = globs[:1] if globs else ()
     sub_globs = globs[1:]

@@ -248,8 +248,9 @@ class Session:
 
     def tap(self, stage: str, tensor, tags: dict) -> None:
         """A free tap. Reserved tags describe the tensor (`io`, `shard`, `reduction`, `layer`,
-        `layer_class`, `input_ids=True`: these are token ids for the compare gate); the others are
-        step tags of this capture."""
+        `layer_class`, `input_ids=True`: these are token ids for the compare gate; `scale=S`: the
+        absolute size of the terms a reduced value was summed from, docs/trainer-taps.md); the others
+        are step tags of this capture."""
         tags = dict(tags)
         meta: dict = {"io": tags.pop("io", "out"), "layer": tags.pop("layer", current_layer())}
         for reserved in ("shard", "reduction", "layer_class"):
@@ -257,6 +258,8 @@ class Session:
                 meta[reserved] = tags.pop(reserved)
         if tags.pop("input_ids", False):
             meta["extra"] = {"input_ids": True}
+        if "scale" in tags:  # the size of the terms a reduced value was summed from (compare.near_zero)
+            meta.setdefault("extra", {})["scale"] = float(tags.pop("scale"))
         if meta["layer"] is not None and not _LAYER_PREFIX.match(stage):
             stage = f"L{meta['layer']:03d}.{stage}"  # a tap inside a block is one of its stages
         if _LAYER_PREFIX.sub("", stage) in ROTARY_STAGES:

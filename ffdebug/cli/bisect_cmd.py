@@ -9,6 +9,7 @@ from ffdebug.cli.common import (
     ALIAS_FILE_OPT,
     ALLOW_PARTIAL_OPT,
     DIR_OPT,
+    EXCLUDE_OPT,
     FAIL_ON_HELP,
     JSON_OPT,
     LAYERS_OPT,
@@ -37,6 +38,11 @@ layer whose own step loses accuracy. Ends with one sentence naming layer, class,
   ffdebug bisect --dir D --noise /tmp/noise/ref        # calibrate: the reference run twice
   ffdebug bisect --dir D --layer-class 'hash:0-2,routed:3-' --json
   ffdebug bisect --dir D --model-ref my_models:build_ref --model-target my_models:build_engine
+  ffdebug bisect --dir D --alias-file examples/external_trainer/taps.txt   # your trainer vs the reference
+
+Trainer stores (optimizer_step tags, docs/trainer-taps.md): the first divergent stage in training
+order (rollout, reward, advantage, train forwards, loss, gradients, updates) of the first divergent
+optimizer step, and per role.
 
 Dump sub-stages by naming more classes: FFDEBUG_FWD_DUMP_BLOCK_CLASS=DecoderLayer,TopkRouter,MLP.
 Per-rank target dumps are folded as their manifest says (reduction='partial': summed; shard: concatenated);
@@ -57,6 +63,7 @@ def register(app: typer.Typer) -> None:
         dir: str = DIR_OPT,
         layers: str = LAYERS_OPT,
         stages: list[str] = STAGES_OPT,
+        exclude: list[str] = EXCLUDE_OPT,
         step: list[str] = STEP_OPT,
         rank: int = typer.Option(None, "--rank", help="Use this rank only (no folding of ranks)."),
         threshold: list[str] = THRESHOLD_OPT,
@@ -104,6 +111,7 @@ def register(app: typer.Typer) -> None:
             allow_partial=allow_partial,
             maps=tuple(maps or ()),
             alias_file=alias_file,
+            exclude=tuple(exclude or ()),
             layer_class=layer_class,
             model_ref=model_ref,
             model_target=model_target,

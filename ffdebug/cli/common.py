@@ -20,6 +20,11 @@ SIDES_ARG = typer.Argument(None, help="'ref-vs-target' (with --dir) or REF_SIDE_
 DIR_OPT = typer.Option(None, "--dir", help="Dump directory holding the side folders.")
 LAYERS_OPT = typer.Option(None, "--layers", help="Layers to use: '0,2,5-7,-1'.")
 STAGES_OPT = typer.Option(None, "--stages", help="Glob over stage keys (repeatable).")
+EXCLUDE_OPT = typer.Option(
+    None,
+    "--exclude",
+    help="Glob over stage keys to leave out, e.g. 'loss.*' (repeatable; listed as selected out).",
+)
 STEP_OPT = typer.Option(None, "--step", help="Keep records tagged key=value (repeatable).")
 THRESHOLD_OPT = typer.Option(None, "--threshold", help="'GLOB:cos>=X,rel<=Y' ok band per stage (repeatable).")
 NOISE_OPT = typer.Option(

@@ -8,6 +8,7 @@ from ffdebug.cli.common import (
     ALIAS_FILE_OPT,
     ALLOW_PARTIAL_OPT,
     DIR_OPT,
+    EXCLUDE_OPT,
     FAIL_ON_HELP,
     JSON_OPT,
     LAYERS_OPT,
@@ -34,6 +35,10 @@ HELP = """Compare a reference dump with a target dump, stage by stage, in float6
   ffdebug compare ref-vs-target --dir D --threshold 'final.logits:cos>=0.999,rel<=0.05' --json
   ffdebug compare run1 run2 --exact          # run-to-run determinism: any bit difference fails
   ffdebug compare ref-vs-target --dir D --workers 2   # two threads comparing whole tensors
+  ffdebug compare --dir D --exclude 'L*' --alias-file taps.txt   # a trainer's scalars only
+
+Trainer stores (docs/trainer-taps.md): the inputs (rollout.prompt_ids, rollout.noise, ...) are
+compared first, exactly; different ones exit 3 (feed both runs the same prompts / noise).
 
 Exit codes: 0 nothing at or above --fail-on and everything compared; 1 a difference at or above
 it; 2 bad input; 3 the two sides were fed different input ids (fix tokenization first); 4
@@ -51,6 +56,7 @@ def register(app: typer.Typer) -> None:
         dir: str = DIR_OPT,
         layers: str = LAYERS_OPT,
         stages: list[str] = STAGES_OPT,
+        exclude: list[str] = EXCLUDE_OPT,
         step: list[str] = STEP_OPT,
         rank: int = typer.Option(None, "--rank", help="Compare this rank only."),
         threshold: list[str] = THRESHOLD_OPT,
@@ -91,6 +97,7 @@ def register(app: typer.Typer) -> None:
             maps=tuple(maps or ()),
             alias_file=alias_file,
             workers=workers,
+            exclude=tuple(exclude or ()),
         )
         if json_out:
             emit_json(result.to_json())

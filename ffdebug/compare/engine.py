@@ -7,8 +7,9 @@ import math
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
-from ffdebug.compare import parallel
+from ffdebug.compare import near_zero, parallel
 from ffdebug.compare.align import TokenLayout, align, layouts
+from ffdebug.compare.inputs_gate import check_trainer_inputs
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, StageUnit, check_input_ids, group_calls, pair_calls, pair_stages
 from ffdebug.compare.shards import best_fold
@@ -106,6 +107,8 @@ def compare_records(
         e.nan_mismatch, e.inf_mismatch = m.nan_mismatch, m.inf_mismatch
     severity = V.classify(m.cos, m.rel, key, thresholds)
     severity = V.zero_side(severity, m.ref_norm, m.target_norm, m.numel)
+    if not (m.nan_mismatch or m.inf_mismatch):
+        severity = near_zero.grade(severity, r, t, m.max_abs, e.notes)  # declared `scale`: absolute atol
     severity = V.nonfinite(severity, m.nan_mismatch, m.inf_mismatch)
     if exact:
         severity, e.invariance = V.exact(severity, m.bit_equal)
@@ -133,13 +136,15 @@ def compare(
     maps=(),
     alias_file: str | None = None,
     workers: int | None = None,
+    exclude: tuple[str, ...] | list[str] = (),
 ) -> CompareResult:
     """Compare two sides (paths or SideStores).
 
     Raises InputIdsMismatch (exit 3) when the sides were fed different input ids, FFDebugError
     (exit 2) on unreadable input. The result's coverage says what was left out (exit 4 unless
-    `allow_partial`). `workers`: threads comparing whole tensors in parallel (None: one per free
-    core, `ffdebug.compare.parallel`); the result is bit-identical at any count.
+    `allow_partial`); `exclude` globs leave stages out, and the coverage lists them as selected out.
+    `workers`: threads comparing whole tensors in parallel (None: one per free core,
+    `ffdebug.compare.parallel`); the result is bit-identical at any count.
     """
     from ffdebug._env import parse_layers
 
@@ -150,11 +155,12 @@ def compare(
     if isinstance(layers, str):
         layers = parse_layers(layers)
     thresholds = tuple(t if isinstance(t, Threshold) else V.parse_threshold(t) for t in thresholds)
-    filters = Filters(layers=layers, stages=tuple(stages), step=dict(step or {}), rank=rank)
+    exclude = tuple(exclude)
+    filters = Filters(layers=layers, stages=tuple(stages), step=dict(step or {}), rank=rank, exclude=exclude)
     ref_filters = filters
     if rank is not None and {r.rank for r in ref_store.records} <= {0} and rank != 0:
         # --rank N against a single-rank reference: that rank against the reference's one
-        ref_filters = Filters(layers=layers, stages=tuple(stages), step=dict(step or {}), rank=None)
+        ref_filters = dataclasses.replace(filters, rank=None)
     ref_groups = group_calls(ref_store, ref_filters)
     tgt_groups = group_calls(tgt_store, filters)
     if not ref_groups and not tgt_groups:
@@ -164,6 +170,7 @@ def compare(
         )
     pairing = pair_calls(ref_groups, tgt_groups)
     check_input_ids(pairing.pairs)
+    check_trainer_inputs(pairing.pairs)  # trainer stores: same prompts / noise / order (inputs_gate)
 
     noise_index = _noise_index(noise, ref_groups, ref_filters) if noise is not None else None
     stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
@@ -213,8 +220,8 @@ def compare(
             unpaired_ref=pairing.unpaired_ref,
             unpaired_target=pairing.unpaired_target,
             compared_ranks={r for u in units for r in u.target_ranks},
-            filters=filter_sentences(layers, stages, step, rank),
-            stage_filter=bool(stages),
+            filters=filter_sentences(layers, stages, step, rank) + excluded_sentences(exclude),
+            stage_filter=bool(stages or exclude),
             rank_filter=rank,
         ),
     )
@@ -277,6 +284,11 @@ def _compare_unit(
     e.notes.append(f"target ranks match as the {best.reading}; declare it in the dump")
     reading.update(reading=best.how, cos=e.cos, rel=e.rel, explained_by=best.reading)
     return [e], [(r, folded)], reading
+
+
+def excluded_sentences(exclude: tuple[str, ...]) -> list[str]:
+    """`--exclude` as a selection sentence of the coverage (selected out, never silent)."""
+    return [f"--exclude {' '.join(exclude)}"] if exclude else []
 
 
 def _renamed(store: SideStore, stage_map: StageMap) -> SideStore:

@@ -72,6 +72,7 @@ class Filters:
     stages: tuple[str, ...] = ()
     step: dict = field(default_factory=dict)
     rank: int | None = None
+    exclude: tuple[str, ...] = ()  # `--exclude GLOB`: stage keys left out (after the stage map)
 
     def keep(self, rec: Record, num_layers: int | None) -> bool:
         if self.rank is not None and rec.rank != self.rank:
@@ -86,6 +87,9 @@ class Filters:
             return False
         if self.stages and rec.key != "embed.input_ids":
             if not any(fnmatch.fnmatchcase(rec.key, g) for g in self.stages):
+                return False
+        if self.exclude and rec.key != "embed.input_ids":
+            if any(fnmatch.fnmatchcase(rec.key, g) for g in self.exclude):
                 return False
         return True
 

@@ -149,7 +149,9 @@ def compare_conclusion(result: CompareResult) -> str:
     inv = result.first_non_invariant
     if inv is not None:
         why = (
-            "numerical: not bit-identical but inside the ok band (nondeterministic kernels or reduction order)"
+            "numerical: not bit-identical but inside the ok band (a rounding-size difference: another reduction "
+            "order or kernel, or a real change too small for the bands; two deterministic runs of the same "
+            "code are bit-identical)"
             if inv.invariance == "numerical"
             else "divergent: outside the ok band, the runs compute different things"
         )

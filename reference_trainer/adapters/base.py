@@ -80,12 +80,16 @@ class Trajectory:
     log_probs: [B, T] fp32 per-step log-prob of latents[:, j + 1] given latents[:, j] (SDE), or None (ODE)
     sigmas:    [T + 1] the noise-level schedule
     velocities: [B, T, C, H, W] fp32 v(latents[:, j], σ_j) of the sampling policy, or None when not recorded
+    noise:     [B, C, H, W] fp32 the initial noise x_0 was drawn as (None when not recorded)
+    sde_noise: [B, T, C, H, W] fp32 the ε of each SDE step (None for the ODE or when not recorded)
     """
 
     latents: torch.Tensor
     log_probs: torch.Tensor | None
     sigmas: torch.Tensor
     velocities: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
+    sde_noise: torch.Tensor | None = None
 
     @property
     def final(self) -> torch.Tensor:
@@ -95,6 +99,17 @@ class Trajectory:
             The last latent of the trajectory.
         """
         return self.latents[:, -1]
+
+
+@dataclass(frozen=True)
+class SamplingInputs:
+    """The random inputs of a rollout given instead of drawn (``--inputs-from``, docs/trainer-taps.md):
+    the σ schedule [T + 1], the initial noise [B, C, H, W] and the SDE steps' ε [B, T, C, H, W]
+    (None: the ODE). A trajectory sampled with them uses no generator."""
+
+    sigmas: torch.Tensor
+    noise: torch.Tensor
+    sde_noise: torch.Tensor | None
 
 
 class BaseAdapter(ABC):
@@ -214,6 +229,7 @@ class BaseAdapter(ABC):
         generator: torch.Generator | Sequence[torch.Generator],
         module: nn.Module | None = None,
         parameters: Mapping[str, torch.Tensor] | None = None,
+        given: SamplingInputs | None = None,
     ) -> Trajectory:
         """Sample one trajectory per condition row, from pure noise to a clean latent.
 
@@ -228,10 +244,16 @@ class BaseAdapter(ABC):
                 condition row (``adapters.sampling.sample_trajectory``).
             module: the variant that predicts the velocity (default: the trainable one).
             parameters: a snapshot used functionally instead of ``module``'s weights.
+            given: schedule and noise to use instead of ``num_steps``' schedule and ``generator``'s draws.
 
         Returns:
             The ``Trajectory`` (latents [B, T + 1, C, H, W], log-probs [B, T] for the SDE).
         """
+
+    def prompt_token_ids(self, prompts: Sequence[str]) -> torch.Tensor | None:
+        """The token ids the text encoder is fed, [B, L] int64 (tapped as ``rollout.prompt_ids``);
+        None for an adapter without a tokenizer."""
+        return None
 
     @abstractmethod
     def forward(

@@ -23,9 +23,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from reference_trainer.adapters.base import BaseAdapter, Condition, Trajectory
+from reference_trainer.adapters.base import BaseAdapter, Condition, SamplingInputs, Trajectory
 from reference_trainer.adapters.sampling import sample_trajectory
-from reference_trainer.adapters.text import encode_with_clip, load_text_stack
+from reference_trainer.adapters.text import encode_with_clip, load_text_stack, token_ids
 from reference_trainer.errors import ConfigError
 
 VAE_TINY = dict(
@@ -119,6 +119,7 @@ class LatentFlowAdapter(BaseAdapter):
         generator: torch.Generator | Sequence[torch.Generator],
         module: nn.Module | None = None,
         parameters: Mapping[str, torch.Tensor] | None = None,
+        given: SamplingInputs | None = None,
     ) -> Trajectory:
         def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             return self.forward(x, sigma, condition, module=module, parameters=parameters)
@@ -127,7 +128,12 @@ class LatentFlowAdapter(BaseAdapter):
             velocity,
             batch_size=len(condition),
             latent_shape=self.latent_shape,
-            sigmas=self.sigmas(num_steps),
+            sigmas=given.sigmas if given is not None else self.sigmas(num_steps),
             noise_level=noise_level,
             generator=generator,
+            given=given,
         )
+
+    def prompt_token_ids(self, prompts: Sequence[str]) -> torch.Tensor:
+        """The CLIP token ids ``encode_prompt`` feeds the text encoder, [B, L] int64 (``rollout.prompt_ids``)."""
+        return token_ids(self._require_component("tokenizer"), prompts)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from reference_trainer.adapters.base import Trajectory
+from reference_trainer.adapters.base import SamplingInputs, Trajectory
 from reference_trainer.flow_matching import randn_rows
 from reference_trainer.sde import flow_ode_step, flow_sde_step
 
@@ -32,19 +32,31 @@ def sample_trajectory(
     sigmas: torch.Tensor,
     noise_level: float,
     generator: torch.Generator | Sequence[torch.Generator],
+    given: SamplingInputs | None = None,
 ) -> Trajectory:
     """Integrate from noise to data along ``sigmas`` [T + 1] (1 -> 0).
 
     ``velocity(x [B, C, H, W], sigma [B]) -> v [B, C, H, W]``. Returns latents [B, T + 1, C, H, W]
-    and, for the SDE, log-probs [B, T] (fp32).
+    and, for the SDE, log-probs [B, T] (fp32), with the noise drawn (or ``given``: then no draw).
     """
     shape = (batch_size, *latent_shape)
     per_sample = not isinstance(generator, torch.Generator)
-    x = (
-        randn_rows(shape, generator)
-        if per_sample
-        else torch.randn(shape, generator=generator, dtype=torch.float32)
-    )
+
+    def draw(j: int | None) -> torch.Tensor:
+        if given is not None:
+            source = given.noise if j is None else given.sde_noise
+            if source is None:
+                raise ValueError("the given sampling inputs have no SDE noise for an SDE rollout")
+            picked = source if j is None else source[:, j]
+            if tuple(picked.shape) != shape:
+                raise ValueError(f"given noise of shape {tuple(picked.shape)}, the rollout needs {shape}")
+            return picked.float()
+        if per_sample:
+            return randn_rows(shape, generator)
+        return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+    x = draw(None)
+    noise, steps_noise = x, []
     latents, log_probs, velocities = [x], [], []
     sigma_max = float(sigmas[1]) if len(sigmas) > 2 else None  # flow_grpo's stand-in for 1 − σ at σ = 1
     for j in range(len(sigmas) - 1):
@@ -53,8 +65,9 @@ def sample_trajectory(
         v = velocity(x, sigma)
         velocities.append(v.float())
         if noise_level > 0:
-            draw = dict(noise=randn_rows(shape, generator)) if per_sample else dict(generator=generator)
-            step = flow_sde_step(v, x, sigma, sigma_next, noise_level, sigma_max=sigma_max, **draw)
+            eps = draw(j)
+            steps_noise.append(eps)
+            step = flow_sde_step(v, x, sigma, sigma_next, noise_level, sigma_max=sigma_max, noise=eps)
             x = step.prev_sample
             log_probs.append(step.log_prob)
         else:
@@ -65,4 +78,6 @@ def sample_trajectory(
         log_probs=torch.stack(log_probs, dim=1) if log_probs else None,
         sigmas=sigmas,
         velocities=torch.stack(velocities, dim=1),
+        noise=noise,
+        sde_noise=torch.stack(steps_noise, dim=1) if steps_noise else None,
     )

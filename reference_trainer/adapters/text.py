@@ -94,13 +94,18 @@ def load_text_stack(fixture_dir: Path) -> tuple[CLIPTokenizer, CLIPTextModelWith
     return tokenizer, encoder
 
 
+def token_ids(tokenizer: CLIPTokenizer, prompts: Sequence[str]) -> torch.Tensor:
+    """The prompts' token ids, padded to ``MAX_LENGTH`` (truncated past it), [B, L] int64."""
+    tokens = tokenizer(
+        list(prompts), padding="max_length", max_length=MAX_LENGTH, truncation=True, return_tensors="pt"
+    )
+    return tokens.input_ids
+
+
 @torch.no_grad()
 def encode_with_clip(
     tokenizer: CLIPTokenizer, encoder: CLIPTextModelWithProjection, prompts: Sequence[str]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(penultimate hidden states [B, L, 32], projected pooled output [B, 32]) as SD3 uses CLIP."""
-    tokens = tokenizer(
-        list(prompts), padding="max_length", max_length=MAX_LENGTH, truncation=True, return_tensors="pt"
-    )
-    output = encoder(tokens.input_ids, output_hidden_states=True)
+    output = encoder(token_ids(tokenizer, prompts), output_hidden_states=True)
     return output.hidden_states[-2].float(), output.text_embeds.float()

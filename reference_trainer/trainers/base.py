@@ -57,7 +57,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -78,6 +78,10 @@ from reference_trainer.jsonl import truncate_jsonl
 from reference_trainer.optim import RoleOptimizer, StepResult, build_optimizer
 from reference_trainer.roles import ComponentVariantRegistry, check_ownership, role_parameters
 from reference_trainer.sharding import check_sharded_optimizer, full_state, full_tensors
+from reference_trainer.taps import UpdateTaps
+
+if TYPE_CHECKING:  # a type only
+    from reference_trainer.inputs_from import InputsFrom
 
 T = TypeVar("T")
 EVAL_FILE = "eval.jsonl"
@@ -95,6 +99,10 @@ class BaseTrainer(ABC):
     """The role stepped by dataset acquisition."""
     supervision: ClassVar[str | None] = None
     """Dataset trainers: ``demonstration`` or ``preference`` records."""
+    takes_inputs: ClassVar[bool] = False
+    """Trainers whose rollouts can take a target's inputs (``--inputs-from``, ``inputs_from``)."""
+    inputs_from: InputsFrom | None = None
+    """Set by ``run.train`` for ``--inputs-from``: prompts, noise and order come from that store."""
 
     def __init__(
         self,
@@ -244,7 +252,15 @@ class BaseTrainer(ABC):
             max_grad_norm=self.args.max_grad_norm,
             next_step=lambda: self.optimizer_step + 1,
             on_step=self._record_step,
+            update_taps=UpdateTaps(self._watched_weights),
         )
+
+    def _watched_weights(self, role: str) -> dict[str, list[torch.Tensor]]:
+        """The weights whose update a step of ``role`` taps: its parameters and every snapshot's
+        (``update.<name>``, ``reference_trainer.taps``)."""
+        watched = {role: list(self.optim.roles[role])}
+        watched.update({name: list(snap.values()) for name, snap in self.variants.snapshots.items()})
+        return watched
 
     def _validate_subclass(self, args: Any) -> None:
         """Generation trainers must override ``sample`` and ``optimize``; dataset trainers ``optimize_batch``

@@ -38,6 +38,7 @@ from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
 from reference_trainer.losses import grpo as grpo_losses
 from reference_trainer.registry import register_trainer
 from reference_trainer.sde import SDEStep, flow_sde_step
+from reference_trainer.taps import tap_inputs
 from reference_trainer.trainers.base import BaseTrainer
 
 
@@ -55,6 +56,13 @@ def trained_steps(timestep_fraction: float, num_steps: int) -> int:
         ``int(T · f)`` (the float product, truncated, exactly as flow_grpo computes it).
     """
     return int(num_steps * timestep_fraction)
+
+
+def loss_scale(advantages: torch.Tensor, metrics: dict[str, float], args: GRPOArguments) -> float:
+    """Σ|terms| / B of the GRPO loss, ≈ mean|Â|·mean ρ + β·KL: the size of what ``loss.<role>`` is the
+    mean of, so a loss of cancelling terms (on-policy, ρ = 1) is judged against its rounding."""
+    adv = advantages.float().clamp(-args.adv_clip_max, args.adv_clip_max).abs().mean().item()
+    return adv * metrics.get("ratio_mean", 1.0) + args.kl_beta * metrics.get("kl", 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +166,7 @@ class GRPOTrainer(BaseTrainer):
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
     roles: ClassVar[tuple[str, ...]] = ("policy",)
+    takes_inputs: ClassVar[bool] = True
     uses_rollout_velocities: ClassVar[bool] = False
     """Subclasses that compare against the rollout policy's velocities (GRPO-Guard, DPPO) set this:
     ``sample`` then checks the adapter recorded them and taps them as ``rollout.velocity``."""
@@ -185,8 +194,15 @@ class GRPOTrainer(BaseTrainer):
             The ``GRPOSamples`` of this iteration.
         """
         args = self.args
-        # 1. P prompts, each repeated K times in contiguous groups
+        # 1. P prompts, each repeated K times in contiguous groups (or the target's: --inputs-from)
+        forced = self.inputs_from
         prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
+        if forced is not None:
+            known = self.prompts.prompts
+            prompts = (
+                forced.prompts(self.rollout_iteration, args.group_size, known, self.adapter.prompt_token_ids)
+                or prompts
+            )
         first_group = self.backend.rank * args.prompts_per_iteration  # global group ids
         repeated, group_ids = repeat_groups(prompts, args.group_size, first_group)
         condition = self.conditions.get(repeated)
@@ -198,7 +214,11 @@ class GRPOTrainer(BaseTrainer):
             noise_level=args.noise_level,
             generator=self.sample_generators("rollout", self.rollout_iteration, count=len(repeated)),
             module=self.variants.variant("policy"),
+            given=forced.sampling(self.rollout_iteration, args.noise_level) if forced is not None else None,
         )
+        ids = self.adapter.prompt_token_ids(repeated)
+        if ids is not None and trajectory.noise is not None:
+            tap_inputs(ids, trajectory.noise, trajectory.sde_noise, trajectory.sigmas)
         ffdebug.tap("rollout.latents", trajectory.latents)
         ffdebug.tap("rollout.log_prob", trajectory.log_probs)
         # 3. rewards on the decoded images, then group-relative advantages
@@ -222,6 +242,11 @@ class GRPOTrainer(BaseTrainer):
         batch = len(samples.prompts)
         steps = trained_steps(args.timestep_fraction, args.num_inference_steps)
         order = torch.randperm(batch, generator=self.generator("shuffle", self.rollout_iteration))
+        if self.inputs_from is not None:
+            given = self.inputs_from.order(self.rollout_iteration, batch)
+            order = given if given is not None else order
+        with ffdebug.step(**self.step_tags("train")):
+            ffdebug.tap("train.order", order)
         for minibatch in self.cycle_steps(order.chunk(args.gradient_steps_per_iteration)):
             minibatch = self.backend.local_part(minibatch)  # this rank's share of the global minibatch
             micro_size = args.microbatch_size or len(minibatch)
@@ -233,7 +258,8 @@ class GRPOTrainer(BaseTrainer):
                         with ffdebug.step(timestep=j, microbatch=phase.backward_calls):
                             loss, metrics = self.step_loss(samples, index, j)
                         metrics.pop("loss", None)  # the step's loss is logged by the base
-                        phase.backward(loss / terms, metrics)
+                        scale = loss_scale(samples.advantages[index], metrics, args)
+                        phase.backward(loss / terms, metrics, scale=scale / terms)
 
     def step_loss(
         self, samples: GRPOSamples, index: torch.Tensor, j: int
@@ -251,9 +277,12 @@ class GRPOTrainer(BaseTrainer):
         args = self.args
         _, step, sde_args = self.policy_step(samples, index, j)
         ref_mean = self.reference_mean(samples, index, j, sde_args) if args.kl_beta > 0 else None
-        return grpo_losses.grpo_loss(
+        old_log_prob = samples.trajectory.log_probs[index, j]
+        ffdebug.tap("train.log_prob", step.log_prob)
+        ffdebug.tap("train.ratio", torch.exp(step.log_prob.detach() - old_log_prob))
+        loss, metrics = grpo_losses.grpo_loss(
             step.log_prob,
-            samples.trajectory.log_probs[index, j],
+            old_log_prob,
             samples.advantages[index],
             clip_range=args.clip_range,
             adv_clip_max=args.adv_clip_max,
@@ -262,6 +291,9 @@ class GRPOTrainer(BaseTrainer):
             ref_mean=ref_mean,
             kl_std=self.kl_std(step),
         )
+        if "kl" in metrics:
+            ffdebug.tap("train.kl", torch.tensor(metrics["kl"], dtype=torch.float32))
+        return loss, metrics
 
     def policy_step(
         self, samples: GRPOSamples, index: torch.Tensor, j: int

@@ -168,11 +168,11 @@ def test_sigterm_and_resume_is_bitwise_exact(name, tmp_path, monkeypatch, straig
     sent: list[tuple[int, int]] = []
     backward = RolePhase.backward
 
-    def signalling(self, loss, step_metrics=None):
+    def signalling(self, loss, step_metrics=None, **kwargs):
         if self.optimizer_step == SIGNAL_STEP and not sent:
             sent.append((self.optimizer_step, self.backward_calls))
             os.kill(os.getpid(), signal.SIGTERM)  # handled by the trainer: stop at the next boundary
-        return backward(self, loss, step_metrics)
+        return backward(self, loss, step_metrics, **kwargs)
 
     monkeypatch.setattr(RolePhase, "backward", signalling)
     stopped = run(name, tmp_path, N)

@@ -1,0 +1,65 @@
+"""The same-inputs gate of trainer stores: a training run's inputs are compared before its numbers.
+
+Two trainer runs fed different prompts or different noise differ everywhere, and the first
+divergent stage (a block's input of the first rollout forward) would say nothing about why. So,
+like the input-ids gate of model dumps (`pairing.check_input_ids`), the inputs a trainer taps under
+the tap contract's names (docs/trainer-taps.md) are compared exactly, in every paired call, before
+any stage is graded; the first difference stops the comparison with exit 3, naming the input, where
+it differs, and the fix: feed both runs the same prompts / noise (`reference-trainer train
+--inputs-from` takes them from a target's store).
+"""
+
+from __future__ import annotations
+
+from ffdebug.errors import InputIdsMismatch
+
+TRAINER_INPUTS = {
+    "rollout.prompt_ids": "prompts",
+    "rollout.noise": "initial noise",
+    "rollout.sde_noise": "per-step SDE noise",
+    "rollout.timesteps": "timesteps",
+    "train.order": "sample order",
+}
+"""Input stage -> what it is, in the order they are checked (the tap contract's inputs)."""
+
+FIX = (
+    "feed both runs the same prompts / noise (reference-trainer train CONFIG --inputs-from TARGET_STORE "
+    "takes them from the target's dump)"
+)
+
+
+def check_trainer_inputs(pairs) -> None:
+    """Raise InputIdsMismatch (exit 3) at the first input stage that differs between paired calls."""
+    import torch
+
+    for key, what in TRAINER_INPUTS.items():
+        for rg, tg in pairs:
+            for sk in rg.order:
+                if sk[0] != key or sk not in tg.records:
+                    continue
+                r, t = rg.records[sk].load(), tg.records[sk].load()
+                where = f"{key} ({what}) differs at {_where(rg)}"
+                if tuple(r.shape) != tuple(t.shape):
+                    raise InputIdsMismatch(f"{where}: shape {list(r.shape)} vs {list(t.shape)}; {FIX}")
+                if r.dtype != t.dtype or not torch.equal(r, t):
+                    raise InputIdsMismatch(f"{where}, {_first(r, t)}; {FIX}")
+
+
+def _where(group) -> str:
+    tags = dict(group.tags)
+    if group.phase is not None:
+        tags["phase"] = group.phase
+    return ", ".join(f"{k}={v}" for k, v in tags.items()) or f"call {group.call}"
+
+
+def _first(r, t) -> str:
+    """Where two same-shape tensors first differ, and their values there."""
+    import torch
+
+    if r.dtype != t.dtype:
+        return f"dtype {r.dtype} vs {t.dtype}"
+    diff = torch.nonzero(r != t)
+    if diff.numel() == 0:  # NaN on both sides compares unequal
+        return "at a NaN"
+    pos = tuple(diff[0].tolist())
+    return f"first at index {list(pos)}: ref {r[pos].item():.6g} vs target {t[pos].item():.6g}"

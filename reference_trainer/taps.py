@@ -1,0 +1,72 @@
+"""The reference trainer's ffdebug taps of its inputs and of each optimizer step's weight update.
+
+The tap contract (stage names, shapes, dtypes, tags, call order) is ``docs/trainer-taps.md``; the
+taps of the model's blocks, rewards, advantages, losses and gradient norms are made where those are
+computed. This module owns the two kinds that need more than one line:
+
+* **inputs** of a rollout iteration, tapped first in the rollout phase so ``ffdebug compare`` can
+  check that both runs were fed the same ones before any number is compared: ``rollout.prompt_ids``
+  (the prompts' token ids [B, L] int64), ``rollout.noise`` (x_0 ~ N(0, I), [B, C, H, W] fp32),
+  ``rollout.sde_noise`` (the per-step ε of the Flow-SDE, [B, T, C, H, W] fp32) and
+  ``rollout.timesteps`` (the σ schedule, [T + 1] fp32); ``train.order`` (the sample order [B] int64
+  of the iteration's minibatches) opens the train phase.
+* **updates** ``update.<name>``: after an optimizer step of a role, the L2 norm of θ_after − θ_before
+  of every parameter tensor, in parameter order ([n_tensors] fp32), for the stepped role *and* for
+  every frozen snapshot (``update.reference``): a frozen snapshot's norms must be exactly zero, so a
+  reference that trains along with the policy is named as its own weights changing.
+
+Nothing is copied or tapped unless dumps are on (``ffdebug.enabled()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+
+import ffdebug
+
+INPUT_STAGES = (
+    "rollout.prompt_ids",
+    "rollout.noise",
+    "rollout.sde_noise",
+    "rollout.timesteps",
+    "train.order",
+)
+"""The stages a run's inputs are tapped as (in this order); ``--inputs-from`` reads the same names."""
+
+
+def tap_inputs(
+    prompt_ids: torch.Tensor, noise: torch.Tensor, sde_noise: torch.Tensor | None, timesteps: torch.Tensor
+) -> None:
+    """Tap a rollout iteration's inputs (module docstring), before anything computed from them."""
+    ffdebug.tap("rollout.prompt_ids", prompt_ids)
+    ffdebug.tap("rollout.noise", noise)
+    if sde_noise is not None:
+        ffdebug.tap("rollout.sde_noise", sde_noise)
+    ffdebug.tap("rollout.timesteps", timesteps)
+
+
+def delta_norms(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> torch.Tensor:
+    """‖θ_after − θ_before‖₂ per tensor, [n_tensors] fp32 (the norm of each tensor's update)."""
+    return torch.stack([(a.detach() - b).float().norm() for a, b in zip(after, before, strict=True)])
+
+
+class UpdateTaps:
+    """``update.<name>`` around an optimizer step: the weights to watch come from ``watched()``,
+    ``{name: tensors}`` (the stepped role's parameters and every snapshot's tensors)."""
+
+    def __init__(self, watched: Callable[[str], Mapping[str, Sequence[torch.Tensor]]]) -> None:
+        self.watched = watched
+
+    @contextmanager
+    def around_step(self, role: str) -> Iterator[None]:
+        """Copy the watched weights, let the step run, then tap each name's per-tensor update norms."""
+        if not ffdebug.enabled():
+            yield
+            return
+        before = {name: [t.detach().clone() for t in tensors] for name, tensors in self.watched(role).items()}
+        yield
+        for name, tensors in self.watched(role).items():
+            ffdebug.tap(f"update.{name}", delta_norms(list(tensors), before[name]))

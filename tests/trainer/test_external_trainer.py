@@ -1,0 +1,163 @@
+"""A from-scratch trainer compared with the reference through the tap contract (docs/trainer-taps.md).
+
+``examples/external_trainer/flow_grpo.py`` imports nothing from ``reference_trainer``; it has its own
+RNG (prompts, noise, sample order) and its own stage names (``taps.txt`` maps them). The reference
+takes the target's inputs with ``--inputs-from``, so the two runs compare ``ok`` stage by stage, also
+with a harmless numerical difference (prompts CLIP-encoded as one batch). Each injected bug is then
+located at the optimizer step and stage where it first acts, by one ``bisect``:
+
+* advantages normalised over the batch instead of per group: ``advantage`` of step 0 (rollout);
+* the log-prob's std without √(−Δt): ``rollout.log_prob`` of step 0 (the samples are unchanged);
+* the KL term under ``no_grad`` at β = 0.01: nothing differs at step 0 (policy = reference, the KL
+  gradient is zero), and at step 1 the policy gradient is the first stage that is not bit-equal:
+  ``grad_norm.policy`` of step 1;
+* the reference aliased to the policy (never frozen): ``update.reference`` of step 0, the
+  reference's own weights changing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from framework_utils import REPO
+
+import ffdebug
+from ffdebug.verdict import Severity
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE = REPO / "examples/external_trainer"
+TAPS = str(EXAMPLE / "taps.txt")
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("external_flow_grpo", EXAMPLE / "flow_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _target(dumps: Path, side: str, *args: str, example=None) -> None:
+    with ffdebug.capture(dir=str(dumps), side=side):
+        (example or _example()).main(list(args))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """D/target (3 steps), D/ref (the reference, --inputs-from D/target), D/batched (3 steps)."""
+    from reference_trainer.config import load_config
+    from reference_trainer.run import train
+
+    root = tmp_path_factory.mktemp("external")
+    dumps = root / "dumps"
+    _target(dumps, "target")
+    with ffdebug.capture(dir=str(dumps), side="ref"):
+        train(
+            load_config(EXAMPLE / "reference.yaml"),
+            root / "ref_run",
+            inputs_from=dumps / "target",
+            inputs_map_file=TAPS,
+        )
+    _target(dumps, "batched", "--batched-prompts")
+    return root
+
+
+def test_own_rng_and_names_compare_ok_for_three_steps_with_inputs_from(runs):
+    import json
+
+    dumps = runs / "dumps"
+    taken = json.loads((runs / "ref_run" / "inputs_from.json").read_text())
+    inputs = ("rollout.prompt_ids", "rollout.noise", "rollout.sde_noise", "rollout.timesteps", "train.order")
+    assert taken["taken"] == {key: [0, 1, 2] for key in inputs} and taken["not_taken"] == {}
+
+    result = ffdebug.compare(dumps / "ref", dumps / "target", alias_file=TAPS)
+    assert result.exit_code() == 0 and result.verdict is Severity.OK, result.first_divergence
+    keys = {e.key for e in result.stages}
+    assert {"train.log_prob", "train.kl", "loss.policy", "grad_norm.policy", "update.reference"} <= keys
+    steps = {e.step["optimizer_step"] for e in result.stages if e.key == "update.policy"}
+    assert steps == {0, 1, 2}
+
+
+def test_batched_prompt_encoding_is_a_harmless_difference(runs):
+    dumps = runs / "dumps"
+    result = ffdebug.compare(dumps / "ref", dumps / "batched", alias_file=TAPS)
+    assert result.exit_code() == 0 and result.verdict is Severity.OK, result.first_divergence
+    assert any(not e.bit_equal for e in result.stages), (
+        "batched encoding changed no bit: no difference tested"
+    )
+    losses = [e for e in result.stages if e.key == "loss.policy" and e.step["optimizer_step"] == 0]
+    assert losses and all(abs(e.max_abs or 0.0) < 1e-6 for e in losses)
+
+
+def test_different_prompts_and_noise_stop_at_the_inputs_gate(runs, tmp_path):
+    """Without --inputs-from the reference draws its own prompts and noise: exit 3 names the input."""
+    from ffdebug.errors import InputIdsMismatch
+
+    _target(tmp_path, "other_seed", "--steps", "1", "--seed", "11")
+    with pytest.raises(InputIdsMismatch) as raised:
+        ffdebug.compare(runs / "dumps" / "ref", tmp_path / "other_seed", alias_file=TAPS, allow_partial=True)
+    assert raised.value.exit_code == 3
+    message = str(raised.value)
+    assert message.startswith("rollout.prompt_ids (prompts) differs") or "rollout.noise" in message
+    assert "feed both runs the same prompts / noise" in message
+
+
+def _per_batch(r, group, eps):
+    """The bug: one mean and std over the whole batch instead of each group of K."""
+    r = r.double()
+    return ((r - r.mean()) / (r.std(unbiased=False) + eps)).float()
+
+
+def _bugs(example):
+    log_prob, kl_term = example.log_prob, example.kl_term
+
+    def no_sqrt_dt(x_next, mean, sig, dt):
+        return log_prob(x_next, mean, sig, -torch.ones_like(dt))  # √(−Δt) → 1: std = σ_t
+
+    def kl_no_grad(*args):
+        with torch.no_grad():
+            return kl_term(*args)
+
+    class Policy:  # "reference = policy": no copy, and its requires_grad_(False) freezes nothing
+        def __init__(self, module):
+            self.module = module
+
+        def requires_grad_(self, flag):
+            return self.module
+
+    aliased = types.SimpleNamespace(deepcopy=Policy)
+    return {
+        "advantages_per_batch": ("advantages", _per_batch, "advantage", 0),
+        "log_prob_missing_sqrt_dt": ("log_prob", no_sqrt_dt, "rollout.log_prob", 0),
+        "kl_under_no_grad": ("kl_term", kl_no_grad, "grad_norm.policy", 1),
+        "unfrozen_reference": ("copy", aliased, "update.reference", 0),
+    }
+
+
+@pytest.mark.parametrize(
+    "bug", ["advantages_per_batch", "log_prob_missing_sqrt_dt", "kl_under_no_grad", "unfrozen_reference"]
+)
+def test_injected_bug_is_located_at_its_optimizer_step_and_stage(runs, tmp_path, monkeypatch, bug):
+    example = _example()
+    name, replacement, stage, step = _bugs(example)[bug]
+    monkeypatch.setattr(example, name, replacement)
+    _target(tmp_path, "buggy", "--steps", str(step + 1), example=example)  # up to the step it acts at
+
+    result = ffdebug.bisect(runs / "dumps" / "ref", tmp_path / "buggy", alias_file=TAPS, allow_partial=True)
+    first = result.first_divergence
+    assert (first.key, first.step["optimizer_step"]) == (stage, step), result.notes
+    assert result.exit_code() == 1 and result.judgement.rank >= Severity.BUG.rank
+    sentence = next(n for n in result.notes if n.startswith("training order:"))
+    assert f"optimizer_step {step}, {stage}" in sentence
+    if stage == "update.reference":
+        assert "reference: update.reference at optimizer_step 0" in sentence
+        from ffdebug.store.reader import open_side
+
+        frozen = [r.load() for r in open_side(runs / "dumps" / "ref").records if r.key == "update.reference"]
+        assert frozen and all(int(torch.count_nonzero(u)) == 0 for u in frozen)
