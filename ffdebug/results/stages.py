@@ -18,7 +18,17 @@ class TensorMeta:
     shape: list[int] | None
 
 
-METRIC_FIELDS = ("cos", "rel", "rel_diff", "max_abs", "max_abs_at", "mean_abs", "norm_ratio", "bit_equal")
+METRIC_FIELDS = (
+    "cos",
+    "rel",
+    "rel_diff",
+    "max_abs",
+    "max_abs_at",
+    "elem",
+    "mean_abs",
+    "norm_ratio",
+    "bit_equal",
+)
 
 
 @dataclass
@@ -42,6 +52,7 @@ class StageResult:
     rel_diff: float | None = None
     max_abs: float | None = None
     max_abs_at: list[int] | None = None
+    elem: float | None = None  # maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r))
     mean_abs: float | None = None
     norm_ratio: float | None = None
     bit_equal: float | None = None
@@ -56,6 +67,8 @@ class StageResult:
     noise_given: bool = False  # a noise run was given (noise_rel is then reported, maybe null)
     noise_rel: float | None = None
     within_noise: bool | None = None
+    beyond_noise: bool | None = None  # --noise: error >= k x the noise run's (or an exact-prefix break)
+    unified_shape: bool = False  # the shapes differed by size-1 dims only and were unified
     unsharded_ref: dict | None = None  # {"how", "ranks"}: ffdebug folded this side's ranks
     unsharded_target: dict | None = None
     severity_rank0: Severity | None = None  # before a shard reading explained the ranks
@@ -123,6 +136,8 @@ class StageResult:
             "unsharded_ref": self.unsharded_ref,
             "unsharded_target": self.unsharded_target,
             "within_noise": self.within_noise,
+            "beyond_noise": self.beyond_noise,
+            "unified_shape": self.unified_shape or None,
             "severity_rank0": self.severity_rank0.value if self.severity_rank0 else None,
         }
         out.update({k: v for k, v in optional.items() if v is not None})
