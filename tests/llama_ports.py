@@ -263,3 +263,24 @@ def gqa_ungrouped(port):
         if isinstance(m, _Attention):
             m.forward = types.MethodType(_gqa_ungrouped_forward, m)
     return bad
+
+
+def hf_for_ports(num_layers: int = 4, qk_scale: float = 1.0):
+    """A seeded HF Llama for the pattern tests: hidden 64, MLP width 1024 (its down projection is
+    wide enough that the thread count changes its bits: the noise run), norms that are not all
+    ones, q / k projections scaled by `qk_scale` (sharper attention makes rotary matter)."""
+    from tiny_models import lm_tiny
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(lm_tiny(num_layers, 64), intermediate_size=1024))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(
+                    torch.empty_like(p).uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+                )
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(qk_scale)
+            layer.self_attn.k_proj.weight.mul_(qk_scale)
+    return model
