@@ -17,8 +17,8 @@ import pytest
 import torch
 from bisect_models import bf16_router, input_ids, qk_norm_skipped, qwen3_moe, topk_not_renormalised
 from llama_ports import (
-    dropped_residual,
     down_proj_not_loaded,
+    dropped_residual,
     eps_outside_sqrt,
     hf_for_ports,
     make_port,
