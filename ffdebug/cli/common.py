@@ -21,7 +21,12 @@ DIR_OPT = typer.Option(None, "--dir", help="Dump directory holding the side fold
 LAYERS_OPT = typer.Option(None, "--layers", help="Layers to use: '0,2,5-7,-1'.")
 STAGES_OPT = typer.Option(None, "--stages", help="Glob over stage keys (repeatable).")
 STEP_OPT = typer.Option(None, "--step", help="Keep records tagged key=value (repeatable).")
-THRESHOLD_OPT = typer.Option(None, "--threshold", help="'GLOB:cos>=X,rel<=Y' ok band per stage (repeatable).")
+THRESHOLD_OPT = typer.Option(
+    None,
+    "--threshold",
+    help="'GLOB:cos>=X,rel<=Y' ok band per stage (repeatable); also elem<=E, max_abs<=M, atol=A "
+    "(every element within A passes): 'L*:rel<=0.01,atol=1e-4'.",
+)
 NOISE_OPT = typer.Option(
     None, "--noise", help="A noise side: the reference run twice, or in the target's dtype."
 )

@@ -33,6 +33,11 @@ HELP = """Compare a reference dump with a target dump, stage by stage, in float6
   ffdebug compare /tmp/dump/ref /tmp/dump/target --layers 0-3 --stages 'L*.ffn_*'
   ffdebug compare ref-vs-target --dir D --threshold 'final.logits:cos>=0.999,rel<=0.05' --json
   ffdebug compare run1 run2 --exact          # run-to-run determinism: any bit difference fails
+  ffdebug compare ref-vs-target --dir D --noise /tmp/dump/ref_2threads   # error beyond noise: diverge
+  ffdebug compare ref-vs-target --dir D --threshold 'L*.attn_out:rel<=0.02,atol=1e-4'
+
+A stage with one element off by a quarter of max(|ref value|, rms(ref)) or more (elem >= 0.25) is
+at least diverge, elem >= 1 bug; shapes that differ only by size-1 dims are unified.
 
 Exit codes: 0 nothing at or above --fail-on and everything compared; 1 a difference at or above
 it; 2 bad input; 3 the two sides were fed different input ids (fix tokenization first); 4

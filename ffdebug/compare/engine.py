@@ -404,7 +404,7 @@ def _apply_noise(e: StageResult, noise: tuple | None) -> None:
         return
     k = V.noise_factor(e.dtype_ref, e.dtype_target or noise_dtype, noise_dtype)
     if V.beyond_noise(e.rel, noise_rel, k):
-        e.beyond_noise = True
+        e.beyond_noise, e.within_noise = True, False
         e.severity = V.noise_sensitive(e.severity, e.rel, noise_rel, k)
         e.notes.append(
             f"beyond noise: rel {e.rel:.3g} is {e.rel / noise_rel:.3g} x the noise run's {noise_rel:.3g}"
