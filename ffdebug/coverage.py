@@ -268,6 +268,11 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
     cov.calls_only_target = [{"call": g.call, "step": dict(g.tags)} for g in inp.unpaired_target]
     selected, differing = selection_sentences(ref, target)
     cov.selected_out = selected + inp.filters + _unplaced_sentences(ref, target)
+    if cov.unified_shapes:
+        shown = [
+            f"{u['key']} (ref {u['shape_ref']} vs target {u['shape_target']})" for u in cov.unified_shapes
+        ]
+        cov.selected_out.append(f"shapes unified over size-1 dims: {_names(shown, 4)}")
     missing: list[str] = []
     for label, side in (("reference", cov.sides["ref"]), ("target", cov.sides["target"])):
         missing.extend(side_sentences(label, side))

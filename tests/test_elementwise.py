@@ -103,6 +103,9 @@ def test_size_one_dims_are_unified_not_broadcast_and_listed_in_coverage(tmp_path
     assert res.coverage.to_json()["unified_shapes"] == [
         {"key": "a", "shape_ref": [1, 1, 4, 8], "shape_target": [4, 8]}
     ]
+    assert (
+        "shapes unified over size-1 dims: a (ref [1, 1, 4, 8] vs target [4, 8])" in res.coverage.selected_out
+    )
 
 
 def test_bf16_dumps_of_a_tiny_hf_model_do_not_trip_the_element_wise_rule(tmp_path):
@@ -117,3 +120,21 @@ def test_bf16_dumps_of_a_tiny_hf_model_do_not_trip_the_element_wise_rule(tmp_pat
     elems = [s.elem for s in res.stages if s.elem is not None and s.key != "embed.input_ids"]
     assert elems and max(elems) < ELEM_DIVERGE, max(elems)
     assert res.verdict.rank < Severity.DIVERGE.rank
+
+
+def test_elem_over_many_chunks_equals_the_direct_float64_maximum():
+    """The second pass visits chunks largest error first and stops early: the result must still be
+    the exact maximum, here held by a small-|r| element far from the largest |t − r|."""
+    from ffdebug.compare.metrics import CHUNK
+
+    g = torch.Generator().manual_seed(1)
+    r = torch.randn(3 * CHUNK + 5, generator=g)
+    t = r + 1e-3 * torch.randn(r.shape, generator=g)
+    big = int(r.abs().argmax())
+    t[big] = r[big] * 1.01  # the largest |t − r|, but only 1% of its |r|
+    small = 2 * CHUNK + 7
+    r[small], t[small] = 0.5, 0.9  # |d| 0.4 against max(0.5, rms ~ 1): the maximum
+    rms = float(r.double().pow(2).mean().sqrt())
+    direct = float(((t.double() - r.double()).abs() / r.double().abs().clamp(min=rms)).max())
+    assert compare_tensors(r, t).elem == pytest.approx(direct, rel=1e-12)
+    assert direct == pytest.approx(0.4 / max(0.5, rms), rel=1e-6)
