@@ -6,15 +6,17 @@ comparison in this order:
 | rule              | function            | effect                                                      |
 |-------------------|---------------------|-------------------------------------------------------------|
 | bands             | `band`              | worse of the cos band and the rel band (table below)        |
-| element-wise      | `elementwise`       | elem >= 0.25: at least `diverge`; elem >= 1: `bug`          |
 | threshold         | `apply_threshold`   | a matching `--threshold GLOB:...` redefines the ok band     |
+| element-wise      | `elementwise`       | elem >= 0.25: at least `diverge`; elem >= 1: `bug` (unless  |
+|                   |                     | the matching threshold has elem / max_abs / atol terms)     |
 | zero side         | `zero_side`         | one side all zeros, the other not: `bug`                    |
 | NaN / Inf         | `nonfinite`         | NaN or Inf at different positions: at least `bug`           |
 | shape             | `shape_mismatch`    | shapes differ beyond size-1 dims: `bug` (never broadcast)   |
 | statistics only   | `stats_only`        | compared on l2 / mean / std: the rel band (`bug` without)   |
 | exact             | `exact`             | `--exact` and not bit-equal: at least `drift`               |
 | noise             | `within_noise`      | error <= k x the noise run's: back to `ok` (below `bug`)    |
-| beyond noise      | `beyond_noise`      | error >= k x the noise run's (> 0): at least `diverge`      |
+| beyond noise      | `noise_sensitive`   | error >= k x the noise run's (> 0): at least `diverge`      |
+| exact prefix      | `exact_prefix_break`| noise run bit-identical: first inexact stage, `diverge`     |
 | judgement         | `judge`             | a bug signal (bisect) raises the verdict to `bug`           |
 
 Bands (the worse of the two wins; rel is the more sensitive one, so a large-magnitude tensor with
