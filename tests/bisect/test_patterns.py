@@ -28,7 +28,6 @@ from llama_ports import (
 import ffdebug
 from ffdebug.verdict import Severity
 
-pytestmark = pytest.mark.integration
 BAD = 2  # the layer of the one-layer bugs
 
 

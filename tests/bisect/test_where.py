@@ -44,7 +44,6 @@ def test_compare_names_the_max_error_coordinate_and_the_token_rise(tmp_path):
     assert attn.to_json()["per_token_rel"] == attn.per_token_rel
 
 
-@pytest.mark.integration
 def test_a_gqa_head_grouping_bug_shows_which_heads_are_wrong(tmp_path):
     """4 query heads over 2 kv heads: grouped (k0, k0, k1, k1) on HF, tiled (k0, k1, k0, k1) in the
     buggy port, so heads 0 and 3 get their own kv head and heads 1 and 2 the other one."""
