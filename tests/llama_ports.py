@@ -191,3 +191,113 @@ def _load(net, hf, names: dict) -> None:
         ff.w2.weight.copy_(mlp.down_proj.weight)
     getattr(net, names["final"]).scale.copy_(hf.model.norm.weight)
     getattr(net, names["head"]).weight.copy_(hf.lm_head.weight)
+
+
+# ---- planted port bugs (issue tests of bisect's patterns): each returns a new, broken copy ----
+
+
+def _eps_outside_forward(self, x):
+    """The bug: eps added outside the square root, 1 / (sqrt(mean(x²)) + eps)."""
+    h = x.float()
+    h = h / (h.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)
+    return self.scale * h.to(x.dtype)
+
+
+def _norms(net):
+    return [m for m in net.modules() if isinstance(m, _Norm)]
+
+
+def _blocks(net):
+    return [m for m in net.modules() if isinstance(m, _Block)]
+
+
+def eps_outside_sqrt(port):
+    """Every norm of the port adds eps outside the square root."""
+    import copy
+    import types
+
+    bad = copy.deepcopy(port)
+    for norm in _norms(bad):
+        norm.forward = types.MethodType(_eps_outside_forward, norm)
+    return bad
+
+
+def _no_attn_residual_forward(self, x, cos, sin):
+    n1, attn, n2, ff = (getattr(self, a) for a in self._attrs)
+    x = attn(n1(x), cos, sin)  # the bug: the residual around attention is dropped
+    return x + ff(n2(x))
+
+
+def dropped_residual(port, layer: int):
+    """Layer `layer` forgets the residual connection around its attention."""
+    import copy
+    import types
+
+    bad = copy.deepcopy(port)
+    block = _blocks(bad)[layer]
+    block.forward = types.MethodType(_no_attn_residual_forward, block)
+    return bad
+
+
+def down_proj_not_loaded(port, layer: int, seed: int = 5):
+    """Layer `layer`'s down projection keeps its fresh initialisation (the load skipped it)."""
+    import copy
+
+    bad = copy.deepcopy(port)
+    block = _blocks(bad)[layer]
+    ff = next(m for m in block.children() if isinstance(m, _FeedForward))
+    with torch.no_grad():
+        fresh = nn.Linear(ff.w2.in_features, ff.w2.out_features, bias=False)
+        torch.manual_seed(seed)
+        fresh.reset_parameters()
+        ff.w2.weight.copy_(fresh.weight)
+    return bad
+
+
+def _gqa_ungrouped_forward(self, x, cos, sin):
+    """The GQA bug: kv heads tiled (k0, k1, k0, k1) instead of grouped (k0, k0, k1, k1)."""
+    b, s, _ = x.shape
+    q, k, v = self.wqkv(x).split(
+        [self.heads * self.dim, self.kv_heads * self.dim, self.kv_heads * self.dim], -1
+    )
+    q = q.view(b, s, self.heads, self.dim).transpose(1, 2)
+    k = k.view(b, s, self.kv_heads, self.dim).transpose(1, 2)
+    v = v.view(b, s, self.kv_heads, self.dim).transpose(1, 2)
+    q, k = globals()[self.rotary](q, k, cos, sin)
+    rep = self.heads // self.kv_heads
+    k, v = k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def gqa_ungrouped(port):
+    """Every attention of the port pairs query heads with the wrong kv heads."""
+    import copy
+    import types
+
+    bad = copy.deepcopy(port)
+    for m in bad.modules():
+        if isinstance(m, _Attention):
+            m.forward = types.MethodType(_gqa_ungrouped_forward, m)
+    return bad
+
+
+def hf_for_ports(num_layers: int = 4, qk_scale: float = 1.0):
+    """A seeded HF Llama for the pattern tests: hidden 64, MLP width 1024 (its down projection is
+    wide enough that the thread count changes its bits: the noise run), norms that are not all
+    ones, q / k projections scaled by `qk_scale` (sharper attention makes rotary matter)."""
+    from tiny_models import lm_tiny
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(lm_tiny(num_layers, 64), intermediate_size=1024))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(
+                    torch.empty_like(p).uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+                )
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(qk_scale)
+            layer.self_attn.k_proj.weight.mul_(qk_scale)
+    return model

@@ -36,9 +36,14 @@ HELP = """Compare a reference dump with a target dump, stage by stage, in float6
   ffdebug compare run1 run2 --exact          # run-to-run determinism: any bit difference fails
   ffdebug compare ref-vs-target --dir D --workers 2   # two threads comparing whole tensors
   ffdebug compare --dir D --exclude 'L*' --alias-file taps.txt   # a trainer's scalars only
+  ffdebug compare ref-vs-target --dir D --noise /tmp/dump/ref_2threads   # error beyond noise: diverge
+  ffdebug compare ref-vs-target --dir D --threshold 'L*.attn_out:rel<=0.02,atol=1e-4'
 
 Trainer stores (docs/trainer-taps.md): the inputs (rollout.prompt_ids, rollout.noise, ...) are
 compared first, exactly; different ones exit 3 (feed both runs the same prompts / noise).
+
+A stage with one element off by a quarter of max(|ref value|, rms(ref)) or more (elem >= 0.25) is
+at least diverge, elem >= 1 bug; shapes that differ only by size-1 dims are unified.
 
 Exit codes: 0 nothing at or above --fail-on and everything compared; 1 a difference at or above
 it; 2 bad input; 3 the two sides were fed different input ids (fix tokenization first); 4
