@@ -290,7 +290,7 @@ def _compare_unit(
     """The stage results of one unit, their record pairs, and the shard reading (multi-rank)."""
     r = unit.ref
     if not unit.replicas:
-        e = compare_records(r, unit.target, thresholds, exact, masks, load)
+        e = compare_records(r, unit.target, thresholds, exact, masks=masks, load=load)
         e.unsharded_ref, e.unsharded_target = _unsharded(r), _unsharded(unit.target)
         reading = None
         if e.unsharded_target is not None and e.unsharded_target["how"] != "replicated":
@@ -300,7 +300,7 @@ def _compare_unit(
         return [e], [(r, unit.target)], reading
     per_rank = []
     for part in unit.replicas:
-        e = compare_records(r, part, thresholds, exact, load)
+        e = compare_records(r, part, thresholds, exact, load=load)
         e.rank, e.per_rank = part.rank, True
         per_rank.append(e)
     if all(e.ok for e in per_rank) or not (r.has_payload and all(p.has_payload for p in unit.replicas)):
