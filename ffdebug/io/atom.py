@@ -153,8 +153,25 @@ def read_side(path: str, side: str) -> SideStore:
     run = {"side": side, "format": kind}
     if side == "weights":
         run["layers"] = sorted({f.layer for f in mine})
+    if side != "weights":
+        records = [dataclasses.replace(r, seq=i) for i, r in enumerate(sorted(records, key=_execution_order))]
     records = _mark_warmup(records)
     return SideStore(path=os.path.join(path, side), records=records, run=run, kind=kind, problems=problems)
+
+
+def _execution_order(r: Record) -> tuple:
+    """ATOM's file names do not give the order within a layer: the block input first, sub-stages,
+    the block output last; input ids and embeddings before the layers, final stages after."""
+    if r.layer is not None:
+        within = 0 if ".hidden_in" in r.key or r.key.endswith(".in") else (2 if ".hidden_out" in r.key else 1)
+        place = (1, r.layer, within)
+    else:
+        place = (
+            (0, 0, 0)
+            if r.key.startswith("embed.")
+            else ((2, 0, 0) if r.key.startswith("final.") else (3, 0, 0))
+        )
+    return (r.rank, r.call if r.call is not None else -1, *place, r.seq)
 
 
 def _block_classes(files: list[AtomFile]) -> set[str]:

@@ -414,6 +414,9 @@ class WeightsDiff:
         kept, left_out = {}, 0
         for name, entries in groups.items():
             layer = entries[0].layer
+            if layer is None and dump.layers_only:  # ATOM dumps only `layers.{L}.` tensors
+                left_out += 1
+                continue
             if layer is not None and not selection.contains(layer, num_layers):
                 left_out += 1
                 continue

@@ -53,6 +53,7 @@ class WeightSource:
     entries: list[Record]
     world_size: int = 1
     layer_spec: str | None = None  # a weight dump's FFDEBUG_WEIGHT_DUMP_LAYERS, from its run.json
+    layers_only: bool = False  # the dump holds block tensors only (ATOM): the rest is left out
 
     @property
     def label(self) -> str:
@@ -103,7 +104,7 @@ def _atom_weight_dump(path: str) -> WeightSource | None:
         raise FFDebugError(f"{path}: {store.problems[0]}")
     world = max([r.world_size or 1 for r in store.records] + [r.rank + 1 for r in store.records] + [1])
     layers = ",".join(str(n) for n in store.run.get("layers", []))
-    return WeightSource(path, "weight-dump", store.records, world, layers or None)
+    return WeightSource(path, "weight-dump", store.records, world, layers or None, layers_only=True)
 
 
 def _is_store(path: str) -> bool:
