@@ -83,6 +83,7 @@ def register(app: typer.Typer) -> None:
             "status": store.status,
             "manifest_only": manifest_only,
             "disagreeing": len(bad),
+            "problems": store.problems,
             "tensors": rows,
         }
         if json_out:
@@ -97,6 +98,15 @@ def register(app: typer.Typer) -> None:
             )
 
 
+def _where(row: dict) -> str:
+    """Layer, call, rank and step tags of a row, e.g. `layer 2 call 1 rank 0 step=3`."""
+    parts = [f"layer {row['layer']}"] if row["layer"] is not None else []
+    parts += [f"call {row['call']}"] if row["call"] is not None else []
+    parts.append(f"rank {row['rank']}")
+    parts += [f"{k}={v}" for k, v in (row["step"] or {}).items()]
+    return " ".join(parts)
+
+
 def _print(store, rows: list[dict], complete: bool) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -106,8 +116,8 @@ def _print(store, rows: list[dict], complete: bool) -> None:
 
     console = Console()
     table = Table(title=esc(f"{store.path} ({store.kind}, side {store.side})"), header_style="bold")
-    for col in ("key", "dtype", "shape", "mean", "std", "min", "max", "absmax", "nan/inf"):
-        left = col in ("key", "dtype", "shape")
+    for col in ("key", "where", "dtype", "shape", "mean", "std", "min", "max", "absmax", "nan/inf"):
+        left = col in ("key", "where", "dtype", "shape")
         table.add_column(col, justify="left" if left else "right", overflow="fold" if left else "ellipsis")
     for r in rows:
         s = r["stats"] or {}
@@ -116,6 +126,7 @@ def _print(store, rows: list[dict], complete: bool) -> None:
             cell += f"\n[red]manifest disagrees: {esc(wrong)}[/red]"
         table.add_row(
             cell,
+            esc(_where(r)),
             esc(r["dtype"] or "-"),
             str(r["shape"]),
             fmt(s.get("mean"), ".4g"),
@@ -131,6 +142,8 @@ def _print(store, rows: list[dict], complete: bool) -> None:
             f"[yellow]note: the run did not finish cleanly (no final status); {len(rows)} complete "
             f"tensors listed{', 1 partial manifest line skipped' if store.incomplete_lines else ''}[/yellow]"
         )
+    for problem in store.problems:
+        console.print(f"[yellow]problem: {esc(problem)}[/yellow]")
     for rank, st in sorted(store.status.items()):
         if st.get("over_budget"):
             console.print(
