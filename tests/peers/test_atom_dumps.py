@@ -53,6 +53,12 @@ def test_a_mixed_directory_compares_ref_vs_target_as_two_sides(tmp_path):
     assert rows["L002.hidden_out"]["call"] == 0 and rows["L002.hidden_in.residual"]["io"] == "in"
 
 
+def test_bisect_reads_the_mixed_directory_directly(tmp_path):
+    d = _mixed_dir(tmp_path / "atom", bug_layer=1)
+    code, data = _cli("bisect", "--dir", d, "--allow-partial")
+    assert code == 1 and data["first_divergence"]["layer"] == 1
+
+
 def test_untagged_calls_pick_the_prefill_not_atoms_warmup(tmp_path):
     """ONE_SHOT=0: call000 is the warm-up (4 rows, a power of two), call001 the prefill (7 rows);
     the reference (one call) pairs with call001 and the warm-up is set aside, not a divergence."""
