@@ -14,7 +14,8 @@ one. What becomes of each tag:
 - `step` and user tags -> the record's step tags (calls pair by them, as SGLang matches bundles);
 - `rank` -> rank; `dump_index` -> capture order; a gap in a rank's `dump_index` (a dump the
   dumper counted but did not save) is a coverage problem that blocks exit 0;
-- `recompute_status`, parallel-rank tags (`tp_rank`, ...) -> kept in `extra`;
+- `recompute_status`, parallel-rank tags (`tp_rank`, ...) -> kept in `extra`; a `recompute` copy
+  is checked against its `original` (SGLang's replicated pseudo-axis) and set aside;
 - `dims` -> per-rank pieces folded by the rank plan it declares (`ffdebug.io.dims`); replicated
   axes are checked for consistency (SGLang's tolerance, max_abs <= 1e-6).
 
@@ -115,10 +116,7 @@ class _Dump:
                 axis = key[: -len("_size")]
                 if isinstance(info.get(f"{axis}_rank"), int):
                     out[axis] = (info[f"{axis}_rank"], size)
-        rank, size = self.meta.get("recompute_pseudo_rank"), self.meta.get("recompute_pseudo_size")
-        if isinstance(rank, int) and isinstance(size, int) and size > 1:
-            out["recompute_pseudo"] = (rank, size)
-        return out
+        return out  # the recompute pseudo-axis is handled by `_set_aside_recompute`
 
 
 @dataclass
@@ -229,7 +227,34 @@ def _records(dumps: list[_Dump], side: str, world: int) -> tuple[list[Record], l
                     source=InMemory(t, d.file),
                 )
             )
-    return _unshard(per_rank)
+    kept, problems = _set_aside_recompute(per_rank)
+    records, more = _unshard(kept)
+    return records, problems + more
+
+
+def _set_aside_recompute(records: list[Record]) -> tuple[list[Record], list[str]]:
+    """Activation recompute dumps a tensor twice (`recompute_status` original, then recompute);
+    SGLang treats the copies as replicas. The recompute copy is checked against its original
+    (same key, tags, rank and occurrence) within SGLang's tolerance and set aside."""
+    import torch
+
+    originals: dict[tuple, list[Record]] = {}
+    kept, problems = [], []
+    for rec in records:
+        ident = (rec.key, tuple(sorted((k, str(v)) for k, v in rec.step.items())), rec.rank)
+        status = rec.extra["sglang"].get("recompute_status")
+        if status == "recompute" and originals.get(ident):
+            twin = originals[ident].pop(0)
+            a, b = twin.load().double(), rec.load().double()
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=0, atol=REPLICA_ATOL):
+                problems.append(
+                    f"{rec.key}: the recomputed copy differs from the original forward (rank {rec.rank})"
+                )
+            continue
+        if status == "original":
+            originals.setdefault(ident, []).append(rec)
+        kept.append(rec)
+    return kept, problems
 
 
 def _unshard(records: list[Record]) -> tuple[list[Record], list[str]]:

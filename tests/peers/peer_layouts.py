@@ -35,9 +35,9 @@ class SGLangRun:
         self.step_n = 0
         self.ctx: dict = {}
 
-    def dump(self, name, value, dims=None, **kwargs):
+    def dump(self, name, value, dims=None, recompute_status="disabled", **kwargs):
         self.dump_index += 1
-        tags = dict(name=name, recompute_status="disabled", **kwargs, **self.ctx)
+        tags = dict(name=name, recompute_status=recompute_status, **kwargs, **self.ctx)
         full = dict(step=self.step_n, rank=self.rank, dump_index=self.dump_index, **tags)
         path = os.path.join(self.dir, "___".join(f"{k}={v}" for k, v in full.items()) + ".pt")
         meta = dict(full, world_rank=self.rank, world_size=self.world_size)

@@ -115,6 +115,29 @@ def test_ranks_steps_and_user_tags_pair_as_sglang_matches_bundles(tmp_path):
     assert len(bad) == 1 and len(data["stages"]) == 8
 
 
+def test_recomputed_copies_are_checked_and_set_aside(tmp_path):
+    """Megatron activation recompute dumps each tensor twice; the copies are replicas."""
+    _run(tmp_path / "baseline")
+    run = SGLangRun(tmp_path / "target")
+    ins, updates, outs = residual_stream()
+    run.dump("input_ids", torch.arange(7))
+    for layer in range(3):
+        run.ctx = {"layer_id": layer}
+        for status in ("original", "recompute"):
+            scale = 1.1 if (layer, status) == (2, "recompute") else 1.0
+            for name, t in (
+                ("layer_input", ins[layer]),
+                ("mlp_output", updates[layer] * scale),
+                ("layer_output", outs[layer]),
+            ):
+                run.dump(name, t, recompute_status=status)
+    code, data = _compare(tmp_path / "baseline", tmp_path / "target")
+    assert data["verdict"] == "ok" and len(data["stages"]) == 10
+    assert code == 4 and any(
+        "L002.ffn_out: the recomputed copy differs" in m for m in data["coverage"]["missing"]
+    )
+
+
 def test_import_writes_a_store_that_compares_the_same(tmp_path):
     _run(tmp_path / "baseline")
     _run(tmp_path / "target", bug_layer=1)
