@@ -116,17 +116,17 @@ def _print(store, rows: list[dict], complete: bool) -> None:
 
     console = Console()
     table = Table(title=esc(f"{store.path} ({store.kind}, side {store.side})"), header_style="bold")
-    for col in ("key", "where", "dtype", "shape", "mean", "std", "min", "max", "absmax", "nan/inf"):
-        left = col in ("key", "where", "dtype", "shape")
+    for col in ("key", "dtype", "shape", "mean", "std", "min", "max", "absmax", "nan/inf"):
+        left = col in ("key", "dtype", "shape")
         table.add_column(col, justify="left" if left else "right", overflow="fold" if left else "ellipsis")
     for r in rows:
         s = r["stats"] or {}
         cell = key_markup(r["key"]) + ("" if r["payload"] else " [dim](stats)[/dim]")
         for wrong in r["disagreements"]:
             cell += f"\n[red]manifest disagrees: {esc(wrong)}[/red]"
+        cell += f"\n[dim]{esc(_where(r))}[/dim]"
         table.add_row(
             cell,
-            esc(_where(r)),
             esc(r["dtype"] or "-"),
             str(r["shape"]),
             fmt(s.get("mean"), ".4g"),
