@@ -62,7 +62,7 @@ def handles_errors(fn):
 
 def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, str]:
     """`ref-vs-target --dir D` (any `A-vs-B`), `--dir D` alone, or two side directories."""
-    from ffdebug.io.registry import peer_sides
+    from ffdebug.io.registry import find_importer, peer_sides
     from ffdebug.store.reader import sides_in
 
     args = list(args or [])
@@ -89,7 +89,8 @@ def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, s
     peer = peer_sides(directory) if not found else None
     if peer is not None:  # a foreign dump keeping both sides in one directory (ATOM's ref_ files)
         found = peer[1]
-    missing = [p for p in (a, b) if p not in found]
+    # a side may also be a peer dump an importer reads (an SGLang run directory DIR/baseline)
+    missing = [p for p in (a, b) if p not in found and find_importer(os.path.join(directory, p)) is None]
     if missing:
         listing = ", ".join(found) if found else "none"
         raise FFDebugError(

@@ -33,6 +33,8 @@ HELP = """Compare a reference dump with a target dump, stage by stage, in float6
   ffdebug compare /tmp/dump/ref /tmp/dump/target --layers 0-3 --stages 'L*.ffn_*'
   ffdebug compare ref-vs-target --dir D --threshold 'final.logits:cos>=0.999,rel<=0.05' --json
   ffdebug compare run1 run2 --exact          # run-to-run determinism: any bit difference fails
+  ffdebug compare ref-vs-target --dir ATOM_DIR      # ATOM hook files vs its ref_ files, one directory
+  ffdebug compare SGL/baseline SGL/target           # SGLang dumper runs (README "Peer dumps")
 
 Exit codes: 0 nothing at or above --fail-on and everything compared; 1 a difference at or above
 it; 2 bad input; 3 the two sides were fed different input ids (fix tokenization first); 4

@@ -66,7 +66,7 @@ def test_one_extra_dump_on_the_target_does_not_pass(tmp_path):
     dump_index, so pairing must not go by dump_index, and the extra stage is left uncompared."""
     _run(tmp_path / "baseline")
     _run(tmp_path / "target", extra_after=0)
-    code, data = _compare(tmp_path / "baseline", tmp_path / "target")
+    code, data = _compare("baseline-vs-target", "--dir", tmp_path)
     assert code == 4, data["coverage"]["missing"]
     assert data["verdict"] == "ok" and len(data["stages"]) == 10  # every shared stage paired by name
     assert data["coverage"]["only_target"] == ["debug_probe"]
