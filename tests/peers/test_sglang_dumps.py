@@ -233,3 +233,31 @@ def test_dims_fold_partial_sums_and_expert_blocks_and_check_replicas():
     plan = unshard_plan(parse_dims("e[ep] a b # tp:replicated"), coords)
     assert torch.equal(plan.apply(pieces), experts)
     assert plan.describe() == "replicated+cat:0"
+
+
+def test_parallel_rank_tags_in_names_replicas_and_bare_values(tmp_path):
+    """`include_parallel_rank_in_filename` adds tp_rank=… to names (not a tag to pair by); a
+    `# tp:replicated` tensor whose replicas differ is a problem; the dump loader's bare values
+    (no `{value, meta}`) are read."""
+    full = torch.randn(3, 8)
+    for side in ("baseline", "target"):
+        for r in range(2):
+            info = {"tp_rank": r, "tp_size": 2}
+            run = SGLangRun(tmp_path / side, rank=r, world_size=2, parallel_info=info)
+            run.dump("attn_output", full.chunk(2, dim=1)[r], dims="t h[tp]", layer_id=0, tp_rank=r)
+            rep = full + (1e-3 if side == "target" and r == 1 else 0.0)
+            run.dump("hidden", rep, dims="t h # tp:replicated", layer_id=0, tp_rank=r)
+    bare = (
+        tmp_path
+        / "baseline"
+        / "dump_20261201_120000_000abc"
+        / "step=0___rank=0___dump_index=3___name=bare.pt"
+    )
+    torch.save(torch.ones(3), bare)
+    store = open_side(str(tmp_path / "target"))
+    attn = next(r for r in store.records if r.key == "L000.attn_out")
+    assert attn.shape == (3, 8) and attn.step == {"step": 0} and [p.rank for p in attn.parts] == [0, 1]
+    assert torch.equal(attn.load(), full)
+    assert store.problems == ["L000.hidden: replicated rank 1 differs from rank 0"]
+    base = open_side(str(tmp_path / "baseline"))
+    assert torch.equal(next(r for r in base.records if r.key == "bare").load(), torch.ones(3))
