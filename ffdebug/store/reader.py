@@ -144,6 +144,10 @@ def open_side(path: str, format: str | None = None) -> SideStore:
 def _by_format(path: str, format: str) -> SideStore:
     names = {imp.name: imp for imp in importers()}
     if format == "store":
+        if not (os.path.isdir(path) and _is_side_dir(path)):
+            raise FFDebugError(
+                f"{path}: --format store needs a side directory (run.json or rank*/manifest.jsonl)"
+            )
         return _open_store_dir(path)
     if format not in names:
         raise FFDebugError(f"--format {format!r}: unknown; use one of store, {', '.join(names)}")
