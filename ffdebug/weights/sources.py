@@ -54,6 +54,7 @@ class WeightSource:
     world_size: int = 1
     layer_spec: str | None = None  # a weight dump's FFDEBUG_WEIGHT_DUMP_LAYERS, from its run.json
     layers_only: bool = False  # the dump holds block tensors only (ATOM): the rest is left out
+    never_dumped: tuple[str, ...] = ()  # name parts the dumper skips (ATOM: ".experts."), left out too
 
     @property
     def label(self) -> str:
@@ -104,7 +105,15 @@ def _atom_weight_dump(path: str) -> WeightSource | None:
         raise FFDebugError(f"{path}: {store.problems[0]}")
     world = max([r.world_size or 1 for r in store.records] + [r.rank + 1 for r in store.records] + [1])
     layers = ",".join(str(n) for n in store.run.get("layers", []))
-    return WeightSource(path, "weight-dump", store.records, world, layers or None, layers_only=True)
+    return WeightSource(
+        path,
+        "weight-dump",
+        store.records,
+        world,
+        layers or None,
+        layers_only=True,
+        never_dumped=(".experts.",),
+    )
 
 
 def _is_store(path: str) -> bool:

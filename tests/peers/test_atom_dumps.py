@@ -78,6 +78,7 @@ def test_a_weight_dump_diffs_against_a_safetensors_checkpoint(tmp_path):
         ckpt[f"model.layers.{layer}.self_attn.q_proj.weight"] = torch.randn(8, 4)
         ckpt[f"model.layers.{layer}.input_layernorm.weight"] = torch.randn(4)
     ckpt["model.embed_tokens.weight"] = torch.randn(10, 4)
+    ckpt["model.layers.1.mlp.experts.0.w1.weight"] = torch.randn(4, 4)  # ATOM never dumps experts
     dump = tmp_path / "weights"
     dump.mkdir()
     loaded = {k: v.clone() for k, v in ckpt.items()}
