@@ -219,7 +219,7 @@ def _records(dumps: list[_Dump], side: str, world: int) -> tuple[list[Record], l
                     world_size=world,
                     step=_step_tags(d.tags),
                     layer=int(m.group(1)) if m else None,
-                    io="in" if key.endswith((".in", "hidden_in")) else "out",
+                    io=_io(str(d.tags["name"]), key),
                     dtype=dtype_name(t.dtype),
                     shape=tuple(t.shape),
                     file=os.path.basename(d.file),
@@ -255,6 +255,13 @@ def _set_aside_recompute(records: list[Record]) -> tuple[list[Record], list[str]
             originals.setdefault(ident, []).append(rec)
         kept.append(rec)
     return kept, problems
+
+
+def _io(name: str, key: str) -> str:
+    """`grad__NAME` is the dumper's gradient of NAME; block inputs are `in`."""
+    if name.startswith("grad__"):
+        return "grad"
+    return "in" if key.endswith((".in", "hidden_in")) or ".in." in key else "out"
 
 
 def _unshard(records: list[Record]) -> tuple[list[Record], list[str]]:

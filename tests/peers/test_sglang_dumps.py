@@ -261,3 +261,24 @@ def test_parallel_rank_tags_in_names_replicas_and_bare_values(tmp_path):
     assert store.problems == ["L000.hidden: replicated rank 1 differs from rank 0"]
     base = open_side(str(tmp_path / "baseline"))
     assert torch.equal(next(r for r in base.records if r.key == "bare").load(), torch.ones(3))
+
+
+def test_non_intrusive_names_and_gradients_map_to_stage_keys():
+    from ffdebug.io.peer_names import canonical_key
+
+    assert canonical_key("non_intrusive__model.layers.3.output", 3) == "L003.hidden_out"
+    assert canonical_key("non_intrusive__model.layers.3.inputs.0", 3) == "L003.hidden_in"
+    assert canonical_key("non_intrusive__model.layers.3.mlp.down_proj.output", 3) == "L003.mlp.down_proj.out"
+    assert (
+        canonical_key("non_intrusive__model.layers.3.self_attn.inputs.positions", 3)
+        == "L003.self_attn.in.positions"
+    )
+    assert canonical_key("non_intrusive__model.norm.output", None) == "final.norm_out"
+    assert canonical_key("non_intrusive__lm_head.output", None) == "final.logits"
+    assert (
+        canonical_key("mlp_output", 0) == "L000.ffn_out" and canonical_key("my_probe", 2) == "L002.my_probe"
+    )
+    assert (
+        canonical_key("input_ids", None) == "embed.input_ids"
+        and canonical_key("my_probe", None) == "my_probe"
+    )
