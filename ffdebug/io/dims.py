@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from ffdebug.io.ranks import Concat, ConcatZigzag, Plan, Replicated, Staged, Sum
 
-AXES = frozenset("tp cp ep sp dp etp edp attn_tp attn_dp moe_ep moe_tp moe_dp recompute_pseudo".split())
+# SGLang's ParallelAxis values (its pseudo-axis `recompute_pseudo` is handled by the importer)
+AXES = frozenset("tp cp ep sp dp etp edp attn_tp attn_dp moe_ep moe_tp moe_dp".split())
 _QUALIFIERS = {"zigzag", "natural", "partial", "sharded"}
 _TOKEN = re.compile(r"^(?P<name>[A-Za-z_]\w*|1|\([^)]*\))(?:\[(?P<new>[^\]]*)\]|\((?P<old>[^)]*)\))?$")
 
@@ -111,10 +112,24 @@ def _old_modifiers(body: str, tok: str, text: str) -> tuple[Shard, ...]:
 Coords = dict[str, tuple[int, int]]  # axis -> (rank along it, its size), sizes > 1 only
 
 
-def undeclared_axes(dims: Dims, coords: list[Coords]) -> list[str]:
-    """Parallel axes of the dump (size > 1) that the annotation neither shards nor replicates."""
+def resolve_axes(dims: Dims, coords: list[Coords]) -> tuple[list[Coords], list[str]]:
+    """(coordinates restricted to the declared axes, the axes left undeclared).
+
+    An axis the annotation does not name is dropped when its rank follows from the declared
+    axes' ranks (`attn_tp` equal to `tp` on every piece), as SGLang resolves dependent axes;
+    otherwise it is undeclared: the pieces cannot be folded from this annotation."""
+    declared = dims.sharded_axes | dims.replicated
     present = {a for c in coords for a in c}
-    return sorted(present - dims.sharded_axes - dims.replicated - {"recompute_pseudo"})
+    undeclared = []
+    for axis in sorted(present - declared):
+        seen: dict[tuple, int] = {}
+        for c in coords:
+            key = tuple(sorted((a, v) for a, v in c.items() if a in declared))
+            if seen.setdefault(key, c.get(axis, (0, 1))[0]) != c.get(axis, (0, 1))[0]:
+                undeclared.append(axis)
+                break
+    kept = [{a: v for a, v in c.items() if a in declared} for c in coords]
+    return kept, undeclared
 
 
 def unshard_plan(dims: Dims, coords: list[Coords]) -> Staged | None:
@@ -123,7 +138,7 @@ def unshard_plan(dims: Dims, coords: list[Coords]) -> Staged | None:
     present = {a for c in coords for a in c}
     steps: list[tuple[Plan, tuple[tuple[int, ...], ...]]] = []
     current = [dict(c) for c in coords]
-    replicated = sorted((dims.replicated | {"recompute_pseudo"}) & present)
+    replicated = sorted(dims.replicated & present)
     order = [(axis, None, None) for axis in replicated]
     for d, dim_shards in enumerate(dims.shards):
         order += [(s.axis, d, s) for s in reversed(dim_shards) if s.axis in present]

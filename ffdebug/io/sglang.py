@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ffdebug.errors import FFDebugError
 from ffdebug.io.checkpoints import dtype_name
-from ffdebug.io.dims import DimsError, parse_dims, undeclared_axes, unshard_plan
+from ffdebug.io.dims import AXES, DimsError, parse_dims, resolve_axes, unshard_plan
 from ffdebug.io.peer_names import canonical_key
 from ffdebug.io.ranks import Replicated, fold
 from ffdebug.io.record import Record
@@ -114,7 +114,7 @@ class _Dump:
         for key, size in info.items():
             if key.endswith("_size") and isinstance(size, int) and size > 1:
                 axis = key[: -len("_size")]
-                if isinstance(info.get(f"{axis}_rank"), int):
+                if axis in AXES and isinstance(info.get(f"{axis}_rank"), int):
                     out[axis] = (info[f"{axis}_rank"], size)
         return out  # the recompute pseudo-axis is handled by `_set_aside_recompute`
 
@@ -294,7 +294,7 @@ def _fold_parts(key: str, parts: list[Record]) -> tuple[list[Record], list[str]]
             raise DimsError(
                 f"dims {text!r} name {len(dims.names)} dims, the tensor has {len(parts[0].shape)}"
             )
-        loose = undeclared_axes(dims, coords)
+        coords, loose = resolve_axes(dims, coords)
         if loose:
             raise DimsError(
                 f"dims {text!r} do not declare the dump's parallel axis {', '.join(loose)}; "

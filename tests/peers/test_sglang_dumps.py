@@ -282,3 +282,16 @@ def test_non_intrusive_names_and_gradients_map_to_stage_keys():
         canonical_key("input_ids", None) == "embed.input_ids"
         and canonical_key("my_probe", None) == "my_probe"
     )
+
+
+def test_dependent_axes_resolve_as_sglang_does():
+    """`attn_tp` equal to `tp` on every piece follows from the declared `tp`; an axis that varies
+    independently (`ep` here) is undeclared."""
+    from ffdebug.io.dims import resolve_axes
+
+    dims = parse_dims("t h[tp]")
+    coords = [{"tp": (r, 2), "attn_tp": (r, 2)} for r in range(2)]
+    kept, loose = resolve_axes(dims, coords)
+    assert loose == [] and kept == [{"tp": (0, 2)}, {"tp": (1, 2)}]
+    coords = [{"tp": (t, 2), "ep": (e, 2)} for t in range(2) for e in range(2)]
+    assert resolve_axes(dims, coords)[1] == ["ep"]
