@@ -61,6 +61,14 @@ def test_a_layer0_bug_is_reported_first_in_dump_order_with_layer_step_and_rank(t
     assert rows["embed.input_ids"]["layer"] is None
 
 
+def test_bisect_reads_sglang_runs_directly(tmp_path):
+    _run(tmp_path / "baseline")
+    _run(tmp_path / "target", bug_layer=1)
+    r = CliRunner().invoke(app, ["bisect", str(tmp_path / "baseline"), str(tmp_path / "target"), "--json"])
+    data = json.loads(r.stdout)
+    assert r.exit_code == 1 and data["first_divergence"]["layer"] == 1
+
+
 def test_one_extra_dump_on_the_target_does_not_pass(tmp_path):
     """SGLang: `18 passed | 10 failed | 2 skipped`, exit 1; the extra dump shifts every later
     dump_index, so pairing must not go by dump_index, and the extra stage is left uncompared."""
