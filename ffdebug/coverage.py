@@ -70,13 +70,19 @@ class SideCoverage:
     expected_ranks: list[int] = field(default_factory=list)
     unfinished_ranks: list[int] = field(default_factory=list)
     cut_lines: int = 0
+    problems: list[str] = field(default_factory=list)  # an imported dump's (`SideStore.problems`)
 
     @property
     def missing_ranks(self) -> list[int]:
         return [r for r in self.expected_ranks if r not in self.ranks]
 
     def to_json(self) -> dict:
-        return {"finished": self.finished, "ranks": self.ranks, "over_budget": self.over_budget}
+        return {
+            "finished": self.finished,
+            "ranks": self.ranks,
+            "over_budget": self.over_budget,
+            "problems": self.problems,
+        }
 
 
 def side_coverage(store: SideStore) -> SideCoverage:
@@ -85,8 +91,12 @@ def side_coverage(store: SideStore) -> SideCoverage:
     sizes = {r.world_size for r in store.records if r.world_size}
     expected = list(range(max(sizes))) if sizes else []
     over = sum(1 for r in store.records if r.over_budget)
-    if store.kind != "store":
-        return SideCoverage(finished=None, ranks=ranks, over_budget=over, expected_ranks=expected)
+    problems = list(store.problems)
+    if store.kind != "store" or store.run.get("imported"):
+        # imported dumps and tensor files record no finish (README "Peer dumps")
+        return SideCoverage(
+            finished=None, ranks=ranks, over_budget=over, expected_ranks=expected, problems=problems
+        )
     unfinished = [r for r in ranks if not _rank_finished(store, r)]
     over = max(
         over, sum(int(s.get("over_budget") or 0) for s in store.status.values() if isinstance(s, dict))
@@ -99,6 +109,7 @@ def side_coverage(store: SideStore) -> SideCoverage:
         expected_ranks=expected,
         unfinished_ranks=unfinished,
         cut_lines=store.incomplete_lines,
+        problems=problems,
     )
 
 
@@ -179,6 +190,7 @@ def side_sentences(label: str, side: SideCoverage) -> list[str]:
     if side.missing_ranks:
         ranks = _names([str(r) for r in side.missing_ranks])
         out.append(f"{label} rank(s) {ranks} wrote nothing (world size {max(side.expected_ranks) + 1})")
+    out.extend(f"the {label} side: {p}" for p in side.problems)
     if side.over_budget:
         out.append(
             f"{side.over_budget} capture(s) of the {label} side were over its byte budget "

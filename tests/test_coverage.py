@@ -53,7 +53,7 @@ def test_complete_identical_runs_exit_0(model, tmp_path):
     assert code == 0 and data["complete"] and data["coverage"]["missing"] == []
     cov = data["coverage"]
     assert cov["final_compared"] and cov["ranks"] == {"compared": [0], "missing": []}
-    assert cov["sides"]["ref"] == {"finished": True, "ranks": [0], "over_budget": 0}
+    assert cov["sides"]["ref"] == {"finished": True, "ranks": [0], "over_budget": 0, "problems": []}
     kinds = {k["kind"]: k for k in cov["kinds"]}
     assert kinds["attn_out"] == {"kind": "attn_out", "ref": 2, "target": 2, "paired": 2}  # 2 layers
     assert cov["paired"] == len(data["stages"])

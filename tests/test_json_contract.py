@@ -231,6 +231,7 @@ INSPECT_TOP = {
     "status": dict,
     "manifest_only": bool,
     "disagreeing": int,
+    "problems": list,  # what an importer could not take in (README "Peer dumps")
     "tensors": list,
 }
 INSPECT_TENSOR = {
@@ -291,7 +292,7 @@ def test_compare_json_contract(demo_dir):
     for side in ("ref", "target"):
         check(
             data["coverage"]["sides"][side],
-            {"finished": (bool, type(None)), "ranks": list, "over_budget": int},
+            {"finished": (bool, type(None)), "ranks": list, "over_budget": int, "problems": list},
         )
     check(data["coverage"]["ranks"], {"compared": list, "missing": list}, where="coverage.ranks")
     check(data["coverage"]["calls"], {"only_ref": list, "only_target": list}, where="coverage.calls")

@@ -13,6 +13,7 @@ from ffdebug.cli import (
     bisect_cmd,
     compare_cmd,
     demo_cmd,
+    import_cmd,
     inspect_cmd,
     invariance_cmd,
     playbook_cmd,
@@ -73,6 +74,7 @@ for _module in (
     playbook_cmd,
     review_cmd,
     trace_cmd,
+    import_cmd,
 ):
     _module.register(app)
 

@@ -72,6 +72,7 @@ def handles_errors(fn):
 
 def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, str]:
     """`ref-vs-target --dir D` (any `A-vs-B`), `--dir D` alone, or two side directories."""
+    from ffdebug.io.registry import find_importer, peer_sides
     from ffdebug.store.reader import sides_in
 
     args = list(args or [])
@@ -95,7 +96,11 @@ def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, s
     a, b = pair.split("-vs-", 1)
     ref, tgt = os.path.join(directory, a), os.path.join(directory, b)
     found = sides_in(directory)
-    missing = [p for p in (a, b) if p not in found]
+    peer = peer_sides(directory) if not found else None
+    if peer is not None:  # a foreign dump keeping both sides in one directory (ATOM's ref_ files)
+        found = peer[1]
+    # a side may also be a peer dump an importer reads (an SGLang run directory DIR/baseline)
+    missing = [p for p in (a, b) if p not in found and find_importer(os.path.join(directory, p)) is None]
     if missing:
         listing = ", ".join(found) if found else "none"
         raise FFDebugError(

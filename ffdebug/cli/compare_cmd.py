@@ -38,6 +38,8 @@ HELP = """Compare a reference dump with a target dump, stage by stage, in float6
   ffdebug compare --dir D --exclude 'L*' --alias-file taps.txt   # a trainer's scalars only
   ffdebug compare ref-vs-target --dir D --noise /tmp/dump/ref_2threads   # error beyond noise: diverge
   ffdebug compare ref-vs-target --dir D --threshold 'L*.attn_out:rel<=0.02,atol=1e-4'
+  ffdebug compare ref-vs-target --dir ATOM_DIR      # ATOM hook files vs its ref_ files, one directory
+  ffdebug compare SGL/baseline SGL/target           # SGLang dumper runs (README "Peer dumps")
 
 Trainer stores (docs/trainer-taps.md): the inputs (rollout.prompt_ids, rollout.noise, ...) are
 compared first, exactly; different ones exit 3 (feed both runs the same prompts / noise).

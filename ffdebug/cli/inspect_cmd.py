@@ -83,6 +83,7 @@ def register(app: typer.Typer) -> None:
             "status": store.status,
             "manifest_only": manifest_only,
             "disagreeing": len(bad),
+            "problems": store.problems,
             "tensors": rows,
         }
         if json_out:
@@ -95,6 +96,15 @@ def register(app: typer.Typer) -> None:
                 f"{store.path}: {len(bad)} record(s) disagree with their payloads, first {first['key'][:80]!r} "
                 f"({first['disagreements'][0]}); the manifest is damaged or was edited — re-run the dump"
             )
+
+
+def _where(row: dict) -> str:
+    """Layer, call, rank and step tags of a row, e.g. `layer 2 call 1 rank 0 step=3`."""
+    parts = [f"layer {row['layer']}"] if row["layer"] is not None else []
+    parts += [f"call {row['call']}"] if row["call"] is not None else []
+    parts.append(f"rank {row['rank']}")
+    parts += [f"{k}={v}" for k, v in (row["step"] or {}).items()]
+    return " ".join(parts)
 
 
 def _print(store, rows: list[dict], complete: bool) -> None:
@@ -114,6 +124,7 @@ def _print(store, rows: list[dict], complete: bool) -> None:
         cell = key_markup(r["key"]) + ("" if r["payload"] else " [dim](stats)[/dim]")
         for wrong in r["disagreements"]:
             cell += f"\n[red]manifest disagrees: {esc(wrong)}[/red]"
+        cell += f"\n[dim]{esc(_where(r))}[/dim]"
         table.add_row(
             cell,
             esc(r["dtype"] or "-"),
@@ -131,6 +142,8 @@ def _print(store, rows: list[dict], complete: bool) -> None:
             f"[yellow]note: the run did not finish cleanly (no final status); {len(rows)} complete "
             f"tensors listed{', 1 partial manifest line skipped' if store.incomplete_lines else ''}[/yellow]"
         )
+    for problem in store.problems:
+        console.print(f"[yellow]problem: {esc(problem)}[/yellow]")
     for rank, st in sorted(store.status.items()):
         if st.get("over_budget"):
             console.print(

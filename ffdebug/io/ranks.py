@@ -9,6 +9,8 @@ reading of undeclared shards) and weights-diff (merging tensor-parallel checkpoi
   context parallel do).
 - `Sum()`: partial sums before an all-reduce, accumulated in float64.
 - `Replicated(rank)`: every rank holds the full tensor; `rank` stands for all.
+- `Staged(steps)`: several folds in turn, each `(plan, groups)` folding groups of the current
+  pieces into the next ones (SGLang `dims` sharded over more than one axis, `ffdebug.io.dims`).
 - `ExpertGather(dim, experts)`: expert parallel: rank r holds the experts `experts[r]` (global
   ids, in its local order) stacked along `dim`; the fold orders all experts by global id.
   Without `experts`, ranks hold contiguous blocks in rank order.
@@ -198,6 +200,28 @@ class ExpertGather(Plan):
         return stacked.index_select(self.dim, order)
 
 
+@dataclass(frozen=True)
+class Staged(Plan):
+    steps: tuple[tuple[Plan, tuple[tuple[int, ...], ...]], ...]
+    label = "staged"
+
+    def describe(self) -> str:
+        return "+".join(plan.describe() for plan, _ in self.steps)
+
+    def _run(self, items: list, one):
+        for plan, groups in self.steps:
+            items = [one(plan, [items[i] for i in group]) for group in groups]
+        if len(items) != 1:
+            raise PlanMismatch(f"{len(items)} pieces left after {self.describe()}")
+        return items[0]
+
+    def shape(self, shapes):
+        return self._run([tuple(s) for s in shapes], lambda plan, group: tuple(plan.shape(group)))
+
+    def apply(self, parts):
+        return self._run(list(parts), lambda plan, group: plan.apply(group))
+
+
 def replica_mismatch(parts: Sequence) -> list[int]:
     """Indices of the parts whose bytes (or dtype) differ from part 0's."""
     import torch
@@ -255,7 +279,7 @@ def fold(parts: Sequence[Record], plan: Plan) -> Record:
     parts = tuple(parts)
     first = parts[0]
     shape = first.shape
-    if first.shape and isinstance(plan, (Concat, ConcatZigzag, ExpertGather)):
+    if first.shape and isinstance(plan, (Concat, ConcatZigzag, ExpertGather, Staged)):
         try:
             shape = plan.shape([p.shape for p in parts])
         except PlanMismatch as err:

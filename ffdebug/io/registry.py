@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ffdebug.io.side import SideStore
 
-BUILTIN_MODULES = ("ffdebug.store.importers",)
+BUILTIN_MODULES = ("ffdebug.io.peers", "ffdebug.store.importers")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,10 @@ class Importer:
     detect: Callable[[str], bool]
     read: Callable[[str], SideStore]
     accepts: str = ""  # what it reads, for the "not a dump" message, e.g. "a .safetensors file"
+    # formats that keep several sides in one directory (ATOM's ref_ files beside its hook files):
+    # `sides(dir)` lists them, `read_side(dir, side)` reads one; `DIR/SIDE` then names that side
+    sides: Callable[[str], list[str]] | None = None
+    read_side: Callable[[str, str], SideStore] | None = None
 
 
 _IMPORTERS: list[Importer] = []
@@ -55,3 +59,11 @@ def importers() -> tuple[Importer, ...]:
 def find_importer(path: str) -> Importer | None:
     """The first importer that reads `path`, else None."""
     return next((imp for imp in importers() if imp.detect(path)), None)
+
+
+def peer_sides(directory: str) -> tuple[Importer, list[str]] | None:
+    """(importer, sides) when `directory` is a foreign dump keeping several sides in it."""
+    for imp in importers():
+        if imp.sides is not None and imp.detect(directory):
+            return imp, imp.sides(directory)
+    return None

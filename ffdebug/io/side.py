@@ -18,6 +18,9 @@ class SideStore:
     status: dict = field(default_factory=dict)  # rank -> status.json (absent for killed runs)
     kind: str = "store"  # store | atom | safetensors | a checkpoint kind
     incomplete_lines: int = 0
+    # what an importer could not take in as it is (files refused by a weights-only load, a gap in
+    # SGLang's dump_index, replicas that differ, dims that do not fit): each blocks exit 0
+    problems: list[str] = field(default_factory=list)
 
     @property
     def side(self) -> str:

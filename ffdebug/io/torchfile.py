@@ -7,11 +7,28 @@ is used; legacy (non-zip) files cannot be mapped and are read whole.
 
 from __future__ import annotations
 
+import os
+import re
+from dataclasses import dataclass
+
 from ffdebug.errors import FFDebugError, short_reason
 
 
+class RefusedPickle(FFDebugError):
+    """`torch.load(weights_only=True)` refused the file; `needs` is the global it names."""
+
+    def __init__(self, message: str, path: str, needs: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.needs = needs
+
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
 def load_weights_only(path: str):
-    """The object stored in `path`, loaded with `torch.load(weights_only=True)` on the CPU."""
+    """The object stored in `path`, loaded with `torch.load(weights_only=True)` on the CPU.
+    A refused pickle raises `RefusedPickle` (an `FFDebugError`: one line, exit 2)."""
     import pickle
     import zipfile
 
@@ -24,12 +41,37 @@ def load_weights_only(path: str):
         mmap = zipfile.is_zipfile(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        raise FFDebugError(
+        m = _GLOBAL.search(str(err))
+        raise RefusedPickle(
             f"{path}: refused to load: not a weights-only checkpoint ({short_reason(err)}); "
-            "re-save it as a state dict of tensors or as safetensors"
+            "re-save it as a state dict of tensors or as safetensors",
+            path,
+            m.group(1) if m else short_reason(err),
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         raise FFDebugError(f"{path}: unreadable .pt file ({short_reason(err)})") from None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A file of a foreign dump that a weights-only load refused, listed in coverage, never run."""
+
+    path: str
+    needs: str
+
+    def sentence(self) -> str:
+        return (
+            f"{os.path.basename(self.path)} was not read: a weights-only load refuses the global "
+            f"{self.needs} it needs (never unpickled)"
+        )
+
+
+def load_or_refused(path: str):
+    """The object in `path`, or a `Refused` naming the global it needs (other errors raise)."""
+    try:
+        return load_weights_only(path)
+    except RefusedPickle as err:
+        return Refused(path, err.needs)
 
 
 def flatten_tensors(obj, prefix: str = "") -> dict:

@@ -21,7 +21,7 @@ import os
 from ffdebug.errors import FFDebugError
 from ffdebug.io.contained import MAX_LINE_BYTES, contained, loads_bounded, open_regular, read_fd, read_json
 from ffdebug.io.record import Record
-from ffdebug.io.registry import find_importer
+from ffdebug.io.registry import find_importer, importers, peer_sides
 from ffdebug.io.side import SideStore
 from ffdebug.io.sources import StorePayload
 
@@ -104,13 +104,20 @@ def sides_in(directory: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if _is_side_dir(os.path.join(directory, n)))
 
 
-def open_side(path: str) -> SideStore:
+def open_side(path: str, format: str | None = None) -> SideStore:
     """Open one side; raises FFDebugError with a one-line fix when `path` is not readable.
 
     An ffdebug store is read here; any other path by the first importer that detects it
-    (`ffdebug.io.registry`)."""
+    (`ffdebug.io.registry`), or by the importer named `format`. `DIR/SIDE` where DIR is a foreign
+    dump keeping several sides in one directory (ATOM) reads that side."""
     path = os.fspath(path)
+    if format is not None:
+        return _by_format(path, format)
     if not os.path.exists(path):
+        parent, side = os.path.split(os.path.normpath(path))
+        found = peer_sides(parent) if os.path.isdir(parent) else None
+        if found is not None and side in found[1]:
+            return found[0].read_side(parent, side)
         raise FFDebugError(f"{path}: no such file or directory")
     if os.path.isdir(path) and _is_side_dir(path):
         return _open_store_dir(path)
@@ -132,6 +139,21 @@ def open_side(path: str) -> SideStore:
         f"{path}: not an ffdebug store (no run.json or rank*/manifest.jsonl); "
         "pass a side directory written with FFDEBUG_FWD_DUMP_DIR, e.g. DIR/ref"
     )
+
+
+def _by_format(path: str, format: str) -> SideStore:
+    names = {imp.name: imp for imp in importers()}
+    if format == "store":
+        if not (os.path.isdir(path) and _is_side_dir(path)):
+            raise FFDebugError(
+                f"{path}: --format store needs a side directory (run.json or rank*/manifest.jsonl)"
+            )
+        return _open_store_dir(path)
+    if format not in names:
+        raise FFDebugError(f"--format {format!r}: unknown; use one of store, {', '.join(names)}")
+    if not os.path.exists(path):
+        raise FFDebugError(f"{path}: no such file or directory")
+    return names[format].read(path)
 
 
 def _check_one_world_size(path: str, by_rank_dir: list[tuple[str, list[Record]]]) -> None:
@@ -217,4 +239,11 @@ def _open_store_dir(path: str) -> SideStore:
             status[os.path.basename(rank_dir)] = _read_status(status_path)
     _check_one_world_size(path, by_rank_dir)
     records.sort(key=lambda r: (r.rank, r.seq))
-    return SideStore(path=path, records=records, run=run, status=status, incomplete_lines=partial)
+    problems = run.get("import_problems") or []
+    if not isinstance(problems, list) or not all(isinstance(p, str) for p in problems):
+        raise FFDebugError(
+            f"{run_path}: run.json field 'import_problems' must be a list of strings — re-run the import"
+        )
+    return SideStore(
+        path=path, records=records, run=run, status=status, incomplete_lines=partial, problems=list(problems)
+    )

@@ -397,7 +397,8 @@ class WeightsDiff:
     def _restrict_to_dump(self, groups: dict, side: str, dump: WeightSource) -> dict:
         """When the other side is a weight dump written with FFDEBUG_WEIGHT_DUMP_LAYERS, leave out
         this side's tensors of layers the dump did not select (it cannot hold them); tensors
-        outside blocks are kept. Said in `restricted` and a note."""
+        outside blocks are kept, unless the dump holds block tensors only (ATOM's, which also
+        skips `never_dumped` names such as experts). Said in `restricted` and a note."""
         from ffdebug._env import parse_layers
 
         if dump.kind != "weight-dump" or not dump.layer_spec:
@@ -414,6 +415,10 @@ class WeightsDiff:
         kept, left_out = {}, 0
         for name, entries in groups.items():
             layer = entries[0].layer
+            skipped = any(part in name for part in dump.never_dumped)
+            if skipped or (layer is None and dump.layers_only):  # ATOM: `layers.{L}.` only, no experts
+                left_out += 1
+                continue
             if layer is not None and not selection.contains(layer, num_layers):
                 left_out += 1
                 continue

@@ -53,6 +53,8 @@ class WeightSource:
     entries: list[Record]
     world_size: int = 1
     layer_spec: str | None = None  # a weight dump's FFDEBUG_WEIGHT_DUMP_LAYERS, from its run.json
+    layers_only: bool = False  # the dump holds block tensors only (ATOM): the rest is left out
+    never_dumped: tuple[str, ...] = ()  # name parts the dumper skips (ATOM: ".experts."), left out too
 
     @property
     def label(self) -> str:
@@ -91,6 +93,29 @@ def _dump_entries(path: str) -> tuple[list[Record], int, str | None]:
     return entries, world, spec if isinstance(spec, str) and spec.strip() not in ("", "all") else None
 
 
+def _atom_weight_dump(path: str) -> WeightSource | None:
+    """ATOM's `weight_rank{R}_layer{L}.pt` files (`ffdebug.io.atom`): a weight dump of the layers
+    it holds (ATOM_WEIGHT_DUMP_LAYERS), so the other side's other layers are left out, not missing."""
+    from ffdebug.io import atom
+
+    if "weights" not in atom.sides(path):
+        return None
+    store = atom.read_side(path, "weights")
+    if store.problems:
+        raise FFDebugError(f"{path}: {store.problems[0]}")
+    world = max([r.world_size or 1 for r in store.records] + [r.rank + 1 for r in store.records] + [1])
+    layers = ",".join(str(n) for n in store.run.get("layers", []))
+    return WeightSource(
+        path,
+        "weight-dump",
+        store.records,
+        world,
+        layers or None,
+        layers_only=True,
+        never_dumped=(".experts.",),
+    )
+
+
 def _is_store(path: str) -> bool:
     return os.path.exists(os.path.join(path, "run.json")) or bool(
         glob.glob(os.path.join(path, "rank*", "manifest.jsonl"))
@@ -109,6 +134,9 @@ def _open_dir(path: str) -> WeightSource:
         sub = os.path.join(path, "weights")
         entries, world, spec = _dump_entries(sub)
         return WeightSource(sub, "weight-dump", entries, world, spec)
+    atom = _atom_weight_dump(path)
+    if atom is not None:
+        return atom
     if os.path.exists(os.path.join(path, "model_index.json")):
         comps = pipeline_components(path)
         example = os.path.join(path, comps[0]) if comps else os.path.join(path, "transformer")

@@ -164,7 +164,7 @@ def test_a_new_importer_is_one_registration(tmp_path):
         assert store.kind == "peer" and torch.equal(store.records[0].load(), torch.ones(2))
     finally:
         registry._IMPORTERS[:] = before
-    assert [i.name for i in registry.importers()] == ["safetensors", "atom-pt"]
+    assert [i.name for i in registry.importers()] == ["sglang", "atom", "safetensors", "atom-pt"]
 
 
 def test_record_attributes_are_the_manifest_fields():
