@@ -1,9 +1,10 @@
 """SGLang's comparator test cases (its `test/registered/debug_utils/comparator/`: the tensor
 comparator, the dump comparator and the e2e demo), each written as two SGLang dumper runs and
 compared by ffdebug. `sglang` is what SGLang's own tests expect (pass = its exit 0); ffdebug
-"passes" when `compare` exits 0 at the default `--fail-on`. Cases that differ only until the
-element-wise criterion and singleton-dim unification land (issue 14) are strict xfails, so that
-merge flips them visibly. README "Peer dumps" lists the agreement case by case.
+"passes" when `compare` exits 0 at the default `--fail-on`. The one-element offset, the
+`max_abs` / `atol` threshold terms and the size-1-dim unification agree through the element-wise
+criterion and shape unification (README "Comparing"). README "Peer dumps" lists the agreement case
+by case.
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ from peer_layouts import SGLangRun
 from typer.testing import CliRunner
 
 from ffdebug.cli.app import app
-
-NEEDS_ELEM = pytest.mark.xfail(strict=True, reason="needs issue 14: element-wise criterion")
-NEEDS_ATOL = pytest.mark.xfail(strict=True, reason="needs issue 14: max_abs / atol threshold terms")
-NEEDS_UNIFY = pytest.mark.xfail(strict=True, reason="needs issue 14: singleton-dim unification")
 
 
 def _ones_offset():
@@ -40,12 +37,10 @@ def _noise(n, scale):
 SIGN = torch.tensor([1e-5, -1e-5, 1e-5, -1e-5])
 CASES = [
     ("identical", lambda: (torch.ones(10, 10), torch.ones(10, 10)), (), True),
-    pytest.param("known_offset_1elem", _ones_offset, (), False, marks=NEEDS_ELEM),
+    pytest.param("known_offset_1elem", _ones_offset, (), False),
     ("rel_diff_value_orthogonal", lambda: (torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])), (), False),
     ("near_zero_sign_flip", lambda: (SIGN, -SIGN), (), False),
-    pytest.param(
-        "near_zero_sign_flip_atol", lambda: (SIGN, -SIGN), ("*:max_abs<=1e-4",), True, marks=NEEDS_ATOL
-    ),
+    pytest.param("near_zero_sign_flip_atol", lambda: (SIGN, -SIGN), ("*:max_abs<=1e-4",), True),
     (
         "real_magnitude_1elem",
         lambda: (torch.ones(10), torch.ones(10).index_fill(0, torch.tensor([0]), 2.0)),
@@ -55,18 +50,13 @@ CASES = [
     ("small_both_1e-4", lambda: (torch.ones(10), torch.ones(10) + 1e-4), (), True),
     ("boundary_max_abs_0.5", lambda: (torch.ones(2), torch.full((2,), 1.5)), (), False),
     pytest.param(
-        "boundary_max_abs_0.5_atol",
-        lambda: (torch.ones(2), torch.full((2,), 1.5)),
-        ("*:max_abs<=0.5",),
-        True,
-        marks=NEEDS_ATOL,
+        "boundary_max_abs_0.5_atol", lambda: (torch.ones(2), torch.full((2,), 1.5)), ("*:max_abs<=0.5",), True
     ),
     pytest.param(
         "shape_unify_1x1x4x8_vs_4x8",
         lambda: (lambda x: (x.reshape(1, 1, 4, 8), x))(torch.randn(4, 8)),
         (),
         True,
-        marks=NEEDS_UNIFY,
     ),
     ("shape_mismatch_3x4_vs_5x6", lambda: (torch.randn(3, 4), torch.randn(5, 6)), (), False),
     ("dtype_f32_vs_bf16_same_values", lambda: (lambda x: (x, x.bfloat16()))(torch.randn(8, 16)), (), True),
