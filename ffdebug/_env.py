@@ -153,7 +153,8 @@ class DumpConfig:
     layer_attrs: tuple[str, ...] = ("layer_id", "layer_idx", "layer_number")
     stages: tuple[str, ...] = ()  # globs; empty = all
     calls: CallSelection = field(default_factory=CallSelection)
-    mode: str = "full"  # full | stats
+    mode: str = "full"  # full | stats | sketch
+    sketch_seed: int = 0  # FFDEBUG_FWD_DUMP_SKETCH_SEED: the same on both sides
     grads: bool = False
     max_bytes: int | None = None
     ranks: LayerSelection = field(default_factory=LayerSelection)
@@ -204,8 +205,8 @@ def check_side(side: str, variable: str) -> str:
 
 
 def check_mode(mode: str, variable: str) -> str:
-    if mode not in ("full", "stats"):
-        raise FFDebugError(f"{variable}={mode!r} is invalid: use 'full' or 'stats'")
+    if mode not in ("full", "stats", "sketch"):
+        raise FFDebugError(f"{variable}={mode!r} is invalid: use 'full', 'stats' or 'sketch'")
     return mode
 
 
@@ -233,6 +234,7 @@ def read_dump_config(environ: dict[str, str] | None = None) -> DumpConfig | None
         stages=split_list(_get("FFDEBUG_FWD_DUMP_STAGES", env)),
         calls=parse_calls(_get("FFDEBUG_FWD_DUMP_CALLS", env)),
         mode=mode,
+        sketch_seed=_int("FFDEBUG_FWD_DUMP_SKETCH_SEED", _get("FFDEBUG_FWD_DUMP_SKETCH_SEED", env)) or 0,
         grads=_bool("FFDEBUG_FWD_DUMP_GRADS", _get("FFDEBUG_FWD_DUMP_GRADS", env), False),
         max_bytes=_int("FFDEBUG_FWD_DUMP_MAX_BYTES", _get("FFDEBUG_FWD_DUMP_MAX_BYTES", env), 1),
         ranks=parse_layers(_get("FFDEBUG_FWD_DUMP_RANKS", env), "FFDEBUG_FWD_DUMP_RANKS"),

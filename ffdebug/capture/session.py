@@ -188,9 +188,16 @@ class Session:
             if reserved in tags:
                 meta.setdefault(reserved, tags[reserved])
         t = tensor.detach()
+        payload = None
         if self.config.mode == "full" or ids:
             t = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-        self.writer().write(key, t, meta, always_payload=ids)
+        elif self.config.mode == "sketch" and t.is_floating_point() and t.numel():
+            from ffdebug.compare.sketch import SKETCH_BUCKETS, sketch
+
+            seed = self.config.sketch_seed
+            payload = sketch(t, seed).float()
+            meta["extra"] = {**(meta.get("extra") or {}), "sketch": {"seed": seed, "buckets": SKETCH_BUCKETS}}
+        self.writer().write(key, t, meta, always_payload=ids, payload=payload)
         self.captured += 1
         if ids and self.input_ids_sha is None:  # run.json identifies the run by its first input ids
             from ffdebug.store.schema import sha256_of_tensor
