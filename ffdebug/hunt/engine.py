@@ -7,10 +7,10 @@ import os
 from collections.abc import Callable
 
 from ffdebug.errors import FFDebugError
-from ffdebug.hunt.rounds import HuntConfig, round0_weights, round1_sketch, round2_full
+from ffdebug.hunt.rounds import HuntConfig, round0_weights, round1_sketch, round2_full, round3_before
 from ffdebug.hunt.state import HuntState, Round, load_state
 
-ROUNDS = ((0, round0_weights), (1, round1_sketch), (2, round2_full))
+ROUNDS = ((0, round0_weights), (1, round1_sketch), (2, round2_full), (3, round3_before))
 
 
 def _check_resumable(cfg: HuntConfig, state: HuntState, directory: str) -> None:

@@ -189,7 +189,15 @@ def _round2_stages(layer: int) -> list[str]:
 def round2_full(cfg: HuntConfig, state: HuntState) -> Round:
     """Full dumps of the introducing layer, every module inside as a sub-stage, and the block
     stages of the one before."""
-    layer = state.layer
+    return _full_round(cfg, state, 2)
+
+
+def round3_before(cfg: HuntConfig, state: HuntState) -> Round:
+    """Round 2 found the layer before already wrong: the same full dump of that layer."""
+    return _full_round(cfg, state, 3)
+
+
+def _full_env(cfg: HuntConfig, layer: int) -> dict[str, dict[str, str]]:
     layers = [x for x in (layer - 1, layer) if x >= 0]
     r1 = os.path.join(cfg.dir, "round1")
     env = {}
@@ -200,9 +208,15 @@ def round2_full(cfg: HuntConfig, state: HuntState) -> Round:
             "FFDEBUG_FWD_DUMP_STAGES": ",".join(_round2_stages(layer)),
         }
         cls = block_class(os.path.join(r1, side), layer)
-        if cls:
+        if cls:  # every module inside the block becomes a sub-stage
             env[side]["FFDEBUG_FWD_DUMP_BLOCK_CLASS"] = f"{cls},*"
-    root = _run_round(cfg, state, 2, env)
+    return env
+
+
+def _full_round(cfg: HuntConfig, state: HuntState, number: int) -> Round:
+    layer = state.layer
+    env = _full_env(cfg, layer)
+    root = _run_round(cfg, state, number, env)
     result = _bisect(root, bool(cfg.noise))
     first, sub = result.first_divergence, result.sub_stage
     evidence = [f"pattern {result.pattern.value}: {result.reason}"]
@@ -211,21 +225,24 @@ def round2_full(cfg: HuntConfig, state: HuntState) -> Round:
         evidence.append(f"{skipped} capture(s) not written: the byte budget was reached")
     if first is None or first.layer is None:
         evidence.append("the full dumps show no divergence in these layers: the sketch estimate was wrong")
-        return _round(cfg, 2, env, root, f"no divergence in layers {layers} at full precision", evidence)
+        state.complete = True
+        return _round(cfg, number, env, root, f"no divergence in layer {layer} at full precision", evidence)
     evidence.extend(_layer_lines(result, first.layer))
     row = next((r for r in result.layers if r.layer == first.layer), None)
     state.layer, state.layer_class = first.layer, first.layer_class
     state.local = bool(row.introduces) if row is not None else None
     stage = sub if sub is not None else first
     state.sub_stage = stage.stage
-    evidence.append(
-        f"sub-stage {stage.key}: cos {stage.cos}, rel {_pct(stage.rel)} ({result.sub_stage_why or 'first lossy stage'})"
-    )
-    unpaired = result.coverage.to_json().get("missing") if hasattr(result, "coverage") else None
-    if unpaired:
-        evidence.append(f"not paired between the sides: {unpaired}")
+    why = result.sub_stage_why or "first lossy stage"
+    evidence.append(f"sub-stage {stage.key}: cos {stage.cos}, rel {_pct(stage.rel)} ({why})")
+    missing = result.coverage.to_json().get("missing")
+    if missing:
+        evidence.append(f"not paired between the sides: {missing}")
+    if first.layer != layer and number == 2:  # the layer before: its sub-stages were not dumped
+        return _round(
+            cfg, number, env, root, f"layer {first.layer} already diverges: dump it in full", evidence
+        )
     state.complete = True
     where = "local to it" if state.local else "inherited from earlier layers"
-    return _round(
-        cfg, 2, env, root, f"layer {first.layer}, sub-stage {stage.stage}: the error is {where}", evidence
-    )
+    decision = f"layer {first.layer}, sub-stage {stage.stage}: the error is {where}"
+    return _round(cfg, number, env, root, decision, evidence)

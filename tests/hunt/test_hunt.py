@@ -1,0 +1,133 @@
+"""`ffdebug hunt` on tiny Llamas from configs (README "Hunt: from symptom to root cause").
+
+Each planted bug is at a known layer and module; the hunt must name both in at most three forward
+rounds while writing a small fraction of what one full dump of every block stage and sub-stage
+writes for the same inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hunt_scripts import runs, write_script
+
+from ffdebug.hunt.engine import hunt
+from ffdebug.hunt.rounds import HuntConfig
+from ffdebug.hunt.runner import run_side, tree_bytes
+
+pytestmark = pytest.mark.integration
+
+# the sub-stage each planted bug must be found at: module-path sub-stages, or their role names
+EXPECTED = {
+    "q_proj": {"self_attn.q_proj.out", "attn.q.out"},
+    "mlp_gate": {"mlp.gate_proj.out", "mlp.gate.out"},
+    "norm": {"ffn_norm_out", "post_attention_layernorm.out"},
+    "rotary": {"attn.q_rot", "attn.k_rot"},
+}
+
+
+def full_dump_bytes(tmp_path, command: str, block_class: str) -> int:
+    """Bytes of one side's full dump of every block stage and every sub-stage of every layer."""
+    root = str(tmp_path / "full")
+    env = {
+        "FFDEBUG_FWD_DUMP_DIR": root,
+        "FFDEBUG_FWD_DUMP_SIDE": "ref",
+        "FFDEBUG_FWD_DUMP_BLOCK_CLASS": f"{block_class},*",
+    }
+    run_side(command, env, str(tmp_path / "full.log"), "full dump")
+    return tree_bytes(root)
+
+
+def _forward_rounds(state) -> int:
+    return sum(1 for r in state.rounds if r.round > 0)
+
+
+@pytest.mark.parametrize(("plant", "layer"), [("q_proj", 2), ("mlp_gate", 5), ("norm", 2), ("rotary", 5)])
+def test_hunt_names_layer_and_sub_stage(tmp_path, plant, layer):
+    """Three sites over two layers plus a rotary swap: layer and sub-stage named in <= 3 forward
+    rounds, the error local, under 30 % of a full dump's bytes (both sides against both sides)."""
+    ref, _ = write_script(tmp_path, "ref")
+    target, _ = write_script(tmp_path, "target", plant, layer)
+    state = hunt(HuntConfig(ref=ref, target=target, dir=str(tmp_path / "h")))
+    assert state.complete and _forward_rounds(state) <= 3
+    assert state.layer == layer and state.layer_class == "LlamaDecoderLayer"
+    assert state.sub_stage in EXPECTED[plant], state.rounds[-1].evidence
+    assert state.local is True
+    ratio = state.used / (2 * full_dump_bytes(tmp_path, ref, "LlamaDecoderLayer"))
+    print(f"hunt {plant}@{layer}: {state.used} bytes, {ratio:.1%} of a full dump")
+    assert ratio < 0.30
+    saved = json.loads((tmp_path / "h" / "hunt.json").read_text())
+    assert set(saved) == {"rounds", "layer", "layer_class", "sub_stage", "local", "budget", "complete"}
+    assert set(saved["rounds"][0]) == {
+        "round",
+        "env",
+        "command_ref",
+        "command_target",
+        "bytes",
+        "decision",
+        "evidence",
+    }
+    assert saved["budget"] == {"limit": None, "used": state.used}
+
+
+def test_hunt_32_layers_under_ten_percent(tmp_path):
+    ref, _ = write_script(tmp_path, "ref", layers=32)
+    target, _ = write_script(tmp_path, "target", "q_proj", 20, layers=32)
+    state = hunt(HuntConfig(ref=ref, target=target, dir=str(tmp_path / "h")))
+    assert (state.layer, state.sub_stage in EXPECTED["q_proj"]) == (20, True)
+    ratio = state.used / (2 * full_dump_bytes(tmp_path, ref, "LlamaDecoderLayer"))
+    print(f"hunt 32 layers: {state.used} bytes, {ratio:.1%} of a full dump")
+    assert ratio < 0.10
+
+
+def test_hunt_port_against_hf(tmp_path):
+    """Two codebases: the HF model as reference, a port with fused q/k/v as target."""
+    ref, _ = write_script(tmp_path, "ref")
+    target, _ = write_script(tmp_path, "target", "port_q", 5, port=True)
+    state = hunt(HuntConfig(ref=ref, target=target, dir=str(tmp_path / "h")))
+    assert state.complete and state.layer == 5 and state.local is True
+    # the port's modules are named otherwise: the deepest stage both sides share
+    assert state.sub_stage in {"attn_out", "attn.q.out"}
+
+
+def test_hunt_killed_between_rounds_resumes(tmp_path):
+    """SIGKILL once round 1 is saved; --resume runs round 2 and never round 1 again."""
+    ref, ref_log = write_script(tmp_path, "ref")
+    target, _ = write_script(tmp_path, "target", "q_proj", 2)
+    d = tmp_path / "h"
+    args = [
+        sys.executable,
+        "-m",
+        "ffdebug.cli.app",
+        "hunt",
+        "--ref",
+        ref,
+        "--target",
+        target,
+        "--dir",
+        str(d),
+    ]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (d / "hunt.json").exists() and json.loads((d / "hunt.json").read_text())["rounds"]:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = json.loads((d / "hunt.json").read_text())
+    assert [r["round"] for r in saved["rounds"]] == [1] and not saved["complete"]
+    out = subprocess.run(args + ["--resume", "--json"], capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr
+    final = json.loads(out.stdout)
+    assert [r["round"] for r in final["rounds"]] == [1, 2] and final["complete"]
+    assert final["layer"] == 2 and final["sub_stage"] in EXPECTED["q_proj"]
+    assert runs(ref_log).count("round1") == 1  # round 1 was not redone
+    assert "kept from the earlier run" in out.stderr
