@@ -69,3 +69,43 @@ def hunt_html(state) -> str:
         parts.append("</ul>")
         parts.extend(f"<p><code>{e(r.reproduce(side))}</code></p>" for side in sorted(r.env))
     return "\n".join(parts) + "\n"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.3g}%"
+
+
+def print_isolate(result) -> None:
+    """One row per fix: its class and what reverting it does to the final output."""
+    from rich.table import Table
+
+    table = Table(title=f"reverting each fix alone ({safe(result.stage)} against the all-fixes run)")
+    for col in ("fix", "class", "cos", "rel", "bit-equal", "imported from outside"):
+        table.add_column(col)
+    for f in result.fixes:
+        cos = "-" if f.cos is None else f"{f.cos:.6f}"
+        outside = ", ".join(f"{k} ({v})" for k, v in f.outside_imports.items()) or "-"
+        table.add_row(safe(f.fix), f.effect, cos, _pct(f.rel), _pct(f.bit_equal), safe(outside))
+    c = _console()
+    c.print(table)
+    same = "byte-equal to" if result.all_fixes_equal_reference else "not byte-equal to"
+    c.print(f"All fixes together are {same} the reference ({result.reference_severity.value}).")
+    if result.outside_imports:
+        c.print(
+            safe(f"warning: the all-fixes run imported {result.outside_imports} from outside its worktree")
+        )
+
+
+def print_replay(result) -> None:
+    """The four runs against the reference function on the reference's inputs, and the verdict."""
+    from rich.table import Table
+
+    table = Table(title=f"replay of {safe(result.stage)} on {safe(', '.join(result.inputs))}")
+    for col in ("function", "inputs", "cos", "rel", "bit-equal", "severity"):
+        table.add_column(col)
+    for r in result.runs:
+        cos = "-" if r.cos is None else f"{r.cos:.6f}"
+        table.add_row(r.function, r.inputs, cos, _pct(r.rel), _pct(r.bit_equal), r.severity.value)
+    c = _console()
+    c.print(table)
+    c.print(f"verdict {result.verdict}: {safe(result.reason)}")
