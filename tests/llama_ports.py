@@ -92,6 +92,8 @@ class _Attention(nn.Module):
 
 
 class _FeedForward(nn.Module):
+    up_first = False  # the fused weight's halves as [up | gate] (a layout some engines use)
+
     def __init__(self, hidden: int, inner: int) -> None:
         super().__init__()
         self.w13 = nn.Linear(hidden, 2 * inner, bias=False)
@@ -99,6 +101,8 @@ class _FeedForward(nn.Module):
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
+        if self.up_first:
+            gate, up = up, gate
         return self.w2(F.silu(gate) * up)
 
 
@@ -122,14 +126,15 @@ class _Net(nn.Module):
         return head(final(x))
 
 
-def make_port(hf, names: dict = CONVENTIONAL, rotary=rope):
-    """A port of the HF Llama `hf` with its weights loaded (`rotary` computes the rotated q, k)."""
+def make_port(hf, names: dict = CONVENTIONAL, rotary=rope, up_first: bool = False):
+    """A port of the HF Llama `hf` with its weights loaded (`rotary` computes the rotated q, k;
+    `up_first` stores the fused gate-up weight as [up | gate])."""
     cfg = hf.config
     hidden, heads, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     eps = cfg.rms_norm_eps
     norm_cls = type(names["norm_cls"], (_Norm,), {})
     attn_cls = type(names["attn_cls"], (_Attention,), {})
-    mlp_cls = type(names["mlp_cls"], (_FeedForward,), {})
+    mlp_cls = type(names["mlp_cls"], (_FeedForward,), {"up_first": up_first})
     block_cls = type(names["block_cls"], (_Block,), {"_attrs": names["attrs"]})
     net_cls = type(
         f"{names['block_cls']}Model",
@@ -170,7 +175,8 @@ def _load(net, hf, names: dict) -> None:
         attn.wqkv.weight.copy_(torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight]))
         attn.wo.weight.copy_(sa.o_proj.weight)
         mlp = theirs.mlp
-        ff.w13.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        halves = [mlp.gate_proj.weight, mlp.up_proj.weight]
+        ff.w13.weight.copy_(torch.cat(halves[::-1] if ff.up_first else halves))
         ff.w2.weight.copy_(mlp.down_proj.weight)
     getattr(net, names["final"]).scale.copy_(hf.model.norm.weight)
     getattr(net, names["head"]).weight.copy_(hf.lm_head.weight)

@@ -340,6 +340,7 @@ CAPTURE_OPTIONS = (
     "overwrite",
     "topk",
     "layer_attrs",
+    "substages",
 )
 
 
