@@ -3,7 +3,8 @@
   0. weights (`--weights A B`): weights-diff; a weight bug ends the hunt;
   1. a sketch of every layer's block stages plus embed and final (`FFDEBUG_FWD_DUMP_MODE=sketch`);
      bisect over those estimates names the first introducing layer;
-  2. full dumps of that layer and the one before it, every module inside the block as a sub-stage;
+  2. full dumps of that layer with its role sub-stages (`attn.q.out`, `mlp.gate.out`, …) and the
+     block stages of the one before it;
      bisect names the layer, the sub-stage that loses accuracy first, and whether the layer
      introduces the error itself (`local`).
 
@@ -163,20 +164,9 @@ def round1_sketch(cfg: HuntConfig, state: HuntState) -> Round:
         return _round(cfg, 1, env, root, f"the error starts outside the layers, at {first.key}", evidence)
     evidence.extend(_layer_lines(result, first.layer))
     state.layer, state.layer_class = first.layer, first.layer_class
-    before = f" (and layer {first.layer - 1})" if first.layer > 0 else ""
-    return _round(
-        cfg, 1, env, root, f"layer {first.layer} introduces error: dump it{before} in full", evidence
-    )
-
-
-def block_class(side_dir: str, layer: int) -> str | None:
-    """The class of `layer`'s block on one side (from its `hidden_in` record)."""
-    from ffdebug.store.reader import open_side
-
-    for rec in open_side(side_dir).records:
-        if rec.layer == layer and rec.key.endswith(".hidden_in") and rec.module_class:
-            return rec.module_class
-    return None
+    before = f" (and layer {first.layer - 1}'s block stages)" if first.layer > 0 else ""
+    decision = f"layer {first.layer} introduces error: dump it in full with its sub-stages{before}"
+    return _round(cfg, 1, env, root, decision, evidence)
 
 
 def _round2_stages(layer: int) -> list[str]:
@@ -187,8 +177,8 @@ def _round2_stages(layer: int) -> list[str]:
 
 
 def round2_full(cfg: HuntConfig, state: HuntState) -> Round:
-    """Full dumps of the introducing layer, every module inside as a sub-stage, and the block
-    stages of the one before."""
+    """Full dumps of the introducing layer with its role sub-stages, and the block stages of the
+    one before."""
     return _full_round(cfg, state, 2)
 
 
@@ -198,19 +188,16 @@ def round3_before(cfg: HuntConfig, state: HuntState) -> Round:
 
 
 def _full_env(cfg: HuntConfig, layer: int) -> dict[str, dict[str, str]]:
+    """Full dumps with role sub-stages (README "Role sub-stages"): `attn.q.out`, `mlp.gate.out`, …
+    pair between two codebases however their modules are named."""
     layers = [x for x in (layer - 1, layer) if x >= 0]
-    r1 = os.path.join(cfg.dir, "round1")
-    env = {}
-    for side in cfg.sides():
-        env[side] = {
-            "FFDEBUG_FWD_DUMP_MODE": "full",
-            "FFDEBUG_FWD_DUMP_LAYERS": ",".join(map(str, layers)),
-            "FFDEBUG_FWD_DUMP_STAGES": ",".join(_round2_stages(layer)),
-        }
-        cls = block_class(os.path.join(r1, side), layer)
-        if cls:  # every module inside the block becomes a sub-stage
-            env[side]["FFDEBUG_FWD_DUMP_BLOCK_CLASS"] = f"{cls},*"
-    return env
+    common = {
+        "FFDEBUG_FWD_DUMP_MODE": "full",
+        "FFDEBUG_FWD_DUMP_SUBSTAGES": "1",
+        "FFDEBUG_FWD_DUMP_LAYERS": ",".join(map(str, layers)),
+        "FFDEBUG_FWD_DUMP_STAGES": ",".join(_round2_stages(layer)),
+    }
+    return {side: dict(common) for side in cfg.sides()}
 
 
 def _full_round(cfg: HuntConfig, state: HuntState, number: int) -> Round:
