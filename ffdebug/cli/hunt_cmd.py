@@ -13,7 +13,8 @@ setting FFDEBUG_* for each, until the layer and the sub-stage that introduce the
   round 1  a sketch of every block stage, embed and final (FFDEBUG_FWD_DUMP_MODE=sketch): rel and
            cos estimated from a seeded 1,024-bucket sketch, so a rotary swap shows even where mean,
            std and norm agree; bisect names the first introducing layer
-  round 2  full dumps of that layer and the one before, every module in the block as a sub-stage
+  round 2  full dumps of that layer with its role sub-stages (attn.q.out, mlp.gate.out, ...)
+           and the block stages of the layer before
 
 Each round prints its decision, its evidence, its bytes and the command lines that reproduce it.
 D/hunt.json is written after every round: --resume continues an interrupted hunt without redoing

@@ -101,12 +101,13 @@ def round0_weights(cfg: HuntConfig, state: HuntState) -> Round:
 
     a, b = cfg.weights
     result = weights_diff(a, b)
-    failed = result.exit_code() != 0
-    evidence = [f"weights-diff {a} {b}: verdict {result.verdict.value}, exit {result.exit_code()}"]
-    for finding in list(getattr(result, "findings", []) or [])[:5]:
-        evidence.append(str(getattr(finding, "key", finding)))
-    if failed:
-        state.complete = True
+    failed = result.failed()
+    evidence = [f"weights-diff {a} {b}: verdict {result.verdict.value}"]
+    evidence.extend(f"{t.name}: {t.finding} ({t.severity.value})" for t in result.problems()[:5])
+    if not result.schema_clean:
+        evidence.append("the checkpoints differ in their keys, shapes or dtypes")
+    if failed:  # the error starts before any stage: at the weights
+        state.complete, state.sub_stage = True, "weights"
         decision = "weight bug: the checkpoints differ, fix the weights before any forward"
     else:
         decision = "weights match: go on to the forward"
