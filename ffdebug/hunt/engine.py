@@ -7,7 +7,14 @@ import os
 from collections.abc import Callable
 
 from ffdebug.errors import FFDebugError
-from ffdebug.hunt.rounds import HuntConfig, round0_weights, round1_sketch, round2_full, round3_before
+from ffdebug.hunt.rounds import (
+    BudgetSpent,
+    HuntConfig,
+    round0_weights,
+    round1_sketch,
+    round2_full,
+    round3_before,
+)
 from ffdebug.hunt.state import HuntState, Round, load_state
 
 ROUNDS = ((0, round0_weights), (1, round1_sketch), (2, round2_full), (3, round3_before))
@@ -21,11 +28,6 @@ def _check_resumable(cfg: HuntConfig, state: HuntState, directory: str) -> None:
                 f"{directory}/hunt.json: round {r.round} ran other commands ({r.command_ref!r}, "
                 f"{r.command_target!r}); give the same --ref / --target, or start again without --resume"
             )
-    if state.budget_limit != cfg.budget:
-        raise FFDebugError(
-            f"{directory}/hunt.json: the hunt ran with --budget {state.budget_limit} bytes, not {cfg.budget}; "
-            "give the same --budget or start again without --resume"
-        )
 
 
 def hunt(
@@ -40,6 +42,7 @@ def hunt(
     if resume:
         state = load_state(cfg.dir)
         _check_resumable(cfg, state, cfg.dir)
+        state.budget_limit = cfg.budget  # a resumed hunt may raise (or lift) the budget
     else:
         if os.path.exists(os.path.join(cfg.dir, "hunt.json")):
             raise FFDebugError(
@@ -59,7 +62,11 @@ def hunt(
             break
         if cfg.budget is not None and state.used >= cfg.budget:
             break
-        done = run(cfg, state)
+        try:
+            done = run(cfg, state)
+        except BudgetSpent as spent:
+            state.notes.append(str(spent))
+            break
         state.rounds.append(done)
         state.save(cfg.dir)
         ran += 1

@@ -83,6 +83,24 @@ def over_budget(root: str) -> int:
     return count
 
 
+class BudgetSpent(Exception):
+    """A round's writers reached the byte budget: what they left out would be judged on statistics
+    alone, which never clears a stage, so the round is not kept."""
+
+    def __init__(self, number: int, skipped: int) -> None:
+        super().__init__(
+            f"round {number}: {skipped} capture(s) not written, the byte budget was reached; "
+            "raise --budget and --resume"
+        )
+        self.number, self.skipped = number, skipped
+
+
+def _check_budget(root: str, number: int) -> None:
+    skipped = over_budget(root)
+    if skipped:
+        raise BudgetSpent(number, skipped)
+
+
 def _round(cfg: HuntConfig, number: int, env: dict, root: str, decision: str, evidence: list[str]) -> Round:
     return Round(
         round=number,
@@ -148,12 +166,10 @@ def round1_sketch(cfg: HuntConfig, state: HuntState) -> Round:
         for side in cfg.sides()
     }
     root = _run_round(cfg, state, 1, env)
+    _check_budget(root, 1)
     result = _bisect(root, bool(cfg.noise))
     first = result.first_divergence
     evidence = [f"pattern {result.pattern.value}: {result.reason}"]
-    skipped = over_budget(root)
-    if skipped:
-        evidence.append(f"{skipped} capture(s) not written: the byte budget was reached")
     if first is None:
         state.complete = True
         return _round(cfg, 1, env, root, "no stage leaves the ok band: nothing to hunt", evidence)
@@ -205,12 +221,10 @@ def _full_round(cfg: HuntConfig, state: HuntState, number: int) -> Round:
     layer = state.layer
     env = _full_env(cfg, layer)
     root = _run_round(cfg, state, number, env)
+    _check_budget(root, number)
     result = _bisect(root, bool(cfg.noise))
     first, sub = result.first_divergence, result.sub_stage
     evidence = [f"pattern {result.pattern.value}: {result.reason}"]
-    skipped = over_budget(root)
-    if skipped:
-        evidence.append(f"{skipped} capture(s) not written: the byte budget was reached")
     if first is None or first.layer is None:
         evidence.append("the full dumps show no divergence in these layers: the sketch estimate was wrong")
         state.complete = True

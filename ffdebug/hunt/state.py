@@ -77,6 +77,7 @@ class HuntState:
     local: bool | None = None
     budget_limit: int | None = None
     complete: bool = False
+    notes: list[str] = field(default_factory=list)  # this run's stops (budget), printed, not saved
 
     @property
     def used(self) -> int:

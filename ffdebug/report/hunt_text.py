@@ -52,7 +52,10 @@ def conclusion(state) -> str:
 
 
 def print_hunt(state) -> None:
-    _console().print(safe(conclusion(state)))
+    c = _console()
+    for note in state.notes:
+        c.print(safe(note))
+    c.print(safe(conclusion(state)))
 
 
 def hunt_html(state) -> str:

@@ -124,10 +124,28 @@ def test_hunt_killed_between_rounds_resumes(tmp_path):
     proc.wait()
     saved = json.loads((d / "hunt.json").read_text())
     assert [r["round"] for r in saved["rounds"]] == [1] and not saved["complete"]
-    out = subprocess.run(args + ["--resume", "--json"], capture_output=True, text=True)
+    html = tmp_path / "hunt.html"
+    out = subprocess.run(args + ["--resume", "--json", "--html", str(html)], capture_output=True, text=True)
     assert out.returncode == 1, out.stderr
     final = json.loads(out.stdout)
     assert [r["round"] for r in final["rounds"]] == [1, 2] and final["complete"]
     assert final["layer"] == 2 and final["sub_stage"] in EXPECTED["q_proj"]
     assert runs(ref_log).count("round1") == 1  # round 1 was not redone
     assert "kept from the earlier run" in out.stderr
+    page = html.read_text()
+    assert "Round 1" in page and "Round 2" in page and "FFDEBUG_FWD_DUMP_MODE=sketch" in page
+
+
+def test_hunt_respects_the_byte_budget(tmp_path):
+    """A 64 KiB budget cannot hold round 1's sketches: the round is not kept (what the writers left
+    out would be judged on statistics alone), the hunt says so and exits 4."""
+    ref, _ = write_script(tmp_path, "ref", layers=2)
+    target, _ = write_script(tmp_path, "target", "q_proj", 1, layers=2)
+    d = tmp_path / "h"
+    args = ["hunt", "--ref", ref, "--target", target, "--dir", str(d), "--budget", "64KiB"]
+    out = subprocess.run([sys.executable, "-m", "ffdebug.cli.app", *args], capture_output=True, text=True)
+    assert out.returncode == 4, out.stderr
+    assert "byte budget was reached" in out.stdout and "INCOMPLETE" in out.stdout
+    saved = json.loads((d / "hunt.json").read_text())
+    assert saved["rounds"] == [] and saved["budget"]["limit"] == 64 * 1024 and not saved["complete"]
+    assert tree_bytes(str(d / "round1" / "ref")) <= 32 * 1024 + 16 * 1024  # payloads capped, manifests on top
