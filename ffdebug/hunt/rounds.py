@@ -20,17 +20,15 @@ from dataclasses import dataclass
 from ffdebug.hunt.runner import fresh_dir, run_side, tree_bytes
 from ffdebug.hunt.state import HuntState, Round
 
-# the block-level stages (README "Stage names by role") plus the stages outside the blocks
+# Round 1's stages: each block's branch outputs and its output, plus the stages outside the blocks.
+# Left out because another stage carries them: `hidden_in` past layer 0 (the previous block's
+# `hidden_out`; bisect reads it as the input) and the norm outputs (the branch they feed shows their
+# error; round 2 dumps them). A sketch costs 4 KiB whatever the tensor's size.
 ROUND1_STAGES = (
-    "L*.hidden_in",
-    "L*.encoder_hidden_in",
-    "L*.attn_norm_out",
+    "L000.hidden_in",
     "L*.attn_out",
-    "L*.attn_post_norm_out",
-    "L*.ffn_norm_out",
     "L*.ffn_out",
-    "L*.ffn_post_norm_out",
-    "L*.hidden_out",
+    "L*.hidden_out*",
     "embed.*",
     "final.*",
 )
@@ -187,7 +185,7 @@ def round1_sketch(cfg: HuntConfig, state: HuntState) -> Round:
 
 
 def _round2_stages(layer: int) -> list[str]:
-    """Every stage of `layer` (sub-stages and taps included); the block stages of the one before
+    """Every stage of `layer` (sub-stages and taps included); round 1's stages of the one before
     (its output is the layer's input, and says whether the sketch placed the error one layer late)."""
     before = [g.replace("L*", f"L{layer - 1:03d}") for g in ROUND1_STAGES if g.startswith("L*")]
     return [*(before if layer > 0 else []), f"L{layer:03d}.*"]
