@@ -82,10 +82,12 @@ def register(app: typer.Typer) -> None:
             seed=seed,
         )
         state = hunt(
-            cfg, resume=resume, on_round=lambda r, kept: hunt_text.print_round(r, kept, err=json_out)
+            cfg,
+            resume=resume,
+            on_round=lambda r, kept: hunt_text.print_round(r, kept, err=json_out, noise=noise),
         )
         if html_out:
-            write_output_file(html_out, hunt_text.hunt_html(state), "--html")
+            write_output_file(html_out, hunt_text.hunt_html(state, noise), "--html")
         if json_out:
             emit_json(state.to_json())
         else:

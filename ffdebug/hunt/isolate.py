@@ -230,6 +230,7 @@ def isolate(cfg: IsolateConfig) -> IsolateResult:
     probe_dir = fresh_dir(os.path.join(root, "probe"))
     with open(os.path.join(probe_dir, "sitecustomize.py"), "w", encoding="utf-8") as f:
         f.write(_PROBE)
+    _git(repo, "worktree", "prune", what="isolate")  # forget worktrees of an earlier, killed run
     made: list[str] = []
     try:
         run_side(

@@ -31,9 +31,11 @@ class Round:
     decision: str
     evidence: list[str] = field(default_factory=list)
 
-    def reproduce(self, side: str) -> str:
-        """The shell line that re-runs this round's `side` command."""
-        command = self.command_ref if side == "ref" else self.command_target
+    def reproduce(self, side: str, noise_command: str | None = None) -> str:
+        """The shell line that re-runs this round's `side` command (the noise side's command is
+        the hunt's `--noise`, not kept in the round)."""
+        commands = {"ref": self.command_ref, "target": self.command_target}
+        command = commands.get(side, noise_command or "<the --noise command>")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.get(side, {}).items()))
         return f"{env} {command}".strip()
 

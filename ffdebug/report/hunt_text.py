@@ -16,7 +16,7 @@ def _console(err: bool = False) -> Console:
     return Console(stderr=err, highlight=False, soft_wrap=True)
 
 
-def print_round(r, resumed: bool, err: bool = False) -> None:
+def print_round(r, resumed: bool, err: bool = False, noise: str | None = None) -> None:
     """One round: its decision, its evidence, its bytes and the commands that reproduce it."""
     c = _console(err)
     tag = " (kept from the earlier run: --resume)" if resumed else ""
@@ -24,7 +24,7 @@ def print_round(r, resumed: bool, err: bool = False) -> None:
     for line in r.evidence:
         c.print(f"  - {safe(line)}")
     for side in sorted(r.env):
-        c.print(f"  [dim]$ {safe(r.reproduce(side))}[/dim]")
+        c.print(f"  [dim]$ {safe(r.reproduce(side, noise))}[/dim]")
 
 
 def conclusion(state) -> str:
@@ -58,7 +58,7 @@ def print_hunt(state) -> None:
     c.print(safe(conclusion(state)))
 
 
-def hunt_html(state) -> str:
+def hunt_html(state, noise: str | None = None) -> str:
     """A self-contained page: the chain of evidence, one section per round."""
     e = html.escape
     parts = [
@@ -70,7 +70,7 @@ def hunt_html(state) -> str:
         parts.append(f"<h2>Round {r.round}: {e(r.decision)}</h2><p>{r.bytes:,} bytes</p><ul>")
         parts.extend(f"<li>{e(line)}</li>" for line in r.evidence)
         parts.append("</ul>")
-        parts.extend(f"<p><code>{e(r.reproduce(side))}</code></p>" for side in sorted(r.env))
+        parts.extend(f"<p><code>{e(r.reproduce(side, noise))}</code></p>" for side in sorted(r.env))
     return "\n".join(parts) + "\n"
 
 
