@@ -46,6 +46,17 @@ def rope(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def rope_seq_major(q, k, cos, sin):
+    """HF's convention on `[B, S, heads, D]` tensors (the layout many engines rotate in)."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rope_via_seq_major(q, k, cos, sin):
+    """The port's attention hands `[B, heads, S, D]`; the rotation itself runs seq-major."""
+    qs, ks = rope_seq_major(q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2))
+    return qs.transpose(1, 2), ks.transpose(1, 2)
+
+
 def rope_interleaved(q, k, cos, sin):
     """The rotary-convention bug: pairs (x0, x1), (x2, x3) rotated instead of the two halves."""
 

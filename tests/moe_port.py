@@ -1,6 +1,7 @@
 """A from-scratch port of HF Qwen3-MoE for the role sub-stage tests: its own classes and attribute
 names, a fused q/k/v weight, expert weights stacked as `[E, 2·I, H]` / `[E, H, I]` parameters of
-the MoE block itself (no expert modules), a plain `nn.Linear` router, its own rotary code and
+the MoE block itself (no expert modules; with `expert_list=True`, an `nn.ModuleList` of expert
+MLPs instead), a plain `nn.Linear` router, its own rotary code and
 `forward(ids)` returning a plain tensor. `tiny_qwen3_moe()` builds the HF side from a config;
 `make_moe_port(hf)` builds the port and loads its weights.
 
@@ -99,14 +100,50 @@ class Routed(nn.Module):
         return out.view(b, s, h)
 
 
+class Unit(nn.Module):
+    """One expert as a module (Mixtral's older layout): w1 gate, w3 up, w2 down."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inner, bias=False)
+        self.w3 = nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RoutedList(nn.Module):
+    """The same routing over an expert list."""
+
+    def __init__(self, hidden: int, inner: int, experts: int, k: int) -> None:
+        super().__init__()
+        self.k = k
+        self.pick = nn.Linear(hidden, experts, bias=False)
+        self.units = nn.ModuleList(Unit(hidden, inner) for _ in range(experts))
+
+    def forward(self, x):
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        w, ids = self.pick(flat).softmax(-1, dtype=torch.float).topk(self.k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e, unit in enumerate(self.units):
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            if tok.numel():
+                out.index_add_(0, tok, unit(flat[tok]) * w[tok, slot, None])
+        return out.view(b, s, h)
+
+
 class Layer(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, expert_list: bool = False) -> None:
         super().__init__()
         d, eps = cfg.hidden_size // cfg.num_attention_heads, cfg.rms_norm_eps
         self.a = Rms(cfg.hidden_size, eps)
         self.mix = Mixer(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, d, eps)
         self.b = Rms(cfg.hidden_size, eps)
-        self.route = Routed(
+        routed = RoutedList if expert_list else Routed
+        self.route = routed(
             cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
         )
 
@@ -116,10 +153,10 @@ class Layer(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, cfg, inv_freq) -> None:
+    def __init__(self, cfg, inv_freq, expert_list: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.trunk = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.trunk = nn.ModuleList(Layer(cfg, expert_list) for _ in range(cfg.num_hidden_layers))
         self.end = Rms(cfg.hidden_size, cfg.rms_norm_eps)
         self.read = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -135,9 +172,10 @@ class Net(nn.Module):
 
 
 @torch.no_grad()
-def make_moe_port(hf) -> Net:
-    """The port of `hf` (a `tiny_qwen3_moe`) with its weights loaded."""
-    net = Net(hf.config, hf.model.rotary_emb.inv_freq.detach().clone())
+def make_moe_port(hf, expert_list: bool = False) -> Net:
+    """The port of `hf` (a `tiny_qwen3_moe`) with its weights loaded; `expert_list`: experts as
+    modules of an `nn.ModuleList` instead of stacked weights."""
+    net = Net(hf.config, hf.model.rotary_emb.inv_freq.detach().clone(), expert_list)
     net.tok.weight.copy_(hf.model.embed_tokens.weight)
     for mine, theirs in zip(net.trunk, hf.model.layers):
         sa, moe = theirs.self_attn, theirs.mlp
@@ -148,8 +186,15 @@ def make_moe_port(hf) -> Net:
         mine.mix.qn.g.copy_(sa.q_norm.weight)
         mine.mix.kn.g.copy_(sa.k_norm.weight)
         mine.route.pick.weight.copy_(moe.gate.weight)
-        mine.route.w_in.copy_(moe.experts.gate_up_proj)
-        mine.route.w_out.copy_(moe.experts.down_proj)
+        if expert_list:
+            for unit, gate_up, down in zip(mine.route.units, moe.experts.gate_up_proj, moe.experts.down_proj):
+                gate, up = gate_up.chunk(2, dim=0)
+                unit.w1.weight.copy_(gate)
+                unit.w3.weight.copy_(up)
+                unit.w2.weight.copy_(down)
+        else:
+            mine.route.w_in.copy_(moe.experts.gate_up_proj)
+            mine.route.w_out.copy_(moe.experts.down_proj)
     net.end.g.copy_(hf.model.norm.weight)
     net.read.weight.copy_(hf.lm_head.weight)
     return net.eval()

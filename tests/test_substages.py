@@ -114,13 +114,15 @@ def hf_moe():
     return tiny_qwen3_moe(num_layers=2)
 
 
-def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_path):
-    """Both sides stack their expert weights ([E, 2I, H]); HF loops experts in (slot, token) order,
-    the port in (token, slot) order: expert rows are matched to tokens and sorted, so they pair."""
+@pytest.mark.parametrize("expert_list", [False, True], ids=["stacked", "expert-list"])
+def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_path, expert_list):
+    """HF stacks its expert weights ([E, 2I, H]); the port stacks them too, or keeps a list of
+    expert modules. HF loops experts in (slot, token) order, the port in (token, slot) order:
+    expert rows are matched to tokens and sorted, so they pair."""
     from moe_port import make_moe_port
 
     ref = dump(hf_moe, tmp_path, "ref")
-    tgt = dump(make_moe_port(hf_moe), tmp_path, "target", tap="moe_port:rope")
+    tgt = dump(make_moe_port(hf_moe, expert_list), tmp_path, "target", tap="moe_port:rope")
     experts = sorted(k for k in ref if k.startswith("L001.moe.expert"))
     assert experts and set(experts) == {k for k in tgt if k.startswith("L001.moe.expert")}
     for kind in (*MOE, "attn.q.out", "attn.k.out"):
@@ -194,3 +196,81 @@ def test_projections_no_rule_takes_keep_their_module_path_and_are_named(tmp_path
     assert {"L000.mlp.act.out", "L000.mlp.down.out", "L000.ffn_out"} <= keys  # o: the down projection
     assert "no role sub-stage for m.p, m.q, m.r" in capsys.readouterr().err
     assert open_side(tmp_path / "s").run["unplaced_stages"]["Block.m"] == ["m.p", "m.q", "m.r"]
+
+
+# --- packed [T, ...] against padded [B, S, ...] --------------------------------------------------
+
+
+def _padded_and_packed(tmp_path, mask_on_ref=True, bad_row=None, lens=(5, 3), lens_on_target=False):
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(2, 5, dtype=torch.long)
+    for b, n in enumerate(lens):
+        mask[b, :n] = 1
+    ids = torch.randint(3, 50, (2, 5), generator=g) * mask
+    h = torch.randn(2, 5, 4, 2, generator=g)
+    packed_h = h[mask.bool()].clone()  # [T, 4, 2]: batch 0's tokens, then batch 1's
+    if bad_row is not None:
+        packed_h[bad_row] *= -1
+    with ffdebug.capture(None, dir=tmp_path, side="ref"):
+        ffdebug.tap("embed.input_ids", ids)
+        if mask_on_ref:
+            ffdebug.tap("embed.attention_mask", mask)
+        ffdebug.tap("L000.attn.q.out", h)
+    with ffdebug.capture(None, dir=tmp_path, side="target"):
+        ffdebug.tap("embed.input_ids", ids[mask.bool()])
+        if lens_on_target:
+            ffdebug.tap("embed.seq_lens", torch.tensor(lens))
+        ffdebug.tap("L000.attn.q.out", packed_h)
+    return ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+
+
+def test_a_packed_side_is_aligned_with_a_padded_one_by_its_attention_mask(tmp_path):
+    res = _padded_and_packed(tmp_path)
+    q = next(s for s in res.stages if s.key == "L000.attn.q.out")
+    assert q.ok and q.bit_equal == 1.0 and any("padded -> [8, 4, 2] packed" in n for n in q.notes)
+    assert res.exit_code() == 0
+
+
+def test_or_by_the_packed_sides_sequence_lengths(tmp_path):
+    res = _padded_and_packed(tmp_path, mask_on_ref=False, lens_on_target=True)
+    q = next(s for s in res.stages if s.key == "L000.attn.q.out")
+    assert q.ok and q.bit_equal == 1.0 and res.exit_code() == 0
+
+
+def test_an_aligned_packed_row_that_differs_is_found(tmp_path):
+    res = _padded_and_packed(tmp_path, bad_row=6)  # batch 1, position 1
+    q = next(s for s in res.stages if s.key == "L000.attn.q.out")
+    assert not q.ok and res.exit_code() == 1
+
+
+def test_without_a_mask_that_explains_the_shapes_it_is_a_shape_mismatch(tmp_path):
+    from ffdebug.errors import InputIdsMismatch
+
+    with pytest.raises(InputIdsMismatch, match="shape"):
+        _padded_and_packed(tmp_path / "a", mask_on_ref=False)
+    from ffdebug.compare.align import packed_view
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    padded = torch.randn(2, 4, 3)
+    assert torch.equal(packed_view(padded, torch.zeros(5, 3), mask), padded[mask.bool()])
+    assert packed_view(padded, torch.zeros(6, 3), mask) is None  # 5 tokens by the mask, 6 rows
+    assert packed_view(padded, torch.zeros(5, 2), mask) is None  # trailing dims differ
+
+
+def test_hf_records_the_attention_mask_of_its_first_call(hf, tmp_path):
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    with ffdebug.capture(hf, dir=tmp_path, side="s"), torch.no_grad():
+        hf(input_ids=ids(), attention_mask=mask)
+    recs = {r.key: r for r in open_side(tmp_path / "s").records}
+    assert torch.equal(recs["embed.attention_mask"].load(), mask)
+
+
+def test_the_env_switch_is_read_and_checked():
+    from ffdebug._env import read_dump_config
+    from ffdebug.errors import FFDebugError
+
+    assert read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d", "FFDEBUG_FWD_DUMP_SUBSTAGES": "1"}).substages
+    assert not read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d"}).substages
+    with pytest.raises(FFDebugError, match="FFDEBUG_FWD_DUMP_SUBSTAGES='yes please' is invalid"):
+        read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d", "FFDEBUG_FWD_DUMP_SUBSTAGES": "yes please"})

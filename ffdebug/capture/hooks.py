@@ -128,6 +128,11 @@ def install(
             root_state.update(ids=ids, embedded=False)
         if session.call_depth == 1 and ids is not None:
             capture("embed.input_ids", ids, io="in", module_class=type(module).__name__, module_path="")
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(ids.shape):
+                # a padded batch: which positions are tokens (a packed side aligns through it)
+                meta = dict(io="in", module_class=type(module).__name__, module_path="")
+                capture("embed.attention_mask", mask, extra={"token_mask": True}, **meta)
 
     root_state: dict = {"final_norm": None, "vocab": _vocab_size(model)}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from ffdebug.models.subroles import BranchTrace, Dims, LinearCall, SubStage, branch_substages
+from ffdebug.models.subroles import BranchTrace, Dims, LinearCall, SubStage, branch_substages, leading_shape
 
 _ACTIVATIONS: tuple = ()
 _WARNED: set[tuple[str, str]] = set()  # (block class, child) warned about once per process
@@ -51,14 +51,20 @@ def _views() -> tuple:
 
 def _expert_structure(module, path: str):
     """Expert weights inside a branch: {id(param): (owner path, expert)} for the members of an
-    expert list (a ModuleList of two or more modules of one class), the stacked `[E, ...]` 3-D
+    expert list (a ModuleList of two or more modules of one class and one set of parameter shapes,
+    each with more than one weight: small MLPs, not single projections), the stacked `[E, ...]` 3-D
     parameters as (param, owner path), and the expert count they imply."""
     import torch.nn as nn
+
+    def signature(m) -> tuple:
+        return tuple(tuple(p.shape) for p in m.parameters())
 
     members: dict[int, tuple[str, int]] = {}
     count = None
     for rel, sub in module.named_modules():
-        if isinstance(sub, nn.ModuleList) and len(sub) >= 2 and len({type(m) for m in sub}) == 1:
+        if not isinstance(sub, nn.ModuleList) or len(sub) < 2 or len({type(m) for m in sub}) != 1:
+            continue
+        if len({signature(m) for m in sub}) == 1 and len(signature(sub[0])) > 1:
             count = max(count or 0, len(sub))
             for e, member in enumerate(sub):
                 for prel, owner in member.named_modules():
@@ -262,12 +268,15 @@ class BranchRecorder:
         """Projections no role rule took (outside the experts): kept under their module path
         relative to the block, warned about once per block class and listed in run.json."""
         taken = {s.at for s in stages}
-        left = [c for c in trace.calls if c.expert is None and c.index not in taken]
+        experts_placed = any(s.kind.startswith("moe.expert") for s in stages)
+        left = [c for c in trace.calls if (c.expert is None or not experts_placed) and c.index not in taken]
         block = self.roles.block
         out = []
         for c in left:
             rel = c.path[len(block.path) + 1 :] if c.path.startswith(f"{block.path}.") else c.path
-            out.append(SubStage(rel, c.y, c.index, c.path, {"orig_shape": list(c.y.shape)}))
+            out.append(
+                SubStage(rel, leading_shape(c.y, trace), c.index, c.path, {"orig_shape": list(c.y.shape)})
+            )
         if out:
             names = tuple(dict.fromkeys(s.kind for s in out))
             self.session.note_unplaced(f"{block.class_name}.{self.name}", names)

@@ -18,7 +18,7 @@ counts and the expert count:
 | MoE | `moe.router` | the first projection of the branch input to E outputs (E: config, else the stacked expert weights' first dim, else the expert list's length) |
 | MoE | `moe.topk_ids`, `moe.topk_weights` | the indices of the first `topk` after the router; the last float tensor of their shape made before the first expert runs (renormalised / cast weights) |
 | MoE | `moe.expertNNN` | expert NNN's last projection back to the hidden size, its rows sorted by token (a slice `W[e]` of a stacked `[E, ...]` weight, or a projection of the e-th module of an expert list) |
-| MoE | `moe.shared` | the last other projection back to the hidden size (a shared expert) |
+| MoE | `moe.shared`, `moe.shared.gate` / `.up` / `.act` | a shared expert: the MLP rules on the projections that are neither the router's nor an expert's |
 
 q / k / v and the context are stored as `[batch, seq, heads, head_dim]` (k / v before any GQA
 repetition: the projection's own heads); head counts from the config (`num_attention_heads`,
@@ -107,7 +107,7 @@ class SubStage:
     extra: dict
 
 
-def _lead(t, trace: BranchTrace):
+def leading_shape(t, trace: BranchTrace):
     """A token-wise `[B·S, F]` output back to the branch input's leading shape."""
     n = 1
     for d in trace.lead:
@@ -119,7 +119,7 @@ def _lead(t, trace: BranchTrace):
 
 def _stage(kind, t, call: LinearCall, trace, heads=None, head_dim=None, split=None, at=None) -> SubStage:
     orig = list(t.shape) if split is None else list(call.y.shape)
-    t = _lead(t, trace)
+    t = leading_shape(t, trace)
     extra: dict = {"orig_shape": orig}
     if split is not None:
         extra["split"] = list(split)
@@ -219,9 +219,9 @@ def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     first_expert = experts[0].index
     if trace.topk is not None:
         at, _values, ids = trace.topk
-        out.append(SubStage("moe.topk_ids", _lead(ids, trace), first_expert, router.path, {}))
+        out.append(SubStage("moe.topk_ids", leading_shape(ids, trace), first_expert, router.path, {}))
         w = trace.weights[1] if trace.weights is not None else trace.topk[1]
-        out.append(SubStage("moe.topk_weights", _lead(w, trace), first_expert, router.path, {}))
+        out.append(SubStage("moe.topk_weights", leading_shape(w, trace), first_expert, router.path, {}))
     by_expert: dict[int, list[LinearCall]] = {}
     for c in experts:
         by_expert.setdefault(c.expert, []).append(c)
@@ -245,9 +245,12 @@ def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
             y = y[order.argsort(stable=True)]
             extra["tokens"] = sorted(int(i) for i in order)
         out.append(SubStage(f"moe.expert{e:03d}", y, downs[-1].index, downs[-1].path, extra))
-    shared = [c for c in plain if c is not router and not c.from_input and c.out_features == trace.hidden]
-    if shared:
-        out.append(_stage("moe.shared", shared[-1].y, shared[-1], trace))
+    shared = BranchTrace(
+        trace.lead, trace.hidden, [c for c in plain if c is not router], act_ptrs=trace.act_ptrs
+    )
+    for s in mlp_substages(shared):  # a shared expert: the MLP rules on the other projections
+        s.kind = "moe.shared" if s.kind == "mlp.down" else s.kind.replace("mlp.", "moe.shared.")
+        out.append(s)
     return out
 
 

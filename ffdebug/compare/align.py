@@ -1,0 +1,72 @@
+"""Packed `[tokens, ...]` against padded `[batch, seq, ...]` (README "Comparing").
+
+An engine that packs its batch runs `[T, hidden]` where a padded reference runs `[B, S, hidden]`.
+Which of the padded side's B·S positions are tokens comes from what was recorded at the first
+call: the padded side's attention mask (`embed.attention_mask`, recorded from the root's
+`attention_mask`), else the packed side's sequence lengths (`ffdebug.tap("embed.seq_lens", lens)`;
+then each sequence fills the first `lens[b]` positions of its row). When the mask has T tokens and
+the trailing dims agree, the padded side's tokens (row-major: batch, then position) are compared
+with the packed side's rows. Any other shape difference stays a shape mismatch: nothing is
+reshaped without a mask that explains it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MASK_KEY = "embed.attention_mask"
+LENS_KEY = "embed.seq_lens"
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """What says which positions of one side's padded batch are tokens."""
+
+    mask: object = None  # Record: this side's attention mask
+    peer_lens: object = None  # Record: the other (packed) side's sequence lengths
+
+    def mask_for(self, batch: int, seq: int):
+        """A [batch, seq] bool mask, or None when nothing recorded gives one."""
+        import torch
+
+        if self.mask is not None and self.mask.has_payload:
+            return self.mask.load().bool()
+        if self.peer_lens is not None and self.peer_lens.has_payload:
+            lens = self.peer_lens.load().reshape(-1).long()
+            if lens.numel() == batch and int(lens.max()) <= seq and int(lens.min()) >= 0:
+                return torch.arange(seq)[None, :] < lens[:, None]
+        return None
+
+    def __bool__(self) -> bool:
+        return self.mask is not None or self.peer_lens is not None
+
+
+def layouts(ref_group, tgt_group) -> tuple[TokenLayout, TokenLayout]:
+    """The token layouts of a paired call's two sides."""
+    return (
+        TokenLayout(ref_group.token_mask, tgt_group.seq_lens),
+        TokenLayout(tgt_group.token_mask, ref_group.seq_lens),
+    )
+
+
+def packed_view(padded, packed, mask):
+    """`padded`'s token rows in packed order, or None when `mask` does not explain the shapes."""
+    if mask is None or mask.dim() != 2 or padded.dim() < 2 or tuple(padded.shape[:2]) != tuple(mask.shape):
+        return None
+    if packed.dim() != padded.dim() - 1 or packed.shape[0] != int(mask.sum()):
+        return None
+    if tuple(packed.shape[1:]) != tuple(padded.shape[2:]):
+        return None
+    return padded[mask.bool()]
+
+
+def align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
+    """(ref, target, note) with the padded side reduced to its tokens, or None."""
+    for side, padded, packed, layout in (("reference", r, t, ref_layout), ("target", t, r, tgt_layout)):
+        if not layout or padded.dim() < 2:
+            continue
+        sel = packed_view(padded, packed, layout.mask_for(padded.shape[0], padded.shape[1]))
+        if sel is not None:
+            note = f"aligned: {side} {list(padded.shape)} padded -> {list(sel.shape)} packed"
+            return (sel, t, note) if side == "reference" else (r, sel, note)
+    return None
