@@ -153,7 +153,8 @@ class DumpConfig:
     layer_attrs: tuple[str, ...] = ("layer_id", "layer_idx", "layer_number")
     stages: tuple[str, ...] = ()  # globs; empty = all
     calls: CallSelection = field(default_factory=CallSelection)
-    mode: str = "full"  # full | stats
+    mode: str = "full"  # full | stats | sketch
+    sketch_seed: int = 0  # FFDEBUG_FWD_DUMP_SKETCH_SEED: the same on both sides
     grads: bool = False
     max_bytes: int | None = None
     queue_bytes: int = 256 << 20  # background writer bound (ffdebug.store.background); 0: write inline
@@ -206,8 +207,8 @@ def check_side(side: str, variable: str) -> str:
 
 
 def check_mode(mode: str, variable: str) -> str:
-    if mode not in ("full", "stats"):
-        raise FFDebugError(f"{variable}={mode!r} is invalid: use 'full' or 'stats'")
+    if mode not in ("full", "stats", "sketch"):
+        raise FFDebugError(f"{variable}={mode!r} is invalid: use 'full', 'stats' or 'sketch'")
     return mode
 
 
@@ -235,6 +236,7 @@ def read_dump_config(environ: dict[str, str] | None = None) -> DumpConfig | None
         stages=split_list(_get("FFDEBUG_FWD_DUMP_STAGES", env)),
         calls=parse_calls(_get("FFDEBUG_FWD_DUMP_CALLS", env)),
         mode=mode,
+        sketch_seed=_int("FFDEBUG_FWD_DUMP_SKETCH_SEED", _get("FFDEBUG_FWD_DUMP_SKETCH_SEED", env)) or 0,
         grads=_bool("FFDEBUG_FWD_DUMP_GRADS", _get("FFDEBUG_FWD_DUMP_GRADS", env), False),
         max_bytes=_int("FFDEBUG_FWD_DUMP_MAX_BYTES", _get("FFDEBUG_FWD_DUMP_MAX_BYTES", env), 1),
         queue_bytes=_queue_bytes(_get("FFDEBUG_FWD_DUMP_QUEUE_BYTES", env)),

@@ -9,6 +9,7 @@ one for the duration of a `with` block.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import re
 import sys
@@ -118,17 +119,19 @@ class Session:
                 self._writer.update_run_info(unplaced_stages=dict(self.unplaced))
         return self._writer
 
-    def _write(self, key: str, tensor, meta: dict, always_payload: bool) -> None:
-        """Hand one capture (our own copy) to the background writer; inline when its queue is 0."""
+    def _write(self, key: str, tensor, meta: dict, always_payload: bool, payload_of=None) -> None:
+        """Hand one capture (our own copy) to the background writer; inline when its queue is 0.
+        `payload_of(tensor)` gives the payload written instead of the tensor (sketch mode)."""
         writer = self.writer()
         if self.config.queue_bytes <= 0:
-            writer.write(key, tensor, meta, always_payload=always_payload)
+            payload = payload_of(tensor) if payload_of is not None else None
+            writer.write(key, tensor, meta, always_payload=always_payload, payload=payload)
             return
         if self._background is None:
             from ffdebug.store.background import BackgroundWriter
 
             self._background = BackgroundWriter(writer, self.config.queue_bytes)
-        self._background.submit(key, tensor, meta, always_payload=always_payload)
+        self._background.submit(key, tensor, meta, always_payload=always_payload, payload_of=payload_of)
 
     # -- calls ------------------------------------------------------------------------------
     def begin_call(self, input_ids=None) -> None:
@@ -209,7 +212,14 @@ class Session:
                 meta.setdefault(reserved, tags[reserved])
         t = tensor.detach()
         t = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-        self._write(key, t, meta, always_payload=small)
+        payload_of = None
+        if self.config.mode == "sketch" and not small and t.is_floating_point() and t.numel():
+            from ffdebug.compare.sketch import SKETCH_BUCKETS, sketch
+
+            seed = self.config.sketch_seed
+            payload_of = functools.partial(_sketch_payload, seed=seed, sketch=sketch)
+            meta["extra"] = {**(meta.get("extra") or {}), "sketch": {"seed": seed, "buckets": SKETCH_BUCKETS}}
+        self._write(key, t, meta, always_payload=small, payload_of=payload_of)
         self.captured += 1
         if ids and self.input_ids_sha is None:  # run.json identifies the run by its first input ids
             from ffdebug.store.schema import sha256_of_tensor
@@ -404,3 +414,8 @@ def explicit_config(directory: str, side: str, **options) -> DumpConfig:
             )
     check_mode(fields.get("mode", "full"), "mode")
     return DumpConfig(dir=os.fspath(directory), side=check_side(side, "side"), **fields)
+
+
+def _sketch_payload(tensor, seed: int, sketch):
+    """The sketch written in place of a tensor's payload (sketch mode; on the writer thread)."""
+    return sketch(tensor, seed).float()

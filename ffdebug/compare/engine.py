@@ -48,6 +48,34 @@ def _stats_compare(r: Record, t: Record, e: StageResult) -> None:
     e.severity = V.stats_only(e.rel)
 
 
+def _sketch_of(rec: Record) -> dict | None:
+    info = (rec.extra or {}).get("sketch")
+    return info if isinstance(info, dict) and rec.has_payload else None
+
+
+def _sketch_compare(r: Record, t: Record, e: StageResult) -> None:
+    """Compare two sketch-mode records: rel and cos estimated from their sketches and exact norms
+    (`compare/sketch.py`). Sketches of different seeds or sizes cannot meet: a bug, said why."""
+    from ffdebug.compare.sketch import estimate
+
+    rs, ts = _sketch_of(r), _sketch_of(t)
+    if rs != ts:
+        e.notes.append(f"sketches differ in seed or size (ref {rs}, target {ts}): dump both with one seed")
+        e.severity = V.stats_only(None)
+        return
+    l2r, l2t = (r.stats or {}).get("l2"), (t.stats or {}).get("l2")
+    if l2r is None or l2t is None:
+        e.notes.append("sketch without the tensor's norm: nothing to compare")
+        e.severity = V.stats_only(None)
+        return
+    est = estimate(r.load(), t.load(), float(l2r), float(l2t))
+    e.cos, e.rel = est.cos, est.rel
+    e.norm_ratio = (l2t / l2r) if l2r else None
+    e.notes.append(f"rel and cos estimated from a {rs.get('buckets')}-bucket sketch")
+    severity = V.classify(est.cos, est.rel, e.key)
+    e.severity = V.zero_side(severity, float(l2r), float(l2t), int((r.stats or {}).get("numel") or 0))
+
+
 def _meta(rec: Record) -> TensorMeta:
     shape = rec.shape
     return TensorMeta(dtype=rec.dtype, shape=list(shape) if shape is not None else None)
@@ -102,6 +130,12 @@ def compare_records(
             f"shapes differ by size-1 dims only (ref {e.ref.shape} vs target {e.target.shape}): "
             "compared on the reference's shape"
         )
+    if _sketch_of(r) is not None or _sketch_of(t) is not None:
+        if _sketch_of(r) is not None and _sketch_of(t) is not None:
+            _sketch_compare(r, t, e)
+        else:  # a sketch meets a full tensor or statistics: the statistics alone decide nothing more
+            _stats_compare(r, t, e)
+        return e
     if not (r.has_payload and t.has_payload):
         _stats_compare(r, t, e)
         return e

@@ -43,14 +43,15 @@ class BackgroundWriter:
         self._thread.start()
         termination.register(self)
 
-    def submit(self, key: str, tensor, meta: dict, always_payload: bool = False) -> None:
-        """Queue one capture (the caller's own copy); blocks while the queue is full."""
+    def submit(self, key: str, tensor, meta: dict, always_payload: bool = False, payload_of=None) -> None:
+        """Queue one capture (the caller's own copy); blocks while the queue is full. `payload_of`,
+        when given, turns the tensor into the payload written instead (a sketch), on this thread."""
         nbytes = tensor.numel() * tensor.element_size()
         with self._cond:
             while self._error is None and self._pending and self.queued_bytes + nbytes > self.max_bytes:
                 self._cond.wait()
             self._raise_error()
-            self._queue.append((key, tensor, meta, always_payload, nbytes))
+            self._queue.append((key, tensor, meta, always_payload, payload_of, nbytes))
             self._pending += 1
             self.queued_bytes += nbytes
             self._cond.notify_all()
@@ -62,10 +63,11 @@ class BackgroundWriter:
                     self._cond.wait()
                 if not self._queue:
                     return
-                key, tensor, meta, always_payload, nbytes = self._queue.popleft()
+                key, tensor, meta, always_payload, payload_of, nbytes = self._queue.popleft()
             try:
                 if self._error is None:
-                    self.writer.write(key, tensor, meta, always_payload=always_payload)
+                    payload = payload_of(tensor) if payload_of is not None else None
+                    self.writer.write(key, tensor, meta, always_payload=always_payload, payload=payload)
             except BaseException as err:  # raised later in the capturing thread
                 self._error = err
             del tensor

@@ -24,7 +24,12 @@ def _same(a, b) -> bool:
 
 
 def disagreements(rec: Record, shape: tuple[int, ...], dtype: str, stats: dict | None) -> list[str]:
-    """Each manifest field of `rec` that the payload contradicts, as `field: manifest X vs payload Y`."""
+    """Each manifest field of `rec` that the payload contradicts, as `field: manifest X vs payload Y`.
+    A sketch-mode payload is the tensor's sketch: only its length is checked."""
+    sketch_info = (rec.extra or {}).get("sketch")
+    if isinstance(sketch_info, dict):
+        buckets = sketch_info.get("buckets")
+        return [] if shape == (buckets,) else [f"sketch: {buckets} buckets declared vs payload {list(shape)}"]
     out = []
     if tuple(rec.shape) != shape:
         out.append(f"shape: manifest {list(rec.shape)} vs payload {list(shape)}")

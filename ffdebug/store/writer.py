@@ -155,11 +155,12 @@ class StoreWriter:
         with self._lock:
             self.counts[reason] = self.counts.get(reason, 0) + 1
 
-    def write(self, key: str, tensor, meta: dict, always_payload: bool = False) -> dict | None:
+    def write(self, key: str, tensor, meta: dict, always_payload: bool = False, payload=None) -> dict | None:
         """Capture one tensor (already detached and cloned by the caller) and append its record.
 
         `always_payload` writes the tensor even in stats mode or over budget (input ids: small,
-        and needed by the input-ids gate).
+        and needed by the input-ids gate). `payload` (sketch mode) is written instead of the
+        tensor, whose shape, dtype and statistics the record keeps.
         """
         import safetensors.torch
 
@@ -197,8 +198,9 @@ class StoreWriter:
                 record["persistent"] = meta["persistent"]
             if meta.get("extra"):
                 record["extra"] = meta["extra"]
-            nbytes = t.numel() * t.element_size()
-            if self.mode == "stats" and not always_payload:
+            body = t if payload is None else payload.detach().contiguous()
+            nbytes = body.numel() * body.element_size()
+            if self.mode in ("stats", "sketch") and not always_payload and payload is None:
                 self.counts["stats_only"] += 1
             elif (
                 not always_payload
@@ -209,7 +211,7 @@ class StoreWriter:
                 record["over_budget"] = True
             else:
                 name = f"{seq:06d}_{_SAFE.sub('_', key)[:80]}.safetensors"
-                data = safetensors.torch.save({"tensor": t}, metadata={"key": key})
+                data = safetensors.torch.save({"tensor": body}, metadata={"key": key})
                 atomic_write_bytes(os.path.join(self.rank_dir, name), data)
                 record["file"] = name
                 record["tensor"] = "tensor"

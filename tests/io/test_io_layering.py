@@ -81,6 +81,7 @@ ANALYSIS = ["store", "io", "weights", "compare"]
     [
         *ANALYSIS,
         "bisect",
+        "hunt",
     ],
 )
 def test_analysis_does_not_import_report(package):

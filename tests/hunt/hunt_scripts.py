@@ -1,0 +1,92 @@
+"""Small run scripts for the hunt tests: a tiny Llama (or its port) built from a config, one
+planted bug on the target side, `ffdebug.install`, one forward. Each run appends its dump directory
+to a log so a test can count which rounds ran.
+
+Imported by name (`from hunt_scripts import write_script`), like `tiny_models`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# target-side bugs: each line runs with `m` the HF model (or `net` the port) and `L` the layer
+PLANTS = {
+    "none": "",
+    "q_proj": "m.model.layers[L].self_attn.q_proj.weight.data[:16] *= 2.0",
+    "mlp_gate": "m.model.layers[L].mlp.gate_proj.weight.data[:32] *= 2.0",
+    "norm": "m.model.layers[L].post_attention_layernorm.weight.data[:32] *= 2.0",
+    # rotary frequencies in reverse order in one layer: every q / k pair is still a rotation
+    # (norms kept), by the wrong angle
+    "rotary": (
+        "def _swap(mod, args, kw):\n"
+        "    cos, sin = kw['position_embeddings']\n"
+        "    h = cos.shape[-1] // 2\n"
+        "    perm = torch.cat([torch.arange(h).flip(0), torch.arange(h, 2 * h).flip(0)])\n"
+        "    kw['position_embeddings'] = (cos[..., perm], sin[..., perm])\n"
+        "    return args, kw\n"
+        "m.model.layers[L].self_attn.register_forward_pre_hook(_swap, with_kwargs=True)"
+    ),
+    # the port's fused q/k/v weight: its first rows are q's
+    "port_q": "getattr(net, 'blocks')[L].attn.wqkv.weight.data[:16] *= 2.0",
+}
+
+_SCRIPT = """import os, sys
+import torch
+sys.path.insert(0, {tests!r})
+from tiny_models import tiny_llama
+import ffdebug
+
+torch.set_num_threads(1)
+with open({log!r}, "a") as f:
+    f.write(os.environ.get("FFDEBUG_FWD_DUMP_DIR", "") + "\\n")
+m = tiny_llama(num_layers={layers}, hidden={hidden})
+L = {layer}
+{port}
+{plant}
+ffdebug.install({model})
+ids = torch.randint(0, 1000, (1, {seq}), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    {model}(ids)
+"""
+
+_PORT = "from llama_ports import make_port\nnet = make_port(m)"
+
+
+def write_script(
+    tmp,
+    name: str,
+    plant: str = "none",
+    layer: int = 0,
+    layers: int = 8,
+    hidden: int = 64,
+    seq: int = 64,
+    port: bool = False,
+) -> tuple[str, str]:
+    """Write `tmp/name.py`; returns (shell command, run log path)."""
+    log = os.path.join(str(tmp), f"{name}.runs")
+    text = _SCRIPT.format(
+        tests=TESTS,
+        log=log,
+        layers=layers,
+        hidden=hidden,
+        layer=layer,
+        seq=seq,
+        port=_PORT if port else "",
+        plant=PLANTS[plant],
+        model="net" if port else "m",
+    )
+    path = os.path.join(str(tmp), f"{name}.py")
+    with open(path, "w") as f:
+        f.write(text)
+    return f"{sys.executable} {path}", log
+
+
+def runs(log: str) -> list[str]:
+    """The dump directories (one per run) a script's log holds."""
+    if not os.path.exists(log):
+        return []
+    with open(log) as f:
+        return [os.path.basename(line.strip()) for line in f if line.strip()]
