@@ -28,7 +28,7 @@ class _GatedWriter:
         self.written: list[str] = []
         self.closed = False
 
-    def write(self, key, tensor, meta, always_payload=False):
+    def write(self, key, tensor, meta, always_payload=False, payload=None):
         self.gate.wait(30)
         self.written.append(key)
 
