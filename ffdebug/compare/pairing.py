@@ -18,8 +18,7 @@ import fnmatch
 import hashlib
 from dataclasses import dataclass, field
 
-from ffdebug.compare.align import LENS_KEY, MASK_KEY, align, layouts
-from ffdebug.errors import FFDebugError, InputIdsMismatch
+from ffdebug.compare.align import LENS_KEY, MASK_KEY
 from ffdebug.io.ranks import Replicated, fold, manifest_plan
 from ffdebug.io.record import Record
 from ffdebug.io.side import SideStore
@@ -223,47 +222,12 @@ def merge_rank_records(parts: list[Record]) -> Record:
     return fold(ordered, plan)
 
 
-def _ids(rec: Record, label: str):
-    """The input ids of one side: token ids are integers; NaN / Inf ids mean a damaged dump."""
-    import torch
+def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]):
+    """The gate before numerics (`ffdebug.compare.gate`): raises InputIdsMismatch (exit 3) for
+    different external inputs, returns the call where a generation diverged (or None)."""
+    from ffdebug.compare.gate import gate_inputs
 
-    t = rec.load()
-    if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
-        raise FFDebugError(
-            f"{rec.origin or rec.key}: the {label} side's {rec.key} holds NaN / Inf ({t.dtype}); token ids are "
-            "integers — the dump is damaged, re-run it"
-        )
-    return t
-
-
-def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]) -> None:
-    """The gate before numerics: equal input ids on both sides of every paired call."""
-    import torch
-
-    for rg, tg in pairs:
-        if rg.input_ids is None and tg.input_ids is None:
-            continue
-        where = f"call {rg.call}" + (f" {dict(rg.tags)}" if rg.tags else "")
-        if rg.input_ids is None or tg.input_ids is None:
-            missing = "reference" if rg.input_ids is None else "target"
-            raise InputIdsMismatch(
-                f"input ids: the {missing} side has no embed.input_ids for {where}; dump both sides "
-                "with the same inputs (fix tokenization first)"
-            )
-        r, t = _ids(rg.input_ids, "reference"), _ids(tg.input_ids, "target")
-        aligned = align(r, t, *layouts(rg, tg)) if r.shape != t.shape else None
-        if aligned is not None:
-            r, t = aligned[0], aligned[1]
-        if tuple(r.shape) != tuple(t.shape):
-            raise InputIdsMismatch(
-                f"input ids differ at {where}: shape {list(r.shape)} vs {list(t.shape)} (fix tokenization first)"
-            )
-        if not torch.equal(r, t):
-            pos = torch.nonzero(r != t)[0].tolist()
-            raise InputIdsMismatch(
-                f"input ids differ at {where}, first at position {pos}: ref {r[tuple(pos)].item()} vs "
-                f"target {t[tuple(pos)].item()} (fix tokenization first)"
-            )
+    return gate_inputs(pairs)
 
 
 @dataclass
