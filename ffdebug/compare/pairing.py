@@ -180,7 +180,8 @@ def pair_calls(ref_groups: list[CallGroup], tgt_groups: list[CallGroup]) -> Pair
             unpaired_ref.append(rg)
             continue
         choice = None
-        rd = rg.ids_digest()
+        # one token per sequence (a decode step) does not identify a call: those pair by index
+        rd = rg.ids_digest() if not _one_token(rg) else None
         if rd is not None:
             same = [i for i in cands if digest(i) == rd]
             if same:
@@ -205,6 +206,11 @@ def pair_calls(ref_groups: list[CallGroup], tgt_groups: list[CallGroup]) -> Pair
     warm_ref = [g for g in unpaired_ref if g.warmup]
     real_ref = [g for g in unpaired_ref if not g.warmup]
     return Pairing(pairs, real_ref, [g for g in left if not g.warmup], warm, warm_ref)
+
+
+def _one_token(g: CallGroup) -> bool:
+    shape = list(g.input_ids.shape) if g.input_ids is not None else []
+    return bool(shape) and shape[-1] == 1
 
 
 def _shapes_agree(a: CallGroup, b: CallGroup) -> bool:
