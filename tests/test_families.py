@@ -183,3 +183,81 @@ def test_vit_norm_after_attention_bug(tmp_path, monkeypatch):
     )
     assert where == (0, "ffn_norm_out")
     assert {"embed.pixel_values", "L000.attn_norm_out", "final.norm_out"} <= _keys(result)
+
+
+def test_multi_step_pipeline_scheduler_difference_names_the_call(sd3, tmp_path):
+    """A 3-step flow-matching loop; the target's scheduler uses another shift. Step 0 starts at
+    sigma 1 on both sides (shift leaves 1 unchanged), so the first difference is call 1's
+    timestep — an input that is compared, never gated."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from ffdebug.report.text import compare_conclusion
+
+    model, inputs = sd3
+
+    def run(side, shift):
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+        scheduler.set_timesteps(3)
+        latents = inputs["hidden_states"].clone()
+        with ffdebug.capture(model, dir=str(tmp_path), side=side), torch.no_grad():
+            for t in scheduler.timesteps:
+                call = dict(inputs, hidden_states=latents, timestep=t.reshape(1))
+                latents = scheduler.step(model(**call).sample, t, latents).prev_sample
+        return tmp_path / side
+
+    result = ffdebug.compare(run("ref", 3.0), run("target", 1.0))
+    first = result.first_divergence
+    assert (first.call, first.key) == (1, "embed.timestep")
+    assert all(s.ok for s in result.stages if s.call == 0)
+    assert compare_conclusion(result).startswith("First divergence at call 1, embed.timestep")
+
+
+def test_decode_only_bug_reports_generation_diverged(tmp_path, monkeypatch):
+    """Greedy generation with a KV cache: prefill (call 0) is clean, every decode call's MLP of
+    layer 1 is wrong. Call 1 computes the wrong next token, so call 2's ids differ: the gate says
+    "generation diverged at call 2" (not exit 3) and names call 1's first divergent stage."""
+    from tiny_models import tiny_llama
+
+    from ffdebug.report.text import compare_conclusion
+
+    model = tiny_llama(num_layers=2)
+    prompt = torch.randint(3, 1000, (1, 5), generator=torch.Generator().manual_seed(8))
+
+    tokens = {}
+
+    def generate(side):
+        with ffdebug.capture(model, dir=str(tmp_path), side=side), torch.no_grad():
+            out = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False
+            )
+        tokens[side] = out[0, 6].item()  # call 1's token: the input of call 2
+        return tmp_path / side
+
+    ref = generate("ref")
+    mlp = model.model.layers[1].mlp
+    forward = mlp.forward
+
+    def decode_bug(x):
+        out = forward(x)
+        # one token per sequence: a decode step. Large, so that the random model's next token
+        # changes (its residual stream is dominated by the embeddings)
+        return -40 * out if x.shape[1] == 1 else out
+
+    monkeypatch.setattr(mlp, "forward", decode_bug)
+    result = ffdebug.compare(ref, generate("target"))
+    assert result.generation is not None and result.generation.call == 2
+    assert result.exit_code() == 1
+    assert {s.call for s in result.stages} == {0, 1}  # calls before k compared, k on not
+    assert all(s.ok for s in result.stages if s.call == 0)
+    first = next(s for s in result.stages if not s.ok)
+    assert (first.call, first.layer, first.stage) == (1, 1, "ffn_out")
+    sentence = compare_conclusion(result)
+    assert tokens["ref"] != tokens["target"]
+    expected = (
+        f"Generation diverged at call 2 (position [0, 0]: ref {tokens['ref']} vs target {tokens['target']})"
+    )
+    assert sentence.startswith(
+        expected + "; first divergence of call 1: layer 1 (LlamaDecoderLayer), ffn_out"
+    )
+    assert sentence.endswith("FAILED")
+    assert result.to_json()["generation_diverged"]["call"] == 2
