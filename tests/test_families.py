@@ -170,13 +170,18 @@ def test_t5_decoder_cross_attention_bug(tmp_path, monkeypatch):
     assert labels[1] == "encoder.T5Block" and labels[2] == "decoder.T5Block"
 
 
-def test_vit_norm_after_attention_bug(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def vit():
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(0)
     config = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                        intermediate_size=37, num_labels=3)  # fmt: skip
-    model = ViTForImageClassification(config).eval()
+    return ViTForImageClassification(config).eval()
+
+
+def test_vit_norm_after_attention_bug(vit, tmp_path, monkeypatch):
+    model = vit
     pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(7))
     result, where = _located(
         model, "vit.layers.0.layernorm_after", [dict(pixel_values=pixels)], tmp_path, monkeypatch
@@ -261,3 +266,63 @@ def test_decode_only_bug_reports_generation_diverged(tmp_path, monkeypatch):
     )
     assert sentence.endswith("FAILED")
     assert result.to_json()["generation_diverged"]["call"] == 2
+
+
+def test_different_pixel_values_are_gated_and_named(vit, tmp_path):
+    """An external input other than token ids: exit 3 names it, without "tokenization"."""
+    from ffdebug.errors import InputIdsMismatch
+
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(9))
+    ref = _dump(vit, tmp_path, "ref", [dict(pixel_values=pixels)])
+    other = pixels.clone()
+    other[0, 1, 2, 3] += 1.0
+    tgt = _dump(vit, tmp_path, "target", [dict(pixel_values=other)])
+    with pytest.raises(InputIdsMismatch) as err:
+        ffdebug.compare(ref, tgt)
+    message = str(err.value)
+    assert "embed.pixel_values differ at call 0" in message and "position [0, 1, 2, 3]" in message
+    assert "tokenization" not in message and "same pixel_values" in message
+    assert err.value.exit_code == 3
+
+
+def test_a_child_called_twice_gets_invocation_indices(tmp_path):
+    """One module run twice inside a block: two records of one stage, invocations 0 and 1."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(8)
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.proj(self.proj(self.norm(x)))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    from ffdebug.store.reader import open_side
+
+    torch.manual_seed(0)
+    side = _dump(Model(), tmp_path, "ref", [dict(x=torch.randn(2, 3, 8))])
+    proj = sorted((r.key, r.invocation) for r in open_side(side).records if r.key.startswith("L000.attn_out"))
+    assert proj == [("L000.attn_out", 0), ("L000.attn_out", 1)]
+
+
+def test_legend_labels_that_differ_stay_distinct():
+    from ffdebug.report.html import distinct_labels
+
+    names = [
+        "JointTransformerBlock[norm1_context=AdaLayerNormZero]",
+        "JointTransformerBlock[norm1_context=AdaLayerNormContinuous]",
+        "dense",
+    ]
+    labels = distinct_labels(names, 18)
+    assert len(set(labels.values())) == 3 and labels["dense"] == "dense"
+    assert all(len(v) <= 18 for v in labels.values())
