@@ -35,7 +35,9 @@ HELP = """Compare a reference dump with a target dump, stage by stage, in float6
   ffdebug compare run1 run2 --exact          # run-to-run determinism: any bit difference fails
 
 Exit codes: 0 nothing at or above --fail-on and everything compared; 1 a difference at or above
-it; 2 bad input; 3 the two sides were fed different input ids (fix tokenization first); 4
+it, or a generation that diverged after its first call ("generation diverged at call k"); 2 bad
+input; 3 the two sides were fed different external inputs at a first call (token ids: fix
+tokenization first; pixel_values, attention_mask, position_ids: the input is named); 4
 incomplete: what was compared is fine but something was left out (the output names it: a side that
 did not finish, a stage kind on one side only, a rank or call not compared, final outputs never
 dumped, statistics-only stages); --allow-partial makes it 0.
