@@ -25,6 +25,7 @@ class Handle:
     def __init__(self, session, blocks) -> None:
         self.session = session
         self.blocks = blocks
+        self.order = None  # ExecutionOrder of the blocks (capture/order.py)
         self._hooks: list = []
 
     def add(self, hook) -> None:
@@ -34,6 +35,9 @@ class Handle:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.order is not None:  # blocks run without a root call: write what was held
+            for replay in self.order.decide():
+                replay()
 
     @property
     def num_hooks(self) -> int:
@@ -108,7 +112,7 @@ def install(
         session.num_layers = max(b.layer for b in blocks) + 1
 
     stage_map = StageMap.of(stage_names)
-    order = ExecutionOrder(blocks)
+    order = handle.order = ExecutionOrder(blocks)
 
     def capture(key, tensor, grad_source=None, **meta):
         """Write `tensor` as `key` (renamed by the stage map); its gradient is taken from
