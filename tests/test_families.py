@@ -119,9 +119,13 @@ def test_unet_mid_block_bug_is_layer_2_in_execution_order(tmp_path, monkeypatch)
     assert where == (2, "resnets.1.out")
     paths = {s.layer: s.stage for s in result.stages if s.stage == "hidden_out"}
     assert sorted(paths) == [0, 1, 2, 3, 4]
-    final = next(s for s in result.stages if s.key == "final.norm_out")
-    assert final.ref.shape == [1, 32, 8, 8]  # conv_norm_out, not a norm inside the first down block
     assert not any(s.layer is not None and s.layer < 2 and not s.ok for s in result.stages)
+    by_key = {r.key: r for r, _ in result.records}
+    assert by_key["final.norm_out"].module_path == "conv_norm_out"  # not a norm of the first down block
+    assert by_key["L002.hidden_in"].module_path == "mid_block"
+    bisected = ffdebug.bisect(tmp_path / "ref", tmp_path / "target")
+    assert bisected.pattern == "jump" and bisected.first_divergence.layer == 2
+    assert bisected.sub_stage.key == "L002.resnets.1.out"
 
 
 def test_gpt2_conv1d_attention_bug(tmp_path, monkeypatch):
