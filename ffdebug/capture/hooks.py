@@ -264,11 +264,20 @@ def _signature(model):
 
 def _bind(sig, args, kwargs) -> dict:
     """The root call's arguments by name (positional ones too: a UNet's `timestep`)."""
+    import inspect
+
     if sig is not None:
         try:
-            return dict(sig.bind_partial(*args, **kwargs).arguments)
+            bound = sig.bind_partial(*args, **kwargs).arguments
         except TypeError:
-            pass
+            return dict(kwargs)
+        out: dict = {}
+        for name, value in bound.items():  # `**kwargs` of the forward: its entries by name
+            if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                out.update(value)
+            else:
+                out[name] = value
+        return out
     return dict(kwargs)
 
 

@@ -84,8 +84,8 @@ def gate_inputs(pairs) -> GenerationDivergence | None:
             tokens = key == IDS_KEY or (spec is not None and spec.tokens)
             fix = "fix tokenization first" if tokens else f"feed both sides the same {key.split('.', 1)[1]}"
             if key not in ref_in or key not in tgt_in:
-                if not tokens or not first and key != IDS_KEY:
-                    continue  # a non-token input dumped by one side only: coverage reports it
+                if not tokens or not (first or key == IDS_KEY):
+                    continue  # an input dumped by one side only: coverage reports it
                 missing = "reference" if key not in ref_in else "target"
                 raise InputIdsMismatch(
                     f"{key}: the {missing} side has no {key} for {where}; dump both sides with the same "
