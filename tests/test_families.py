@@ -330,3 +330,34 @@ def test_legend_labels_that_differ_stay_distinct():
     labels = distinct_labels(names, 18)
     assert len(set(labels.values())) == 3 and labels["dense"] == "dense"
     assert all(len(v) <= 18 for v in labels.values())
+
+
+def test_different_latents_are_compared_never_gated(sd3, tmp_path):
+    model, inputs = sd3
+    ref = _dump(model, tmp_path, "ref", [inputs])
+    tgt = _dump(model, tmp_path, "target", [dict(inputs, hidden_states=inputs["hidden_states"] * 1.5)])
+    result = ffdebug.compare(ref, tgt)  # no InputIdsMismatch: latents are a stage
+    assert result.first_divergence.key == "embed.latents" and result.exit_code() == 1
+    assert next(s for s in result.stages if s.key == "embed.timestep").ok
+
+
+def test_a_norm_followed_by_two_branches_names_the_last_one_ffn_out():
+    """ViT's older layout: layernorm_after, then intermediate and output (which adds the residual)."""
+    from ffdebug.models.roles import BRANCH, NORM, place_children
+
+    called = [
+        ("ln_b", NORM),
+        ("attention", BRANCH),
+        ("ln_a", NORM),
+        ("intermediate", BRANCH),
+        ("output", BRANCH),
+    ]
+    placement = place_children(called, {})
+    assert placement.names == {
+        "ln_b": "attn_norm_out",
+        "attention": "attn_out",
+        "ln_a": "ffn_norm_out",
+        "intermediate": "intermediate.out",
+        "output": "ffn_out",
+    }
+    assert placement.unplaced == ()
