@@ -67,7 +67,7 @@ def test_input_ids_gate_exit_3(tmp_path, tiny_llama, input_ids):
     _dump(tiny_llama, other, tmp_path, "target")
     r = CliRunner().invoke(app, ["compare", "ref-vs-target", "--dir", str(tmp_path)])
     assert r.exit_code == 3
-    assert "input ids differ" in r.output and "position [1, 5]" in r.output
+    assert "input ids (embed.input_ids) differ" in r.output and "position [1, 5]" in r.output
 
 
 def test_cli_json_keys_and_exit_codes(tmp_path, tiny_llama, input_ids):
@@ -190,7 +190,9 @@ def test_tensor_tagged_as_input_ids_gates_exit_3(tmp_path):
     _taps(tmp_path, "ref", [({}, [1, 2, 3], 1.0)])
     _taps(tmp_path, "target", [({}, [1, 2, 4], 1.0)])
     r = CliRunner().invoke(app, ["compare", "ref-vs-target", "--dir", str(tmp_path)])
-    assert r.exit_code == 3 and "input ids differ" in r.output and "position [2]" in r.output
+    assert (
+        r.exit_code == 3 and "input ids (embed.input_ids) differ" in r.output and "position [2]" in r.output
+    )
 
 
 @pytest.mark.parametrize(

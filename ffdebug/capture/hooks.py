@@ -10,11 +10,14 @@ children as `L{NNN}.{child}.out`), sub-stage classes named in the block-class li
 from __future__ import annotations
 
 from ffdebug.capture import session as sess
+from ffdebug.capture.children import ChildRoles
 from ffdebug.capture.copies import drop_inherited, remember
 from ffdebug.capture.functions import known_function_taps, tap_function
+from ffdebug.capture.inputs import LATENTS_KEY, root_inputs
+from ffdebug.capture.order import ExecutionOrder
 from ffdebug.capture.stage_map import StageMap
-from ffdebug.models.blocks import CANONICAL_CHILDREN, find_blocks
-from ffdebug.models.roles import BRANCH, NORM, has_role, is_norm, is_norm_type, norm_shaped, place_children
+from ffdebug.models.blocks import find_blocks
+from ffdebug.models.roles import has_role, is_norm, is_norm_type, norm_shaped, role_children
 
 
 class Handle:
@@ -23,6 +26,7 @@ class Handle:
     def __init__(self, session, blocks) -> None:
         self.session = session
         self.blocks = blocks
+        self.order = None  # ExecutionOrder of the blocks (capture/order.py)
         self._hooks: list = []
 
     def add(self, hook) -> None:
@@ -33,6 +37,9 @@ class Handle:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.order is not None:  # blocks run without a root call: write what was held
+            for replay in self.order.decide():
+                replay()
 
     @property
     def num_hooks(self) -> int:
@@ -108,12 +115,18 @@ def install(
         session.num_layers = max(b.layer for b in blocks) + 1
 
     stage_map = StageMap.of(stage_names)
+    order = handle.order = ExecutionOrder(blocks)
 
     def capture(key, tensor, grad_source=None, **meta):
         """Write `tensor` as `key` (renamed by the stage map); its gradient is taken from
         `grad_source` (the live tensor a buffered copy was made of) or the tensor itself."""
         if not isinstance(tensor, torch.Tensor):
             return
+        if order.pending:  # layer numbers follow the first call's execution (capture/order.py)
+            copy, live = tensor.detach().clone(), tensor if grad_source is None else grad_source
+            order.hold(lambda: capture(key, copy, grad_source=live, **meta))
+            return
+        key, meta = order.rename(key, meta)
         key = stage_map.apply(key)
         session.capture(key, tensor, **meta)
         live = tensor if grad_source is None else grad_source
@@ -129,15 +142,22 @@ def install(
         session.begin_call(ids)
         if session.call_depth == 1:
             root_state.update(ids=ids, embedded=False)
-        if session.call_depth == 1 and ids is not None:
-            capture("embed.input_ids", ids, io="in", module_class=type(module).__name__, module_path="")
-            mask = kwargs.get("attention_mask")
-            if isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(ids.shape):
+        if session.call_depth != 1:
+            return
+        meta = dict(io="in", module_class=type(module).__name__, module_path="")
+        if ids is not None:
+            capture("embed.input_ids", ids, **meta)
+        for spec, t in root_inputs(_bind(forward_sig, args, kwargs), ids):
+            if spec is None:
+                capture(LATENTS_KEY, t, **meta)
+            elif spec.kwarg == "attention_mask" and ids is not None and tuple(t.shape) == tuple(ids.shape):
                 # a padded batch: which positions are tokens (a packed side aligns through it)
-                meta = dict(io="in", module_class=type(module).__name__, module_path="")
-                capture("embed.attention_mask", mask, extra={"token_mask": True}, **meta)
+                capture(spec.key, t, extra={"token_mask": True}, **meta)
+            else:
+                capture(spec.key, t, **meta)
 
     root_state: dict = {"final_norm": None, "vocab": _vocab_size(model)}
+    forward_sig = _signature(model)
 
     def root_post(module, args, kwargs, output):
         try:
@@ -166,6 +186,9 @@ def install(
                             capture(suffix, t, module_class=type(module).__name__, module_path="")
                             break
         finally:
+            if session.call_depth == 1:
+                for replay in order.decide():
+                    replay()
             session.end_call()
 
     handle.add(model.register_forward_pre_hook(root_pre, with_kwargs=True))
@@ -178,7 +201,12 @@ def install(
     # input embedding: the model's own, else the nn.Embedding outside the blocks fed the root's ids
     emb = _input_embedding(model)
     known = emb is not None
-    candidates = [emb] if known else [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    candidates = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    if known:  # the model's own, and its tied copies (T5's encoder / decoder `embed_tokens`)
+        weight = getattr(emb, "weight", None)
+        candidates = [m for m in candidates if m is emb or (weight is not None and m.weight is weight)] or [
+            emb
+        ]
     for e in candidates:
         if id(e) in inside_blocks:
             continue
@@ -215,6 +243,8 @@ def install(
         root_state["blocks_done"] += 1
         root_state["final_norm"] = None  # a norm followed by another block is not the final one
 
+    for b in blocks:  # registered first: the block's number is known before its input is held
+        handle.add(b.module.register_forward_pre_hook(lambda m, a, b=b: order.enter(b.layer)))
     substages = bool(config.substages or sub_globs)
     dims = getattr(model, "config", None)
     for b in blocks:
@@ -224,6 +254,34 @@ def install(
     for spec, stages in (*known_function_taps([b.module for b in blocks]), *config.tap_functions):
         handle.add(tap_function(spec, stages))
     return handle
+
+
+def _signature(model):
+    import inspect
+
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bind(sig, args, kwargs) -> dict:
+    """The root call's arguments by name (positional ones too: a UNet's `timestep`)."""
+    import inspect
+
+    if sig is not None:
+        try:
+            bound = sig.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return dict(kwargs)
+        out: dict = {}
+        for name, value in bound.items():  # `**kwargs` of the forward: its entries by name
+            if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                out.update(value)
+            else:
+                out[name] = value
+        return out
+    return dict(kwargs)
 
 
 def _same_ids(x, ids) -> bool:
@@ -293,7 +351,7 @@ def _install_block(
     prefix = f"L{block.layer:03d}"
     children = ChildRoles(session, capture, block, prefix, base)
     if substages:  # registered first: a branch's sub-stages are written before its output
-        for name, child in block.module.named_children():
+        for name, child, _ in role_children(block.module):
             if has_role(child) and not is_norm_type(child) and not norm_shaped(child):
                 path = f"{block.path}.{name}"
                 BranchRecorder(session, capture, name, child, path, prefix, base, children, dims).install(
@@ -351,90 +409,6 @@ def _hook_block_io(
 
     handle.add(block.module.register_forward_pre_hook(pre, with_kwargs=True))
     handle.add(block.module.register_forward_hook(post, with_kwargs=True, always_call=True))
-
-
-class ChildRoles:
-    """The direct children of one block, named by role (`ffdebug.models.roles`).
-
-    On the block's first call every capture made inside it (its children, taps, sub-stages, inner
-    blocks) is held by the session, in capture order, until the block returns: only then is the
-    order around the residual adds known. The held captures are then written in that same order
-    (a copy of each tensor is held, and the live one for its gradient). Later calls capture at
-    once under the names decided then."""
-
-    _warned: set[str] = set()
-
-    def __init__(self, session, capture, block, prefix: str, base: dict) -> None:
-        self.session, self.capture, self.block = session, capture, block
-        self.prefix, self.base = prefix, base
-        self.names: dict[str, str] | None = None
-        self.called: list[tuple[str, str]] = []
-        self.holding = False
-
-    def install(self, handle: Handle) -> None:
-        for name, child in self.block.module.named_children():
-            if has_role(child):
-                meta = dict(
-                    self.base, module_class=type(child).__name__, module_path=f"{self.block.path}.{name}"
-                )
-                handle.add(
-                    child.register_forward_hook(
-                        lambda m, a, o, n=name, meta=meta: self.on_output(n, m, o, meta)
-                    )
-                )
-
-    def begin(self) -> None:
-        """At the block's start (after its input was captured): hold until the names are known."""
-        if self.names is None and not self.holding:
-            self.holding = True
-            self.session.begin_hold()
-
-    def on_output(self, name: str, module, output, meta: dict) -> None:
-        inv = self.session.invocations.get(self.block.path, 1) - 1
-        if self.names is not None:
-            self.emit(name, [(sfx, t, t) for sfx, t in _tensors(output)], inv, meta)
-            return
-        pairs = list(_tensors(output))
-        if not pairs:
-            return
-        if name not in {n for n, _ in self.called}:
-            self.called.append((name, NORM if is_norm(module, pairs[0][1]) else BRANCH))
-        held = [(sfx, t.detach().clone(), t) for sfx, t in pairs]
-        if not self.session.hold(lambda: self.emit(name, held, inv, meta)):
-            self.emit(name, held, inv, meta)
-
-    def emit(self, name: str, pairs: list, inv: int, meta: dict) -> None:
-        stage = (self.names or {}).get(name, f"{name}.out")
-        for i, (suffix, copy, live) in enumerate(pairs):
-            key = f"{self.prefix}.{stage}" if i == 0 else f"{self.prefix}.{stage}{suffix}"
-            self.capture(key, copy, grad_source=live, invocation=inv, **meta)
-
-    def flush(self) -> None:
-        """At the block's return: decide the names (first call) and write what was held."""
-        if self.names is None:
-            placement = place_children(self.called, CANONICAL_CHILDREN)
-            self.names = placement.names
-            if placement.unplaced:
-                self._warn(placement.unplaced)
-        if self.holding:
-            self.holding = False
-            for replay in self.session.end_hold():
-                replay()
-
-    def _warn(self, unplaced: tuple[str, ...]) -> None:
-        import sys
-
-        cls = self.block.class_name
-        self.session.note_unplaced(cls, unplaced)
-        if cls in self._warned:
-            return
-        self._warned.add(cls)
-        print(
-            f"ffdebug: warning: {cls} ({self.block.path}): could not place {', '.join(unplaced)} by role "
-            f"(more than two branches, no name hint); dumped as L{{NNN}}.<child>.out — name them with "
-            "install(model, stage_names={...}) or compare --map",
-            file=sys.stderr,
-        )
 
 
 def _hook_substages(handle: Handle, session, capture, block, prefix: str, base: dict, sub_globs) -> None:

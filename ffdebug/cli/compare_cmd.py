@@ -48,7 +48,9 @@ A stage with one element off by a quarter of max(|ref value|, rms(ref)) or more 
 at least diverge, elem >= 1 bug; shapes that differ only by size-1 dims are unified.
 
 Exit codes: 0 nothing at or above --fail-on and everything compared; 1 a difference at or above
-it; 2 bad input; 3 the two sides were fed different input ids (fix tokenization first); 4
+it, or a generation that diverged after its first call ("generation diverged at call k"); 2 bad
+input; 3 the two sides were fed different external inputs at a first call (token ids: fix
+tokenization first; pixel_values, attention_mask, position_ids: the input is named); 4
 incomplete: what was compared is fine but something was left out (the output names it: a side that
 did not finish, a stage kind on one side only, a rank or call not compared, final outputs never
 dumped, statistics-only stages); --allow-partial makes it 0.

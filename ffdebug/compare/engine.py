@@ -239,8 +239,10 @@ def compare(
             "check --layers / --stages / --step / --rank, or that the dumps captured anything"
         )
     pairing = pair_calls(ref_groups, tgt_groups)
-    check_input_ids(pairing.pairs)
+    generation = check_input_ids(pairing.pairs)
     check_trainer_inputs(pairing.pairs)  # trainer stores: same prompts / noise / order (inputs_gate)
+    if generation is not None:  # compare the calls before the one where the generation diverged
+        pairing.pairs = [p for p in pairing.pairs if not generation.covers(p[0])]
 
     noise_index = _noise_index(noise, ref_groups, ref_filters) if noise is not None else None
     stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
@@ -279,6 +281,8 @@ def compare(
         )
     notes.extend(_budget_notes(pairs_out))
     notes.extend(f"stage map rule {spec!r} renamed nothing on either side" for spec in stage_map.unused())
+    if generation is not None:
+        notes.append(f"{generation.sentence()}; calls from {generation.call} on were not compared")
     only_ref = [r for sp in stage_pairings for r in sp.only_ref]
     only_target = [r for sp in stage_pairings for r in sp.only_target]
     coverage = assess(
@@ -315,6 +319,7 @@ def compare(
         shards=readings,
         coverage=coverage,
         allow_partial=allow_partial,
+        generation=generation,
     )
 
 

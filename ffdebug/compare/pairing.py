@@ -18,8 +18,7 @@ import fnmatch
 import hashlib
 from dataclasses import dataclass, field
 
-from ffdebug.compare.align import LENS_KEY, MASK_KEY, align, layouts
-from ffdebug.errors import FFDebugError, InputIdsMismatch
+from ffdebug.compare.align import LENS_KEY, MASK_KEY
 from ffdebug.io.ranks import Replicated, fold, manifest_plan
 from ffdebug.io.record import Record
 from ffdebug.io.side import SideStore
@@ -185,7 +184,8 @@ def pair_calls(ref_groups: list[CallGroup], tgt_groups: list[CallGroup]) -> Pair
             unpaired_ref.append(rg)
             continue
         choice = None
-        rd = rg.ids_digest()
+        # one token per sequence (a decode step) does not identify a call: those pair by index
+        rd = rg.ids_digest() if not _one_token(rg) else None
         if rd is not None:
             same = [i for i in cands if digest(i) == rd]
             if same:
@@ -212,6 +212,11 @@ def pair_calls(ref_groups: list[CallGroup], tgt_groups: list[CallGroup]) -> Pair
     return Pairing(pairs, real_ref, [g for g in left if not g.warmup], warm, warm_ref)
 
 
+def _one_token(g: CallGroup) -> bool:
+    shape = list(g.input_ids.shape) if g.input_ids is not None else []
+    return bool(shape) and shape[-1] == 1
+
+
 def _shapes_agree(a: CallGroup, b: CallGroup) -> bool:
     """Block inputs of both calls have the same shapes (where both dumped them)."""
     for sk in a.order[:64]:
@@ -227,47 +232,12 @@ def merge_rank_records(parts: list[Record]) -> Record:
     return fold(ordered, plan)
 
 
-def _ids(rec: Record, label: str):
-    """The input ids of one side: token ids are integers; NaN / Inf ids mean a damaged dump."""
-    import torch
+def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]):
+    """The gate before numerics (`ffdebug.compare.gate`): raises InputIdsMismatch (exit 3) for
+    different external inputs, returns the call where a generation diverged (or None)."""
+    from ffdebug.compare.gate import gate_inputs
 
-    t = rec.load()
-    if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
-        raise FFDebugError(
-            f"{rec.origin or rec.key}: the {label} side's {rec.key} holds NaN / Inf ({t.dtype}); token ids are "
-            "integers — the dump is damaged, re-run it"
-        )
-    return t
-
-
-def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]) -> None:
-    """The gate before numerics: equal input ids on both sides of every paired call."""
-    import torch
-
-    for rg, tg in pairs:
-        if rg.input_ids is None and tg.input_ids is None:
-            continue
-        where = f"call {rg.call}" + (f" {dict(rg.tags)}" if rg.tags else "")
-        if rg.input_ids is None or tg.input_ids is None:
-            missing = "reference" if rg.input_ids is None else "target"
-            raise InputIdsMismatch(
-                f"input ids: the {missing} side has no embed.input_ids for {where}; dump both sides "
-                "with the same inputs (fix tokenization first)"
-            )
-        r, t = _ids(rg.input_ids, "reference"), _ids(tg.input_ids, "target")
-        aligned = align(r, t, *layouts(rg, tg)) if r.shape != t.shape else None
-        if aligned is not None:
-            r, t = aligned[0], aligned[1]
-        if tuple(r.shape) != tuple(t.shape):
-            raise InputIdsMismatch(
-                f"input ids differ at {where}: shape {list(r.shape)} vs {list(t.shape)} (fix tokenization first)"
-            )
-        if not torch.equal(r, t):
-            pos = torch.nonzero(r != t)[0].tolist()
-            raise InputIdsMismatch(
-                f"input ids differ at {where}, first at position {pos}: ref {r[tuple(pos)].item()} vs "
-                f"target {t[tuple(pos)].item()} (fix tokenization first)"
-            )
+    return gate_inputs(pairs)
 
 
 @dataclass

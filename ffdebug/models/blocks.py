@@ -53,20 +53,36 @@ def find_block_modules(model, class_globs: tuple[str, ...] = ()) -> list[tuple[s
                 return found
         return []
 
+    def is_block_list(child) -> bool:
+        if not isinstance(child, nn.ModuleList) or len(child) == 0:
+            return False
+        names = {type(m).__name__ for m in child}
+        if len(names) == 1:
+            return len(child) >= 2 or _looks_like_block_class(next(iter(names)))
+        # mixed classes (UNet down / up blocks, hybrid stacks): blocks when every member says so
+        return all(_looks_like_block_class(n) for n in names)
+
     def walk(prefix: str, module) -> None:
+        lists = {name for name, child in module.named_children() if is_block_list(child)}
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, nn.ModuleList) and len(child) > 0:
-                classes = {type(m) for m in child}
-                if len(classes) == 1:
-                    cls_name = type(child[0]).__name__
-                    if len(child) >= 2 or _looks_like_block_class(cls_name):
-                        found.extend((f"{path}.{i}", m) for i, m in enumerate(child))
-                        continue
-            walk(path, child)
+            if name in lists:
+                found.extend((f"{path}.{i}", m) for i, m in enumerate(child))
+            elif lists and _lone_block(child):  # a UNet's mid block, beside its down / up lists
+                found.append((path, child))
+            else:
+                walk(path, child)
 
     walk("", model)
     return found
+
+
+def _lone_block(module) -> bool:
+    """A single block beside block lists: a `*Block*` class with parameters that is no norm."""
+    from ffdebug.models.roles import is_norm_type
+
+    name = type(module).__name__
+    return "Block" in name and not is_norm_type(module) and any(True for _ in module.parameters())
 
 
 def _outermost(model, predicate) -> list[tuple[str, object]]:
@@ -191,6 +207,24 @@ def structural_classes(modules: list[object]) -> list[str]:
     return labels
 
 
+def stack_labels(paths: list[str], labels: list[str]) -> list[str]:
+    """A label held by blocks of two stacks (T5's encoder and decoder `T5Block`s) gets the stack's
+    name in front, the first path component where their lists differ: `encoder.T5Block`."""
+    lists: dict[str, set[str]] = {}
+    for path, label in zip(paths, labels):
+        lists.setdefault(label, set()).add(path.rsplit(".", 1)[0] if "." in path else "")
+    out = []
+    for path, label in zip(paths, labels):
+        parts = sorted(lists[label])
+        if len(parts) < 2:
+            out.append(label)
+            continue
+        split = [p.split(".") for p in parts]
+        depth = next((i for i in range(min(map(len, split))) if len({s[i] for s in split}) > 1), 0)
+        out.append(f"{path.split('.')[depth]}.{label}")
+    return out
+
+
 def index_attribute(module, layer_attrs: tuple[str, ...]) -> int | None:
     """The first of `layer_attrs` that the module holds as an int (its own layer index), else None."""
     for attr in layer_attrs:
@@ -218,7 +252,7 @@ def find_blocks(
         layers = list(range(len(mods)))
     classes = config_layer_classes(getattr(model, "config", None), len(mods))
     if classes is None:
-        classes = structural_classes([m for _, m in mods])
+        classes = stack_labels([p for p, _ in mods], structural_classes([m for _, m in mods]))
     if declared:
         spec = parse_layer_class_spec(declared)
         classes = [declared_class(spec, layer) or c for layer, c in zip(layers, classes)]

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 NORM = "norm"
 BRANCH = "branch"
+CROSS = "cross"  # a branch fed the encoder's states (cross-attention): `cross_attn_out`
+CROSS_INPUTS = ("encoder_hidden_states", "key_value_states", "encoder_outputs", "context")
 UNIT_TOL = 0.05  # |rms - 1| (or |std - 1|, |mean|) averaged over rows
 
 
@@ -97,6 +99,31 @@ def is_norm(module, output) -> bool:
     return norm_shaped(module) and behaves_like_norm(module, output)
 
 
+def role_children(module):
+    """(name, child, by_path) of a block's direct children; members of a child ModuleList stand
+    as children of their own (`layer.1` in T5's block, `resnets.0` in a UNet block).
+
+    `by_path`: a list of one class is a stack of like parts (a UNet block's `resnets`,
+    `attentions`, `downsamplers`): its members are named by path (`resnets.1.out`), never by
+    role. A list of different classes (T5's self-attention, cross-attention, feed-forward
+    sublayers) is a sequence of sublayers, placed by role like direct children."""
+    import torch.nn as nn
+
+    for name, child in module.named_children():
+        if isinstance(child, nn.ModuleList):
+            like = len({type(m) for m in child}) == 1
+            yield from ((f"{name}.{i}", m, like) for i, m in enumerate(child))
+        else:
+            yield name, child, False
+
+
+def fed_encoder_states(args, kwargs) -> bool:
+    """A call that passes the encoder's states (a cross-attention branch)."""
+    import torch
+
+    return any(isinstance(kwargs.get(n), torch.Tensor) for n in CROSS_INPUTS)
+
+
 def has_role(module) -> bool:
     """Modules without parameters (dropout, activations, rotary tables) carry no role."""
     return is_norm_type(module) or bool(_params(module))
@@ -143,9 +170,17 @@ def _sequence_roles(kinds: list[str]) -> list[str] | None:
 def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Placement:
     """Roles of a block's children from `called`: (attribute name, kind) in first-call order.
 
-    Order decides when it is one of the known forms; otherwise the attribute-name hints name
-    what they can and the rest is unplaced (it keeps `{child}.out`)."""
-    roles = _sequence_roles([k for _, k in called])
+    A cross-attention branch (`CROSS`) is `cross_attn_out` and the others are placed without it.
+    Order decides when it is one of the known forms, or pre-norm segments (each norm followed by
+    its branches: ViT's `intermediate`, `output` after `layernorm_after`); otherwise the
+    attribute-name hints name what they can and the rest is unplaced (it keeps `{child}.out`)."""
+    cross = [n for n, k in called if k == CROSS]
+    if len(cross) == 1:  # a joint block (SD3: one attention over both streams) does not place by order
+        rest = place_children([(n, k) for n, k in called if k != CROSS], hints)
+        if rest.by_order:
+            return Placement({**rest.names, cross[0]: "cross_attn_out"}, rest.unplaced, True)
+    called = [(n, BRANCH if k == CROSS else k) for n, k in called]
+    roles = _sequence_roles([k for _, k in called]) or _segment_roles(called)
     if roles is not None:
         return Placement(dict(zip((n for n, _ in called), roles)), (), True)
     names: dict[str, str] = {}
@@ -158,3 +193,20 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
         else:
             names[child] = stage
     return Placement(names, tuple(unplaced), False)
+
+
+def _segment_roles(called: list[tuple[str, str]]) -> list[str] | None:
+    """Two pre-norm segments (norm, then one or more branches): the last branch of each is the
+    attention's / MLP's output, earlier ones keep `{child}.out` as parts of it."""
+    kinds = [k for _, k in called]
+    starts = [i for i, k in enumerate(kinds) if k == NORM]
+    if len(starts) != 2 or starts[0] != 0 or kinds.count(BRANCH) != len(kinds) - 2:
+        return None
+    segments = [range(starts[0], starts[1]), range(starts[1], len(kinds))]
+    if any(len(seg) < 2 for seg in segments):
+        return None
+    names: list[str] = []
+    for seg, (norm, out) in zip(segments, (("attn_norm_out", "attn_out"), ("ffn_norm_out", "ffn_out"))):
+        for i in seg:
+            names.append(norm if i == seg[0] else out if i == seg[-1] else f"{called[i][0]}.out")
+    return names

@@ -87,6 +87,7 @@ def _plot(title: str, series: dict[str, list[tuple[int, float]]], log: bool, y_l
             f'<line x1="{sx(layer):.1f}" y1="{MT}" x2="{sx(layer):.1f}" y2="{MT + ph}" '
             'stroke="#d62728" stroke-dasharray="4 3"/>'
         )
+    legend = distinct_labels(list(series), LEGEND_WIDTH)
     for i, (cls, s) in enumerate(series.items()):
         colour = PALETTE[i % len(PALETTE)]
         s = [p for p in s if p[1] is not None]
@@ -101,9 +102,28 @@ def _plot(title: str, series: dict[str, list[tuple[int, float]]], log: bool, y_l
             )
         ly = MT + 14 + 18 * i
         out.append(f'<rect x="{W - MR + 12}" y="{ly - 9}" width="12" height="12" fill="{colour}"/>')
-        out.append(f'<text x="{W - MR + 30}" y="{ly + 1}" class="legend">{_esc(cls)[:18]}</text>')
+        out.append(
+            f'<text x="{W - MR + 30}" y="{ly + 1}" class="legend"><title>{_esc(cls)}</title>'
+            f"{_esc(legend[cls])}</text>"
+        )
     out.append("</svg>")
     return "\n".join(out)
+
+
+LEGEND_WIDTH = 18  # characters a legend entry has room for
+
+
+def distinct_labels(names: list[str], width: int) -> dict[str, str]:
+    """Each name cut to `width` characters, keeping its head and tail around an ellipsis, so that
+    names that differ only at the end (`JointTransformerBlock[norm1_context=AdaLayerNormZero]` and
+    `…Continuous]`) still differ; the tail grows until they do."""
+    out: dict[str, str] = {}
+    for tail in range(width // 2, width):
+        head = width - tail - 1
+        out = {n: n if len(n) <= width else f"{n[:head]}…{n[-tail:]}" for n in names}
+        if len(set(out.values())) == len(set(names)):
+            return out
+    return {n: f"{i}:{out[n]}" for i, n in enumerate(names)}
 
 
 def _table(headers: tuple[str, ...], rows: list[tuple[str, list]]) -> str:

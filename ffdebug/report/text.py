@@ -136,11 +136,31 @@ def coverage_word(result) -> str:
     return "PASSED" + (f" (partial, allowed by --allow-partial: {missing})" if missing else "")
 
 
+def _at(result: CompareResult, e) -> str:
+    """`describe_stage`, with the call named when the comparison holds more than one call."""
+    calls = {(s.call, tuple(sorted(s.step.items()))) for s in result.stages}
+    return (f"call {e.call}, " if len(calls) > 1 and e.call is not None else "") + describe_stage(e)
+
+
+def generation_conclusion(result: CompareResult, word: str) -> str:
+    """`Generation diverged at call k (…); first divergence of call k-1 at …. FAILED`."""
+    gen = result.generation
+    before = [s for s in result.stages if not s.ok and s.call == gen.call - 1]
+    first = before[0] if before else result.first_divergence
+    head = gen.sentence()
+    head = head[0].upper() + head[1:]
+    if first is None:
+        return f"{head}; every stage of the calls before it is ok. {word}"
+    return f"{head}; first divergence of call {first.call}: {describe_stage(first)}. {word}"
+
+
 def compare_conclusion(result: CompareResult) -> str:
     first = result.first_divergence
     word = coverage_word(result)
     n = len(result.stages)
     how = " on statistics only (no cos; a rotation or permutation is invisible)" if result.stats_only else ""
+    if result.generation is not None:
+        return generation_conclusion(result, word)
     if first is None:
         tail = ""
         if result.warmup_skipped:
@@ -158,7 +178,7 @@ def compare_conclusion(result: CompareResult) -> str:
         where = f"layer {inv.layer}, {inv.stage}" if inv.layer is not None else inv.key
         return f"First non-invariant stage: {where} ({why}); over {n} stages{how}. {word}"
     return (
-        f"First divergence at {describe_stage(first)}; verdict {result.verdict} over {n} stages{how} "
+        f"First divergence at {_at(result, first)}; verdict {result.verdict} over {n} stages{how} "
         f"(fail-on {result.fail_on}). {word}"
     )
 

@@ -193,6 +193,41 @@ class CallRef:
         return out
 
 
+@dataclass(frozen=True)
+class GenerationDivergence:
+    """Token ids equal at the first call of a generation and different at call `call`: a decode
+    step chose another token. The calls before it are compared; the result fails."""
+
+    call: int
+    step: dict
+    key: str  # the token-id stage that differs (embed.input_ids, embed.decoder_input_ids)
+    position: list | None  # None when the shapes differ
+    ref: int | float | None
+    target: int | float | None
+
+    def sentence(self) -> str:
+        if self.position is None:
+            return f"generation diverged at call {self.call} ({self.key}: the shapes differ)"
+        return f"generation diverged at call {self.call} (position {self.position}: ref {self.ref} vs target {self.target})"
+
+    def covers(self, group) -> bool:
+        """A call group at or after this call, in the same step tags."""
+        return (
+            dict(group.tags) == {str(k): str(v) for k, v in self.step.items()}
+            and (group.call or 0) >= self.call
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "call": self.call,
+            "step": dict(self.step),
+            "key": self.key,
+            "position": self.position,
+            "ref": self.ref,
+            "target": self.target,
+        }
+
+
 @dataclass
 class CompareResult(CoveredVerdict):
     """Per-stage comparison of two sides. Truthy when no stage is at or above `fail_on`."""
@@ -213,6 +248,7 @@ class CompareResult(CoveredVerdict):
     shards: list[dict] = field(default_factory=list)  # multi-rank readings (declared or inferred)
     coverage: Coverage = field(default_factory=Coverage)
     allow_partial: bool = False
+    generation: GenerationDivergence | None = None  # token ids that differ after the first call
 
     @property
     def first_divergence(self) -> StageResult | None:
@@ -228,9 +264,15 @@ class CompareResult(CoveredVerdict):
         return next((s for s in self.stages if s.severity.at_least(severity)), None)
 
     def failed(self, fail_on: Severity | str | None = None) -> bool:
-        return self.first_at_or_above(fail_on or self.fail_on) is not None
+        return self.generation is not None or self.first_at_or_above(fail_on or self.fail_on) is not None
 
     def to_json(self) -> dict:
+        out = self._to_json()
+        if self.generation is not None:
+            out["generation_diverged"] = self.generation.to_json()
+        return out
+
+    def _to_json(self) -> dict:
         first, first_ni = self.first_divergence, self.first_non_invariant
         return {
             "verdict": self.verdict.value,

@@ -1,0 +1,126 @@
+"""The direct children of a block, named by role (README "Stage names by role").
+
+Split from `capture/hooks.py`: the block's children are hooked here, their roles decided on the
+block's first call (`ffdebug.models.roles`) and their outputs written under those names.
+"""
+
+from __future__ import annotations
+
+from ffdebug.models.blocks import CANONICAL_CHILDREN
+from ffdebug.models.roles import (
+    BRANCH,
+    CROSS,
+    NORM,
+    fed_encoder_states,
+    has_role,
+    is_norm,
+    place_children,
+    role_children,
+)
+
+
+def _tensors(obj, prefix: str = ""):
+    from ffdebug.capture.hooks import _tensors as tensors
+
+    return tensors(obj, prefix)
+
+
+class ChildRoles:
+    """The direct children of one block, named by role (`ffdebug.models.roles`).
+
+    On the block's first call every capture made inside it (its children, taps, sub-stages, inner
+    blocks) is held by the session, in capture order, until the block returns: only then is the
+    order around the residual adds known. The held captures are then written in that same order
+    (a copy of each tensor is held, and the live one for its gradient). Later calls capture at
+    once under the names decided then."""
+
+    _warned: set[str] = set()
+
+    def __init__(self, session, capture, block, prefix: str, base: dict) -> None:
+        self.session, self.capture, self.block = session, capture, block
+        self.prefix, self.base = prefix, base
+        self.names: dict[str, str] | None = None
+        self.called: list[tuple[str, str]] = []
+        self.cross: set[str] = set()  # children fed the encoder's states
+        self.by_path: set[str] = set()  # members of a list of like parts: `{child}.out`
+        self.holding = False
+
+    def install(self, handle) -> None:
+        for name, child, by_path in role_children(self.block.module):
+            if by_path:
+                self.by_path.add(name)
+            if has_role(child):
+                meta = dict(
+                    self.base, module_class=type(child).__name__, module_path=f"{self.block.path}.{name}"
+                )
+                handle.add(
+                    child.register_forward_pre_hook(
+                        lambda m, a, kw, n=name: self.on_input(n, a, kw), with_kwargs=True
+                    )
+                )
+                handle.add(
+                    child.register_forward_hook(
+                        lambda m, a, o, n=name, meta=meta: self.on_output(n, m, o, meta)
+                    )
+                )
+
+    def on_input(self, name: str, args, kwargs) -> None:
+        if self.names is None and fed_encoder_states(args, kwargs):
+            self.cross.add(name)
+
+    def begin(self) -> None:
+        """At the block's start (after its input was captured): hold until the names are known."""
+        if self.names is None and not self.holding:
+            self.holding = True
+            self.session.begin_hold()
+
+    def on_output(self, name: str, module, output, meta: dict) -> None:
+        # a child called twice in one call (a shared dropout) gets its own invocation index
+        inv = self.session.next_invocation(meta["module_path"])
+        if self.names is not None:
+            self.emit(name, [(sfx, t, t) for sfx, t in _tensors(output)], inv, meta)
+            return
+        pairs = list(_tensors(output))
+        if not pairs:
+            return
+        if name not in {n for n, _ in self.called}:
+            kind = NORM if is_norm(module, pairs[0][1]) else CROSS if name in self.cross else BRANCH
+            self.called.append((name, kind))
+        held = [(sfx, t.detach().clone(), t) for sfx, t in pairs]
+        if not self.session.hold(lambda: self.emit(name, held, inv, meta)):
+            self.emit(name, held, inv, meta)
+
+    def emit(self, name: str, pairs: list, inv: int, meta: dict) -> None:
+        stage = (self.names or {}).get(name, f"{name}.out")
+        for i, (suffix, copy, live) in enumerate(pairs):
+            key = f"{self.prefix}.{stage}" if i == 0 else f"{self.prefix}.{stage}{suffix}"
+            self.capture(key, copy, grad_source=live, invocation=inv, **meta)
+
+    def flush(self) -> None:
+        """At the block's return: decide the names (first call) and write what was held."""
+        if self.names is None:
+            placement = place_children(
+                [c for c in self.called if c[0] not in self.by_path], CANONICAL_CHILDREN
+            )
+            self.names = {**placement.names, **{n: f"{n}.out" for n in self.by_path}}
+            if placement.unplaced:
+                self._warn(placement.unplaced)
+        if self.holding:
+            self.holding = False
+            for replay in self.session.end_hold():
+                replay()
+
+    def _warn(self, unplaced: tuple[str, ...]) -> None:
+        import sys
+
+        cls = self.block.class_name
+        self.session.note_unplaced(cls, unplaced)
+        if cls in self._warned:
+            return
+        self._warned.add(cls)
+        print(
+            f"ffdebug: warning: {cls} ({self.block.path}): could not place {', '.join(unplaced)} by role "
+            f"(more than two branches, no name hint); dumped as L{{NNN}}.<child>.out — name them with "
+            "install(model, stage_names={...}) or compare --map",
+            file=sys.stderr,
+        )
