@@ -101,7 +101,8 @@ def train(
     """Train from CONFIG; writes run.json, metrics.jsonl and checkpoints/step-NNNNNN/ in the output dir.
 
     Several processes (gloo on CPU): torchrun --nproc-per-node 2 -m reference_trainer train CONFIG
-    --set backend.kind=fsdp2 (or ddp).
+    --set backend.kind=fsdp2 (or ddp; or deepspeed with --set backend.zero_stage=2, after
+    DS_BUILD_OPS=0 pip install 'ffdebug[deepspeed]').
     """
     usage, failures = _known_errors()
     output_dir = output_dir or Path("runs") / config.stem
