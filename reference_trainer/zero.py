@@ -107,12 +107,32 @@ class ZeroOptimizer(CompositeOptimizer):
         self.stepped: list[str] = []
         """Roles in the order of their first step: ``torch.optim.AdamW`` creates its per-parameter
         state in that order, and the checkpoint keeps it (a dict is stored as ordered pairs)."""
+        self._reached: set[str] = set()
+        for role in self.engines:
+            for p in self._role_params(role):
+                p.register_hook(self._reach(role))
+
+    def _reach(self, role: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            self._reached.add(role)
+
+        return hook
 
     def _role_params(self, role: str) -> list[nn.Parameter]:
         return [p for group in self.param_groups if group["role"] == role for p in group["params"]]
 
     def backward(self, role: str, loss: torch.Tensor) -> None:
+        """``engine.backward(loss)`` of ``role``; a loss whose gradient reaches another role's parameters
+        is refused: that role's engine would reduce it into its own next step (the other backends drop
+        it when the phase clears every gradient)."""
+        self._reached.clear()
         self.engines[role].backward(loss)
+        others = sorted(self._reached - {role})
+        if others:
+            raise RuntimeError(
+                f"the {role!r} loss back-propagates into the parameters of role(s) {others}; under "
+                "deepspeed compute their part without gradient (torch.no_grad() or .detach())"
+            )
 
     def clip_and_step(self, role: str, params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
         """``engine.step()`` (clipping to the engine's ``gradient_clipping``); the pre-clip global norm."""
