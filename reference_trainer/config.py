@@ -231,8 +231,6 @@ class RuntimeConfig:
 
 
 BACKEND_KINDS = ("single", "ddp", "fsdp2", "deepspeed")
-NOT_IMPLEMENTED_BACKENDS = ("deepspeed",)
-"""Accepted by the config (their plan rules are checked), refused by ``run.build_trainer``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,8 +241,8 @@ class BackendConfig:
     DistributedDataParallel, gloo on CPU, launched as ``torchrun --nproc-per-node N -m reference_trainer
     train CONFIG``; a launch without torchrun is refused (a requested backend that is not applied is an
     error, never a fallback). ``fsdp2``: ``fully_shard`` per block then the root, over the same torchrun
-    launch (``reference_trainer.fsdp``). ``deepspeed`` is validated (the rules of
-    ``reference_trainer.distributed.check_plan``) but not implemented yet. Part of the run identity.
+    launch (``reference_trainer.fsdp``). ``deepspeed``: ZeRO-1/2, one engine per trainable role, over the
+    same launch (``reference_trainer.zero``; the optional ``[deepspeed]`` extra). Part of the run identity.
     """
 
     kind: str = "single"

@@ -1,12 +1,13 @@
-"""Execution backends: one process (``single``), or data parallel over a torchrun launch (``ddp``, and
-``fsdp2`` in ``reference_trainer.fsdp``).
+"""Execution backends: one process (``single``), or data parallel over a torchrun launch (``ddp``,
+``fsdp2`` in ``reference_trainer.fsdp``, ``deepspeed`` ZeRO-1/2 in ``reference_trainer.zero``).
 
 Plan rules (``check_plan``) run before anything is loaded or hashed (``run.build_trainer`` step 2):
 
 * ZeRO-3 is refused (with several trainable roles: DeepSpeed needs ZeRO-1 or 2), FSDP1 is refused
   (``config.BackendConfig``; an FSDP1 field such as ``use_orig_params`` is refused naming it);
 * Muon is refused when ``torch.optim.Muon`` is absent, or with DeepSpeed;
-* ``deepspeed`` passes these rules and is then refused: not implemented yet.
+* ``deepspeed`` needs an explicit ``zero_stage`` (``config.BackendConfig``), and the optional extra
+  installed (checked by ``zero.DeepSpeedBackend`` without importing it when it is absent).
 
 ``build_backend`` applies the backend or fails: a backend that was asked for and not applied is an
 error, never a fallback. ``ddp`` builds ``Accelerator(cpu=True)`` (gloo) on a machine without CUDA —
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reference_trainer.config import NOT_IMPLEMENTED_BACKENDS, RunConfig
+from reference_trainer.config import RunConfig
 from reference_trainer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -65,11 +66,6 @@ def check_plan(config: RunConfig, roles: Sequence[str]) -> None:
             raise ConfigError(
                 field, "muon is refused with backend.kind deepspeed (its optimizer wraps AdamW only)"
             )
-    if backend.kind in NOT_IMPLEMENTED_BACKENDS:
-        raise ConfigError(
-            "backend.kind",
-            f"{backend.kind} is not implemented yet (issue 20); use single, ddp or fsdp2",
-        )
 
 
 def _optimizer_field(config: RunConfig, role: str, fallback: int) -> str:
@@ -143,6 +139,11 @@ class Backend:
         for name, module in modules.items():
             self._checkpointing(name, module)
         return dict(modules)
+
+    def stepping_optimizer(self, optimizer: CompositeOptimizer) -> CompositeOptimizer:
+        """The optimizer root the role phases step after ``prepare`` (``optimizer`` itself, except under
+        DeepSpeed, whose engines own the step: ``zero.ZeroOptimizer``)."""
+        return optimizer
 
     def _checkpointing(self, name: str, module: nn.Module) -> None:
         if self.activation_checkpointing == "none":
@@ -271,6 +272,10 @@ def build_backend(config: RunConfig) -> Backend:
         from reference_trainer.fsdp import FSDP2Backend
 
         return FSDP2Backend(checkpointing)
+    if kind == "deepspeed":
+        from reference_trainer.zero import DeepSpeedBackend
+
+        return DeepSpeedBackend(config.backend, config.train.max_grad_norm)
     world = launch_world_size()
     if world > 1:
         raise ConfigError(

@@ -11,7 +11,9 @@ Schulz coefficients (3.4445, −4.7750, 2.0315), 5 steps, eps 1e-7, ``adjust_lr_
 ``RoleOptimizer.phase(role)`` is one optimizer step of one role: no stale gradient may exist at entry;
 ``backward`` is called once per microbatch (a non-finite loss aborts with a message naming the role);
 at exit the role's pre-clip gradient norm is computed and clipped, only that role's groups step, and
-every gradient is cleared.
+every gradient is cleared. The backward and the clip-and-step go through the optimizer root
+(``CompositeOptimizer.backward`` / ``clip_and_step``), so that a backend whose engines own gradient
+reduction and clipping (DeepSpeed ZeRO, ``reference_trainer.zero``) supplies its own.
 """
 
 from __future__ import annotations
@@ -74,6 +76,22 @@ class CompositeOptimizer:
         finally:
             for group, params in stashed:
                 group["params"] = params
+
+    def backward(self, role: str, loss: torch.Tensor) -> None:
+        """Back-propagate one microbatch ``loss`` of a ``role`` phase."""
+        loss.backward()
+
+    def clip_and_step(self, role: str, params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The pre-clip norm of ``params``' gradients; clip them to ``max_norm`` and step ``role``, unless
+        the norm is non-finite (then nothing steps: the caller aborts)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        # FSDP2: a norm of sharded gradients is a partial DTensor; its full value is the global norm
+        grad_norm = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=False))
+        if not bool(torch.isfinite(grad_norm)):
+            return grad_norm
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=False)
+        self.step(role)
+        return grad_norm
 
     def zero_grad(self) -> None:
         """Clear every child's gradients (set to ``None``)."""
@@ -183,6 +201,8 @@ class RolePhase:
     loss: float = 0.0
     backward_calls: int = 0
     metric_sums: dict[str, float] = field(default_factory=dict)
+    run_backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+    """How a microbatch loss is back-propagated (the optimizer root's ``backward`` for this role)."""
 
     def backward(
         self,
@@ -204,7 +224,7 @@ class RolePhase:
             )
         extra = {} if scale is None else {"scale": scale}
         ffdebug.tap(f"loss.{self.role}", loss, microbatch=self.backward_calls, **extra)
-        loss.backward()
+        self.run_backward(loss)
         self.loss += float(loss.detach())
         self.backward_calls += 1
         for key, value in (metrics or {}).items():
@@ -249,7 +269,11 @@ class RoleOptimizer:
             raise RuntimeError(
                 f"{len(stale)} parameters hold stale gradients at the start of a {role!r} phase"
             )
-        phase = RolePhase(role=role, optimizer_step=self._next_step())
+        phase = RolePhase(
+            role=role,
+            optimizer_step=self._next_step(),
+            run_backward=lambda loss: self.optimizer.backward(role, loss),
+        )
         try:
             yield phase
             if phase.backward_calls == 0:
@@ -262,17 +286,14 @@ class RoleOptimizer:
     def _finish(self, phase: RolePhase) -> StepResult:
         params = self.roles[phase.role]
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        grads = [p.grad for p in params if p.grad is not None]
-        # FSDP2: a norm of sharded gradients is a partial DTensor; its full value is the global norm
-        grad_norm = full_tensor(torch.nn.utils.get_total_norm(grads, foreach=False))
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=False)
+        with self.update_taps.around_step(phase.role) if self.update_taps else nullcontext():
+            # update.<name>: each watched tensor's update norm around the step
+            grad_norm = self.optimizer.clip_and_step(phase.role, params, max_norm)
         ffdebug.tap(f"grad_norm.{phase.role}", grad_norm.detach().clone())
         if not bool(torch.isfinite(grad_norm)):
             raise NonFiniteLossError(
                 f"grad_norm.{phase.role} is {grad_norm.item()} at optimizer step {phase.optimizer_step}; aborting"
             )
-        with self.update_taps.around_step(phase.role) if self.update_taps else nullcontext():
-            self.optimizer.step(phase.role)  # update.<name>: each watched tensor's update norm
         return StepResult(
             role=phase.role,
             loss=phase.loss,

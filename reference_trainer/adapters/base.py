@@ -442,11 +442,12 @@ def call_module(
 
 
 def native_module(module: nn.Module) -> nn.Module:
-    """The module a prepared wrapper (DDP, FSDP2's ``ShardedModule``) wraps; ``module`` itself when it is
-    not wrapped."""
+    """The module a prepared wrapper (DDP, FSDP2's ``ShardedModule``, DeepSpeed's ``EngineModule``) wraps;
+    ``module`` itself when it is not wrapped."""
     from reference_trainer.sharding import ShardedModule
+    from reference_trainer.zero import EngineModule
 
-    if isinstance(module, nn.parallel.DistributedDataParallel | ShardedModule):
+    if isinstance(module, nn.parallel.DistributedDataParallel | ShardedModule | EngineModule):
         return module.module
     return module
 

@@ -286,6 +286,7 @@ class BaseTrainer(ABC):
         ``get_component(trainable_component)`` return them from now on (the base variant is the
         adapter's component). Called once, by ``run.build_trainer``, before any resume."""
         prepared = self.backend.prepare(self.variants.variants, self.optim.optimizer)
+        self.optim.optimizer = self.backend.stepping_optimizer(self.optim.optimizer)
         self.variants.route(prepared)
         base = next(iter(self.variants.variants))
         self.adapter.route_component(self.adapter.trainable_component, prepared[base])

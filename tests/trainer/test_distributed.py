@@ -185,11 +185,8 @@ RULES = [
         "optimizers[0].optimizer: muon is refused with backend.kind deepspeed",
     ),
     ("grpo", ["backend.kind=fsdp2"], "backend.kind: fsdp2 needs a launch of several processes"),
-    (
-        "grpo",
-        ["backend.kind=deepspeed", "backend.zero_stage=2"],
-        "deepspeed is not implemented yet (issue 20)",
-    ),
+    ("grpo", ["backend.kind=deepspeed", "backend.zero_stage=2"], "backend.kind: deepspeed needs a launch of"),
+    ("grpo", ["backend.kind=deepspeed"], "backend.zero_stage: kind deepspeed needs an explicit zero_stage"),
     ("grpo", ["backend.zero_stage=1"], "backend.zero_stage: is read by kind deepspeed only"),
     ("grpo", ["backend.kind=ddp"], "backend.kind: ddp needs a launch of several processes"),
     ("grpo", ["backend.activation_checkpointing=some"], "backend.activation_checkpointing: must be one of"),
