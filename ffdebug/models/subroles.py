@@ -202,7 +202,6 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     outs = [c for c in calls if not c.from_input and c.out_features == trace.hidden]
     h, kv, d = _head_counts(trace, dims)
     out: list[SubStage] = []
-    sizes = (h * d, kv * d, kv * d) if h and kv and d else None
     roles = ("attn.q", "attn.k", "attn.v")
     if len(ins) == 3:
         for kind, c, n in zip(roles, ins, (h, kv, kv)):
@@ -215,7 +214,7 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
         if parts is not None:
             for kind, (t, split, piece), n in zip(roles[len(ins) - 1 :], parts, (h, kv, kv)[len(ins) - 1 :]):
                 out.append(_stage(kind, t, fused, trace, *_heads_of(piece, n, d), split=split))
-        elif len(ins) == 2 or (sizes and fused.out_features == sum(sizes)):
+        else:
             _undetermined(trace, fused, "k / v" if len(ins) == 2 else "q / k / v")
     if outs:
         o = outs[-1]
