@@ -12,6 +12,7 @@ so records keep execution order (q before the rotary taps, the context before th
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 
 from ffdebug.models.subroles import (
     BranchTrace,
@@ -175,6 +176,27 @@ def _row_keys(rows, weights):
     return (rows.contiguous().view(ints).long() * weights).sum(-1)
 
 
+@dataclass
+class RoleTensors:
+    """Per block: the module tensors role sub-stages hold, so sub-stage classes (module-path dumps,
+    README "Role sub-stages") do not write them again — one stage per tensor."""
+
+    module_paths: set[str]  # modules a sub-stage class dumps by module path
+    held: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # path -> {(io, data_ptr)}
+
+    def holds(self, path: str, io: str, ptr: int | None) -> bool:
+        """Whether the tensor at `ptr` (of this call) that module `path` read (`in`) or returned
+        (`out`) is already a role sub-stage."""
+        return ptr is not None and (io, ptr) in self.held.get(path, ())
+
+    def note(self, trace: BranchTrace, stages: list[SubStage]) -> None:
+        for c in trace.calls:  # this call's pointers replace the previous call's
+            self.held[c.path] = set()
+        for s in stages:
+            if s.source is not None:
+                self.held[s.source.path] |= {("out", s.source.y_ptr), ("in", s.source.x_id[0])}
+
+
 class BranchRecorder:
     """Hooks of one block child: trace its call, then write the role sub-stages of that trace."""
 
@@ -182,7 +204,7 @@ class BranchRecorder:
         self, session, capture, name: str, module, path: str, prefix: str, base: dict, roles, dims, written
     ):
         self.session, self.capture, self.name, self.module = session, capture, name, module
-        self.written = written  # module paths whose tensors the sub-stages hold (shared per block)
+        self.written = written  # RoleTensors of the block
         self.path, self.prefix, self.base, self.roles = path, prefix, base, roles
         self.classes = {
             f"{path}.{rel}" if rel else path: type(m).__name__ for rel, m in module.named_modules()
@@ -366,8 +388,8 @@ class BranchRecorder:
         if trace.stages is None:
             stage = (self.roles.names or {}).get(self.name, "")
             stages = with_inputs(branch_substages(trace, stage, self.dims), trace)
+            self.written.note(trace, stages)
             trace.stages = stages + with_inputs(self._unmatched(trace, stages), trace, group=False)
-            self.written.update(s.source.path for s in trace.stages if s.source is not None)
         inv = self.session.invocations.get(self.roles.block.path, 1) - 1
         for s in trace.stages:
             if s.at != index:
@@ -381,7 +403,9 @@ class BranchRecorder:
 
     def _unmatched(self, trace: BranchTrace, stages: list[SubStage]) -> list[SubStage]:
         """Projections no role rule took (outside the experts): kept under their module path
-        relative to the block, warned about once per block class and listed in run.json."""
+        relative to the block, warned about once per block class and listed in run.json. When a
+        sub-stage class dumps the projection's owner module, that module's own in / out are its
+        keys (the owner may do more than the projection, e.g. a router returning its top-k)."""
         taken = {s.at for s in stages}
         experts_placed = any(s.kind.startswith("moe.expert") for s in stages)
         left = [c for c in trace.calls if (c.expert is None or not experts_placed) and c.index not in taken]
@@ -403,4 +427,5 @@ class BranchRecorder:
                     + "".join(f" ({note})" for note in dict.fromkeys(trace.notes)),
                     file=sys.stderr,
                 )
-        return out
+        # a module a sub-stage class dumps keeps its own in / out under that path (not its projection's)
+        return [s for s in out if s.module_path not in self.written.module_paths]
