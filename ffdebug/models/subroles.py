@@ -3,16 +3,17 @@
 The capture side (`ffdebug.capture.substages`) records, for one call of a branch (the attention or
 the MLP / MoE child of a block), every projection it runs — `nn.Linear`, `F.linear` on any weight,
 `Conv1D`'s `addmm` — in call order, with its input and output, plus the `topk` it takes, the
-activations it applies and the head reshapes it makes. This module turns that trace into role
+activations it applies, the head reshapes it makes and the views (split / chunk / unbind /
+slice) that take a fused output apart, as the output columns each holds (`Piece`). This module turns that trace into role
 sub-stages. Names are never read; the rules use shapes relative to the hidden size, the head
 counts and the expert count:
 
 | branch | role | rule |
 |---|---|---|
-| attention | `attn.q`, `attn.k`, `attn.v` | projections of the branch input, in call order; one fused projection of (H + 2·KV)·D is split [q \\| k \\| v]; two are q and a fused [k \\| v] |
+| attention | `attn.q`, `attn.k`, `attn.v` | projections of the branch input, in call order; one fused projection is split into the first three views the branch takes of it that cover every column (contiguous, per-head or per-group layouts alike); two are q and a fused [k \\| v] split the same way; no such views: not split (noted) |
 | attention | `attn.context` | the input of the output projection (the last projection back to the hidden size) |
 | attention | `attn.o` | that output projection's output |
-| MLP | `mlp.gate`, `mlp.up` | projections of the branch input to the intermediate size I (the down projection's input width); the gate is the one an activation is applied to (else the first called); one fused projection of 2·I is split [gate \\| up] the same way |
+| MLP | `mlp.gate`, `mlp.up` | projections of the branch input to the intermediate size I (the down projection's input width); the gate is the one an activation is applied to (else the first called); one fused projection of 2·I is split into the two views the branch takes of it, the same way |
 | MLP | `mlp.act` | the input of the down projection (act(gate) · up for a gated MLP) |
 | MLP | `mlp.down` | the last projection back to the hidden size |
 | MoE | `moe.router` | the first projection of the branch input to E outputs (E: config, else the stacked expert weights' first dim, else the expert list's length) |
@@ -24,7 +25,9 @@ q / k / v and the context are stored as `[batch, seq, heads, head_dim]` (k / v b
 repetition: the projection's own heads); head counts from the config (`num_attention_heads`,
 `num_key_value_heads`, `head_dim`), else from the first head reshapes the branch makes of its
 projections. Token-wise outputs whose leading dims were flattened (`[B·S, F]`) get the branch
-input's leading shape back. Every sub-stage records the original shape and, when split, the slice.
+input's leading shape back. Every sub-stage records the original shape and, when split, the
+columns (`split` for one block, `split_cols` for several runs). `with_inputs` adds the `.in`
+records of what the projections read (sibling projections of one tensor share one).
 """
 
 from __future__ import annotations
