@@ -173,11 +173,16 @@ def _parts(call: LinearCall, n: int) -> list[tuple[object, dict, Piece]] | None:
 
 
 def _heads_of(piece: Piece, heads, head_dim) -> tuple:
-    """(heads, head_dim) of a piece: its own head reshape when the branch viewed it so, else the counts."""
+    """(heads, head_dim) of a piece: the counts when they fit its width; else, with a known head
+    dim, as many heads as fit; else the branch's own 2-D view of it (a per-group view such as
+    [KV groups, r·D] is not [heads, D], so it comes last)."""
+    n = piece.cols.numel()
+    if heads and head_dim and n == heads * head_dim:
+        return heads, head_dim
+    if head_dim and n % head_dim == 0 and piece.feat_shape[-1] % head_dim == 0:
+        return n // head_dim, head_dim
     if len(piece.feat_shape) == 2:
         return piece.feat_shape
-    if heads and head_dim and piece.cols.numel() == heads * head_dim:
-        return heads, head_dim
     return None, None
 
 
