@@ -59,15 +59,22 @@ def _views() -> tuple:
     return (torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten)
 
 
+_SPLITS: tuple = ()
+
+
 def _splits() -> tuple:
     """Calls whose outputs are views of parts of their input (how a fused output is taken apart)."""
+    global _SPLITS
+    if _SPLITS:
+        return _SPLITS
     import torch
 
     T = torch.Tensor
-    return (
+    _SPLITS = (
         T.split, torch.split, T.split_with_sizes, T.chunk, torch.chunk, T.unbind, torch.unbind,
         T.tensor_split, torch.tensor_split, T.narrow, torch.narrow, T.__getitem__,
     )  # fmt: skip
+    return _SPLITS
 
 
 class _Output:
@@ -121,7 +128,7 @@ class _Output:
         if rows.shape[0] != tokens or not torch.equal(rows[:, 0] // self.width, torch.arange(tokens)):
             return None
         cols = rows[0] % self.width
-        if bool(self.taken[cols].any()):
+        if cols.numel() == self.width or bool(self.taken[cols].any()):  # the whole output is no piece
             return None
         self.taken[cols] = True
         return Piece(cols, feat_shape or (1,), view.data_ptr())
@@ -273,7 +280,7 @@ class BranchRecorder:
         import torch.nn.functional as F
 
         trace = self.trace
-        if func in _splits() and isinstance(args[0], torch.Tensor):
+        if args and func in _splits() and isinstance(args[0], torch.Tensor):
             self._pieces(args[0], out)
         if func is F.linear:
             x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
