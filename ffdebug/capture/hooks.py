@@ -345,28 +345,24 @@ def _install_block(
     """Hooks of one block: its input/output, its direct children (with their role sub-stages when
     `substages`; `dims` is the model config they read head and expert counts from), and sub-stage
     classes inside it."""
-    from ffdebug.capture.substages import BranchRecorder
+    from ffdebug.capture.substages import BranchRecorder, RoleTensors
 
     base = {"layer": block.layer, "layer_class": block.layer_class}
     prefix = f"L{block.layer:03d}"
     children = ChildRoles(session, capture, block, prefix, base)
+    written = RoleTensors(_sub_paths(block, sub_globs))
     if substages:  # registered first: a branch's sub-stages are written before its output
         for name, child, _ in role_children(block.module):
             if has_role(child) and not is_norm_type(child) and not norm_shaped(child):
                 path = f"{block.path}.{name}"
-                BranchRecorder(session, capture, name, child, path, prefix, base, children, dims).install(
-                    handle
+                recorder = BranchRecorder(
+                    session, capture, name, child, path, prefix, base, children, dims, written
                 )
+                recorder.install(handle)
     children.install(handle)
     _hook_block_io(handle, session, capture, block, prefix, base, children.begin, children.flush, block_done)
     if sub_globs:
-        _hook_substages(handle, session, capture, block, prefix, base, sub_globs)
-
-
-def _capture_outputs(capture, key: str, output, **meta) -> None:
-    """First tensor of a module output as `key`, the others as `key.<field>`."""
-    for i, (suffix, t) in enumerate(_tensors(output)):
-        capture(key if i == 0 else f"{key}{suffix}", t, **meta)
+        _hook_substages(handle, session, capture, block, prefix, base, sub_globs, children, written)
 
 
 def _hook_block_io(
@@ -411,25 +407,59 @@ def _hook_block_io(
     handle.add(block.module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
 
-def _hook_substages(handle: Handle, session, capture, block, prefix: str, base: dict, sub_globs) -> None:
-    """Modules inside the block whose class matches a sub-stage glob: `L{NNN}.{path}.in` / `.out`."""
+def _sub_paths(block, sub_globs) -> set[str]:
+    """Module paths inside the block whose class matches a sub-stage glob."""
     import fnmatch
 
-    for rel, sub in block.module.named_modules():
-        if not rel or not any(fnmatch.fnmatchcase(type(sub).__name__, g) for g in sub_globs):
-            continue
-        path = f"{block.path}.{rel}"
-        meta = dict(base, module_class=type(sub).__name__, module_path=path)
+    return {
+        f"{block.path}.{rel}"
+        for rel, sub in block.module.named_modules()
+        if rel and any(fnmatch.fnmatchcase(type(sub).__name__, g) for g in sub_globs)
+    }
 
-        def sub_pre(m, a, kw, rel=rel, path=path, meta=meta):
+
+def _hook_substages(
+    handle: Handle, session, capture, block, prefix: str, base: dict, sub_globs, children, written
+) -> None:
+    """Modules inside the block whose class matches a sub-stage glob: `L{NNN}.{path}.in` / `.out`.
+
+    One stage per tensor: a module whose tensors already have a key is not written again under
+    its module path — a direct child of the block (its output is `attn_out` / `ffn_out` / ... or
+    `L{NNN}.<child>.out`; a placed child's input is the stage before it, so neither is written;
+    an unplaced one keeps its `.in`) and a projection whose input or output a role sub-stage
+    holds (`written`: a `RoleTensors`, the same tensors of the same call). The decision is taken
+    when the module returns (its `.in` is written then, just before its `.out`), after the
+    block's roles are known."""
+    for rel, sub in block.module.named_modules():
+        path = f"{block.path}.{rel}"
+        if path not in written.module_paths:
+            continue
+        meta = dict(base, module_class=type(sub).__name__, module_path=path)
+        child = rel if "." not in rel and has_role(sub) else None
+        pending: list = []  # (invocation, input copy) of the call in flight
+
+        def sub_pre(m, a, kw, path=path, pending=pending):
             h = _first_tensor(a, kw)
             if h is not None:
-                inv = session.next_invocation(path)
-                capture(f"{prefix}.{rel}.in", h, io="in", invocation=inv, **meta)
+                pending.append((session.next_invocation(path), h.detach().clone(), h))
 
-        def sub_post(m, a, kw, o, rel=rel, path=path, meta=meta):
-            inv = session.invocations.get(path, 1) - 1
-            _capture_outputs(capture, f"{prefix}.{rel}.out", o, invocation=inv, **meta)
+        def write(call, outputs, rel=rel, path=path, meta=meta, child=child):
+            inv, x, live = call
+            placed = child is not None and child in (children.names or {})
+            in_ptr = live.data_ptr() if live is not None else None
+            if x is not None and not placed and not written.holds(path, "in", in_ptr):
+                capture(f"{prefix}.{rel}.in", x, grad_source=live, io="in", invocation=inv, **meta)
+            out_ptr = outputs[0][2].data_ptr() if outputs else None
+            if child is None and not written.holds(path, "out", out_ptr):
+                for i, (suffix, t, live_out) in enumerate(outputs):
+                    key = f"{prefix}.{rel}.out" if i == 0 else f"{prefix}.{rel}.out{suffix}"
+                    capture(key, t, grad_source=live_out, invocation=inv, **meta)
+
+        def sub_post(m, a, kw, o, path=path, pending=pending, write=write):
+            call = pending.pop() if pending else (session.invocations.get(path, 1) - 1, None, None)
+            outputs = [(sfx, t.detach().clone(), t) for sfx, t in _tensors(o)]
+            if not session.hold(lambda: write(call, outputs)):
+                write(call, outputs)
 
         handle.add(sub.register_forward_pre_hook(sub_pre, with_kwargs=True))
         handle.add(sub.register_forward_hook(sub_post, with_kwargs=True))

@@ -12,8 +12,18 @@ so records keep execution order (q before the rotary taps, the context before th
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 
-from ffdebug.models.subroles import BranchTrace, Dims, LinearCall, SubStage, branch_substages, leading_shape
+from ffdebug.models.subroles import (
+    BranchTrace,
+    Dims,
+    LinearCall,
+    Piece,
+    SubStage,
+    branch_substages,
+    leading_shape,
+    with_inputs,
+)
 
 _ACTIVATIONS: tuple = ()
 _WARNED: set[tuple[str, str]] = set()  # (block class, child) warned about once per process
@@ -47,6 +57,88 @@ def _views() -> tuple:
     import torch
 
     return (torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten)
+
+
+_SPLITS: tuple = ()
+
+
+def _splits() -> tuple:
+    """Calls whose outputs are views of parts of their input (how a fused output is taken apart)."""
+    global _SPLITS
+    if _SPLITS:
+        return _SPLITS
+    import torch
+
+    T = torch.Tensor
+    _SPLITS = (
+        T.split, torch.split, T.split_with_sizes, T.chunk, torch.chunk, T.unbind, torch.unbind,
+        T.tensor_split, torch.tensor_split, T.narrow, torch.narrow, T.__getitem__,
+    )  # fmt: skip
+    return _SPLITS
+
+
+class _Output:
+    """A projection output whose views the branch may take apart (see `piece`)."""
+
+    def __init__(self, call: LinearCall, live) -> None:
+        import torch
+
+        self.call, self.live = call, live  # the live tensor: its storage is not reused meanwhile
+        self.storage = live.untyped_storage().data_ptr()
+        self.width = live.shape[-1]
+        self.taken = torch.zeros(self.width, dtype=torch.bool)
+        self._index = None
+
+    def index(self):
+        """Storage position -> flat index into the output (-1 where the storage holds no element)."""
+        import torch
+
+        if self._index is None:
+            t = self.live
+            self._index = torch.full(
+                (t.untyped_storage().nbytes() // t.element_size(),), -1, dtype=torch.long
+            )
+            view = self._index.as_strided(t.shape, t.stride(), t.storage_offset())
+            view.copy_(torch.arange(t.numel()).view(t.shape))
+        return self._index
+
+    def piece(self, view) -> Piece | None:
+        """The output columns a view of the output holds, when it keeps every token in order and
+        takes columns no earlier piece took; else None. Token dims are those along which the
+        column stays the same, feature dims those along which the token does."""
+        import torch
+
+        if view.dtype != self.live.dtype or view.numel() == 0:
+            return None
+        flat = self.index().as_strided(view.shape, view.stride(), view.storage_offset()).squeeze()
+        if flat.dim() == 0 or bool((flat < 0).any()):
+            return None
+        tok, col = flat // self.width, flat % self.width
+        tok_dims, feat_dims = [], []
+        for i in range(flat.dim()):
+            if bool((col.diff(dim=i) == 0).all()):
+                tok_dims.append(i)
+            elif bool((tok.diff(dim=i) == 0).all()):
+                feat_dims.append(i)
+            else:
+                return None
+        feat_shape = tuple(flat.shape[i] for i in feat_dims)
+        rows = flat.permute(*tok_dims, *feat_dims).reshape(-1, max(1, _prod(feat_shape)))
+        tokens = self.live.numel() // self.width
+        if rows.shape[0] != tokens or not torch.equal(rows[:, 0] // self.width, torch.arange(tokens)):
+            return None
+        cols = rows[0] % self.width
+        if cols.numel() == self.width or bool(self.taken[cols].any()):  # the whole output is no piece
+            return None
+        self.taken[cols] = True
+        return Piece(cols, feat_shape or (1,), view.data_ptr())
+
+
+def _prod(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _expert_structure(module, path: str):
@@ -91,11 +183,35 @@ def _row_keys(rows, weights):
     return (rows.contiguous().view(ints).long() * weights).sum(-1)
 
 
+@dataclass
+class RoleTensors:
+    """Per block: the module tensors role sub-stages hold, so sub-stage classes (module-path dumps,
+    README "Role sub-stages") do not write them again — one stage per tensor."""
+
+    module_paths: set[str]  # modules a sub-stage class dumps by module path
+    held: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # path -> {(io, data_ptr)}
+
+    def holds(self, path: str, io: str, ptr: int | None) -> bool:
+        """Whether the tensor at `ptr` (of this call) that module `path` read (`in`) or returned
+        (`out`) is already a role sub-stage."""
+        return ptr is not None and (io, ptr) in self.held.get(path, ())
+
+    def note(self, trace: BranchTrace, stages: list[SubStage]) -> None:
+        for c in trace.calls:  # this call's pointers replace the previous call's
+            self.held[c.path] = set()
+        for s in stages:
+            if s.source is not None:
+                self.held[s.source.path] |= {("out", s.source.y_ptr), ("in", s.source.x_id[0])}
+
+
 class BranchRecorder:
     """Hooks of one block child: trace its call, then write the role sub-stages of that trace."""
 
-    def __init__(self, session, capture, name: str, module, path: str, prefix: str, base: dict, roles, dims):
+    def __init__(
+        self, session, capture, name: str, module, path: str, prefix: str, base: dict, roles, dims, written
+    ):
         self.session, self.capture, self.name, self.module = session, capture, name, module
+        self.written = written  # RoleTensors of the block
         self.path, self.prefix, self.base, self.roles = path, prefix, base, roles
         self.classes = {
             f"{path}.{rel}" if rel else path: type(m).__name__ for rel, m in module.named_modules()
@@ -131,6 +247,8 @@ class BranchRecorder:
             return
         self.trace = BranchTrace(lead=tuple(x.shape[:-1]), hidden=x.shape[-1])
         self._input = (x.data_ptr(), x.numel())
+        self._input_copy = x.detach().clone()  # the `.in` of the projections reading the branch input
+        self._outputs: dict[int, _Output] = {}  # storage -> projection output (fused ones are split)
         self._rows = None
         if self.members or self.stacked:
             self._rows = self._row_index(x.detach().reshape(-1, x.shape[-1]))
@@ -152,6 +270,7 @@ class BranchRecorder:
             return
         mode, self.mode = self.mode, None
         mode.__exit__(None, None, None)
+        self._outputs, self._input_copy = {}, None
         for replay in self.session.end_hold():
             replay()
 
@@ -161,6 +280,8 @@ class BranchRecorder:
         import torch.nn.functional as F
 
         trace = self.trace
+        if args and func in _splits() and isinstance(args[0], torch.Tensor):
+            self._pieces(args[0], out)
         if func is F.linear:
             x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
             self._linear(x, w, out, w.shape[-1], w.shape[0])
@@ -217,14 +338,32 @@ class BranchRecorder:
             from_input=from_input,
             in_features=fan_in,
             out_features=fan_out,
-            x=None if from_input or expert is not None else x.detach().clone(),
+            x=self._input_copy if from_input else x.detach().clone(),
             y=out.detach().clone(),
             y_ptr=out.data_ptr(),
             elem=out.element_size(),
             tokens=self._tokens(x) if expert is not None else None,
+            x_id=(x.data_ptr(), tuple(x.shape), tuple(x.stride())),
         )
         trace.calls.append(call)
+        if expert is None:
+            self._outputs[out.untyped_storage().data_ptr()] = _Output(call, out)
         self.session.hold(lambda t=trace, i=index: self.emit(t, i))
+
+    def _pieces(self, source, out) -> None:
+        """Views a split / chunk / unbind / slice took of a projection's output: its pieces, in the
+        order taken, until they cover every column (later views of them, e.g. a partial rotary
+        slice of q, are not pieces)."""
+        import torch
+
+        target = self._outputs.get(source.untyped_storage().data_ptr())
+        if target is None or bool(target.taken.all()):
+            return
+        for view in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(view, torch.Tensor) and view.untyped_storage().data_ptr() == target.storage:
+                piece = target.piece(view)
+                if piece is not None:
+                    target.call.pieces.append(piece)
 
     # -- expert rows -> tokens -------------------------------------------------------------------
     def _row_index(self, rows):
@@ -255,18 +394,25 @@ class BranchRecorder:
         block's roles are known)."""
         if trace.stages is None:
             stage = (self.roles.names or {}).get(self.name, "")
-            stages = branch_substages(trace, stage, self.dims)
-            trace.stages = stages + self._unmatched(trace, stages)
+            stages = with_inputs(branch_substages(trace, stage, self.dims), trace)
+            self.written.note(trace, stages)
+            trace.stages = stages + with_inputs(self._unmatched(trace, stages), trace, group=False)
         inv = self.session.invocations.get(self.roles.block.path, 1) - 1
         for s in trace.stages:
             if s.at != index:
                 continue
             meta = dict(self.base, module_class=self.classes.get(s.module_path), module_path=s.module_path)
-            self.capture(f"{self.prefix}.{s.kind}.out", s.tensor, invocation=inv, extra=s.extra, **meta)
+            extra = dict(s.extra)
+            if "inputs" in extra:
+                extra["inputs"] = [f"{self.prefix}.{k}" for k in extra["inputs"]]
+            key = f"{self.prefix}.{s.kind}.{s.io}"
+            self.capture(key, s.tensor, invocation=inv, extra=extra, io=s.io, **meta)
 
     def _unmatched(self, trace: BranchTrace, stages: list[SubStage]) -> list[SubStage]:
         """Projections no role rule took (outside the experts): kept under their module path
-        relative to the block, warned about once per block class and listed in run.json."""
+        relative to the block, warned about once per block class and listed in run.json. When a
+        sub-stage class dumps the projection's owner module, that module's own in / out are its
+        keys (the owner may do more than the projection, e.g. a router returning its top-k)."""
         taken = {s.at for s in stages}
         experts_placed = any(s.kind.startswith("moe.expert") for s in stages)
         left = [c for c in trace.calls if (c.expert is None or not experts_placed) and c.index not in taken]
@@ -275,7 +421,7 @@ class BranchRecorder:
         for c in left:
             rel = c.path[len(block.path) + 1 :] if c.path.startswith(f"{block.path}.") else c.path
             out.append(
-                SubStage(rel, leading_shape(c.y, trace), c.index, c.path, {"orig_shape": list(c.y.shape)})
+                SubStage(rel, leading_shape(c.y, trace), c.index, c.path, {"orig_shape": list(c.y.shape)}, c)
             )
         if out:
             names = tuple(dict.fromkeys(s.kind for s in out))
@@ -284,7 +430,9 @@ class BranchRecorder:
                 _WARNED.add((block.class_name, self.name))
                 print(
                     f"ffdebug: warning: {block.class_name} ({block.path}.{self.name}): no role sub-stage "
-                    f"for {', '.join(names)}; dumped as L{{NNN}}.<module path>.out",
+                    f"for {', '.join(names)}; dumped as L{{NNN}}.<module path>.in / .out"
+                    + "".join(f" ({note})" for note in dict.fromkeys(trace.notes)),
                     file=sys.stderr,
                 )
-        return out
+        # a module a sub-stage class dumps keeps its own in / out under that path (not its projection's)
+        return [s for s in out if s.module_path not in self.written.module_paths]

@@ -3,16 +3,17 @@
 The capture side (`ffdebug.capture.substages`) records, for one call of a branch (the attention or
 the MLP / MoE child of a block), every projection it runs — `nn.Linear`, `F.linear` on any weight,
 `Conv1D`'s `addmm` — in call order, with its input and output, plus the `topk` it takes, the
-activations it applies and the head reshapes it makes. This module turns that trace into role
+activations it applies, the head reshapes it makes and the views (split / chunk / unbind /
+slice) that take a fused output apart, as the output columns each holds (`Piece`). This module turns that trace into role
 sub-stages. Names are never read; the rules use shapes relative to the hidden size, the head
 counts and the expert count:
 
 | branch | role | rule |
 |---|---|---|
-| attention | `attn.q`, `attn.k`, `attn.v` | projections of the branch input, in call order; one fused projection of (H + 2·KV)·D is split [q \\| k \\| v]; two are q and a fused [k \\| v] |
+| attention | `attn.q`, `attn.k`, `attn.v` | projections of the branch input, in call order; one fused projection is split into the first three views the branch takes of it that cover every column (contiguous, per-head or per-group layouts alike); two are q and a fused [k \\| v] split the same way; no such views: not split (noted) |
 | attention | `attn.context` | the input of the output projection (the last projection back to the hidden size) |
 | attention | `attn.o` | that output projection's output |
-| MLP | `mlp.gate`, `mlp.up` | projections of the branch input to the intermediate size I (the down projection's input width); the gate is the one an activation is applied to (else the first called); one fused projection of 2·I is split [gate \\| up] the same way |
+| MLP | `mlp.gate`, `mlp.up` | projections of the branch input to the intermediate size I (the down projection's input width); the gate is the one an activation is applied to (else the first called); one fused projection of 2·I is split into the two views the branch takes of it, the same way |
 | MLP | `mlp.act` | the input of the down projection (act(gate) · up for a gated MLP) |
 | MLP | `mlp.down` | the last projection back to the hidden size |
 | MoE | `moe.router` | the first projection of the branch input to E outputs (E: config, else the stacked expert weights' first dim, else the expert list's length) |
@@ -24,7 +25,9 @@ q / k / v and the context are stored as `[batch, seq, heads, head_dim]` (k / v b
 repetition: the projection's own heads); head counts from the config (`num_attention_heads`,
 `num_key_value_heads`, `head_dim`), else from the first head reshapes the branch makes of its
 projections. Token-wise outputs whose leading dims were flattened (`[B·S, F]`) get the branch
-input's leading shape back. Every sub-stage records the original shape and, when split, the slice.
+input's leading shape back. Every sub-stage records the original shape and, when split, the
+columns (`split` for one block, `split_cols` for several runs). `with_inputs` adds the `.in`
+records of what the projections read (sibling projections of one tensor share one).
 """
 
 from __future__ import annotations
@@ -79,6 +82,18 @@ class LinearCall:
     y_ptr: int  # data_ptr of the live output (to see which one an activation reads)
     elem: int  # element size of the output
     tokens: object = None  # expert rows -> token index in the flattened branch input
+    x_id: tuple = ()  # (data_ptr, shape, stride) of the live input: projections reading one tensor
+    pieces: list = field(default_factory=list)  # Piece views the branch took of the output
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A view the branch took of a projection's output (a split, chunk, unbind or slice of it):
+    the output columns it holds, in its own order, and the shape of its feature dims."""
+
+    cols: object  # LongTensor of output columns
+    feat_shape: tuple  # e.g. (heads, head_dim) after a head reshape, or (width,)
+    ptr: int  # data_ptr of the view (to see which one an activation reads)
 
 
 @dataclass
@@ -94,6 +109,7 @@ class BranchTrace:
     head_shapes: list[tuple[int, int]] = field(default_factory=list)  # (heads, head_dim) reshapes
     events: int = 0
     stages: list | None = None  # the sub-stages, decided once the branch's role is known
+    notes: list[str] = field(default_factory=list)  # why a projection got no role (warned once)
 
 
 @dataclass
@@ -105,6 +121,8 @@ class SubStage:
     at: int
     module_path: str
     extra: dict
+    source: LinearCall | None = None  # the projection whose input is this stage's `.in`
+    io: str = "out"  # the key is L{NNN}.{kind}.{io}
 
 
 def leading_shape(t, trace: BranchTrace):
@@ -117,16 +135,62 @@ def leading_shape(t, trace: BranchTrace):
     return t
 
 
-def _stage(kind, t, call: LinearCall, trace, heads=None, head_dim=None, split=None, at=None) -> SubStage:
+def _stage(
+    kind, t, call: LinearCall, trace, heads=None, head_dim=None, split=None, at=None, reads=True
+) -> SubStage:
+    """A sub-stage of `call`'s output `t` (a piece of it when `split`, the fields saying which);
+    `reads`: its `.in` is the projection's input (False: it is no projection's output)."""
     orig = list(t.shape) if split is None else list(call.y.shape)
     t = leading_shape(t, trace)
-    extra: dict = {"orig_shape": orig}
-    if split is not None:
-        extra["split"] = list(split)
+    extra: dict = {"orig_shape": orig, **(split or {})}
     if heads and head_dim and t.shape[-1] == heads * head_dim:
         t = t.reshape(*t.shape[:-1], heads, head_dim)
         extra["heads"] = heads
-    return SubStage(kind, t, call.index if at is None else at, call.path, extra)
+    return SubStage(kind, t, call.index if at is None else at, call.path, extra, call if reads else None)
+
+
+def _split_fields(cols) -> dict:
+    """`split: [lo, hi]` for a contiguous block of output columns, else `split_cols`: the runs of
+    consecutive columns, in the piece's order (e.g. one [lo, hi] per head of a per-head layout)."""
+    runs: list[list[int]] = []
+    for c in cols.tolist():
+        if runs and runs[-1][1] == c:
+            runs[-1][1] = c + 1
+        else:
+            runs.append([c, c + 1])
+    return {"split": runs[0]} if len(runs) == 1 else {"split_cols": runs}
+
+
+def _parts(call: LinearCall, n: int) -> list[tuple[object, dict, Piece]] | None:
+    """The `n` pieces the branch split a fused projection's output into, in the order it took them,
+    as (tensor `[..., width]`, split fields, piece); None unless it took exactly `n` disjoint views
+    covering every output column (then its layout is unknown: never guessed)."""
+    if len(call.pieces) != n or sum(p.cols.numel() for p in call.pieces) != call.out_features:
+        return None
+    flat = call.y.reshape(-1, call.out_features)
+    lead = tuple(call.y.shape[:-1])
+    return [(flat[:, p.cols].reshape(*lead, p.cols.numel()), _split_fields(p.cols), p) for p in call.pieces]
+
+
+def _heads_of(piece: Piece, heads, head_dim) -> tuple:
+    """(heads, head_dim) of a piece: the counts when they fit its width; else, with a known head
+    dim, as many heads as fit; else the branch's own 2-D view of it (a per-group view such as
+    [KV groups, r·D] is not [heads, D], so it comes last)."""
+    n = piece.cols.numel()
+    if heads and head_dim and n == heads * head_dim:
+        return heads, head_dim
+    if head_dim and n % head_dim == 0 and piece.feat_shape[-1] % head_dim == 0:
+        return n // head_dim, head_dim
+    if len(piece.feat_shape) == 2:
+        return piece.feat_shape
+    return None, None
+
+
+def _undetermined(trace: BranchTrace, call: LinearCall, what: str) -> None:
+    trace.notes.append(
+        f"{call.path} is a fused {what} projection ({call.out_features} outputs) whose layout the branch "
+        "did not show (no split / chunk / unbind / slice of its output was seen), so it is not split"
+    )
 
 
 def _head_counts(trace: BranchTrace, dims: Dims) -> tuple[int | None, int | None, int | None]:
@@ -146,33 +210,32 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     outs = [c for c in calls if not c.from_input and c.out_features == trace.hidden]
     h, kv, d = _head_counts(trace, dims)
     out: list[SubStage] = []
-    sizes = (h * d, kv * d, kv * d) if h and kv and d else None
-    if len(ins) == 1 and sizes and ins[0].out_features == sum(sizes):
-        c, lo = ins[0], 0
-        for kind, size, n in zip(("attn.q", "attn.k", "attn.v"), sizes, (h, kv, kv)):
-            out.append(_stage(kind, c.y[..., lo : lo + size], c, trace, n, d, (lo, lo + size)))
-            lo += size
-    elif len(ins) == 2 and sizes and (ins[0].out_features, ins[1].out_features) == (sizes[0], 2 * sizes[1]):
-        out.append(_stage("attn.q", ins[0].y, ins[0], trace, h, d))
-        c = ins[1]
-        out.append(_stage("attn.k", c.y[..., : sizes[1]], c, trace, kv, d, (0, sizes[1])))
-        out.append(_stage("attn.v", c.y[..., sizes[1] :], c, trace, kv, d, (sizes[1], 2 * sizes[1])))
-    elif len(ins) == 3:
-        for kind, c, n in zip(("attn.q", "attn.k", "attn.v"), ins, (h, kv, kv)):
+    roles = ("attn.q", "attn.k", "attn.v")
+    if len(ins) == 3:
+        for kind, c, n in zip(roles, ins, (h, kv, kv)):
             out.append(_stage(kind, c.y, c, trace, n, d))
+    elif len(ins) in (1, 2):  # one fused [q | k | v], or q and a fused [k | v]: split as the branch does
+        fused = ins[-1]
+        parts = _parts(fused, 4 - len(ins))
+        if len(ins) == 2:
+            out.append(_stage("attn.q", ins[0].y, ins[0], trace, h, d))
+        if parts is not None:
+            for kind, (t, split, piece), n in zip(roles[len(ins) - 1 :], parts, (h, kv, kv)[len(ins) - 1 :]):
+                out.append(_stage(kind, t, fused, trace, *_heads_of(piece, n, d), split=split))
+        else:
+            _undetermined(trace, fused, "k / v" if len(ins) == 2 else "q / k / v")
     if outs:
         o = outs[-1]
-        if o.x is not None:
-            out.append(_stage("attn.context", o.x, o, trace, h, d))
+        out.append(_stage("attn.context", o.x, o, trace, h, d, reads=False))
         out.append(_stage("attn.o", o.y, o, trace))
     return out
 
 
-def _gate_first(pieces: list[tuple[LinearCall, int]], act_ptrs: list[int]) -> bool:
-    """Whether the first of two (call, element offset) pieces is the gate: the one an activation
-    read (by its data pointer); else the first."""
-    for i, (c, offset) in enumerate(pieces):
-        if c.y_ptr + offset * c.elem in act_ptrs:
+def _gate_first(ptrs: list[int], act_ptrs: list[int]) -> bool:
+    """Whether the first of two outputs (by data pointer) is the gate: the one an activation read;
+    else the first."""
+    for i, ptr in enumerate(ptrs):
+        if ptr in act_ptrs:
             return i == 0
     return True
 
@@ -189,27 +252,27 @@ def mlp_substages(trace: BranchTrace) -> list[SubStage]:
     out: list[SubStage] = []
     if len(ins) == 1 and ins[0].out_features == 2 * inner:
         c = ins[0]
-        halves = [(c.y[..., :inner], (0, inner)), (c.y[..., inner:], (inner, 2 * inner))]
-        if not _gate_first([(c, 0), (c, inner)], trace.act_ptrs):
-            halves.reverse()
-        out.append(_stage("mlp.gate", halves[0][0], c, trace, split=halves[0][1]))
-        out.append(_stage("mlp.up", halves[1][0], c, trace, split=halves[1][1]))
+        parts = _parts(c, 2)
+        if parts is None:
+            _undetermined(trace, c, "gate / up")
+        else:
+            if not _gate_first([p.ptr for _, _, p in parts], trace.act_ptrs):
+                parts.reverse()
+            out.append(_stage("mlp.gate", parts[0][0], c, trace, split=parts[0][1]))
+            out.append(_stage("mlp.up", parts[1][0], c, trace, split=parts[1][1]))
     elif len(ins) == 2 and all(c.out_features == inner for c in ins):
-        gate, up = ins if _gate_first([(ins[0], 0), (ins[1], 0)], trace.act_ptrs) else ins[::-1]
+        gate, up = ins if _gate_first([ins[0].y_ptr, ins[1].y_ptr], trace.act_ptrs) else ins[::-1]
         out += [_stage("mlp.gate", gate.y, gate, trace), _stage("mlp.up", up.y, up, trace)]
         out.sort(key=lambda s: s.at)
     elif len(ins) == 1 and ins[0].out_features == inner:
         out.append(_stage("mlp.up", ins[0].y, ins[0], trace))
-    if down.x is not None:
-        out.append(_stage("mlp.act", down.x, down, trace))
+    out.append(_stage("mlp.act", down.x, down, trace, reads=False))
     out.append(_stage("mlp.down", down.y, down, trace))
     return out
 
 
 def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     """router, top-k, experts and shared expert of a MoE branch (see the module table)."""
-    import torch
-
     experts = [c for c in trace.calls if c.expert is not None]
     plain = [c for c in trace.calls if c.expert is None]
     router = next((c for c in plain if c.from_input and c.out_features == dims.experts), None)
@@ -235,21 +298,89 @@ def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
                 first = None
         if not runs:
             continue
-        rows = [c.y.reshape(-1, c.y.shape[-1]) for c, _ in runs]
-        tokens = [f.tokens for _, f in runs]
-        downs = [c for c, _ in runs]
-        y = torch.cat(rows)
-        extra: dict = {"orig_shape": list(y.shape)}
-        if all(t is not None for t in tokens):
-            order = torch.cat(tokens)
-            y = y[order.argsort(stable=True)]
-            extra["tokens"] = sorted(int(i) for i in order)
-        out.append(SubStage(f"moe.expert{e:03d}", y, downs[-1].index, downs[-1].path, extra))
+        out += _expert_stages(f"moe.expert{e:03d}", runs)
     shared = BranchTrace(
-        trace.lead, trace.hidden, [c for c in plain if c is not router], act_ptrs=trace.act_ptrs
+        trace.lead,
+        trace.hidden,
+        [c for c in plain if c is not router],
+        act_ptrs=trace.act_ptrs,
+        notes=trace.notes,
     )
     for s in mlp_substages(shared):  # a shared expert: the MLP rules on the other projections
         s.kind = "moe.shared" if s.kind == "mlp.down" else s.kind.replace("mlp.", "moe.shared.")
+        out.append(s)
+    return out
+
+
+def _expert_stages(kind: str, runs: list[tuple[LinearCall, LinearCall]]) -> list[SubStage]:
+    """`kind.in` (the rows the expert read) and `kind.out` (its output rows) of the expert's runs
+    ((down projection, first projection) pairs), both sorted by token when every row was matched."""
+    import torch
+
+    x = torch.cat([f.x.reshape(-1, f.x.shape[-1]) for _, f in runs])
+    y = torch.cat([c.y.reshape(-1, c.y.shape[-1]) for c, _ in runs])
+    tokens = [f.tokens for _, f in runs]
+    extra_in: dict = {"orig_shape": list(x.shape)}
+    extra: dict = {"orig_shape": list(y.shape), "inputs": [f"{kind}.in"]}
+    if all(t is not None for t in tokens):
+        order = torch.cat(tokens)
+        sort = order.argsort(stable=True)
+        x, y = x[sort], y[sort]
+        extra["tokens"] = extra_in["tokens"] = sorted(int(i) for i in order)
+    first, down = runs[0][1], runs[-1][0]
+    return [
+        SubStage(kind, x, first.index, first.path, extra_in, io="in"),
+        SubStage(kind, y, down.index, down.path, extra),
+    ]
+
+
+_ROLE_ORDER = ("q", "k", "v", "gate", "up")
+
+
+def _group_name(kinds: list[str]) -> str:
+    """One name for roles reading one tensor: attn.q + attn.k + attn.v -> attn.qkv, mlp.gate +
+    mlp.up -> mlp.gate_up (leaves in role order, joined without a separator when all are letters)."""
+    parent = kinds[0].rsplit(".", 1)[0]
+    leaves = sorted((k.rsplit(".", 1)[1] for k in kinds), key=_ROLE_ORDER.index)
+    return f"{parent}.{('' if all(len(x) == 1 for x in leaves) else '_').join(leaves)}"
+
+
+def with_inputs(stages: list[SubStage], trace: BranchTrace, group: bool = True) -> list[SubStage]:
+    """The stages with the `.in` records of what they read, each placed just before its first
+    reader (README "Role sub-stages", inputs): a projection's input activation (not its weight).
+    With `group`, sibling input projections (q / k / v, gate / up) that read one tensor — a fused
+    projection, or separate ones of the same input — share one record named for the group
+    (`attn.qkv.in`, `mlp.gate_up.in`), so a fused side and an unfused one write the same key.
+    Every reader names its inputs, in argument order, in `extra["inputs"]` (keys without the
+    layer prefix); `mlp.act` reads the `gate` and `up` outputs."""
+    groups: dict[tuple, list[SubStage]] = {}
+    for s in stages:
+        c = s.source
+        if c is None or s.io != "out":
+            continue
+        parent, leaf = s.kind.rsplit(".", 1) if "." in s.kind else ("", s.kind)
+        sibling = group and c.from_input and leaf in _ROLE_ORDER
+        groups.setdefault((parent, c.x_id) if sibling else (id(s),), []).append(s)
+    before: dict[int, SubStage] = {}  # id(first reader) -> the `.in` stage written just before it
+    for members in groups.values():
+        c = members[0].source
+        name = _group_name([m.kind for m in members]) if len(members) > 1 else members[0].kind
+        extra: dict = {"orig_shape": list(c.x.shape)}
+        if len(members) > 1:
+            extra["read_by"] = [m.kind for m in members]
+        before[id(members[0])] = SubStage(
+            name, leading_shape(c.x, trace), members[0].at, c.path, extra, io="in"
+        )
+        for m in members:
+            m.extra["inputs"] = [f"{name}.in"]
+    kinds = {s.kind for s in stages}
+    out: list[SubStage] = []
+    for s in stages:
+        if s.kind.endswith(".act"):
+            parent = s.kind[: -len("act")]
+            s.extra["inputs"] = [f"{parent}{r}.out" for r in ("gate", "up") if f"{parent}{r}" in kinds]
+        if id(s) in before:
+            out.append(before[id(s)])
         out.append(s)
     return out
 
