@@ -26,6 +26,8 @@ def test_review_tooling_passes_its_own_review(monkeypatch):
         "ffdebug/review",
         "ffdebug/trace.py",
         "ffdebug/cli/playbook_cmd.py",
+        "ffdebug/cli/introspect.py",
+        "ffdebug/report/playbook_text.py",
         "ffdebug/cli/review_cmd.py",
         "ffdebug/cli/trace_cmd.py",
     ]
