@@ -105,7 +105,12 @@ def test_attribution_tells_local_from_inherited(llama_dumps):
 def test_bf16_target_is_drift_not_a_bug(llama_dumps):
     r = ffdebug.bisect(f"{llama_dumps}/ref", f"{llama_dumps}/bf16")
     assert r.pattern == "drift"
-    assert r.verdict not in ("bug", "scramble")
+    # bf16 rounds each result to 2^-9 (~0.2%): every block's output is at least that far off and
+    # the error grows layer by layer, staying in the ok band (< 1%) inside the blocks; the worst
+    # stage crosses 1% (drift) and nothing comes near diverge (10%).
+    rels = [row.rel_out for row in r.layers]
+    assert all(2.0**-9 <= x < 0.01 for x in rels) and rels == sorted(rels), rels
+    assert r.verdict == "drift"
     assert not r.failed()
     assert "drift" in r.conclusion and r.conclusion.endswith("PASSED")
 

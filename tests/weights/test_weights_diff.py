@@ -386,7 +386,7 @@ def test_hand_quantised_deepseek_fp8_blocks_match_at_e4m3_precision():
     assert res, res.to_json()
     (t,) = res.tensors
     assert (t.finding, t.dtype_target) == ("rounding", "float8_e4m3fn")
-    assert t.severity in ("ok", "drift")
+    assert t.severity == "drift"  # e4m3: rel in [2^-5, 2^-4]/sqrt(3) (test_weights_tp_quant), 1% < rel
     assert t.max_abs == pytest.approx(float((deq.double() - w.double()).abs().max()), rel=1e-6)
     assert t.rel == pytest.approx(float((deq.double() - w.double()).norm() / w.double().norm()), rel=1e-6)
     assert t.rel < 2.0**-4
