@@ -49,6 +49,7 @@ def llama_dumps(tmp_path_factory):
     return str(d)
 
 
+@pytest.mark.integration
 def test_missing_routed_scaling_is_a_layer_class_pattern_at_the_first_moe_layer(ds_dump):
     r = ffdebug.bisect(f"{ds_dump}/ref", f"{ds_dump}/target")
     fd = r.first_divergence
@@ -76,6 +77,7 @@ def test_declared_layer_classes_relabel_the_layers(ds_dump):
     assert [c.layer_class for c in r.per_class] == ["hash", "routed"]
 
 
+@pytest.mark.integration
 def test_wrong_rotary_base_in_one_layer_is_a_jump_with_attention_sub_stage(llama_dumps):
     r = ffdebug.bisect(f"{llama_dumps}/ref", f"{llama_dumps}/rope")
     assert r.pattern == "jump"

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ffdebug.review.runner import ReviewConfig, review
+
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -256,6 +256,7 @@ def test_inspect_hf_folder_and_index(hf_dir, tmp_path):
     assert row["stats"]["mean"] == pytest.approx(1.0) and row["shape"] == [32]
 
 
+@pytest.mark.integration
 def test_weight_dump_and_entry(hf_dir, tmp_path, monkeypatch):
     from transformers import LlamaForCausalLM
 
@@ -392,6 +393,7 @@ def test_hand_quantised_deepseek_fp8_blocks_match_at_e4m3_precision():
     assert t.rel < 2.0**-4
 
 
+@pytest.mark.integration
 def test_layer_selected_dump_restricts_the_other_side(hf_dir, tmp_path, monkeypatch):
     """`FFDEBUG_WEIGHT_DUMP_LAYERS=1` (playbook phase 1): the checkpoint's other layers cannot be in
     the dump, so they are left out (and said so); a buffer-only difference does not fail."""

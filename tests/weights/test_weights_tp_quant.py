@@ -42,6 +42,7 @@ def write_dump(side_dir, shards: list[dict], with_meta: bool = False) -> None:
 # --- must show: TP=2 row and column shards merge back and match -----------------------------------
 
 
+@pytest.mark.integration
 def test_tp2_weight_dump_merges_back(hf_dir, hf_state, tmp_path):
     write_dump(tmp_path / "weights", tp_split(hf_state))
     code, out = run_json("weights-diff", hf_dir, tmp_path / "weights")
@@ -58,6 +59,7 @@ def test_tp2_weight_dump_merges_back(hf_dir, hf_state, tmp_path):
     assert by["model.norm.weight"]["tp"]["target"] == "replicated"
 
 
+@pytest.mark.integration
 def test_tp2_manifest_shard_metadata_and_rank_files(hf_dir, hf_state, tmp_path):
     shards = tp_split(hf_state)
     write_dump(tmp_path / "meta" / "weights", shards, with_meta=True)
@@ -79,6 +81,7 @@ def test_tp_merge_explicit_dim_and_bad_merge(hf_state, tmp_path):
     assert not wrong and wrong.shape_mismatch
 
 
+@pytest.mark.integration
 def test_tp_replicated_tensor_differing_across_ranks(hf_dir, hf_state, tmp_path):
     shards = tp_split(hf_state)
     shards[1]["model.norm.weight"] = shards[1]["model.norm.weight"] + 1e-3
@@ -89,6 +92,7 @@ def test_tp_replicated_tensor_differing_across_ranks(hf_dir, hf_state, tmp_path)
     assert out["verdict"] == "ok"  # rank 0 matches the reference; the replica check fails the run
 
 
+@pytest.mark.integration
 def test_both_sides_per_rank_compare_rank_by_rank(hf_state, tmp_path):
     shards = tp_split(hf_state)
     write_dump(tmp_path / "a" / "weights", shards)
