@@ -49,7 +49,7 @@ def pair_by_content(sides: Sides, only_ref: list[str], only_tgt: list[str], load
     """Each composite content matching related is replaced by its blocks (fp8 tensors are not
     sketched); the plan is kept for the JSON `content`."""
     from ffdebug._chunks import single_thread
-    from ffdebug.weights.content import relate
+    from ffdebug.weights.relate import relate
 
     ref, tgt = sides.ref, sides.tgt
     with single_thread():  # as in run(): chunked ops gain nothing from torch's thread pool
