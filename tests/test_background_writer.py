@@ -61,6 +61,7 @@ def test_queue_blocks_at_its_bound_and_never_drops():
     assert inner.closed
 
 
+@pytest.mark.integration
 def test_sigterm_drains_then_chains_to_the_previous_handler(tmp_path, monkeypatch):
     """A Python handler set before the dump still runs on SIGTERM, after the queue is written
     (each write is slowed, so captures are still queued when the signal comes): it sees every
@@ -87,6 +88,7 @@ def test_sigterm_drains_then_chains_to_the_previous_handler(tmp_path, monkeypatc
         signal.signal(signal.SIGTERM, old)
 
 
+@pytest.mark.integration
 def test_sigterm_ignored_stays_ignored(tmp_path):
     old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
@@ -125,6 +127,7 @@ def test_sigterm_with_default_action_drains_and_still_dies(tmp_path):
     assert all(float(r.load()[0]) == i for i, r in enumerate(store.records))
 
 
+@pytest.mark.integration
 def test_queue_bytes_zero_writes_on_the_forward_thread(tmp_path):
     """queue_bytes=0: no writer thread, no SIGTERM handler; the record is on disk when tap returns."""
     before = signal.getsignal(signal.SIGTERM)

@@ -31,6 +31,7 @@ def _expected_keys(num_layers: int) -> set[str]:
     return keys
 
 
+@pytest.mark.integration
 def test_env_dump_one_line_install(tmp_path, monkeypatch, tiny_llama, input_ids):
     monkeypatch.setenv("FFDEBUG_FWD_DUMP_DIR", str(tmp_path))
     monkeypatch.setenv("FFDEBUG_FWD_DUMP_SIDE", "ref")
@@ -55,6 +56,7 @@ def test_env_dump_one_line_install(tmp_path, monkeypatch, tiny_llama, input_ids)
     assert status["complete"] and status["written"] == len(store.records)
 
 
+@pytest.mark.integration
 def test_capture_api_same_stages_and_layer_filter(tmp_path, tiny_llama, input_ids):
     with ffdebug.capture(tiny_llama, dir=tmp_path, side="target"), torch.no_grad():
         tiny_llama(input_ids=input_ids)
@@ -66,6 +68,7 @@ def test_capture_api_same_stages_and_layer_filter(tmp_path, tiny_llama, input_id
     assert not tiny_llama._forward_hooks and not tiny_llama._forward_pre_hooks  # removed on exit
 
 
+@pytest.mark.integration
 def test_clone_on_capture(tmp_path):
     lin = torch.nn.Linear(4, 4)
 
@@ -117,6 +120,7 @@ def test_disabled_installs_no_hooks_and_tap_is_noop(tiny_llama, input_ids, tmp_p
     assert not [t for t in threading.enumerate() if t.name == "ffdebug-dump-writer"]
 
 
+@pytest.mark.integration
 def test_calls_steps_taps_and_first_real(tmp_path, tiny_llama, input_ids):
     dummy = torch.zeros_like(input_ids)
     with ffdebug.capture(tiny_llama, dir=tmp_path, side="s", calls="first-real", stages="final.logits"):
@@ -140,6 +144,7 @@ def test_calls_steps_taps_and_first_real(tmp_path, tiny_llama, input_ids):
     assert [r.step["role"] for r in reward] == ["policy", "policy"] and reward[1].load().item() == 1.0
 
 
+@pytest.mark.integration
 def test_stats_mode_and_budget(tmp_path, tiny_llama, input_ids):
     with ffdebug.capture(tiny_llama, dir=tmp_path, side="s", mode="stats"), torch.no_grad():
         tiny_llama(input_ids=input_ids)
@@ -155,6 +160,7 @@ def test_stats_mode_and_budget(tmp_path, tiny_llama, input_ids):
     assert status["over_budget"] > 0 and status["bytes_written"] <= 3000
 
 
+@pytest.mark.integration
 def test_overwrite_guard(tmp_path, tiny_llama, input_ids, monkeypatch):
     from ffdebug.errors import FFDebugError
 
@@ -169,6 +175,7 @@ def test_overwrite_guard(tmp_path, tiny_llama, input_ids, monkeypatch):
         assert "FFDEBUG_FWD_DUMP_OVERWRITE=1" in str(err)
 
 
+@pytest.mark.integration
 def test_grads_dumped(tmp_path, tiny_llama, input_ids):
     with ffdebug.capture(tiny_llama, dir=tmp_path, side="g", grads=True, stages="L*.hidden_out*"):
         out = tiny_llama(input_ids=input_ids)
@@ -178,6 +185,7 @@ def test_grads_dumped(tmp_path, tiny_llama, input_ids):
     assert {r.key for r in grads} == {f"L{i:03d}.hidden_out.grad" for i in range(4)}
 
 
+@pytest.mark.integration
 def test_patch_helpers_restore_and_dump(tmp_path, tiny_llama, input_ids):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
@@ -208,6 +216,7 @@ def test_patch_helpers_restore_and_dump(tmp_path, tiny_llama, input_ids):
         tiny_llama(input_ids=input_ids)  # restored: runs
 
 
+@pytest.mark.integration
 def test_weight_dump(tmp_path, monkeypatch, tiny_llama):
     monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_DIR", str(tmp_path))
     monkeypatch.setenv("FFDEBUG_WEIGHT_DUMP_LAYERS", "0")
@@ -256,6 +265,7 @@ def test_blocks_and_layer_classes_diffusers():
     assert find_blocks(flux, declared="double:0,single:1-")[1].layer_class == "single"
 
 
+@pytest.mark.integration
 def test_first_real_per_step_tags_and_warmup_guess_recorded(tmp_path, tiny_llama, input_ids):
     """first-real takes the first non-warm-up call of each step-tag set; an untagged dummy batch is a
     warm-up guess whose input ids alone are written, marked phase=warmup_guess."""
@@ -274,6 +284,7 @@ def test_first_real_per_step_tags_and_warmup_guess_recorded(tmp_path, tiny_llama
     assert [r.key for r in guessed] == ["embed.input_ids"] and torch.equal(guessed[0].load(), dummy)
 
 
+@pytest.mark.integration
 def test_tap_tags_do_not_leak_and_input_ids_tag(tmp_path):
     """Per-tap tags tag that capture only; `input_ids=True` marks token ids (payload kept even in
     stats mode) instead of becoming a step tag."""
@@ -288,6 +299,7 @@ def test_tap_tags_do_not_leak_and_input_ids_tag(tmp_path):
     assert recs["tokens"].has_payload and not recs["loss"].has_payload
 
 
+@pytest.mark.integration
 def test_stats_of_huge_float64_do_not_crash_capture(tmp_path):
     """Sums of squares of 1e300 overflow; the stat is null and the capture goes through."""
     with ffdebug.capture(None, dir=tmp_path, side="s"):
@@ -296,6 +308,7 @@ def test_stats_of_huge_float64_do_not_crash_capture(tmp_path):
     assert stats["l2"] is None and stats["max"] == 1e300 and stats["absmax"] == 1e300
 
 
+@pytest.mark.integration
 def test_run_json_has_input_ids_sha(tmp_path, tiny_llama, input_ids):
     from ffdebug.store.schema import sha256_of_tensor
 
@@ -305,6 +318,7 @@ def test_run_json_has_input_ids_sha(tmp_path, tiny_llama, input_ids):
     assert run["input_ids_sha256"] == sha256_of_tensor(input_ids)
 
 
+@pytest.mark.integration
 def test_grads_follow_call_selection_and_forward_tags(tmp_path, tiny_llama, input_ids):
     """Gradients of an unselected call are not written; a gradient keeps its forward's step tags."""
     with ffdebug.capture(
@@ -317,6 +331,7 @@ def test_grads_follow_call_selection_and_forward_tags(tmp_path, tiny_llama, inpu
     assert [(r.key, r.call, r.step) for r in grads] == [("L000.hidden_out.grad", 1, {"optimizer_step": 7})]
 
 
+@pytest.mark.integration
 def test_no_blocks_found_is_reported(tmp_path, capsys):
     """Wrong block class names: the final output is still captured, but stderr says no blocks."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
@@ -343,6 +358,7 @@ def test_capture_options_validated_like_env(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.integration
 def test_topk_of_logits(tmp_path, tiny_llama, input_ids):
     """FFDEBUG_DEBUG_TOPK / topk=k: the top-k ids and softmax probabilities of the final logits."""
     with ffdebug.capture(tiny_llama, dir=tmp_path, side="s", topk=3, stages="final.*"), torch.no_grad():
@@ -353,6 +369,7 @@ def test_topk_of_logits(tmp_path, tiny_llama, input_ids):
     torch.testing.assert_close(recs["final.topk_probs"].load(), probs)
 
 
+@pytest.mark.integration
 def test_patch_block_forward_layer_index(tmp_path):
     """The index attribute names the layer; without one, the order of first execution does."""
 
@@ -372,6 +389,7 @@ def test_patch_block_forward_layer_index(tmp_path):
     assert keys == [f"L{i:03d}.{s}" for i in (7, 2, 0) for s in ("hidden_in", "hidden_out")]
 
 
+@pytest.mark.integration
 def test_stats_only_record_holds_hand_derived_statistics(tmp_path):
     """x = [1, −2, 0, NaN, +Inf, 3]: the finite values 1, −2, 0, 3 give mean 2/4 = 0.5,
     E[x²] = (1 + 4 + 0 + 9)/4 = 3.5, population variance 3.5 − 0.25 = 3.25 → std √3.25;

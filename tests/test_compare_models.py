@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 import ffdebug
 from ffdebug.cli.app import app
 
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+
 
 def _dump(model, ids, directory, side, **kw):
     with ffdebug.capture(model, dir=directory, side=side, **kw), torch.no_grad():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
 import torch
 
 import ffdebug
@@ -36,6 +37,7 @@ def _stores(tmp_path):
     return tmp_path / "ref", tmp_path / "target"
 
 
+@pytest.mark.integration
 def test_json_bit_identical_at_one_and_two_workers(tmp_path, monkeypatch):
     ref, tgt = _stores(tmp_path)
     one = json.dumps(compare(ref, tgt, workers=1, allow_partial=True).to_json(), sort_keys=True)

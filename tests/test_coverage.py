@@ -17,6 +17,8 @@ import ffdebug
 from ffdebug.cli.app import app
 from ffdebug.compare.engine import compare
 
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+
 runner = CliRunner()
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from ffdebug.cli.app import app
+
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 
 
 def test_demo_locates_injected_bug(tmp_path):

@@ -20,6 +20,8 @@ from ffdebug.errors import FFDebugError
 from ffdebug.store.reader import open_side
 from ffdebug.store.writer import StoreWriter
 
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+
 runner = CliRunner()
 
 DUMP = textwrap.dedent(

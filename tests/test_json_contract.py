@@ -274,6 +274,7 @@ def run_json(*args: str) -> tuple[int, dict]:
     return r.exit_code, json.loads(r.stdout)
 
 
+@pytest.mark.integration
 def test_compare_json_contract(demo_dir):
     code, data = run_json(
         "compare", "ref-vs-target", "--dir", str(demo_dir), "--json", "--noise", str(demo_dir / "ref")
@@ -299,6 +300,7 @@ def test_compare_json_contract(demo_dir):
     assert data["complete"] is True and data["coverage"]["missing"] == []
 
 
+@pytest.mark.integration
 def test_bisect_json_contract(demo_dir):
     code, data = run_json("bisect", "--dir", str(demo_dir), "--json")
     assert code == 1
@@ -342,6 +344,7 @@ def test_weights_diff_json_contract(tmp_path):
     assert {t["finding"] for t in data["tensors"]} >= {"equal", "scaled"}
 
 
+@pytest.mark.integration
 def test_inspect_json_contract(demo_dir):
     code, data = run_json("inspect", str(demo_dir / "ref"), "--json")
     assert code == 0

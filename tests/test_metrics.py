@@ -9,7 +9,7 @@ import torch
 
 from ffdebug.compare.metrics import CHUNK, compare_tensors, logits_metrics
 from ffdebug.errors import FFDebugError
-from ffdebug.verdict import classify, parse_threshold
+from ffdebug.verdict import Severity, classify, parse_threshold, zero_side
 
 
 def test_hand_derived_values():
@@ -58,7 +58,12 @@ def test_zero_tensors_explicit():
     assert ref_zero.cos == 0.0 and ref_zero.rel is None and "reference is all zeros" in ref_zero.notes[0]
     tgt_zero = compare_tensors(torch.ones(10), z)
     assert tgt_zero.cos == 0.0 and tgt_zero.rel == 1.0
-    assert classify(ref_zero.cos, ref_zero.rel) in ("bug", "scramble")
+    # Bands alone: cos 0 is below every cos band (scramble), an undefined rel is a bug; the worse
+    # wins. The zero-side rule then says what it is: one side missing, a bug, not a scramble.
+    assert classify(ref_zero.cos, ref_zero.rel) == Severity.SCRAMBLE
+    assert (
+        zero_side(classify(ref_zero.cos, ref_zero.rel), 0.0, float(torch.ones(10).norm()), 10) == Severity.BUG
+    )
 
 
 def test_nan_inf_positions():

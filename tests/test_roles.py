@@ -62,6 +62,7 @@ def expected_keys(layers: int) -> set[str]:
     return keys | {f"L{i:03d}.{s}" for i in range(layers) for s in BLOCK}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("names", [CONVENTIONAL, OPAQUE], ids=["conventional", "opaque-names"])
 def test_a_correct_port_pairs_every_stage_with_hf_and_passes(hf, tmp_path, names):
     ref = dump(hf, tmp_path, "ref")
@@ -76,6 +77,7 @@ def test_a_correct_port_pairs_every_stage_with_hf_and_passes(hf, tmp_path, names
     assert all(s["severity"] == "ok" for s in data["stages"])
 
 
+@pytest.mark.integration
 def test_an_unloaded_final_norm_is_found_at_final_norm_out(hf, tmp_path):
     """The port's final-norm scale left at 1: the blocks pass, final.norm_out and the logits do not."""
     ref = dump(hf, tmp_path, "ref")
@@ -88,6 +90,7 @@ def test_an_unloaded_final_norm_is_found_at_final_norm_out(hf, tmp_path):
     assert all(s.ok for s in res.stages if s.layer is not None)
 
 
+@pytest.mark.integration
 def test_a_rotary_convention_swap_is_located_at_layer_0_q_rot(hf, tmp_path):
     ref = dump(hf, tmp_path, "ref")
     tgt = dump_port(
@@ -99,6 +102,7 @@ def test_a_rotary_convention_swap_is_located_at_layer_0_q_rot(hf, tmp_path):
     assert "layer 0" in r.conclusion and "attn.q_rot" in r.conclusion
 
 
+@pytest.mark.integration
 def test_without_the_tap_function_line_the_missing_rotary_taps_are_named(hf, tmp_path):
     """The port's q_rot / k_rot are not dumped: coverage says so (exit 4), it does not pass."""
     ref = dump(hf, tmp_path, "ref")
@@ -107,6 +111,7 @@ def test_without_the_tap_function_line_the_missing_rotary_taps_are_named(hf, tmp
     assert res.exit_code() == 4 and set(res.coverage.only_ref) == {"attn.q_rot", "attn.k_rot"}
 
 
+@pytest.mark.integration
 def test_stage_map_on_compare_renames_either_side(tmp_path):
     for side, name in (("ref", "final.logits"), ("target", "final.out.0")):
         with ffdebug.capture(None, dir=tmp_path, side=side):
@@ -119,6 +124,7 @@ def test_stage_map_on_compare_renames_either_side(tmp_path):
     assert any("'nothing=here' renamed nothing" in n for n in res.notes)
 
 
+@pytest.mark.integration
 def test_install_stage_names_renames_at_capture(tmp_path):
     class Odd(torch.nn.Module):
         def __init__(self):
@@ -136,6 +142,7 @@ def test_install_stage_names_renames_at_capture(tmp_path):
     assert "final.out" in open_side(tmp_path / "t").keys()
 
 
+@pytest.mark.integration
 def test_taps_inside_a_block_get_its_layer_prefix(tmp_path):
     class Block(torch.nn.Module):
         def __init__(self):
@@ -218,6 +225,7 @@ def test_norm_behaviour_is_read_from_the_output():
     assert not behaves_like_norm(Affine(True), x * w + b)
 
 
+@pytest.mark.integration
 def test_children_without_a_role_are_warned_recorded_and_listed_in_coverage(tmp_path, capsys):
     class Three(torch.nn.Module):
         def __init__(self):
@@ -251,6 +259,7 @@ def test_children_without_a_role_are_warned_recorded_and_listed_in_coverage(tmp_
     assert "L000.a.out" in {s.key for s in res.stages}
 
 
+@pytest.mark.integration
 def test_first_call_records_keep_execution_order(hf, tmp_path):
     """The first call of a block is held until its roles are known; taps and children are then
     written in the order they ran, so a bad attention norm is the first lossy sub-stage (not the
@@ -266,6 +275,7 @@ def test_first_call_records_keep_execution_order(hf, tmp_path):
     assert (r.first_divergence.key, r.sub_stage.key) == ("L000.attn_norm_out", "L000.attn_norm_out")
 
 
+@pytest.mark.integration
 def test_a_port_with_token_and_position_embeddings_finds_its_input_embedding(tmp_path):
     class Gpt(torch.nn.Module):
         def __init__(self):
@@ -301,6 +311,7 @@ def test_tap_function_restores_what_it_replaced(tmp_path):
     assert llama_ports.rope is original
 
 
+@pytest.mark.integration
 def test_rotary_taps_in_either_layout_pair_as_batch_seq_heads_dim(hf, tmp_path):
     """HF rotates [B, heads, S, D]; this port rotates [B, S, heads, D]: both are stored seq-major."""
     from llama_ports import rope_via_seq_major

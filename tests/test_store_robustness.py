@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -28,6 +29,7 @@ def _one_line_error(result, *needles):
         assert n in err, err
 
 
+@pytest.mark.integration
 def test_sigkill_mid_write_leaves_readable_store(tmp_path):
     """Killed while the background writer's queue is busy (the producer never stops): the store
     holds a gap-free prefix of the captures, in capture order, each payload complete."""
@@ -69,6 +71,7 @@ def _small_store(tmp_path):
     return tmp_path / "ref"
 
 
+@pytest.mark.integration
 def test_partial_last_manifest_line_is_skipped(tmp_path):
     side = _small_store(tmp_path)
     with open(side / "rank000" / "manifest.jsonl", "a") as f:
@@ -77,6 +80,7 @@ def test_partial_last_manifest_line_is_skipped(tmp_path):
     assert store.keys() == ["a", "b"] and store.incomplete_lines == 1
 
 
+@pytest.mark.integration
 def test_malformed_manifest_line_exit_2(tmp_path):
     side = _small_store(tmp_path)
     path = side / "rank000" / "manifest.jsonl"
@@ -85,6 +89,7 @@ def test_malformed_manifest_line_exit_2(tmp_path):
     _one_line_error(runner.invoke(app, ["inspect", str(side)]), "manifest.jsonl:2", "malformed manifest line")
 
 
+@pytest.mark.integration
 def test_truncated_safetensors_exit_2(tmp_path):
     side = _small_store(tmp_path)
     payload = next((side / "rank000").glob("*.safetensors"))
@@ -123,6 +128,7 @@ def test_atom_pt_dumps_import(tmp_path):
     assert "embed_out.h" in keys
 
 
+@pytest.mark.integration
 def test_help_does_not_import_torch():
     code = "import sys; from ffdebug.cli.app import app; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -130,6 +136,7 @@ def test_help_does_not_import_torch():
     assert out.returncode == 0 and "compare" in out.stdout
 
 
+@pytest.mark.integration
 def test_two_ranks_write_one_side_without_collision(tmp_path):
     script = (
         "import torch, ffdebug; ffdebug.tap('x', torch.full((3,), float(__import__('os').environ['RANK'])))"
@@ -161,6 +168,7 @@ def _write_rank(side_dir, rank, world_size, overwrite=False):
     w.close()
 
 
+@pytest.mark.integration
 def test_mixed_world_sizes_exit_2(tmp_path):
     """Rank directories of runs with different world sizes must not be folded together."""
     side = tmp_path / "target"
@@ -169,6 +177,7 @@ def test_mixed_world_sizes_exit_2(tmp_path):
     _one_line_error(runner.invoke(app, ["inspect", str(side)]), "mixed world sizes", "rank003 says 4")
 
 
+@pytest.mark.integration
 def test_overwrite_drops_ranks_beyond_world_size(tmp_path):
     side = tmp_path / "target"
     for rank in range(4):

@@ -11,6 +11,8 @@ from tiny_models import tiny_llama
 import ffdebug
 from ffdebug.store.reader import open_side
 
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+
 SUB = (
     "attn.q.out",
     "attn.k.out",

@@ -15,7 +15,7 @@ run's tensor. The first stage that is not bit-identical is classified:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ffdebug import verdict as V
 from ffdebug.compare.metrics import compare_tensors
@@ -64,6 +64,102 @@ def _records(store, step: dict | None, call: int | None) -> Checked:
     return Checked(records, len(every) - 1, sorted(g.ranks() - {rank}))
 
 
+@dataclass
+class _Walk:
+    """What one pass over the batched run's stages found."""
+
+    stages: list = field(default_factory=list)  # SlotStage
+    skipped: list = field(default_factory=list)  # not split into the slots
+    stats_only: list = field(default_factory=list)
+    not_in_single: list = field(default_factory=list)
+
+
+def _check_input_ids(parts, path: str) -> None:
+    for i, p in enumerate(parts[1:], start=1):
+        if not bool((p == parts[0]).all()):
+            raise InputIdsMismatch(
+                f"{path}: slot {i}'s input ids differ from slot 0's; fill every slot with "
+                "the same prompt for a slot-invariance run"
+            )
+
+
+def _slot_stage(r, parts, single, slot_dim: int) -> SlotStage:
+    """Every slot against slot 0, and slot 0 against the single-prompt run's record `single`."""
+    entry = SlotStage(
+        key=r.key,
+        layer=r.layer,
+        layer_class=r.layer_class,
+        slots=[_cmp(parts[0], p, i, "slot 0") for i, p in enumerate(parts[1:], start=1)],
+    )
+    if single is not None and single.has_payload:
+        st = single.load()
+        one = split_slots(st, 1, slot_dim) if st.dim() > slot_dim and st.shape[slot_dim] == 1 else [st]
+        if one and tuple(one[0].shape) == tuple(parts[0].shape):
+            entry.single = _cmp(one[0], parts[0], 0, "single-prompt run")
+    return entry
+
+
+def _walk(store, recs, single_recs: dict, has_single: bool, slots: int, slot_dim: int, stages) -> _Walk:
+    import fnmatch
+
+    walk = _Walk()
+    for r in recs:
+        if stages and not any(fnmatch.fnmatchcase(r.key, g) for g in stages):
+            continue
+        if not r.has_payload:
+            walk.stats_only.append(r.key)
+            continue
+        parts = split_slots(r.load(), slots, slot_dim)
+        if parts is None:
+            walk.skipped.append(r.key)
+            continue
+        if r.key == "embed.input_ids":
+            _check_input_ids(parts, store.path)
+        entry = _slot_stage(r, parts, single_recs.get(r.key), slot_dim)
+        if has_single and entry.single is None:
+            walk.not_in_single.append(r.key)
+        walk.stages.append(entry)
+    return walk
+
+
+def _coverage(
+    walk: _Walk, store, single_store, checked: Checked, slots: int, slot_dim: int, stages, call
+) -> Coverage:
+    """What the check compared and left out (docs/architecture.md: coverage blocks exit 0)."""
+    coverage = Coverage(paired=len(walk.stages), sides={"batched": side_coverage(store)})
+    if single_store is not None:
+        coverage.sides["single"] = side_coverage(single_store)
+    for label, side in coverage.sides.items():
+        coverage.missing.extend(side_sentences(label, side))
+    if walk.skipped:
+        coverage.missing.append(
+            f"{len(walk.skipped)} stage(s) not split into {slots} slots along dim {slot_dim}: "
+            f"{', '.join(walk.skipped[:8])}" + (" …" if len(walk.skipped) > 8 else "")
+        )
+    if walk.stats_only:
+        coverage.stats_only = len(walk.stats_only)
+        coverage.missing.append(
+            f"{len(walk.stats_only)} stage(s) dumped as statistics only: slots cannot be compared"
+        )
+    if walk.not_in_single:
+        coverage.missing.append(
+            f"{len(walk.not_in_single)} stage(s) without a same-shape counterpart in the single-prompt run: "
+            + ", ".join(walk.not_in_single[:8])
+        )
+    if stages:
+        coverage.selected_out.append(f"--stages {' '.join(stages)}")
+    if checked.other_ranks:
+        ranks = ", ".join(str(r) for r in checked.other_ranks)
+        coverage.missing.append(f"rank(s) {ranks} of the batched run were not checked (one rank is read)")
+    if checked.other_calls:
+        sentence = f"{checked.other_calls} other non-warm-up call(s) of the batched run were not checked"
+        if call is not None:
+            coverage.selected_out.append(f"--call {call}: {sentence}")
+        else:
+            coverage.missing.append(sentence + "; pick one with --call (each call is a separate check)")
+    return coverage
+
+
 def slot_invariance(
     side,
     slots: int,
@@ -77,8 +173,6 @@ def slot_invariance(
     allow_partial: bool = False,
 ) -> InvarianceResult:
     """Compare every slot of a batched run with slot 0 (and slot 0 with a single-prompt run)."""
-    import fnmatch
-
     from ffdebug.store.reader import SideStore, open_side
 
     if slots < 2:
@@ -92,77 +186,10 @@ def slot_invariance(
     if single is not None:
         single_store = single if isinstance(single, SideStore) else open_side(single)
     checked = _records(store, step, call)
-    recs = checked.records
     single_recs = {r.key: r for r in _records(single_store, step, None).records} if single_store else {}
-    out: list[SlotStage] = []
-    notes: list[str] = []
-    skipped = []
-    stats_only = []
-    not_in_single = []
-    for r in recs:
-        if stages and not any(fnmatch.fnmatchcase(r.key, g) for g in stages):
-            continue
-        if not r.has_payload:
-            stats_only.append(r.key)
-            continue
-        t = r.load()
-        parts = split_slots(t, slots, slot_dim)
-        if parts is None:
-            skipped.append(r.key)
-            continue
-        if r.key == "embed.input_ids":
-            for i, p in enumerate(parts[1:], start=1):
-                if not bool((p == parts[0]).all()):
-                    raise InputIdsMismatch(
-                        f"{store.path}: slot {i}'s input ids differ from slot 0's; fill every slot with "
-                        "the same prompt for a slot-invariance run"
-                    )
-        entry = SlotStage(
-            key=r.key,
-            layer=r.layer,
-            layer_class=r.layer_class,
-            slots=[_cmp(parts[0], p, i, "slot 0") for i, p in enumerate(parts[1:], start=1)],
-        )
-        s = single_recs.get(r.key)
-        if s is not None and s.has_payload:
-            st = s.load()
-            one = split_slots(st, 1, slot_dim) if st.dim() > slot_dim and st.shape[slot_dim] == 1 else [st]
-            if one and tuple(one[0].shape) == tuple(parts[0].shape):
-                entry.single = _cmp(one[0], parts[0], 0, "single-prompt run")
-        if single_store is not None and entry.single is None:
-            not_in_single.append(r.key)
-        out.append(entry)
-    coverage = Coverage(paired=len(out), sides={"batched": side_coverage(store)})
-    if single_store is not None:
-        coverage.sides["single"] = side_coverage(single_store)
-    for label, side in coverage.sides.items():
-        coverage.missing.extend(side_sentences(label, side))
-    if skipped:
-        coverage.missing.append(
-            f"{len(skipped)} stage(s) not split into {slots} slots along dim {slot_dim}: {', '.join(skipped[:8])}"
-            + (" …" if len(skipped) > 8 else "")
-        )
-    if stats_only:
-        coverage.stats_only = len(stats_only)
-        coverage.missing.append(
-            f"{len(stats_only)} stage(s) dumped as statistics only: slots cannot be compared"
-        )
-    if not_in_single:
-        coverage.missing.append(
-            f"{len(not_in_single)} stage(s) without a same-shape counterpart in the single-prompt run: "
-            + ", ".join(not_in_single[:8])
-        )
-    if stages:
-        coverage.selected_out.append(f"--stages {' '.join(stages)}")
-    if checked.other_ranks:
-        ranks = ", ".join(str(r) for r in checked.other_ranks)
-        coverage.missing.append(f"rank(s) {ranks} of the batched run were not checked (one rank is read)")
-    if checked.other_calls:
-        sentence = f"{checked.other_calls} other non-warm-up call(s) of the batched run were not checked"
-        if call is not None:
-            coverage.selected_out.append(f"--call {call}: {sentence}")
-        else:
-            coverage.missing.append(sentence + "; pick one with --call (each call is a separate check)")
+    walk = _walk(store, checked.records, single_recs, single_store is not None, slots, slot_dim, stages)
+    coverage = _coverage(walk, store, single_store, checked, slots, slot_dim, stages, call)
+    out, notes = walk.stages, []
     if not out:
         raise FFDebugError(
             f"{store.path}: no stage has {slots} slots along dim {slot_dim}; check --slots / --slot-dim"

@@ -88,9 +88,29 @@ def _name_options(rewritten: str, into: str):
 
 
 def register(app: typer.Typer) -> None:
-    names = _name_options("target (B)", "reference (A)")
-    audit_names = _name_options("CHECKPOINT", "model")
+    """Add `weights-diff` and `load-audit` to `app`."""
+    _register_weights_diff(app, _name_options("target (B)", "reference (A)"))
+    _register_load_audit(app, _name_options("CHECKPOINT", "model"))
 
+
+def _render_diff(diff, schema_only: bool, show_all: bool, json_out: bool) -> None:
+    """Run the numerics (unless --schema-only), print or emit, and exit 1 when the diff fails."""
+    if json_out:
+        result = diff.schema_result() if schema_only else diff.run()
+        emit_json(result.to_json())
+        raise typer.Exit(1 if result.failed() else 0)
+    from rich.console import Console
+
+    from ffdebug.report.weights_text import print_weights_numerics, print_weights_schema
+
+    console = Console()
+    print_weights_schema(diff.schema_result().to_json(), console)  # before the numerics start
+    result = diff.schema_result() if schema_only else diff.run()
+    print_weights_numerics(result.to_json(), console, show_all=show_all)
+    raise typer.Exit(1 if result.failed() else 0)
+
+
+def _register_weights_diff(app: typer.Typer, names: dict) -> None:
     @app.command("weights-diff", help=WEIGHTS_HELP)
     @handles_errors
     def weights_diff_command(
@@ -152,20 +172,10 @@ def register(app: typer.Typer) -> None:
             match_content=match_content,
             init=init,
         )
-        if json_out:
-            result = diff.schema_result() if schema_only else diff.run()
-            emit_json(result.to_json())
-            raise typer.Exit(1 if result.failed() else 0)
-        from rich.console import Console
+        _render_diff(diff, schema_only, show_all, json_out)
 
-        from ffdebug.report.weights_text import print_weights_numerics, print_weights_schema
 
-        console = Console()
-        print_weights_schema(diff.schema_result().to_json(), console)
-        result = diff.schema_result() if schema_only else diff.run()
-        print_weights_numerics(result.to_json(), console, show_all=show_all)
-        raise typer.Exit(1 if result.failed() else 0)
-
+def _register_load_audit(app: typer.Typer, audit_names: dict) -> None:
     @app.command("load-audit", help=AUDIT_HELP)
     @handles_errors
     def load_audit_command(

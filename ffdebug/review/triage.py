@@ -161,6 +161,77 @@ def _branch_key(raw: object) -> object:
     return True if s == "yes" else False if s == "no" else s
 
 
+def _parse_question(qid: object, q: object, w: str) -> Question:
+    """One `questions:` entry: `ask`, yes/no branches or `choices`, optional flag, default, hint."""
+    if not isinstance(q, dict) or not isinstance(q.get("ask"), str):
+        raise TriageError(f"{w}: needs 'ask' (the question)")
+    extra = set(q) - {"ask", "flag", "yes", "no", True, False, "choices", "default", "hint"}
+    if extra:
+        raise TriageError(f"{w}: unknown key(s) {', '.join(sorted(map(str, extra)))}")
+    if "choices" in q:
+        if not isinstance(q["choices"], dict) or not q["choices"]:
+            raise TriageError(f"{w}: 'choices' must map answers to next nodes")
+        branches = {str(k).lower(): str(v) for k, v in q["choices"].items()}
+    else:
+        branches = {_branch_key(k): str(v) for k, v in q.items() if k in ("yes", "no", True, False)}
+        if set(branches) != {True, False}:
+            raise TriageError(f"{w}: a yes/no question needs both 'yes' and 'no' (or 'choices')")
+    question = Question(
+        id=str(qid),
+        ask=" ".join(q["ask"].split()),
+        flag=str(q.get("flag", qid)),
+        branches=branches,
+        hint=" ".join(q["hint"].split()) if isinstance(q.get("hint"), str) else None,
+    )
+    if "default" in q:
+        question = replace(question, default=question.parse_answer(q["default"]))
+    return question
+
+
+def _parse_outcome(oid: object, o: object, books: dict, w: str) -> Outcome:
+    """One `outcomes:` entry, checked against the playbook (and phase or section) it names."""
+    if not isinstance(o, dict) or not isinstance(o.get("playbook"), str) or not isinstance(o.get("say"), str):
+        raise TriageError(f"{w}: needs 'playbook' and 'say'")
+    extra = set(o) - {"playbook", "phase", "section", "say", "commands"}
+    if extra:
+        raise TriageError(f"{w}: unknown key(s) {', '.join(sorted(extra))}")
+    book = books.get(o["playbook"])
+    if book is None:
+        raise TriageError(f"{w}: no playbook {o['playbook']!r}")
+    if o.get("phase") is not None:
+        book.section_for_phase(o["phase"])
+    if o.get("section") is not None and o["section"] not in {s.id for s in book.sections}:
+        raise TriageError(f"{w}: playbook {book.name!r} has no section {o['section']!r}")
+    cmds = o.get("commands") or []
+    if not isinstance(cmds, list) or not all(isinstance(c, str) for c in cmds):
+        raise TriageError(f"{w}: 'commands' must be a list of strings")
+    return Outcome(
+        id=str(oid),
+        playbook=o["playbook"],
+        say=" ".join(o["say"].split()),
+        phase=o.get("phase"),
+        section=o.get("section"),
+        commands=tuple(c.strip() for c in cmds),
+    )
+
+
+def _check_links(
+    start: object, questions: dict[str, Question], outcomes: dict[str, Outcome], where: str
+) -> None:
+    """Ids unique across questions and outcomes, `start` a question, every answer leads somewhere."""
+    clash = set(questions) & set(outcomes)
+    if clash:
+        raise TriageError(f"{where}: ids used for both a question and an outcome: {', '.join(sorted(clash))}")
+    if start not in questions:
+        raise TriageError(f"{where}: 'start' must name a question, got {start!r}")
+    for q in questions.values():
+        for answer, nxt in q.branches.items():
+            if nxt not in questions and nxt not in outcomes:
+                raise TriageError(
+                    f"{where}.questions.{q.id}: answer {answer!r} leads to unknown node {nxt!r}"
+                )
+
+
 def parse_tree(data: dict, books: dict, where: str) -> Tree:
     """Validate the `triage:` mapping against the playbooks it points into."""
     if not isinstance(data, dict):
@@ -173,76 +244,13 @@ def parse_tree(data: dict, books: dict, where: str) -> Tree:
         raise TriageError(f"{where}: 'questions' and 'outcomes' must be non-empty mappings")
     questions: dict[str, Question] = {}
     for qid, q in raw_q.items():
-        w = f"{where}.questions.{qid}"
-        if not isinstance(q, dict) or not isinstance(q.get("ask"), str):
-            raise TriageError(f"{w}: needs 'ask' (the question)")
-        extra = set(q) - {"ask", "flag", "yes", "no", True, False, "choices", "default", "hint"}
-        if extra:
-            raise TriageError(f"{w}: unknown key(s) {', '.join(sorted(map(str, extra)))}")
-        if "choices" in q:
-            if not isinstance(q["choices"], dict) or not q["choices"]:
-                raise TriageError(f"{w}: 'choices' must map answers to next nodes")
-            branches = {str(k).lower(): str(v) for k, v in q["choices"].items()}
-        else:
-            branches = {}
-            for k, v in q.items():
-                key = _branch_key(k) if k in ("yes", "no", True, False) else None
-                if key is not None:
-                    branches[key] = str(v)
-            if set(branches) != {True, False}:
-                raise TriageError(f"{w}: a yes/no question needs both 'yes' and 'no' (or 'choices')")
-        question = Question(
-            id=str(qid),
-            ask=" ".join(q["ask"].split()),
-            flag=str(q.get("flag", qid)),
-            branches=branches,
-            hint=" ".join(q["hint"].split()) if isinstance(q.get("hint"), str) else None,
-        )
-        if "default" in q:
-            question = replace(question, default=question.parse_answer(q["default"]))
+        question = _parse_question(qid, q, f"{where}.questions.{qid}")
         questions[question.id] = question
-    outcomes: dict[str, Outcome] = {}
-    for oid, o in raw_o.items():
-        w = f"{where}.outcomes.{oid}"
-        if (
-            not isinstance(o, dict)
-            or not isinstance(o.get("playbook"), str)
-            or not isinstance(o.get("say"), str)
-        ):
-            raise TriageError(f"{w}: needs 'playbook' and 'say'")
-        extra = set(o) - {"playbook", "phase", "section", "say", "commands"}
-        if extra:
-            raise TriageError(f"{w}: unknown key(s) {', '.join(sorted(extra))}")
-        book = books.get(o["playbook"])
-        if book is None:
-            raise TriageError(f"{w}: no playbook {o['playbook']!r}")
-        if o.get("phase") is not None:
-            book.section_for_phase(o["phase"])
-        if o.get("section") is not None and o["section"] not in {s.id for s in book.sections}:
-            raise TriageError(f"{w}: playbook {book.name!r} has no section {o['section']!r}")
-        cmds = o.get("commands") or []
-        if not isinstance(cmds, list) or not all(isinstance(c, str) for c in cmds):
-            raise TriageError(f"{w}: 'commands' must be a list of strings")
-        outcomes[str(oid)] = Outcome(
-            id=str(oid),
-            playbook=o["playbook"],
-            say=" ".join(o["say"].split()),
-            phase=o.get("phase"),
-            section=o.get("section"),
-            commands=tuple(c.strip() for c in cmds),
-        )
-    clash = set(questions) & set(outcomes)
-    if clash:
-        raise TriageError(f"{where}: ids used for both a question and an outcome: {', '.join(sorted(clash))}")
+    outcomes = {
+        str(oid): _parse_outcome(oid, o, books, f"{where}.outcomes.{oid}") for oid, o in raw_o.items()
+    }
     start = data.get("start")
-    if start not in questions:
-        raise TriageError(f"{where}: 'start' must name a question, got {start!r}")
-    for q in questions.values():
-        for answer, nxt in q.branches.items():
-            if nxt not in questions and nxt not in outcomes:
-                raise TriageError(
-                    f"{where}.questions.{q.id}: answer {answer!r} leads to unknown node {nxt!r}"
-                )
+    _check_links(start, questions, outcomes, where)
     tree = Tree(start=start, questions=questions, outcomes=outcomes)
     _check_acyclic(tree, where)
     kinds: dict[str, bool] = {}

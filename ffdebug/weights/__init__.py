@@ -7,7 +7,14 @@ Modules, in the order data flows through them:
 - `tp`: per-rank shards merged into full tensors, replicated tensors checked across ranks;
 - `quant`: fp8 dequantisation with per-tensor / per-block / e8m0 scales;
 - `transforms`: layout transforms (transpose, a user function);
-- `schema`: only-in / shape / dtype lists and rename suggestions;
-- `diff`: `weights_diff(a, b) -> WeightsDiffResult` (schema first, then float64 numerics);
+- `schema`: rename suggestions from the only-in lists;
+- `plan` (names mapped, --skip / --layers, a layer-selected dump, ranks, TP merge), `layout`
+  (stacked experts, --fuse, fp8 scales), `schema_diff` (only-in / shape / dtype lists),
+  `by_content` (what the names left unpaired, related by content): the planning steps, each
+  taking and returning the logical tensor map; `loading` materialises a planned tensor;
+- `numerics`, `findings` (one pair's finding: first-match rules), `explain` (swapped, permuted,
+  not loaded);
+- `diff`: `weights_diff(a, b) -> WeightsDiffResult`, the orchestrator (schema first, then float64
+  numerics);
 - `audit`: `load_audit(model, checkpoint)`: what a model really loaded.
 """

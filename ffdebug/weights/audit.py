@@ -223,6 +223,37 @@ def transformers_stack_rules(model) -> tuple[list[StackRule], list[str]]:
     return rules, notes
 
 
+def _uncovered(diff: WeightsDiff, module) -> tuple[list[dict], list[dict]]:
+    """(model tensors the checkpoint does not hold, tied parameters whose partner it holds)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    # Tied parameters: several names, one storage.
+    by_storage: dict[int, list[str]] = {}
+    for name, p in params.items():
+        by_storage.setdefault(p.data_ptr(), []).append(name)
+
+    covered = set(diff.common)
+    not_covered, tied = [], []
+    for name in diff.only_ref:
+        src = diff.ref[name].stored_name
+        tensor = params.get(src, buffers.get(src))
+        partners = [n for n in by_storage.get(tensor.data_ptr(), []) if n != src] if src in params else []
+        partner = next((n for n in partners if diff.ref_name(n) in covered), None)
+        if partner is not None:
+            tied.append({"name": name, "tied_to": diff.ref_name(partner)})
+            continue
+        not_covered.append(
+            {
+                "name": name,
+                "shape": list(diff.ref[name].shape),
+                "dtype": diff.ref[name].dtype,
+                "kind": "parameter" if src in params else "buffer",
+                **_module_info(module, src),
+            }
+        )
+    return not_covered, tied
+
+
 def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
     """Audit what `model` (an nn.Module, or an entry `module:function` called with the checkpoint
     path and returning the loaded model) took from `checkpoint` (any weights-diff input).
@@ -254,32 +285,7 @@ def load_audit(model, checkpoint, **opts) -> LoadAuditResult:
         )
     diff.notes.extend(hf_notes)
 
-    params = dict(module.named_parameters(remove_duplicate=False))
-    buffers = dict(module.named_buffers(remove_duplicate=False))
-    # Tied parameters: several names, one storage.
-    by_storage: dict[int, list[str]] = {}
-    for name, p in params.items():
-        by_storage.setdefault(p.data_ptr(), []).append(name)
-
-    covered = set(diff.common)
-    not_covered, tied = [], []
-    for name in diff.only_ref:
-        src = diff.ref[name].stored_name
-        tensor = params.get(src, buffers.get(src))
-        partners = [n for n in by_storage.get(tensor.data_ptr(), []) if n != src] if src in params else []
-        partner = next((n for n in partners if diff.ref_name(n) in covered), None)
-        if partner is not None:
-            tied.append({"name": name, "tied_to": diff.ref_name(partner)})
-            continue
-        not_covered.append(
-            {
-                "name": name,
-                "shape": list(diff.ref[name].shape),
-                "dtype": diff.ref[name].dtype,
-                "kind": "parameter" if src in params else "buffer",
-                **_module_info(module, src),
-            }
-        )
+    not_covered, tied = _uncovered(diff, module)
     never_loaded = [
         {
             "name": diff.tgt[n].source_name,

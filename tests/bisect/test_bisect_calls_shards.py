@@ -13,6 +13,8 @@ import ffdebug
 from ffdebug.compare.pairing import Filters, group_calls, pick_prefill_call
 from ffdebug.store.reader import open_side
 
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+
 
 class TappedDown(torch.nn.Module):
     """The reference's down projection, dumping its full output as `L{NNN}.mlp.down_proj.out`."""

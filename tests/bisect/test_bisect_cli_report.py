@@ -30,6 +30,7 @@ def ds_dir(tmp_path_factory):
     return str(d)
 
 
+@pytest.mark.integration
 def test_bisect_cli_json_and_exit_code(ds_dir):
     res = runner.invoke(app, ["bisect", "--dir", ds_dir, "--json"])
     assert res.exit_code == 1, res.output
@@ -111,6 +112,7 @@ def _slot_dump(d, side: str, batch: int, perturb_slot: int | None = None, size: 
     dump(model, d, side, ids)
 
 
+@pytest.mark.integration
 def test_slot_invariance_names_the_first_stage_where_slot_2_differs(tmp_path):
     _slot_dump(tmp_path, "target", batch=3, perturb_slot=2)
     _slot_dump(tmp_path / "single", "ref", batch=1)
@@ -134,6 +136,7 @@ def test_slot_invariance_names_the_first_stage_where_slot_2_differs(tmp_path):
     assert text.stdout.strip().endswith("FAILED")
 
 
+@pytest.mark.integration
 def test_slot_invariance_rounding_level_difference_is_numerical(tmp_path):
     _slot_dump(tmp_path, "target", batch=2, perturb_slot=1, size=1e-7)
     res = runner.invoke(app, ["slot-invariance", "--dir", str(tmp_path), "--slots", "2", "--json"])
@@ -146,6 +149,7 @@ def test_slot_invariance_rounding_level_difference_is_numerical(tmp_path):
     assert res.exit_code == 1, res.output
 
 
+@pytest.mark.integration
 def test_slot_invariance_clean_batch_passes_and_needs_equal_prompts(tmp_path):
     _slot_dump(tmp_path, "target", batch=2)
     res = runner.invoke(app, ["slot-invariance", "--dir", str(tmp_path), "--slots", "2"])

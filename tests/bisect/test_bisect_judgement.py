@@ -54,6 +54,7 @@ def _bisect(d, target, **kw):
 BLOCK_STAGES = ("embed.*", "final.*", "L*_in", "L*_out")
 
 
+@pytest.mark.integration
 def test_rotary_base_jump_fails_although_its_worst_band_is_drift(d):
     r = _bisect(d, "rope", stages=BLOCK_STAGES)
     assert (r.pattern, r.first_divergence.layer, r.first_divergence.stage) == ("jump", 2, "attn_out")
@@ -124,6 +125,7 @@ def test_all_ok_run_matches_and_exits_0(d):
     assert data["first_divergence"] is None and data["sub_stage"] is None
 
 
+@pytest.mark.integration
 def test_broken_sliding_window_layers_are_a_layer_class_pattern(tmp_path):
     ref = qwen2_sliding()
     ids = input_ids()

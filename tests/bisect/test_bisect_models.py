@@ -49,6 +49,7 @@ def llama_dumps(tmp_path_factory):
     return str(d)
 
 
+@pytest.mark.integration
 def test_missing_routed_scaling_is_a_layer_class_pattern_at_the_first_moe_layer(ds_dump):
     r = ffdebug.bisect(f"{ds_dump}/ref", f"{ds_dump}/target")
     fd = r.first_divergence
@@ -76,6 +77,7 @@ def test_declared_layer_classes_relabel_the_layers(ds_dump):
     assert [c.layer_class for c in r.per_class] == ["hash", "routed"]
 
 
+@pytest.mark.integration
 def test_wrong_rotary_base_in_one_layer_is_a_jump_with_attention_sub_stage(llama_dumps):
     r = ffdebug.bisect(f"{llama_dumps}/ref", f"{llama_dumps}/rope")
     assert r.pattern == "jump"
@@ -105,7 +107,12 @@ def test_attribution_tells_local_from_inherited(llama_dumps):
 def test_bf16_target_is_drift_not_a_bug(llama_dumps):
     r = ffdebug.bisect(f"{llama_dumps}/ref", f"{llama_dumps}/bf16")
     assert r.pattern == "drift"
-    assert r.verdict not in ("bug", "scramble")
+    # bf16 rounds each result to 2^-9 (~0.2%): every block's output is at least that far off and
+    # the error grows layer by layer, staying in the ok band (< 1%) inside the blocks; the worst
+    # stage crosses 1% (drift) and nothing comes near diverge (10%).
+    rels = [row.rel_out for row in r.layers]
+    assert all(2.0**-9 <= x < 0.01 for x in rels) and rels == sorted(rels), rels
+    assert r.verdict == "drift"
     assert not r.failed()
     assert "drift" in r.conclusion and r.conclusion.endswith("PASSED")
 

@@ -19,6 +19,10 @@ from typer.testing import CliRunner
 import ffdebug
 from ffdebug.cli.app import app
 
+pytestmark = (
+    pytest.mark.integration
+)  # every test here: a whole CLI command per generated case, with SIGALRM timeouts
+
 CASE_TIMEOUT_S = 20
 STORE_CASES = store_cases()
 CLI_CASES = cli_cases()

@@ -121,6 +121,7 @@ def _write(side_dir, rank, world, tensor, meta):
     w.close()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("meta", "how", "parts"),
     [
@@ -143,6 +144,7 @@ def test_compare_folds_a_multi_rank_side_and_says_how(tmp_path, meta, how, parts
     assert "unsharded_ref" not in stage and stage["severity"] == "ok" and stage["shape_target"] == [3, 4]
 
 
+@pytest.mark.integration
 def test_compare_checks_every_replicated_rank_against_a_single_rank_reference(tmp_path):
     """Undeclared ranks of the same shape are replicas: each one is compared (and named), so a
     wrong rank 1 cannot hide behind a correct rank 0."""

@@ -131,6 +131,7 @@ def test_missing_key_is_named(tmp_path):
         open_side(side)
 
 
+@pytest.mark.integration
 def test_written_records_round_trip(tmp_path):
     w = StoreWriter(str(tmp_path / "s"), "ref")
     t = torch.arange(6.0).reshape(2, 3)

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ffdebug.cli.app import app
-from ffdebug.cli.playbook_cmd import resolve_invocation, verify_playbooks
+from ffdebug.cli.introspect import resolve_invocation, verify_playbooks
 from ffdebug.review.checks import CHECKS
 from ffdebug.review.playbooks import PlaybookError, load_all, parse_invocations, parse_playbook
 

@@ -14,6 +14,8 @@ from ffdebug.cli.app import app
 from ffdebug.review.checks import CHECKS
 from ffdebug.review.runner import ReviewConfig, review
 
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures" / "review"
 EXPECT = re.compile(r"#\s*expect:\s*([a-z0-9, -]+)")

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ffdebug.review.runner import ReviewConfig, review
+
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,6 +30,8 @@ def test_review_tooling_passes_its_own_review(monkeypatch):
         "ffdebug/review",
         "ffdebug/trace.py",
         "ffdebug/cli/playbook_cmd.py",
+        "ffdebug/cli/introspect.py",
+        "ffdebug/report/playbook_text.py",
         "ffdebug/cli/review_cmd.py",
         "ffdebug/cli/trace_cmd.py",
     ]

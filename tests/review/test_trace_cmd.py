@@ -93,6 +93,7 @@ def test_cli_text_json_and_errors():
     assert runner.invoke(app, ["trace", "--train", "no/such.yaml"]).exit_code == 2
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_trace_one_reference_trainer_step(monkeypatch):
     monkeypatch.chdir(ROOT)

@@ -69,6 +69,7 @@ def two_rank(request, tmp_path_factory):
     return name, out
 
 
+@pytest.mark.integration
 def test_ddp_gradient_equals_single_process_gradient(probe):
     assert probe["world_size"] == 2
     assert probe["prepared_type"] == "DistributedDataParallel" and probe["routed"]
@@ -79,6 +80,7 @@ def test_ddp_gradient_equals_single_process_gradient(probe):
     assert probe["local_grad_max_abs_difference"] > 1e-3 * probe["grad_max_abs"]
 
 
+@pytest.mark.integration
 def test_two_prompts_on_two_ranks_get_plus_minus_one_per_group(probe):
     eps = 1e-4  # AdvantageConfig default
     a, b = 0.5 / (0.5 + eps), 1.0 / (1.0 + eps)  # rewards [0, 1] (std 0.5) and [5, 7] (std 1)
@@ -87,6 +89,7 @@ def test_two_prompts_on_two_ranks_get_plus_minus_one_per_group(probe):
     assert probe["advantages_rank_local_ids"] != pytest.approx([-a, a, -b, b], rel=1e-2)
 
 
+@pytest.mark.integration
 def test_sampler_shards_are_disjoint(probe):
     for epoch, (rank0, rank1) in probe["shards"].items():
         assert not set(rank0) & set(rank1), epoch
@@ -99,6 +102,7 @@ def _files(checkpoint: Path) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.integration
 def test_two_rank_exact_resume(two_rank):
     name, out = two_rank
     n = COMPOSITIONS[name][0]
@@ -116,6 +120,7 @@ def test_two_rank_exact_resume(two_rank):
     assert json.loads((straight / "run.json").read_text())["backend"] == {"kind": "ddp", "world_size": 2}
 
 
+@pytest.mark.integration
 def test_two_ranks_match_one_rank_with_the_same_global_batch(two_rank, tmp_path):
     from reference_trainer.run import train
 
@@ -134,6 +139,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(two_rank, tmp_path)
                 assert value == two[key], key
 
 
+@pytest.mark.integration
 def test_world_size_change_on_resume_is_refused(two_rank, tmp_path):
     from reference_trainer.checkpoint import CheckpointError
     from reference_trainer.run import build_trainer

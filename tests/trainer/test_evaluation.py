@@ -47,6 +47,7 @@ def independent_brightness(prompts: list[str], samples: int, steps: int, seed: i
     return float(-(images.clamp(0, 1).mean(dim=(1, 2, 3)) - 1.0).abs().mean())
 
 
+@pytest.mark.integration
 def test_eval_boundary_rewards_and_no_effect_on_training(tmp_path):
     """GRPO, 4 steps, eval.every=2: evaluations at steps 0, 2, 4; the step-0 reward equals a hand-written
     ODE sampler's on the fixture weights; metrics.jsonl equals the run without evaluation bit for bit."""
@@ -93,6 +94,7 @@ def test_eval_needs_heldout_records_before_any_model_loads(tmp_path, monkeypatch
         build_trainer(load(example("sft"), f"data.dataset={dataset}", "eval.every=2"), tmp_path / "run")
 
 
+@pytest.mark.integration
 def test_sft_evaluation_lowers_the_heldout_velocity_mse(tmp_path):
     """SFT, 24 steps, eval.every=12: the velocity MSE on the 4 held-out demonstrations (colours never
     trained on; fixed σ, ε) falls from the initial weights to the end."""

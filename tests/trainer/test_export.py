@@ -9,6 +9,8 @@ import pytest
 import torch
 from framework_utils import GRPO_CONFIG, load
 
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+
 
 def without_path(config) -> dict:
     """A diffusers config less ``_name_or_path`` (where it was loaded from)."""

@@ -48,6 +48,7 @@ def _garble(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("damaged_file", "damage"),
     [

@@ -14,7 +14,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from framework_utils import GRPO_CONFIG, REPO
+
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 
 BUGGY_DRIVER = """
 import sys, torch

@@ -59,9 +59,11 @@ def test_trainer_list_is_derived_from_both_registries(monkeypatch):
     from reference_trainer.config import TrainingArguments
     from reference_trainer.contracts import GENERATION_REWARD
 
-    names = registry.trainer_names()
-    assert "grpo" in names
-    assert set(names) == set(registry.TRAINERS) & set(registry.ARGUMENTS)
+    # Independent of the registries: every algorithm ships its example config (README), so the
+    # example folders name the trainers, and the list is sorted.
+    examples = sorted(p.parent.parent.parent.name for p in REPO.glob("examples/*/full/sd3_tiny/default.yaml"))
+    assert len(examples) >= 14 and "grpo" in examples
+    assert registry.trainer_names() == examples
 
     @dataclass(frozen=True, kw_only=True)
     class OrphanArguments(TrainingArguments):

@@ -181,6 +181,7 @@ main()
 """
 
 
+@pytest.mark.integration
 def test_sigkill_during_checkpoint_save_keeps_the_previous_checkpoint(tmp_path):
     from reference_trainer.checkpoint import list_checkpoints
     from reference_trainer.run import train
@@ -227,6 +228,7 @@ def test_split_join_round_trip_keeps_int_keys_and_tensors():
 
 
 # ------------------------------------------------------------------------------------- CLI
+@pytest.mark.integration
 def test_cli_list_train_and_diff(tmp_path):
     import json
 
@@ -275,6 +277,7 @@ def test_cli_list_train_and_diff(tmp_path):
     assert bad.exit_code == 2 and "train.group_size: must be >= 2" in bad.output
 
 
+@pytest.mark.integration
 def test_sigterm_stops_at_a_boundary_and_checkpoints(tmp_path):
     """SIGTERM during training: the run finishes the current cycle, writes a final checkpoint, exits 0."""
     import time

@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from test_distributed import DRIVER, FAST_EVAL, _files, torchrun
 from trainer_utils import example, load, metrics
 
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+
 FSDP2_DRIVER = DRIVER.parent / "fsdp2_driver.py"
 DMD2 = ("dmd2", 4, 2, ["train.prompts_per_iteration=2", "backend.kind=fsdp2"])
 

@@ -19,6 +19,8 @@ from trainer_utils import REPO, load, metrics
 
 from reference_trainer.registry import trainer_names
 
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+
 
 @pytest.mark.parametrize("name", trainer_names())
 def test_first_steps_match_the_golden(name, tmp_path):

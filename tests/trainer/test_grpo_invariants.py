@@ -17,6 +17,8 @@ from framework_utils import GRPO_CONFIG, load, metrics
 
 from reference_trainer.errors import ConfigError
 
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+
 
 def one_step(out, *overrides: str, monkeypatch) -> dict:
     """Build and run one GRPO optimizer step; record what each ``grpo_loss`` call saw (the step j, the

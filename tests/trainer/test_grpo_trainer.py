@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from framework_utils import GRPO_CONFIG, clone_state, eval_reward, load, metrics, state_digest
+
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 
 
 def test_grpo_raises_mean_reward_and_keeps_frozen_roles(tmp_path, capsys):

@@ -18,6 +18,7 @@ LR = 3.0e-3
 """The example's policy lr (Muon and its AdamW remainder share it)."""
 
 
+@pytest.mark.integration
 def test_muon_step_is_orthogonalised_at_its_scale(tmp_path):
     """One Muon step of the trainer, end to end (rollout, rewards, loss, accumulation, optimizer, final
     checkpoint). Muon holds exactly the policy's 2-D weights (AdamW the biases and norms) and replaces
@@ -53,6 +54,7 @@ def test_muon_step_is_orthogonalised_at_its_scale(tmp_path):
     assert not outside, outside
 
 
+@pytest.mark.integration
 def test_muon_cut_and_resume_is_bitwise_exact(tmp_path):
     """6 steps straight == 3 steps, then ``--resume latest`` to 6: the same metrics and the same final
     checkpoint bit for bit (the optimizer state file holds Muon's momentum buffers)."""

@@ -134,6 +134,7 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("cut", range(1, N))
 @pytest.mark.parametrize("name", TRAINERS)
 def test_cut_and_resume_is_bitwise_exact(name, cut, tmp_path, straight_runs, optimizer_steps):
@@ -156,6 +157,7 @@ def expected_signal_stop(name: str, records: list[dict]) -> int:
     return max(r["optimizer_step"] for r in records if r["rollout_iteration"] == iteration)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", TRAINERS)
 def test_sigterm_and_resume_is_bitwise_exact(name, tmp_path, monkeypatch, straight_runs, optimizer_steps):
     from reference_trainer.checkpoint import list_checkpoints, read_trainer_state
@@ -200,6 +202,7 @@ def test_every_registered_trainer_is_covered():
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_resume_inside_a_rollout_iteration_with_a_reference_snapshot(tmp_path, optimizer_steps):
     """GRPO with 2 optimizer steps per rollout iteration and a KL reference snapshot, cut after the
     first step of the first iteration: the resume replays that iteration's rollout from its start
@@ -222,6 +225,7 @@ def test_resume_inside_a_rollout_iteration_with_a_reference_snapshot(tmp_path, o
     assert_same_files(straight / "checkpoints/step-000004", cut / "checkpoints/step-000004")
 
 
+@pytest.mark.integration
 def test_max_steps_stops_inside_a_cycle_and_records_its_position(tmp_path):
     """DMD2 with 3 optimizer steps per rollout iteration and --max-steps 4: exactly 4 steps run; the
     final checkpoint is step 4, in rollout iteration 1 with 1 of its 3 steps done, and it carries the
@@ -246,6 +250,7 @@ def test_max_steps_stops_inside_a_cycle_and_records_its_position(tmp_path):
     assert not (tmp_path / "checkpoints/step-000003/state/cycle_start.safetensors").exists()
 
 
+@pytest.mark.integration
 def test_dataset_checkpoints_record_the_sampler_position_and_no_open_cycle(tmp_path):
     """SFT, 8 records in batches of 2 with 2 batches per optimizer step (2 steps per data epoch),
     a checkpoint after every step: each is between cycles (``steps_done`` 0, no cycle-start weights)
@@ -272,6 +277,7 @@ def test_dataset_checkpoints_record_the_sampler_position_and_no_open_cycle(tmp_p
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_resume_refuses_a_different_run_before_loading(tmp_path, monkeypatch):
     """A changed objective (train.kl_beta) is refused with the field named, before any model loads."""
     from reference_trainer.adapters.sd3 import SD3TinyAdapter
@@ -314,6 +320,7 @@ def _change(path: Path) -> None:
         save_file({"images": images}, path)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "name", ["demonstrations.jsonl", "demonstrations_heldout.jsonl", "images.safetensors"]
 )
@@ -355,6 +362,7 @@ def test_resume_refuses_a_changed_dataset_file(name, tmp_path, monkeypatch):
     assert result.exit_code == 2 and field in result.output and "CheckpointError" in result.output
 
 
+@pytest.mark.integration
 def test_identity_covers_the_packaged_prompt_file(tmp_path, monkeypatch):
     """A generation run whose prompts default to the packaged list holds that file's hash; a changed
     prompt file is refused on resume with the field named."""

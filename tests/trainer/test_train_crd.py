@@ -199,6 +199,7 @@ def learning_run(tmp_path_factory):
     return trainer_utils.learning_run("crd", tmp_path_factory.mktemp("crd"), STEPS, *OVERRIDES)
 
 
+@pytest.mark.integration
 def test_crd_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     """The reward rises; the VAE, text encoder and reference are bit-identical; the policy and the old and
     sampling snapshots changed (the sampling decay is 0 before step 75: a copy of the policy)."""
@@ -218,10 +219,12 @@ def test_crd_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     assert_every_parameter_changed(trainer, run["initial"]["policy"], policy, "policy")
 
 
+@pytest.mark.integration
 def test_crd_goldens(learning_run):
     check_golden("crd", metrics(learning_run["out"]), config=CONFIG, overrides=OVERRIDES)
 
 
+@pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
     """The dual-direction softmax centring with the BCE form, dumped twice: ``ok``."""
     from dump_utils import dumped_runs_compare
@@ -242,6 +245,7 @@ def test_two_identical_dumped_runs_compare_ok(tmp_path):
     assert expected <= keys, sorted(expected - keys)
 
 
+@pytest.mark.integration
 def test_two_ranks_center_over_every_rank_as_one_rank(tmp_path):
     """torchrun, two CPU ranks, one prompt per rank: each minibatch of 4 samples is split 2 + 2, and the
     centring means need the other rank's a and r_θ. Its metrics equal a one-process run with the same

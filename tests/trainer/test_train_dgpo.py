@@ -146,6 +146,7 @@ def learning_run(tmp_path_factory):
     return trainer_utils.learning_run("dgpo", tmp_path_factory.mktemp("dgpo"), STEPS, *OVERRIDES)
 
 
+@pytest.mark.integration
 def test_dgpo_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     run = learning_run
     trainer, before, after = run["trainer"], run["before"], run["after"]
@@ -169,6 +170,7 @@ def test_dgpo_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     assert_every_parameter_changed(trainer, run["initial"]["policy"], policy, "policy")
 
 
+@pytest.mark.integration
 def test_minibatches_hold_whole_groups_with_shared_noise(learning_run):
     """Each minibatch is whole groups; within a group the training ε is the same, across groups not."""
     trainer = learning_run["trainer"]
@@ -182,10 +184,12 @@ def test_minibatches_hold_whole_groups_with_shared_noise(learning_run):
     assert torch.equal(noise[0], noise[K - 1]) and not torch.equal(noise[0], noise[K])
 
 
+@pytest.mark.integration
 def test_dgpo_goldens(learning_run):
     check_golden("dgpo", metrics(learning_run["out"]), config=CONFIG, overrides=OVERRIDES)
 
 
+@pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
     """With d_ref from ema_ref (``use_ema_ref``), dumped twice: ``ok``."""
     from dump_utils import dumped_runs_compare
@@ -207,6 +211,7 @@ def test_two_identical_dumped_runs_compare_ok(tmp_path):
     assert expected <= keys, sorted(expected - keys)
 
 
+@pytest.mark.integration
 def test_two_ranks_reduce_each_group_as_one_rank(tmp_path):
     """torchrun, two CPU ranks, one prompt per rank and two minibatches an iteration: every minibatch is
     one group of 4 split 2 + 2 over the ranks, so s_G needs the other rank's members. Its metrics equal

@@ -108,6 +108,7 @@ def learning_run(tmp_path_factory):
     return dict(trainer=trainer, out=out, frozen=frozen, initial=initial)
 
 
+@pytest.mark.integration
 def test_opd_distils_the_teacher_and_keeps_it_frozen(learning_run, capsys):
     """12 steps (6 rollout iterations × 2 minibatches): the student's 8-step ODE samples approach the
     teacher's from the same noise (MMD² and per-noise MSE fall); the teacher snapshot (loaded from its
@@ -140,6 +141,7 @@ def test_opd_distils_the_teacher_and_keeps_it_frozen(learning_run, capsys):
     )
 
 
+@pytest.mark.integration
 def test_opd_goldens(learning_run):
     """The learning run's first 3 steps are the golden's (its evaluation overrides do not touch training)."""
     check_golden("diffusion_opd", metrics(learning_run["out"]), config=CONFIG, overrides=[])

@@ -1,6 +1,7 @@
 """DMD2 on tiny SD3: phase order, the fake score learns the generator's distribution, frozen teacher,
 and both trainable roles move (exact resume: test_resume.py)."""
 
+import pytest
 import torch
 from trainer_utils import (
     assert_bit_identical,
@@ -13,6 +14,8 @@ from trainer_utils import (
 
 from reference_trainer.flow_matching import interpolate, predicted_x0
 from reference_trainer.losses.dmd2 import fake_score_loss
+
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 
 EVAL_PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"] * 2
 

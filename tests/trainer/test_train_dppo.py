@@ -169,6 +169,7 @@ def learning_run(tmp_path_factory):
     return trainer_utils.learning_run("dppo", tmp_path_factory.mktemp("dppo"), STEPS, *OVERRIDES)
 
 
+@pytest.mark.integration
 def test_dppo_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     """The fixed-noise mean brightness reward rises; the VAE, text encoder and reference snapshot are
     bit-identical; every policy parameter that can get a gradient changed. The first minibatch of each
@@ -191,15 +192,18 @@ def test_dppo_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     assert_every_parameter_changed(trainer, run["initial"]["policy"], policy, "policy")
 
 
+@pytest.mark.integration
 def test_rollout_velocities_reproduce_the_stored_log_probs(learning_run):
     """v_old is the sampler's stored velocity: the recomputed rollout step gives the stored log p_old."""
     assert_rollout_velocities_replay(learning_run["trainer"])
 
 
+@pytest.mark.integration
 def test_dppo_goldens(learning_run):
     check_golden("dppo", metrics(learning_run["out"]), config=CONFIG, overrides=OVERRIDES)
 
 
+@pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
     """The v-based mask (the learning run covers the x-based one), dumped twice: ``ok``."""
     from dump_utils import dumped_runs_compare

@@ -169,6 +169,7 @@ def learning_run(tmp_path_factory):
     return trainer_utils.learning_run("grpo_guard", tmp_path_factory.mktemp("grpo_guard"), STEPS, *OVERRIDES)
 
 
+@pytest.mark.integration
 def test_rollout_velocities_reproduce_the_stored_log_probs(learning_run):
     """μ_old is recomputed from the velocities the sampler stored: on a fresh rollout (after training, so
     the run itself is untouched) the recomputed log p_old equals the stored one bit for bit."""
@@ -177,6 +178,7 @@ def test_rollout_velocities_reproduce_the_stored_log_probs(learning_run):
     assert_rollout_velocities_replay(learning_run["trainer"])
 
 
+@pytest.mark.integration
 def test_grpo_guard_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     """The fixed-noise mean brightness reward rises; the VAE, text encoder and reference snapshot are
     bit-identical; every policy parameter that can get a gradient changed; the clip acts on the second
@@ -202,10 +204,12 @@ def test_grpo_guard_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     assert_every_parameter_changed(trainer, run["initial"]["policy"], policy, "policy")
 
 
+@pytest.mark.integration
 def test_grpo_guard_goldens(learning_run):
     check_golden("grpo_guard", metrics(learning_run["out"]), config=CONFIG, overrides=OVERRIDES)
 
 
+@pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
     from dump_utils import dumped_runs_compare
 

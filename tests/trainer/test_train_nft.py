@@ -168,6 +168,7 @@ def learning_run(tmp_path_factory):
     return trainer_utils.learning_run("nft", tmp_path_factory.mktemp("nft"), STEPS, *OVERRIDES)
 
 
+@pytest.mark.integration
 def test_nft_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     """The fixed-noise mean brightness reward rises; the VAE, text encoder and reference snapshot are
     bit-identical; every policy parameter that can get a gradient changed, and so did the old and EMA
@@ -188,10 +189,12 @@ def test_nft_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     assert_every_parameter_changed(trainer, run["initial"]["policy"], policy, "policy")
 
 
+@pytest.mark.integration
 def test_nft_goldens(learning_run):
     check_golden("nft", metrics(learning_run["out"]), config=CONFIG, overrides=OVERRIDES)
 
 
+@pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
     from dump_utils import dumped_runs_compare
 

@@ -17,6 +17,7 @@ from trainer_utils import (
 from reference_trainer.errors import ConfigError
 
 
+@pytest.mark.integration
 def test_offline_dpo_trains_against_a_frozen_reference(tmp_path):
     """8 steps: 4 batches per epoch, accumulation 2 → 2 optimizer steps per epoch, 4 epochs.
 

@@ -1,5 +1,6 @@
 """Online Diffusion-DPO on tiny SD3: the brightness reward goes up; the reference stays frozen."""
 
+import pytest
 import torch
 from trainer_utils import (
     assert_bit_identical,
@@ -11,6 +12,8 @@ from trainer_utils import (
 )
 
 from reference_trainer.trainers.online_dpo import best_worst_pairs
+
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 
 EVAL_PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"] * 4
 

@@ -1,5 +1,6 @@
 """SFT trainer on tiny SD3: the velocity MSE goes down, frozen parts stay bit-identical, the policy moves."""
 
+import pytest
 from trainer_utils import (
     assert_bit_identical,
     assert_every_parameter_changed,
@@ -8,6 +9,8 @@ from trainer_utils import (
     metrics,
     variant_state,
 )
+
+pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 
 
 def test_sft_lowers_the_flow_matching_loss(tmp_path):

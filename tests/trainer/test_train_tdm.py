@@ -187,6 +187,7 @@ def test_tdm_arguments_are_validated_with_the_field_named():
 # --- the trainer -----------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_tdm_trains_fake_then_generator_and_keeps_the_teacher(tmp_path):
     """12 steps = 6 rollout iterations of (fake, generator): the phase order, a frozen teacher and
     frozen components, every parameter of both trainable roles changed, the golden's first steps."""
@@ -206,6 +207,7 @@ def test_tdm_trains_fake_then_generator_and_keeps_the_teacher(tmp_path):
     check_golden("tdm", records, config=CONFIG, overrides=overrides)
 
 
+@pytest.mark.integration
 def test_tdm_distils_a_multistep_teacher_into_few_steps(tmp_path):
     """As DMD2's test: the teacher is first fitted to the tiny dataset by SFT (48 steps) so that its
     few-step and 8-step samples differ; 24 TDM steps of a 2-step generator must bring its samples

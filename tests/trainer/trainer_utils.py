@@ -1,27 +1,16 @@
 """Helpers of the algorithm trainer tests (SFT, online/offline DPO, DMD2); not a test module.
 
-The framework tests have theirs in ``framework_utils.py``."""
+The helpers every trainer test shares (``load``, ``metrics``, ``REPO``, ``eval_reward``) live in
+``framework_utils.py`` and are re-exported here."""
 
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load(config: Path | str, *overrides: str, max_steps: int | None = None):
-    from reference_trainer.config import load_config
-
-    return load_config(config, overrides=overrides, max_steps=max_steps)
-
-
-def metrics(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+from framework_utils import REPO, eval_reward, load, metrics  # noqa: F401 (shared with the algorithm tests)
 
 
 def example(algorithm: str, variant: str = "default") -> Path:
@@ -66,8 +55,6 @@ def assert_bit_identical(before: dict[str, torch.Tensor], after: dict[str, torch
 def learning_run(name: str, out, steps: int, *overrides: str) -> dict[str, Any]:
     """Train ``name`` for ``steps`` steps into ``out``: the trainer, its frozen state and variants
     before, and the fixed-noise evaluation reward before and after (the learning tests' fixture)."""
-    from framework_utils import eval_reward
-
     trainer = make_trainer(name, out, steps, *overrides)
     frozen, initial = frozen_state(trainer), variant_state(trainer)
     before = eval_reward(trainer)

@@ -98,6 +98,7 @@ def test_load_audit_infers_stacking_without_transformers_mapping(moe, monkeypatc
     assert any("by shape" in n and GATE_UP in n for n in res.notes), res.notes
 
 
+@pytest.mark.integration
 def test_weights_diff_dump_vs_checkpoint_suggests_stack_and_rerun_matches(moe, tmp_path):
     from ffdebug.capture.weights import dump_weights
 

@@ -1,0 +1,102 @@
+"""The content step of a weights-diff plan: what the names left unpaired, related by content
+(`weights.content.relate`), each composite cut into the other side's tensors under their names
+(docs/weights-diff.md, "Content matching")."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ffdebug.weights import quant
+from ffdebug.weights.layout import Sides
+from ffdebug.weights.loading import TensorLoader
+from ffdebug.weights.tp import Logical
+
+
+@dataclass
+class Related(Sides):
+    plan: object = None  # content.ContentPlan
+
+
+def _blocks(comp: Logical, rel, loader: TensorLoader) -> dict[str, Logical]:
+    from ffdebug.weights.content import cut_shape
+
+    found = {s.part: s for s in rel.found or ()}
+    out = {}
+    for seg in rel.segments:
+        out[seg.part] = Logical(
+            name=seg.part,
+            source_name=comp.source_name
+            + ("" if rel.kind == "whole" and not seg.transposed else seg.where()),
+            entries=comp.entries,
+            shape=cut_shape(tuple(comp.shape), seg),
+            dtype=comp.dtype,
+            layer=comp.layer,
+            build=loader.block(comp, rel.side, seg),
+            stacked_from=comp.source_name,
+            segment=seg,
+            found=(
+                (found[seg.part], loader.block(comp, rel.side, found[seg.part]))
+                if seg.part in found
+                else None
+            ),
+            relation=rel,
+        )
+    return out
+
+
+def pair_by_content(sides: Sides, only_ref: list[str], only_tgt: list[str], loader: TensorLoader) -> Related:
+    """Each composite content matching related is replaced by its blocks (fp8 tensors are not
+    sketched); the plan is kept for the JSON `content`."""
+    from ffdebug._chunks import single_thread
+    from ffdebug.weights.relate import relate
+
+    ref, tgt = sides.ref, sides.tgt
+    with single_thread():  # as in run(): chunked ops gain nothing from torch's thread pool
+        plan = relate(
+            {n: ref[n].shape for n in only_ref if not quant.is_fp8(ref[n].dtype)},
+            {n: tgt[n].shape for n in only_tgt if not quant.is_fp8(tgt[n].dtype)},
+            lambda n: loader.load(ref[n], "ref"),
+            lambda n: loader.load(tgt[n], "target"),
+        )
+    out = Related(dict(ref), dict(tgt), plan=plan)
+    only = {"ref": set(only_ref), "target": set(only_tgt)}
+    for rel in plan.relations:
+        mine, _ = out.of(rel.side)
+        if rel.composite not in mine or rel.composite not in only[rel.side]:
+            continue
+        mine.update(_blocks(mine.pop(rel.composite), rel, loader))
+    out.notes.append(
+        f"content matching paired {sum(len(r.segments) for r in plan.relations)} tensor(s) the names "
+        f"left unpaired ({plan.seconds:.2f} s)"
+    )
+    return out
+
+
+def verified_fuse_orders(renames: list[dict], plan) -> list[dict]:
+    """Fuse suggestions (named parts in the order the names suggest) checked against the
+    content: a composite content matching related gets its parts in the order compared (the
+    port's convention, verified numerically); one it could not relate is marked unverified."""
+    by_comp = {r.composite: r for r in plan.relations if r.how == "content"}
+    by_part = {p: r for r in plan.relations if r.how == "content" for p in r.parts}
+    out = []
+    for s in renames:
+        if s["kind"] != "fused":
+            out.append(s)
+            continue
+        fused = s["from"] if isinstance(s["from"], str) else s["to"]
+        parts = s["to"] if isinstance(s["from"], str) else s["from"]
+        rel = by_comp.get(fused) or by_part.get(parts[0])
+        m = re.fullmatch(r"--fuse (\S+)=(\S+)", s["apply"])
+        if rel is None or m is None:
+            out.append(dict(s, verified=False))
+            continue
+        order = [p for p in rel.parts if p in parts] if fused == rel.composite else list(parts)
+        named = dict(zip(parts, m.group(2).split("+")))
+        if set(order) != set(parts):
+            out.append(dict(s, verified=False))
+            continue
+        new = dict(s, verified=True, apply=f"--fuse {m.group(1)}={'+'.join(named[p] for p in order)}")
+        new["to" if isinstance(s["from"], str) else "from"] = order
+        out.append(new)
+    return out

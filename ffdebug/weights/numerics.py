@@ -1,0 +1,77 @@
+"""Exactness tests of one weight tensor pair: same bytes, equal after a cast, within one ulp.
+
+Every test reads its tensors in `CHUNK`-element pieces (`ffdebug._chunks`), so a pair of large
+tensors costs no more than the pair itself."""
+
+from __future__ import annotations
+
+import math
+
+from ffdebug._chunks import CHUNK, iter_chunks
+from ffdebug.weights import quant
+
+
+def _int_view(t):
+    import torch
+
+    size = t.element_size()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+
+
+def bytes_equal(a, b) -> bool:
+    """Same dtype, same shape, same bytes (NaN payloads and −0.0 included)."""
+    import torch
+
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    a, b = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    if a.is_complex():
+        a, b = torch.view_as_real(a).reshape(-1), torch.view_as_real(b).reshape(-1)
+    return torch.equal(_int_view(a), _int_view(b))
+
+
+def equal_after_cast(fine, coarse) -> bool:
+    """`fine` cast to `coarse.dtype` is bit-equal to `coarse` (checked in chunks)."""
+    f, c = fine.reshape(-1), coarse.reshape(-1)
+    for i in range(0, f.numel(), CHUNK):
+        fc = f[i : i + CHUNK].to(coarse.dtype)
+        if not bytes_equal(fc, c[i : i + CHUNK]):
+            return False
+    return True
+
+
+def within_rounding(ref, tgt, eps: float) -> bool:
+    """Every |t − r| ≤ eps·|r| + eps·2⁻⁸·max|r| (one ulp, with a floor for tiny values)."""
+    import torch
+
+    r, t = ref.reshape(-1), tgt.reshape(-1)
+    absmax = 0.0
+    for c in iter_chunks(r):
+        m = float(c.abs().max()) if c.numel() else 0.0
+        if not math.isfinite(m):
+            return False
+        absmax = max(absmax, m)
+    floor = eps * 2.0**-8 * absmax
+    size = min(CHUNK, max(r.numel(), 1))
+    rb = torch.empty(size, dtype=torch.float64)
+    tb = torch.empty(size, dtype=torch.float64)
+    for i in range(0, r.numel(), CHUNK):
+        m = min(CHUNK, r.numel() - i)
+        rc, tc = rb[:m], tb[:m]
+        rc.copy_(r[i : i + m])
+        tc.copy_(t[i : i + m])
+        tc.sub_(rc).abs_()
+        rc.abs_().mul_(eps).add_(floor)
+        if not bool((tc <= rc).all()):
+            return False
+    return True
+
+
+def coarsest_ulp(*dtypes: str) -> float | None:
+    """The largest unit roundoff among `dtypes`; None when one of them has none (integers)."""
+    eps = [quant.ulp(d) for d in dtypes]
+    if any(e is None for e in eps):
+        return None
+    return max(eps)
