@@ -102,6 +102,7 @@ class ShardedModule(nn.Module):
         return self._template[0]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The sharded module's forward (FSDP2's hooks gather its parameters around the call)."""
         return self.module(*args, **kwargs)
 
 

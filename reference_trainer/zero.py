@@ -91,6 +91,7 @@ class EngineModule(nn.Module):
         return self._engine[0]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The engine's forward (DeepSpeed's wrapper around the variant's module)."""
         return self.engine(*args, **kwargs)
 
 
