@@ -109,7 +109,8 @@ def capture(
 ):
     """Explicit capture without env vars: dumps `model`'s stages (and taps) into `dir/side/`.
 
-    Options: stages, calls, mode ("full" | "stats"), grads, max_bytes, overwrite, topk, layer_attrs;
+    Options: stages, calls, mode ("full" | "stats"), grads, max_bytes, overwrite, topk, layer_attrs,
+    substages (role sub-stages inside every block, README "Role sub-stages");
     `stage_names` as for `install`.
     Yields the hook handle (None when `model` is None: taps only).
     """

@@ -18,7 +18,8 @@ sentence in `missing`):
 - dump selections (`FFDEBUG_FWD_DUMP_LAYERS` / `_STAGES` / `_CALLS` / `_RANKS`) that differ
   between the sides.
 
-Reported, not blocking (`selected_out`): the same dump selection on both sides, and compare's own
+Reported, not blocking: `unified_shapes`, the stages whose shapes differed by size-1 dims only
+and were compared on the reference's shape; `selected_out`: the same dump selection on both sides, and compare's own
 `--layers` / `--stages` / `--step` / `--rank`. Formats that record no finish (imported dumps,
 tensor files) have `finished: null`.
 """
@@ -135,6 +136,7 @@ class Coverage:
     calls_only_target: list[dict] = field(default_factory=list)
     stats_only: int = 0
     selected_out: list[str] = field(default_factory=list)
+    unified_shapes: list[dict] = field(default_factory=list)  # {"key", "shape_ref", "shape_target"}
     missing: list[str] = field(default_factory=list)
 
     @property
@@ -153,6 +155,7 @@ class Coverage:
             "calls": {"only_ref": self.calls_only_ref, "only_target": self.calls_only_target},
             "stats_only": self.stats_only,
             "selected_out": self.selected_out,
+            "unified_shapes": self.unified_shapes,
             "missing": self.missing,
         }
 
@@ -256,10 +259,20 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
     cov.final_compared = any(is_final_output(e.key) for e in inp.results)
     cov.sides = {"ref": side_coverage(ref), "target": side_coverage(target)}
     cov.stats_only = sum(1 for e in inp.results if e.stats_only)
+    cov.unified_shapes = [
+        {"key": e.key, "shape_ref": e.ref.shape, "shape_target": e.target.shape}
+        for e in inp.results
+        if e.unified_shape
+    ]
     cov.calls_only_ref = [{"call": g.call, "step": dict(g.tags)} for g in inp.unpaired_ref]
     cov.calls_only_target = [{"call": g.call, "step": dict(g.tags)} for g in inp.unpaired_target]
     selected, differing = selection_sentences(ref, target)
     cov.selected_out = selected + inp.filters + _unplaced_sentences(ref, target)
+    if cov.unified_shapes:
+        shown = [
+            f"{u['key']} (ref {u['shape_ref']} vs target {u['shape_target']})" for u in cov.unified_shapes
+        ]
+        cov.selected_out.append(f"shapes unified over size-1 dims: {_names(shown, 4)}")
     missing: list[str] = []
     for label, side in (("reference", cov.sides["ref"]), ("target", cov.sides["target"])):
         missing.extend(side_sentences(label, side))

@@ -6,13 +6,15 @@ comparison in this order:
 | rule              | function            | effect                                                      |
 |-------------------|---------------------|-------------------------------------------------------------|
 | bands             | `band`              | worse of the cos band and the rel band (table below)        |
+| element-wise      | `elementwise`       | elem >= 0.25: at least `diverge`; elem >= 1: `bug`          |
 | threshold         | `apply_threshold`   | a matching `--threshold GLOB:...` redefines the ok band     |
 | zero side         | `zero_side`         | one side all zeros, the other not: `bug`                    |
 | NaN / Inf         | `nonfinite`         | NaN or Inf at different positions: at least `bug`           |
-| shape             | `shape_mismatch`    | shapes differ: `bug` (never truncated or broadcast)         |
+| shape             | `shape_mismatch`    | shapes differ beyond size-1 dims: `bug` (never broadcast)   |
 | statistics only   | `stats_only`        | compared on l2 / mean / std: the rel band (`bug` without)   |
 | exact             | `exact`             | `--exact` and not bit-equal: at least `drift`               |
 | noise             | `within_noise`      | error <= k x the noise run's: back to `ok` (below `bug`)    |
+| beyond noise      | `beyond_noise`      | error >= k x the noise run's (> 0): at least `diverge`      |
 | judgement         | `judge`             | a bug signal (bisect) raises the verdict to `bug`           |
 
 Bands (the worse of the two wins; rel is the more sensitive one, so a large-magnitude tensor with
@@ -25,6 +27,10 @@ cos 0.9998 and rel 57% is a bug):
 | diverge  | cos >= 0.9   | rel <= 30%|
 | bug      | cos > 0.5    | any       |
 | scramble | cos <= 0.5   | any       |
+
+Element-wise error (README "Comparing"): elem = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)), so one element
+off by 50% is seen in a tensor whose norm hides it, while an element near zero is measured against
+the tensor's scale, not its own (a near-zero sign flip is small).
 
 `Severity` is a `str` Enum: its value is the JSON string, and it compares equal to it.
 """
@@ -115,64 +121,134 @@ def band(cos: float | None, rel: float | None) -> Severity:
     return worst(cos_band(cos) if cos is not None else Severity.OK, rel_band(rel))
 
 
+ELEM_DIVERGE = 0.25  # one element off by a quarter of its magnitude (or of the tensor's rms)
+ELEM_BUG = 1.0  # one element off by its whole magnitude: a sign flip, a dropped or doubled term
+
+
+def elementwise(severity: Severity, elem: float | None) -> Severity:
+    """Element-wise rule: elem >= 0.25 makes the stage at least diverge, elem >= 1 at least bug
+    (elem = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)); None, nothing to measure, leaves the grade)."""
+    if elem is None:
+        return severity
+    if elem >= ELEM_BUG:
+        return worst(severity, Severity.BUG)
+    if elem >= ELEM_DIVERGE:
+        return worst(severity, Severity.DIVERGE)
+    return severity
+
+
 @dataclass(frozen=True)
 class Threshold:
-    """`GLOB:cos>=X,rel<=Y`: a stage matching GLOB is ok when it meets both bounds."""
+    """`GLOB:cos>=X,rel<=Y,elem<=E,max_abs<=M,atol=A`: a stage matching GLOB is ok when it meets
+    every bound given, or when every element is within `atol` (max_abs <= A) whatever the others.
+    An `elem`, `max_abs` or `atol` term replaces the default element-wise rule for the stage."""
 
     glob: str
     cos: float | None = None
     rel: float | None = None
+    elem: float | None = None
+    max_abs: float | None = None
+    atol: float | None = None
 
     def matches(self, key: str) -> bool:
         return fnmatch.fnmatchcase(key, self.glob)
 
-    def passes(self, cos: float | None, rel: float | None) -> bool:
-        return (self.cos is None or (cos is not None and cos >= self.cos)) and (
-            self.rel is None or (rel is not None and rel <= self.rel)
+    @property
+    def element_terms(self) -> bool:
+        """The threshold bounds single elements itself (the element-wise rule steps aside)."""
+        return self.elem is not None or self.max_abs is not None or self.atol is not None
+
+    def passes(
+        self, cos: float | None, rel: float | None, elem: float | None = None, max_abs: float | None = None
+    ) -> bool:
+        if self.atol is not None and max_abs is not None and max_abs <= self.atol:
+            return True
+        return (
+            _at_least(cos, self.cos)
+            and _at_most(rel, self.rel)
+            and _at_most(elem, self.elem)
+            and _at_most(max_abs, self.max_abs)
         )
 
 
+def _at_least(value: float | None, bound: float | None) -> bool:
+    return bound is None or (value is not None and value >= bound)
+
+
+def _at_most(value: float | None, bound: float | None) -> bool:
+    return bound is None or (value is not None and value <= bound)
+
+
+_TERM = re.compile(
+    r"\s*(cos)\s*>=\s*(\S+?)\s*|\s*(rel|elem|max_abs)\s*<=\s*(\S+?)\s*|\s*(atol)\s*=\s*(\S+?)\s*"
+)
+_TERMS = "cos>=X, rel<=Y, elem<=E, max_abs<=M or atol=A"
+
+
 def parse_threshold(spec: str) -> Threshold:
-    """`GLOB:cos>=0.999,rel<=0.02` into a Threshold (one-line error naming the bad part)."""
+    """`GLOB:cos>=0.999,rel<=0.02` (also `elem<=`, `max_abs<=`, `atol=`) into a Threshold
+    (one-line error naming the bad part)."""
     m = re.fullmatch(r"\s*([^:]+):(.+)", spec)
     if not m:
         raise FFDebugError(f"--threshold {spec!r} is invalid: use 'GLOB:cos>=0.999,rel<=0.02'")
     glob, body = m.group(1).strip(), m.group(2)
-    cos = rel = None
+    values: dict[str, float] = {}
     for part in body.split(","):
-        pm = re.fullmatch(r"\s*(cos)\s*>=\s*([0-9.eE+-]+)\s*|\s*(rel)\s*<=\s*([0-9.eE+-]+)\s*", part)
+        pm = _TERM.fullmatch(part)
         if not pm:
-            raise FFDebugError(f"--threshold {spec!r}: cannot read {part.strip()!r}; use cos>=X or rel<=Y")
+            raise FFDebugError(f"--threshold {spec!r}: cannot read {part.strip()!r}; use {_TERMS}")
+        name = pm.group(1) or pm.group(3) or pm.group(5)
+        raw = pm.group(2) or pm.group(4) or pm.group(6)
         try:
-            if pm.group(1):
-                cos = float(pm.group(2))
-            else:
-                rel = float(pm.group(4))
+            values[name] = float(raw)
         except ValueError:
             raise FFDebugError(f"--threshold {spec!r}: {part.strip()!r} is not a number") from None
+    cos = values.get("cos")
     if cos is not None and not -1.0 <= cos <= 1.0:
         raise FFDebugError(f"--threshold {spec!r}: cos bound {cos:g} is outside [-1, 1]")
-    if rel is not None and not rel >= 0.0:
-        raise FFDebugError(f"--threshold {spec!r}: rel bound {rel:g} must be >= 0 (0.05 is 5%)")
-    return Threshold(glob=glob, cos=cos, rel=rel)
+    if values.get("rel") is not None and not values["rel"] >= 0.0:
+        raise FFDebugError(f"--threshold {spec!r}: rel bound {values['rel']:g} must be >= 0 (0.05 is 5%)")
+    for name in ("elem", "max_abs", "atol"):
+        if name in values and not values[name] >= 0.0:
+            raise FFDebugError(f"--threshold {spec!r}: {name} bound {values[name]:g} must be >= 0")
+    return Threshold(glob=glob, **values)
+
+
+def matching_threshold(key: str, thresholds: tuple[Threshold, ...]) -> Threshold | None:
+    """The first override whose glob matches `key` (first match wins)."""
+    return next((th for th in thresholds if th.matches(key)), None)
 
 
 def apply_threshold(
-    base: Severity, cos: float | None, rel: float | None, key: str, thresholds: tuple[Threshold, ...]
+    base: Severity,
+    cos: float | None,
+    rel: float | None,
+    key: str,
+    thresholds: tuple[Threshold, ...],
+    elem: float | None = None,
+    max_abs: float | None = None,
 ) -> Severity:
     """Threshold rule: the first override whose glob matches `key` redefines the ok band: meeting
     its bounds is ok, missing them is at least drift. No match leaves `base`."""
-    for th in thresholds:
-        if th.matches(key):
-            return Severity.OK if th.passes(cos, rel) else worst(base, Severity.DRIFT)
-    return base
+    th = matching_threshold(key, thresholds)
+    if th is None:
+        return base
+    return Severity.OK if th.passes(cos, rel, elem, max_abs) else worst(base, Severity.DRIFT)
 
 
 def classify(
-    cos: float | None, rel: float | None, key: str = "", thresholds: tuple[Threshold, ...] = ()
+    cos: float | None,
+    rel: float | None,
+    key: str = "",
+    thresholds: tuple[Threshold, ...] = (),
+    elem: float | None = None,
+    max_abs: float | None = None,
 ) -> Severity:
-    """Bands, then the threshold rule."""
-    return apply_threshold(band(cos, rel), cos, rel, key, thresholds)
+    """Bands, then the threshold rule, then the element-wise rule (unless the matching threshold
+    bounds elements itself with `elem`, `max_abs` or `atol`)."""
+    severity = apply_threshold(band(cos, rel), cos, rel, key, thresholds, elem, max_abs)
+    th = matching_threshold(key, thresholds)
+    return severity if th is not None and th.element_terms else elementwise(severity, elem)
 
 
 def zero_side(severity: Severity, ref_norm: float, target_norm: float, numel: int) -> Severity:
@@ -188,8 +264,17 @@ def nonfinite(severity: Severity, nan_mismatch: int, inf_mismatch: int) -> Sever
     return worst(severity, Severity.BUG) if nan_mismatch or inf_mismatch else severity
 
 
+def singleton_unifiable(ref_shape, target_shape) -> bool:
+    """Shape rule's exception: shapes that differ only by size-1 dims (`[1, 1, 4, 8]` vs `[4, 8]`)
+    hold the same elements in the same order, so they are unified (reshaped, never broadcast)."""
+    if ref_shape is None or target_shape is None:
+        return False
+    return [d for d in ref_shape if d != 1] == [d for d in target_shape if d != 1]
+
+
 def shape_mismatch() -> Severity:
-    """Shape rule: tensors of different shapes are a bug (never truncated or broadcast)."""
+    """Shape rule: tensors of different shapes, beyond size-1 dims, are a bug (never truncated or
+    broadcast)."""
     return Severity.BUG
 
 
@@ -225,6 +310,27 @@ def noise(severity: Severity, rel: float | None, noise_rel: float | None, k: flo
     if severity is not Severity.OK and severity.rank < Severity.BUG.rank and within_noise(rel, noise_rel, k):
         return Severity.OK
     return severity
+
+
+def beyond_noise(rel: float | None, noise_rel: float | None, k: float) -> bool:
+    """Beyond-noise test: the error is at least k x the noise run's, which is itself above zero (a
+    noise run bit-identical to the reference gives no scale: the exact-prefix rule decides there)."""
+    return (
+        noise_rel is not None and noise_rel > 0.0 and rel is not None and rel > 0.0 and rel >= k * noise_rel
+    )
+
+
+def noise_sensitive(severity: Severity, rel: float | None, noise_rel: float | None, k: float) -> Severity:
+    """Beyond-noise rule (`--noise`): a stage whose error is at least k x the noise run's is a bug
+    signal even inside the ok band, so it is at least diverge."""
+    return worst(severity, Severity.DIVERGE) if beyond_noise(rel, noise_rel, k) else severity
+
+
+def exact_prefix_break(severity: Severity) -> Severity:
+    """Exact-prefix rule with a bit-identical noise run (`--noise`): the first stage that is not
+    bit-equal after bit-equal stages in the same dtype, where the noise run equals the reference bit
+    for bit, differs by its own computation: at least diverge."""
+    return worst(severity, Severity.DIVERGE)
 
 
 def judge(verdict: Severity, signal: str | None) -> Severity:

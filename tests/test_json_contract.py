@@ -50,6 +50,7 @@ COVERAGE = {
     "calls": dict,
     "stats_only": int,
     "selected_out": list,
+    "unified_shapes": list,
     "missing": list,
 }
 STAGE_KEYS = {
@@ -75,6 +76,7 @@ STAGE_KEYS = {
     "phase": OPT_STR,
     "dtype_ref": OPT_STR,
     "dtype_target": OPT_STR,
+    "elem": OPT_NUM,
     "mean_abs": OPT_NUM,
     "norm_ratio": OPT_NUM,
     "bit_equal": OPT_NUM,
@@ -86,6 +88,12 @@ STAGE_OPTIONAL = {
     "invariance",
     "noise_rel",
     "within_noise",
+    "beyond_noise",
+    "unified_shape",
+    "max_abs_where",
+    "per_token_rel",
+    "per_head_rel",
+    "rise_from",
     "finding",
     "stats_only",
     "nan_mismatch",
@@ -103,6 +111,7 @@ BISECT_TOP = {
     "sub_stage": (dict, type(None)),
     # extras
     "reason": str,
+    "saturated_after": OPT_INT,
     "signal": OPT_STR,
     "judgement": str,
     "layers": list,

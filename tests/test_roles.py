@@ -299,3 +299,18 @@ def test_tap_function_restores_what_it_replaced(tmp_path):
     assert llama_ports.rope is not original and llama_ports.rope.__wrapped__ is original  # t1 still on
     t1.remove()
     assert llama_ports.rope is original
+
+
+def test_rotary_taps_in_either_layout_pair_as_batch_seq_heads_dim(hf, tmp_path):
+    """HF rotates [B, heads, S, D]; this port rotates [B, S, heads, D]: both are stored seq-major."""
+    from llama_ports import rope_via_seq_major
+
+    ref = dump(hf, tmp_path, "ref")
+    port = make_port(hf, OPAQUE, rotary=rope_via_seq_major)
+    tgt = dump_port(port, tmp_path, "target", "llama_ports:rope_seq_major")
+    r_rec = next(r for r in open_side(ref).records if r.key == "L000.attn.k_rot")
+    t_rec = next(r for r in open_side(tgt).records if r.key == "L000.attn.k_rot")
+    assert list(r_rec.shape) == list(t_rec.shape) == [2, 12, 2, 8]
+    assert r_rec.extra["orig_shape"] == [2, 2, 12, 8] and "orig_shape" not in t_rec.extra
+    res = ffdebug.compare(ref, tgt)
+    assert res.exit_code() == 0 and all(s.ok for s in res.stages)

@@ -44,6 +44,7 @@ def _relabel(stages: list[StageResult], spec: str | None) -> None:
 
 
 EXACT_PREFIX_SIGNAL = "error appears after exactly equal stages in the same dtype"
+BEYOND_NOISE_SIGNAL = "the stage's error is beyond the noise run's (k x its error, or after its exact prefix)"
 
 
 def break_in_exact_prefix(stages: list[StageResult]) -> StageResult | None:
@@ -100,6 +101,8 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
         if p.name is PatternName.MATCH and first is None:
             first = break_in_exact_prefix(stages)
             signal = EXACT_PREFIX_SIGNAL if first is not None else None
+    if signal is None and first is not None and first.beyond_noise:
+        signal = BEYOND_NOISE_SIGNAL
     sub, why_sub = first_lossy(_in_layer(stages, first.layer if first is not None else None))
     return CallAnalysis(rows, p, first, sub, why_sub, signal)
 
@@ -254,6 +257,7 @@ def bisect(
         sub_stage=analysis.sub,
         sub_stage_why=analysis.why_sub,
         per_class=_per_class(analysis.rows, p),
+        saturated_after=p.saturated_after,
         layers=analysis.rows,
         stages=st,
         ref_path=result.ref_path,

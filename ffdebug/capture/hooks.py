@@ -131,6 +131,11 @@ def install(
             root_state.update(ids=ids, embedded=False)
         if session.call_depth == 1 and ids is not None:
             capture("embed.input_ids", ids, io="in", module_class=type(module).__name__, module_path="")
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(ids.shape):
+                # a padded batch: which positions are tokens (a packed side aligns through it)
+                meta = dict(io="in", module_class=type(module).__name__, module_path="")
+                capture("embed.attention_mask", mask, extra={"token_mask": True}, **meta)
 
     root_state: dict = {"final_norm": None, "vocab": _vocab_size(model)}
 
@@ -210,8 +215,12 @@ def install(
         root_state["blocks_done"] += 1
         root_state["final_norm"] = None  # a norm followed by another block is not the final one
 
+    substages = bool(config.substages or sub_globs)
+    dims = getattr(model, "config", None)
     for b in blocks:
-        _install_block(handle, session, capture, b, sub_globs, block_done)
+        _install_block(
+            handle, session, capture, b, sub_globs, block_done, dims if substages else None, substages
+        )
     for spec, stages in (*known_function_taps([b.module for b in blocks]), *config.tap_functions):
         handle.add(tap_function(spec, stages))
     return handle
@@ -272,11 +281,24 @@ def _capture_topk(capture, logits, k: int) -> None:
     capture("final.topk_probs", values, module_path="")
 
 
-def _install_block(handle: Handle, session, capture, block, sub_globs: tuple[str, ...], block_done) -> None:
-    """Hooks of one block: its input/output, its direct children, and sub-stage classes inside it."""
+def _install_block(
+    handle: Handle, session, capture, block, sub_globs: tuple[str, ...], block_done, dims, substages: bool
+) -> None:
+    """Hooks of one block: its input/output, its direct children (with their role sub-stages when
+    `substages`; `dims` is the model config they read head and expert counts from), and sub-stage
+    classes inside it."""
+    from ffdebug.capture.substages import BranchRecorder
+
     base = {"layer": block.layer, "layer_class": block.layer_class}
     prefix = f"L{block.layer:03d}"
     children = ChildRoles(session, capture, block, prefix, base)
+    if substages:  # registered first: a branch's sub-stages are written before its output
+        for name, child in block.module.named_children():
+            if has_role(child) and not is_norm_type(child) and not norm_shaped(child):
+                path = f"{block.path}.{name}"
+                BranchRecorder(session, capture, name, child, path, prefix, base, children, dims).install(
+                    handle
+                )
     children.install(handle)
     _hook_block_io(handle, session, capture, block, prefix, base, children.begin, children.flush, block_done)
     if sub_globs:

@@ -89,6 +89,7 @@ class Session:
         self.first_real_done: set[tuple] = set()  # step-tag sets whose first real call was taken
         self.invocations: dict[tuple, int] = {}
         self.input_ids_sha: str | None = None
+        self.ids_shape: tuple | None = None  # the root call's input ids shape ([B, S])
         self.unplaced: dict[str, list[str]] = {}  # block class -> children without a role
         self._held: list | None = None
         self._hold_depth = 0
@@ -122,6 +123,7 @@ class Session:
         if self.call_depth > 1:
             return
         tags = current_tags()
+        self.ids_shape = tuple(input_ids.shape) if input_ids is not None else None
         key = tuple(sorted((k, str(v)) for k, v in tags.items()))
         self.call = self.call_counters.get(key, 0)
         self.call_counters[key] = self.call + 1
@@ -172,8 +174,10 @@ class Session:
             copy, extra = tensor.detach().clone(), dict(tags or {})
             self._held.append(lambda: self.capture(key, copy, tags=extra, **meta))
             return
-        ids = key == "embed.input_ids" or bool((meta.get("extra") or {}).get("input_ids"))
-        if not self.wants(key, meta.get("layer"), ids):
+        extra = meta.get("extra") or {}
+        ids = key == "embed.input_ids" or bool(extra.get("input_ids"))
+        small = ids or bool(extra.get("token_mask"))  # kept always, like the ids (compare/align.py)
+        if not self.wants(key, meta.get("layer"), small):
             self.filtered += 1
             return
         if _graph_capturing():
@@ -188,9 +192,9 @@ class Session:
             if reserved in tags:
                 meta.setdefault(reserved, tags[reserved])
         t = tensor.detach()
-        if self.config.mode == "full" or ids:
+        if self.config.mode == "full" or small:
             t = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-        self.writer().write(key, t, meta, always_payload=ids)
+        self.writer().write(key, t, meta, always_payload=small)
         self.captured += 1
         if ids and self.input_ids_sha is None:  # run.json identifies the run by its first input ids
             from ffdebug.store.schema import sha256_of_tensor
@@ -243,6 +247,10 @@ class Session:
             meta.setdefault("extra", {})["scale"] = float(tags.pop("scale"))
         if meta["layer"] is not None and not _LAYER_PREFIX.match(stage):
             stage = f"L{meta['layer']:03d}.{stage}"  # a tap inside a block is one of its stages
+        if _LAYER_PREFIX.sub("", stage) in ROTARY_STAGES:
+            tensor, layout = heads_last(tensor, self.ids_shape)
+            if layout:
+                meta["extra"] = {**meta.get("extra", {}), **layout}
         self.capture(stage, tensor, tags=tags, **meta)
 
     def close(self) -> None:
@@ -275,6 +283,22 @@ class Session:
             why = "ffdebug.install(model) was never called and no ffdebug.tap ran"
         done = f"captured {self.captured} tensor(s)" if self.captured else "captured nothing"
         print(f"ffdebug: warning: side '{self.config.side}' {done}: {why}", file=sys.stderr)
+
+
+ROTARY_STAGES = ("attn.q_rot", "attn.k_rot")
+
+
+def heads_last(t, ids_shape):
+    """A rotated q / k as `[batch, seq, heads, head_dim]`, like the role sub-stages (README "Role
+    sub-stages"): a 4-D `[B, heads, S, D]` tensor is transposed when the root's ids say which dim
+    is the sequence; `[B, S, heads, D]`, an ambiguous one (heads == S) and anything else stay as
+    they are. Returns the tensor and the record's extra fields ({} when unchanged)."""
+    if ids_shape is None or len(ids_shape) != 2 or t.dim() != 4 or t.shape[0] != ids_shape[0]:
+        return t, {}
+    seq = ids_shape[1]
+    if t.shape[2] == seq and t.shape[1] != seq:
+        return t.transpose(1, 2), {"orig_shape": list(t.shape), "layout": "B,H,S,D"}
+    return t, {}
 
 
 _ENV_SESSION: Session | None = None
@@ -336,6 +360,7 @@ CAPTURE_OPTIONS = (
     "overwrite",
     "topk",
     "layer_attrs",
+    "substages",
 )
 
 

@@ -26,7 +26,12 @@ EXCLUDE_OPT = typer.Option(
     help="Glob over stage keys to leave out, e.g. 'loss.*' (repeatable; listed as selected out).",
 )
 STEP_OPT = typer.Option(None, "--step", help="Keep records tagged key=value (repeatable).")
-THRESHOLD_OPT = typer.Option(None, "--threshold", help="'GLOB:cos>=X,rel<=Y' ok band per stage (repeatable).")
+THRESHOLD_OPT = typer.Option(
+    None,
+    "--threshold",
+    help="'GLOB:cos>=X,rel<=Y' ok band per stage (repeatable); also elem<=E, max_abs<=M, atol=A "
+    "(every element within A passes): 'L*:rel<=0.01,atol=1e-4'.",
+)
 NOISE_OPT = typer.Option(
     None, "--noise", help="A noise side: the reference run twice, or in the target's dtype."
 )

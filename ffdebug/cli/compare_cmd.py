@@ -34,7 +34,12 @@ HELP = """Compare a reference dump with a target dump, stage by stage, in float6
   ffdebug compare /tmp/dump/ref /tmp/dump/target --layers 0-3 --stages 'L*.ffn_*'
   ffdebug compare ref-vs-target --dir D --threshold 'final.logits:cos>=0.999,rel<=0.05' --json
   ffdebug compare run1 run2 --exact          # run-to-run determinism: any bit difference fails
+  ffdebug compare ref-vs-target --dir D --noise /tmp/dump/ref_2threads   # error beyond noise: diverge
+  ffdebug compare ref-vs-target --dir D --threshold 'L*.attn_out:rel<=0.02,atol=1e-4'
   ffdebug compare --dir D --exclude 'L*' --alias-file taps.txt   # a trainer's scalars only
+
+A stage with one element off by a quarter of max(|ref value|, rms(ref)) or more (elem >= 0.25) is
+at least diverge, elem >= 1 bug; shapes that differ only by size-1 dims are unified.
 
 Trainer stores (docs/trainer-taps.md): the inputs (rollout.prompt_ids, rollout.noise, ...) are
 compared first, exactly; different ones exit 3 (feed both runs the same prompts / noise).

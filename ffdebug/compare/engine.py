@@ -8,6 +8,7 @@ import math
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
 from ffdebug.compare import near_zero
+from ffdebug.compare.align import align
 from ffdebug.compare.inputs_gate import check_trainer_inputs
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
 from ffdebug.compare.pairing import Filters, StageUnit, check_input_ids, group_calls, pair_calls, pair_stages
@@ -69,28 +70,46 @@ def stage_result(key: str, r: Record, t: Record) -> StageResult:
     )
 
 
+RISE_HEADS = 10.0  # heads within this factor of the worst head are named as the wrong ones
+
+
 def compare_records(
-    r: Record, t: Record, thresholds: tuple[Threshold, ...] = (), exact: bool = False
+    r: Record, t: Record, thresholds: tuple[Threshold, ...] = (), exact: bool = False, masks=(None, None)
 ) -> StageResult:
-    """Compare one pair of records into a StageResult, graded by the verdict rules."""
+    """Compare one pair of records into a StageResult, graded by the verdict rules. `masks` are the
+    two sides' attention-mask records: a packed side meets a padded one through them (`align`)."""
     key = r.key
     e = stage_result(key, r, t)
-    if list(r.shape or []) != list(t.shape or []):
-        e.severity = V.shape_mismatch()
-        e.finding = "shape_mismatch"
-        e.notes.append(f"shape mismatch: ref {e.ref.shape} vs target {e.target.shape}")
-        return e
+    aligned = None
+    if list(r.shape or []) != list(t.shape or []) and any(masks) and r.has_payload and t.has_payload:
+        aligned = align(r.load(), t.load(), *masks)
+    if list(r.shape or []) != list(t.shape or []) and aligned is None:
+        if not V.singleton_unifiable(r.shape, t.shape):
+            e.severity = V.shape_mismatch()
+            e.finding = "shape_mismatch"
+            e.notes.append(f"shape mismatch: ref {e.ref.shape} vs target {e.target.shape}")
+            return e
+        e.unified_shape = True
+        e.notes.append(
+            f"shapes differ by size-1 dims only (ref {e.ref.shape} vs target {e.target.shape}): "
+            "compared on the reference's shape"
+        )
     if not (r.has_payload and t.has_payload):
         _stats_compare(r, t, e)
         return e
-    rt, tt = r.load(), t.load()
+    rt, tt = (r.load(), t.load()) if aligned is None else aligned[:2]
+    if aligned is not None:
+        e.notes.append(aligned[2])
+    if e.unified_shape:
+        tt = tt.reshape(rt.shape)
     m = compare_tensors(rt, tt)
     e.cos, e.rel, e.rel_diff, e.max_abs = m.cos, m.rel, m.rel_diff, m.max_abs
     e.max_abs_at, e.mean_abs, e.norm_ratio, e.bit_equal = m.max_abs_at, m.mean_abs, m.norm_ratio, m.bit_equal
+    e.elem = m.elem
     e.notes.extend(m.notes)
     if m.nan_mismatch or m.inf_mismatch:
         e.nan_mismatch, e.inf_mismatch = m.nan_mismatch, m.inf_mismatch
-    severity = V.classify(m.cos, m.rel, key, thresholds)
+    severity = V.classify(m.cos, m.rel, key, thresholds, m.elem, m.max_abs)
     severity = V.zero_side(severity, m.ref_norm, m.target_norm, m.numel)
     if not (m.nan_mismatch or m.inf_mismatch):
         severity = near_zero.grade(severity, r, t, m.max_abs, e.notes)  # declared `scale`: absolute atol
@@ -102,7 +121,31 @@ def compare_records(
     e.severity = severity
     if key.endswith("logits") and rt.is_floating_point() and rt.dim() >= 1:
         e.logits = logits_metrics(rt, tt)
+    if (m.bit_equal or 0.0) < 1.0 and rt.is_floating_point():
+        _locate(e, rt, tt)
     return e
+
+
+def _locate(e: StageResult, rt, tt) -> None:
+    """Where inside the tensor the error sits: per token / head, the named max-error coordinate."""
+    from ffdebug.compare.where import breakdown, named
+
+    w = breakdown(e.key, rt, tt)
+    if w is None:
+        return
+    e.max_abs_where = named(w.axes, e.max_abs_at)
+    e.per_token_rel, e.per_head_rel, e.rise_from = w.per_token_rel, w.per_head_rel, w.rise_from
+    if w.rise_from is not None:
+        e.notes.append(f"error rises from token {w.rise_from}")
+    if w.per_head_rel:
+        worst_rel = max((x for x in w.per_head_rel if x is not None), default=0.0)
+        bad = [
+            h
+            for h, x in enumerate(w.per_head_rel)
+            if x is None or (worst_rel > 0 and x >= worst_rel / RISE_HEADS)
+        ]
+        if worst_rel > 0 and len(bad) < len(w.per_head_rel):
+            e.notes.append(f"error in head(s) {', '.join(map(str, bad))} (rel per head: see per_head_rel)")
 
 
 def compare(
@@ -160,7 +203,8 @@ def compare(
     stages_out: list[StageResult] = []
     pairs_out: list[tuple] = []
     readings: list[dict] = []
-    for unit, (results, records, reading) in zip(units, _map_units(units, thresholds, exact)):
+    masks = {id(rg): (rg.token_mask, tg.token_mask) for rg, tg in pairing.pairs}
+    for unit, (results, records, reading) in zip(units, _map_units(units, thresholds, exact, masks)):
         for e in results:
             if noise_index is not None:
                 _apply_noise(e, noise_index.get((unit.group.tags, unit.group.call, unit.sk)))
@@ -168,6 +212,8 @@ def compare(
         pairs_out.extend(records)
         if reading is not None:
             readings.append(reading)
+    if noise_index is not None:
+        _exact_prefix_with_noise(stages_out)
     if not any(e.key != "embed.input_ids" for e in stages_out):
         raise FFDebugError(_nothing_paired(ref_store, tgt_store, pairing, filters))
     if layers is not None and not any(e.layer is not None for e in stages_out):
@@ -228,12 +274,12 @@ def compare(
 
 
 def _compare_unit(
-    unit: StageUnit, thresholds, exact: bool
+    unit: StageUnit, thresholds, exact: bool, masks=(None, None)
 ) -> tuple[list[StageResult], list[tuple], dict | None]:
     """The stage results of one unit, their record pairs, and the shard reading (multi-rank)."""
     r = unit.ref
     if not unit.replicas:
-        e = compare_records(r, unit.target, thresholds, exact)
+        e = compare_records(r, unit.target, thresholds, exact, masks)
         e.unsharded_ref, e.unsharded_target = _unsharded(r), _unsharded(unit.target)
         reading = None
         if e.unsharded_target is not None and e.unsharded_target["how"] != "replicated":
@@ -327,14 +373,16 @@ def _budget_notes(pairs: list[tuple[Record, Record]]) -> list[str]:
     return notes
 
 
-def _map_units(units: list[StageUnit], thresholds, exact: bool) -> list[tuple]:
+def _map_units(units: list[StageUnit], thresholds, exact: bool, masks: dict | None = None) -> list[tuple]:
     """`_compare_unit` over every unit, in order, one pair loaded at a time (memory stays
     bounded by the largest pair). The chunk loop runs on one intra-op thread; a second Python
     worker thread was measured here and gained under 10% while doubling the peak memory."""
     from ffdebug._chunks import single_thread
 
     with single_thread():
-        return [_compare_unit(u, thresholds, exact) for u in units]
+        return [
+            _compare_unit(u, thresholds, exact, (masks or {}).get(id(u.group), (None, None))) for u in units
+        ]
 
 
 def _noise_index(noise, ref_groups, filters) -> dict:
@@ -357,17 +405,51 @@ def _noise_index(noise, ref_groups, filters) -> dict:
 
 
 def _apply_noise(e: StageResult, noise: tuple | None) -> None:
-    """Record the noise run's error at this stage and apply the verdict's noise rule."""
+    """Record the noise run's error at this stage and apply the verdict's noise rules: within
+    noise back to ok, beyond noise at least diverge."""
     e.noise_given = True
     if noise is None:
         return
     noise_rel, noise_dtype = noise
     e.noise_rel = noise_rel
-    if noise_rel is None or e.rel is None or e.ok:
+    if noise_rel is None or e.rel is None:
         return
     k = V.noise_factor(e.dtype_ref, e.dtype_target or noise_dtype, noise_dtype)
+    if V.beyond_noise(e.rel, noise_rel, k):
+        e.beyond_noise, e.within_noise = True, False
+        e.severity = V.noise_sensitive(e.severity, e.rel, noise_rel, k)
+        e.notes.append(
+            f"beyond noise: rel {e.rel:.3g} is {e.rel / noise_rel:.3g} x the noise run's {noise_rel:.3g}"
+        )
+        return
+    if e.ok:
+        return
     graded = V.noise(e.severity, e.rel, noise_rel, k)
     e.within_noise = graded is not e.severity
     if e.within_noise:
         e.notes.append(f"within noise: rel {e.rel:.3g} <= {k:g} x noise rel {noise_rel:.3g}")
         e.severity = graded
+
+
+EXACT_NOISE_NOTE = (
+    "the noise run equals the reference bit for bit up to here, so the exact-prefix rule applies: the "
+    "first stage that is not bit-equal after exactly equal stages differs by its own computation"
+)
+
+
+def _exact_prefix_with_noise(stages: list[StageResult]) -> None:
+    """Per call and rank, in execution order: where the noise run is bit-identical to the
+    reference (noise rel 0) the noise rule has no scale, so the exact-prefix rule decides: the
+    first stage that is not bit-equal after bit-equal stages of the same dtype is raised."""
+    seen: set[tuple] = set()
+    for e in stages:
+        call = (tuple(sorted((str(k), str(v)) for k, v in e.step.items())), e.call, e.rank)
+        if call in seen or e.key == "embed.input_ids":
+            continue
+        if e.exact:
+            continue
+        seen.add(call)
+        if e.noise_rel == 0.0 and e.same_dtype and e.rel is not None and e.rel > 0.0 and not e.folded:
+            e.beyond_noise = True
+            e.severity = V.exact_prefix_break(e.severity)
+            e.notes.append(EXACT_NOISE_NOTE)

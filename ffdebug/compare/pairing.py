@@ -18,6 +18,7 @@ import fnmatch
 import hashlib
 from dataclasses import dataclass, field
 
+from ffdebug.compare.align import MASK_KEY, align
 from ffdebug.errors import FFDebugError, InputIdsMismatch
 from ffdebug.io.ranks import Replicated, fold, manifest_plan
 from ffdebug.io.record import Record
@@ -38,6 +39,7 @@ class CallGroup:
     records: dict = field(default_factory=dict)  # (key, invocation, rank) -> Record
     order: list = field(default_factory=list)
     input_ids: Record | None = None
+    token_mask: Record | None = None  # the attention mask of a padded batch (compare/align.py)
 
     @property
     def warmup(self) -> bool:
@@ -47,6 +49,10 @@ class CallGroup:
         if self.input_ids is None:
             return None
         t = self.input_ids.load()
+        if self.token_mask is not None and self.token_mask.has_payload:  # a padded batch: its tokens
+            mask = self.token_mask.load().bool()
+            if tuple(mask.shape) == tuple(t.shape) and not bool(mask.all()):
+                t = t[mask]
         return hashlib.sha256(t.contiguous().numpy().tobytes() + str(list(t.shape)).encode()).hexdigest()
 
     def ranks(self) -> set[int]:
@@ -99,6 +105,9 @@ def group_calls(store: SideStore, filters: Filters) -> list[CallGroup]:
         g = groups.get(gk)
         if g is None:
             g = groups[gk] = CallGroup(tags=gk[0], call=gk[2], phase=gk[1])
+        if rec.key == MASK_KEY:  # alignment data, not a stage
+            g.token_mask = g.token_mask or rec
+            continue
         sk = (rec.key, rec.invocation, rec.rank)
         if sk in g.records:  # same key twice in one call (free taps in a loop): number them
             n = 1
@@ -242,6 +251,9 @@ def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]) -> None:
                 "with the same inputs (fix tokenization first)"
             )
         r, t = _ids(rg.input_ids, "reference"), _ids(tg.input_ids, "target")
+        aligned = align(r, t, rg.token_mask, tg.token_mask) if r.shape != t.shape else None
+        if aligned is not None:
+            r, t = aligned[0], aligned[1]
         if tuple(r.shape) != tuple(t.shape):
             raise InputIdsMismatch(
                 f"input ids differ at {where}: shape {list(r.shape)} vs {list(t.shape)} (fix tokenization first)"

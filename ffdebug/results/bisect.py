@@ -87,6 +87,7 @@ class BisectResult(CoveredVerdict):
     calls: list[CallSummary]
     fail_on: Severity = Severity.DIVERGE
     signal: str | None = None
+    saturated_after: int | None = None  # the layer where the target decorrelated; later ones not judged
     shards: list[dict] = field(default_factory=list)
     attribution: list[dict] | None = None
     warmup_skipped: int = 0
@@ -110,6 +111,7 @@ class BisectResult(CoveredVerdict):
             "per_class": [c.to_json() for c in self.per_class],
             "sub_stage": sub,
             "reason": self.reason,
+            "saturated_after": self.saturated_after,
             "signal": self.signal,
             "judgement": self.judgement.value,
             "layers": [r.to_json() for r in self.layers],

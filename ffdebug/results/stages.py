@@ -18,7 +18,17 @@ class TensorMeta:
     shape: list[int] | None
 
 
-METRIC_FIELDS = ("cos", "rel", "rel_diff", "max_abs", "max_abs_at", "mean_abs", "norm_ratio", "bit_equal")
+METRIC_FIELDS = (
+    "cos",
+    "rel",
+    "rel_diff",
+    "max_abs",
+    "max_abs_at",
+    "elem",
+    "mean_abs",
+    "norm_ratio",
+    "bit_equal",
+)
 
 
 @dataclass
@@ -42,6 +52,7 @@ class StageResult:
     rel_diff: float | None = None
     max_abs: float | None = None
     max_abs_at: list[int] | None = None
+    elem: float | None = None  # maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r))
     mean_abs: float | None = None
     norm_ratio: float | None = None
     bit_equal: float | None = None
@@ -56,6 +67,12 @@ class StageResult:
     noise_given: bool = False  # a noise run was given (noise_rel is then reported, maybe null)
     noise_rel: float | None = None
     within_noise: bool | None = None
+    beyond_noise: bool | None = None  # --noise: error >= k x the noise run's (or an exact-prefix break)
+    unified_shape: bool = False  # the shapes differed by size-1 dims only and were unified
+    max_abs_where: dict | None = None  # max_abs_at named by the stage's axes (batch, token, head, channel)
+    per_token_rel: list | None = None  # rel per token position (layer stages)
+    per_head_rel: list | None = None  # rel per head ([batch, token, head, head_dim] attention stages)
+    rise_from: int | None = None  # the token from which the error rises, when it does
     unsharded_ref: dict | None = None  # {"how", "ranks"}: ffdebug folded this side's ranks
     unsharded_target: dict | None = None
     severity_rank0: Severity | None = None  # before a shard reading explained the ranks
@@ -123,6 +140,12 @@ class StageResult:
             "unsharded_ref": self.unsharded_ref,
             "unsharded_target": self.unsharded_target,
             "within_noise": self.within_noise,
+            "beyond_noise": self.beyond_noise,
+            "unified_shape": self.unified_shape or None,
+            "max_abs_where": self.max_abs_where,
+            "per_token_rel": self.per_token_rel,
+            "per_head_rel": self.per_head_rel,
+            "rise_from": self.rise_from,
             "severity_rank0": self.severity_rank0.value if self.severity_rank0 else None,
         }
         out.update({k: v for k, v in optional.items() if v is not None})

@@ -128,3 +128,66 @@ def wrong_sliding_window(model, window: int = 8):
     target = copy.deepcopy(model)
     target.config.sliding_window = window
     return target
+
+
+def qwen3_moe(num_layers: int = 6):
+    """Qwen3-MoE-style LM alternating dense (even) and MoE (odd) layers, top-2 of 8 experts with
+    renormalised top-k weights, q/k norms in every attention (router weights non-zero)."""
+    from tiny_models import lm_tiny
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(
+        lm_tiny(num_layers),
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=2,
+        norm_topk_prob=True,
+        head_dim=8,
+    )
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.weight.normal_(0.0, 0.5)
+    return model
+
+
+def _routers(model):
+    return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+
+
+def topk_not_renormalised(model):
+    """The port's bug: the MoE layers' top-k weights are not renormalised to sum to one."""
+    target = copy.deepcopy(model)
+    for gate in _routers(target):
+        gate.norm_topk_prob = False
+    return target
+
+
+def _bf16_router_forward(self, hidden_states):
+    h = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(h.bfloat16(), self.weight.bfloat16()).float()
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top, idx = torch.topk(probs, self.top_k, dim=-1)
+    return logits, top / top.sum(dim=-1, keepdim=True), idx
+
+
+def bf16_router(model):
+    """Not a bug: the router's projection runs in bf16 (a kernel choice), the rest in fp32."""
+    import types
+
+    target = copy.deepcopy(model)
+    for gate in _routers(target):
+        gate.forward = types.MethodType(_bf16_router_forward, gate)
+    return target
+
+
+def qk_norm_skipped(model, layer: int):
+    """The port's bug: one attention layer skips its q / k norms."""
+    target = copy.deepcopy(model)
+    attn = target.model.layers[layer].self_attn
+    attn.q_norm, attn.k_norm = torch.nn.Identity(), torch.nn.Identity()
+    return target

@@ -1,0 +1,281 @@
+"""Record what a block's branch does while it runs, and write its role sub-stages (README "Role sub-stages").
+
+Installed (when sub-stages are on: `FFDEBUG_FWD_DUMP_SUBSTAGES=1`, `capture(substages=True)`, or
+sub-stage classes in `FFDEBUG_FWD_DUMP_BLOCK_CLASS`) on each direct child of a block that holds
+parameters and is not a norm. While the child runs, a `TorchFunctionMode` sees every projection
+(`F.linear`, which `nn.Linear` calls, and `addmm`, which `Conv1D` calls), `topk`, activation and
+head reshape; `ffdebug.models.subroles` turns that trace into role sub-stages once the child's role
+(attention or MLP) is known. Each sub-stage is written at the point of the call that produced it,
+so records keep execution order (q before the rotary taps, the context before the output).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ffdebug.models.subroles import BranchTrace, Dims, LinearCall, SubStage, branch_substages
+
+_ACTIVATIONS: tuple = ()
+_WARNED: set[tuple[str, str]] = set()  # (block class, child) warned about once per process
+
+
+def _activations() -> tuple:
+    """Elementwise activations whose input marks an MLP's gate."""
+    global _ACTIVATIONS
+    if not _ACTIVATIONS:
+        import torch
+        import torch.nn.functional as F
+
+        _ACTIVATIONS = (
+            F.silu,
+            F.gelu,
+            F.relu,
+            F.mish,
+            F.elu,
+            F.leaky_relu,
+            torch.sigmoid,
+            torch.Tensor.sigmoid,
+            torch.tanh,
+            torch.Tensor.tanh,
+            torch.relu,
+            torch.Tensor.relu,
+        )
+    return _ACTIVATIONS
+
+
+def _views() -> tuple:
+    import torch
+
+    return (torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten)
+
+
+def _expert_structure(module, path: str):
+    """Expert weights inside a branch: {id(param): (owner path, expert)} for the members of an
+    expert list (a ModuleList of two or more modules of one class), the stacked `[E, ...]` 3-D
+    parameters as (param, owner path), and the expert count they imply."""
+    import torch.nn as nn
+
+    members: dict[int, tuple[str, int]] = {}
+    count = None
+    for rel, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) >= 2 and len({type(m) for m in sub}) == 1:
+            count = max(count or 0, len(sub))
+            for e, member in enumerate(sub):
+                for prel, owner in member.named_modules():
+                    owner_path = ".".join(p for p in (path, rel, str(e), prel) if p)
+                    for p in owner.parameters(recurse=False):
+                        members[id(p)] = (owner_path, e)
+    stacked = []
+    for rel, owner in module.named_modules():
+        for p in owner.parameters(recurse=False):
+            if p.dim() == 3:
+                stacked.append((p, ".".join(x for x in (path, rel) if x)))
+    sizes = {p.shape[0] for p, _ in stacked}
+    if len(sizes) == 1:
+        count = count or sizes.pop()
+    return members, stacked, count
+
+
+def _row_keys(rows, weights):
+    """An exact integer key per row: its elements' bits times fixed random weights, summed in int64
+    (integer sums do not depend on the reduction order)."""
+    import torch
+
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows.element_size()]
+    return (rows.contiguous().view(ints).long() * weights).sum(-1)
+
+
+class BranchRecorder:
+    """Hooks of one block child: trace its call, then write the role sub-stages of that trace."""
+
+    def __init__(self, session, capture, name: str, module, path: str, prefix: str, base: dict, roles, dims):
+        self.session, self.capture, self.name, self.module = session, capture, name, module
+        self.path, self.prefix, self.base, self.roles = path, prefix, base, roles
+        self.classes = {
+            f"{path}.{rel}" if rel else path: type(m).__name__ for rel, m in module.named_modules()
+        }
+        self.owners: dict[int, str] = {}
+        for rel, m in module.named_modules():
+            for p in m.parameters(recurse=False):
+                self.owners[id(p)] = f"{path}.{rel}" if rel else path
+        self.members, self.stacked, experts = _expert_structure(module, path)
+        self.dims = Dims.of_config(dims, experts) if not isinstance(dims, Dims) else dims
+        self.trace: BranchTrace | None = None
+        self.mode = None
+        self._fingerprint = None
+
+    def install(self, handle) -> None:
+        handle.add(self.module.register_forward_pre_hook(self.pre, with_kwargs=True))
+        handle.add(self.module.register_forward_hook(self.post, with_kwargs=True, always_call=True))
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _selected(self) -> bool:
+        s = self.session
+        if not s.enabled_rank or s.closed or (s.call_depth > 0 and not s.call_selected):
+            return False
+        return s.config.layers.contains(self.base["layer"], s.num_layers)
+
+    def pre(self, module, args, kwargs) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        from ffdebug.capture.hooks import _first_tensor
+
+        x = _first_tensor(args, kwargs)
+        if x is None or not x.is_floating_point() or not self._selected():
+            return
+        self.trace = BranchTrace(lead=tuple(x.shape[:-1]), hidden=x.shape[-1])
+        self._input = (x.data_ptr(), x.numel())
+        self._rows = None
+        if self.members or self.stacked:
+            self._rows = self._row_index(x.detach().reshape(-1, x.shape[-1]))
+        self._stacked_ptrs = {p.untyped_storage().data_ptr(): (p, o) for p, o in self.stacked}
+        recorder = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                recorder.observe(func, args, kwargs or {}, out)
+                return out
+
+        self.session.begin_hold()
+        self.mode = _Mode()
+        self.mode.__enter__()
+
+    def post(self, module, args, kwargs, output) -> None:
+        if self.mode is None:
+            return
+        mode, self.mode = self.mode, None
+        mode.__exit__(None, None, None)
+        for replay in self.session.end_hold():
+            replay()
+
+    # -- the trace -----------------------------------------------------------------------------
+    def observe(self, func, args, kwargs, out) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        trace = self.trace
+        if func is F.linear:
+            x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+            self._linear(x, w, out, w.shape[-1], w.shape[0])
+        elif func is torch.addmm and len(args) >= 3 and args[2].dim() == 2:
+            self._linear(args[1], args[2], out, args[2].shape[0], args[2].shape[1])
+        elif func in (torch.topk, torch.Tensor.topk):
+            if trace.topk is None:
+                trace.topk = (trace.events, out[0].detach().clone(), out[1].detach().clone())
+        elif func in _activations():
+            if isinstance(args[0], torch.Tensor):
+                trace.act_ptrs.append(args[0].data_ptr())
+        elif func in _views() and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+            self._head_shape(args[0], out)
+        if (
+            trace.topk is not None
+            and not any(c.expert is not None for c in trace.calls)
+            and isinstance(out, torch.Tensor)
+            and out.is_floating_point()
+            and out.shape == trace.topk[2].shape
+        ):
+            trace.weights = (trace.events, out.detach().clone())
+
+    def _head_shape(self, x, out) -> None:
+        shapes = self.trace.head_shapes
+        if len(shapes) >= 4 or out.dim() < 3 or x.dim() < 2 or out.numel() != x.numel():
+            return
+        n, d = out.shape[-2], out.shape[-1]
+        if n > 1 and d > 1 and n * d == x.shape[-1] and tuple(out.shape[:-2]) == tuple(x.shape[:-1]):
+            shapes.append((n, d))
+
+    def _owner(self, w) -> tuple[str, int | None]:
+        """The weight's owner path and its expert index (None for a plain projection)."""
+        if id(w) in self.members:
+            return self.members[id(w)]
+        if id(w) in self.owners:
+            return self.owners[id(w)], None
+        hit = self._stacked_ptrs.get(w.untyped_storage().data_ptr()) if w.dim() == 2 else None
+        if hit is not None:
+            p, owner = hit
+            if tuple(w.shape) == tuple(p.shape[1:]):
+                return owner, (w.storage_offset() - p.storage_offset()) // p.stride(0)
+        return self.path, None
+
+    def _linear(self, x, w, out, fan_in: int, fan_out: int) -> None:
+        trace = self.trace
+        owner, expert = self._owner(w)
+        from_input = (x.data_ptr(), x.numel()) == self._input
+        index = trace.events
+        trace.events += 1
+        call = LinearCall(
+            index=index,
+            path=owner,
+            expert=expert,
+            from_input=from_input,
+            in_features=fan_in,
+            out_features=fan_out,
+            x=None if from_input or expert is not None else x.detach().clone(),
+            y=out.detach().clone(),
+            y_ptr=out.data_ptr(),
+            elem=out.element_size(),
+            tokens=self._tokens(x) if expert is not None else None,
+        )
+        trace.calls.append(call)
+        self.session.hold(lambda t=trace, i=index: self.emit(t, i))
+
+    # -- expert rows -> tokens -------------------------------------------------------------------
+    def _row_index(self, rows):
+        """The branch input's rows keyed by their bits (an expert's rows are exact copies of them)."""
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        self._fingerprint = torch.randint(1, 2**31, (rows.shape[-1],), generator=g, dtype=torch.int64)
+        keys = _row_keys(rows, self._fingerprint)
+        keys, order = keys.sort()
+        return rows.clone(), keys, order
+
+    def _tokens(self, x):
+        """Token index in the branch input of each row of `x` (an expert's gathered rows), or None."""
+        import torch
+
+        if self._rows is None or x.shape[-1] != self._rows[0].shape[-1] or x.dtype != self._rows[0].dtype:
+            return None
+        rows, keys, order = self._rows
+        flat = x.detach().reshape(-1, x.shape[-1])
+        pos = torch.searchsorted(keys, _row_keys(flat, self._fingerprint)).clamp(max=len(keys) - 1)
+        tokens = order[pos]
+        return tokens if torch.equal(rows[tokens], flat) else None
+
+    # -- writing ---------------------------------------------------------------------------------
+    def emit(self, trace: BranchTrace, index: int) -> None:
+        """Write the sub-stages produced at event `index` (called in execution order, after the
+        block's roles are known)."""
+        if trace.stages is None:
+            stage = (self.roles.names or {}).get(self.name, "")
+            stages = branch_substages(trace, stage, self.dims)
+            trace.stages = stages + self._unmatched(trace, stages)
+        inv = self.session.invocations.get(self.roles.block.path, 1) - 1
+        for s in trace.stages:
+            if s.at != index:
+                continue
+            meta = dict(self.base, module_class=self.classes.get(s.module_path), module_path=s.module_path)
+            self.capture(f"{self.prefix}.{s.kind}.out", s.tensor, invocation=inv, extra=s.extra, **meta)
+
+    def _unmatched(self, trace: BranchTrace, stages: list[SubStage]) -> list[SubStage]:
+        """Projections no role rule took (outside the experts): kept under their module path
+        relative to the block, warned about once per block class and listed in run.json."""
+        taken = {s.at for s in stages}
+        left = [c for c in trace.calls if c.expert is None and c.index not in taken]
+        block = self.roles.block
+        out = []
+        for c in left:
+            rel = c.path[len(block.path) + 1 :] if c.path.startswith(f"{block.path}.") else c.path
+            out.append(SubStage(rel, c.y, c.index, c.path, {"orig_shape": list(c.y.shape)}))
+        if out:
+            names = tuple(dict.fromkeys(s.kind for s in out))
+            self.session.note_unplaced(f"{block.class_name}.{self.name}", names)
+            if (block.class_name, self.name) not in _WARNED:
+                _WARNED.add((block.class_name, self.name))
+                print(
+                    f"ffdebug: warning: {block.class_name} ({block.path}.{self.name}): no role sub-stage "
+                    f"for {', '.join(names)}; dumped as L{{NNN}}.<module path>.out",
+                    file=sys.stderr,
+                )
+        return out

@@ -1,0 +1,65 @@
+"""Where inside the tensor: per-head and per-token error, the max-error coordinate by axis name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ffdebug
+from ffdebug.compare.where import breakdown
+
+
+def test_per_head_per_token_and_named_coordinate_hand_built():
+    """[batch 2, token 5, head 3, dim 4]: head 1 off by 10% from token 3 on, one element there
+    off most. Expected per head: 0, ‖0.1 r[:, 3:, 1]‖ / ‖r[:, :, 1]‖, 0."""
+    r = torch.randn(2, 5, 3, 4, generator=torch.Generator().manual_seed(0))
+    t = r.clone()
+    t[:, 3:, 1] *= 1.1
+    t[1, 4, 1, 2] += 5.0
+    w = breakdown("L000.attn.context.out", r, t)
+    d = t.double() - r.double()
+    expect = float(d[:, :, 1].norm() / r[:, :, 1].double().norm())
+    assert w.per_head_rel[0] == 0.0 and w.per_head_rel[2] == 0.0
+    assert w.per_head_rel[1] == pytest.approx(expect, rel=1e-12)
+    assert w.per_token_rel[:3] == [0.0, 0.0, 0.0] and w.rise_from == 3
+    assert breakdown("L000.attn_out", r.reshape(2, 5, 12), t.reshape(2, 5, 12)).per_head_rel is None
+    assert breakdown("final.logits", r, t) is None  # not a layer stage: layout unknown
+
+
+def test_compare_names_the_max_error_coordinate_and_the_token_rise(tmp_path):
+    """A Qwen2 sliding-window layer attending over 8 tokens instead of 4: tokens 0-3 see the same
+    context on both sides (exactly equal), token 4 is the first whose window differs."""
+    from bisect_models import dump, input_ids, qwen2_sliding, wrong_sliding_window
+
+    ref = qwen2_sliding(num_layers=2)
+    ids = input_ids()
+    dump(ref, tmp_path, "ref", ids)
+    dump(wrong_sliding_window(ref), tmp_path, "target", ids)
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    attn = next(s for s in res.stages if s.key == "L000.attn_out")
+    assert attn.per_token_rel[:4] == [0.0, 0.0, 0.0, 0.0] and attn.rise_from == 4
+    assert "error rises from token 4" in attn.notes
+    assert set(attn.max_abs_where) == {"batch", "token", "channel"} and attn.max_abs_where["token"] >= 4
+    assert list(attn.max_abs_where.values()) == attn.max_abs_at
+    assert attn.to_json()["per_token_rel"] == attn.per_token_rel
+
+
+@pytest.mark.integration
+def test_a_gqa_head_grouping_bug_shows_which_heads_are_wrong(tmp_path):
+    """4 query heads over 2 kv heads: grouped (k0, k0, k1, k1) on HF, tiled (k0, k1, k0, k1) in the
+    buggy port, so heads 0 and 3 get their own kv head and heads 1 and 2 the other one."""
+    from llama_ports import gqa_ungrouped, hf_for_ports, make_port
+
+    hf = hf_for_ports(num_layers=1)
+    ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(7))
+    for side, m in (("ref", hf), ("target", gqa_ungrouped(make_port(hf)))):
+        with ffdebug.capture(m, dir=tmp_path, side=side, substages=True), torch.no_grad():
+            m(input_ids=ids)
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    by_key = {s.key: s for s in res.stages}
+    assert all(by_key[f"L000.attn.{p}.out"].ok for p in "qkv")  # the projections are right
+    ctx = by_key["L000.attn.context.out"]
+    heads = ctx.per_head_rel
+    assert heads[0] == 0.0 and heads[3] == 0.0 and min(heads[1], heads[2]) > 0.1
+    assert "error in head(s) 1, 2 (rel per head: see per_head_rel)" in ctx.notes
+    assert ctx.max_abs_where["head"] in (1, 2)

@@ -1,0 +1,256 @@
+"""Role sub-stages: q / k / v, context, o, gate / up / act / down pair across codebases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from llama_ports import CONVENTIONAL, OPAQUE, make_port
+from tiny_models import tiny_llama
+
+import ffdebug
+from ffdebug.store.reader import open_side
+
+SUB = (
+    "attn.q.out",
+    "attn.k.out",
+    "attn.v.out",
+    "attn.context.out",
+    "attn.o.out",
+    "mlp.gate.out",
+    "mlp.up.out",
+    "mlp.act.out",
+    "mlp.down.out",
+)
+# tiny_llama: hidden 32, 4 heads of 8, 2 KV heads, MLP width 64; batch 2, 12 tokens
+SHAPES = {
+    "attn.q.out": [2, 12, 4, 8],
+    "attn.k.out": [2, 12, 2, 8],
+    "attn.v.out": [2, 12, 2, 8],
+    "attn.context.out": [2, 12, 4, 8],
+    "attn.o.out": [2, 12, 32],
+    "mlp.gate.out": [2, 12, 64],
+    "mlp.act.out": [2, 12, 64],
+}
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_llama(num_layers=2)
+
+
+def ids():
+    return torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(11))
+
+
+def dump(model, directory, side, tap=None):
+    with ffdebug.capture(model, dir=directory, side=side, substages=True), torch.no_grad():
+        if tap is None:
+            model(input_ids=ids())
+        else:
+            with ffdebug.tap_function(tap, ("attn.q_rot", "attn.k_rot")):
+                model(ids())
+    return {r.key: r for r in open_side(directory / side).records}
+
+
+@pytest.mark.parametrize("names", [CONVENTIONAL, OPAQUE], ids=["conventional", "opaque-names"])
+def test_fused_port_sub_stages_pair_with_hf_llama_split_by_head_counts(hf, tmp_path, names):
+    """The port fuses q/k/v and gate/up and has no config: its projections are split by the head
+    counts its own reshapes show, and every sub-stage pairs with HF's separate projections."""
+    ref = dump(hf, tmp_path, "ref")
+    tgt = dump(make_port(hf, names), tmp_path, "target", tap="llama_ports:rope")
+    for layer in range(2):
+        for kind in SUB:
+            assert f"L{layer:03d}.{kind}" in ref and f"L{layer:03d}.{kind}" in tgt
+    for kind, shape in SHAPES.items():
+        assert list(ref[f"L000.{kind}"].shape) == shape == list(tgt[f"L000.{kind}"].shape), kind
+    k_ref, k_tgt = ref["L001.attn.k.out"], tgt["L001.attn.k.out"]
+    assert k_ref.module_path == "model.layers.1.self_attn.k_proj" and k_ref.extra["orig_shape"] == [2, 12, 16]
+    assert k_tgt.module_path.endswith(f"{names['attrs'][1]}.wqkv")  # the module path is kept
+    assert k_tgt.extra["split"] == [32, 48] and k_tgt.extra["orig_shape"] == [2, 12, 64]
+    # k before GQA repetition equals HF's k_proj output viewed as heads
+    assert torch.equal(k_ref.load(), k_ref.load().reshape(2, 12, 16).reshape(2, 12, 2, 8))
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    assert res.exit_code() == 0, res.coverage.missing
+    assert {f"L001.{k}" for k in SUB} <= {s.key for s in res.stages}
+    assert all(s.ok for s in res.stages)
+
+
+def test_the_gate_is_the_half_the_activation_reads(hf, tmp_path):
+    """A fused [up | gate] weight: the gate is found by the activation applied to it, not its place."""
+    dump(hf, tmp_path, "ref")
+    tgt = dump(make_port(hf, OPAQUE, up_first=True), tmp_path, "target", tap="llama_ports:rope")
+    assert tgt["L000.mlp.gate.out"].extra["split"] == [64, 128]
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    assert res.exit_code() == 0 and all(s.ok for s in res.stages)
+
+
+def test_a_bad_v_slice_of_a_fused_projection_is_located_at_attn_v(hf, tmp_path):
+    """Layer 1's v rows of the fused weight scaled: bisect names layer 1 and attn.v (not q / k)."""
+    dump(hf, tmp_path, "ref")
+    port = make_port(hf, OPAQUE)
+    with torch.no_grad():
+        port.stages[1].mix.wqkv.weight[48:].mul_(1.5)
+    dump(port, tmp_path, "target", tap="llama_ports:rope")
+    r = ffdebug.bisect(tmp_path / "ref", tmp_path / "target")
+    assert r.exit_code() == 1
+    assert (r.first_divergence.layer, r.sub_stage.key) == (1, "L001.attn.v.out")
+
+
+def test_sub_stages_are_off_by_default(hf, tmp_path):
+    with ffdebug.capture(hf, dir=tmp_path, side="s"), torch.no_grad():
+        hf(input_ids=ids())
+    assert not [k for k in open_side(tmp_path / "s").keys() if k.endswith(SUB)]
+
+
+# --- MoE: a port with stacked expert weights against HF Qwen3-MoE -------------------------------
+
+MOE = ("moe.router.out", "moe.topk_ids.out", "moe.topk_weights.out")
+
+
+@pytest.fixture(scope="module")
+def hf_moe():
+    from moe_port import tiny_qwen3_moe
+
+    return tiny_qwen3_moe(num_layers=2)
+
+
+def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_path):
+    """Both sides stack their expert weights ([E, 2I, H]); HF loops experts in (slot, token) order,
+    the port in (token, slot) order: expert rows are matched to tokens and sorted, so they pair."""
+    from moe_port import make_moe_port
+
+    ref = dump(hf_moe, tmp_path, "ref")
+    tgt = dump(make_moe_port(hf_moe), tmp_path, "target", tap="moe_port:rope")
+    experts = sorted(k for k in ref if k.startswith("L001.moe.expert"))
+    assert experts and set(experts) == {k for k in tgt if k.startswith("L001.moe.expert")}
+    for kind in (*MOE, "attn.q.out", "attn.k.out"):
+        assert f"L001.{kind}" in ref and f"L001.{kind}" in tgt
+    assert list(ref["L000.moe.router.out"].shape) == [2, 12, 8] == list(tgt["L000.moe.router.out"].shape)
+    assert list(tgt["L000.moe.topk_ids.out"].shape) == [2, 12, 2]
+    e = experts[0]
+    assert ref[e].extra["tokens"] == tgt[e].extra["tokens"] and len(ref[e].extra["tokens"]) == ref[e].shape[0]
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    assert res.exit_code() == 0, res.coverage.missing
+    assert all(s.ok for s in res.stages)
+
+
+def test_a_bug_in_one_expert_is_located_at_that_layer_and_expert(hf_moe, tmp_path):
+    from moe_port import make_moe_port
+
+    ref = dump(hf_moe, tmp_path, "ref")
+    used = sorted(int(k[-7:-4]) for k in ref if k.startswith("L001.moe.expert"))
+    bad = used[len(used) // 2]
+    port = make_moe_port(hf_moe)
+    with torch.no_grad():
+        port.trunk[1].route.w_out[bad].mul_(1.3)  # one expert's down projection mis-scaled
+    dump(port, tmp_path, "target", tap="moe_port:rope")
+    r = ffdebug.bisect(tmp_path / "ref", tmp_path / "target")
+    assert r.exit_code() == 1
+    assert (r.first_divergence.layer, r.sub_stage.key) == (1, f"L001.moe.expert{bad:03d}.out")
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    wrong = {s.key for s in res.stages if not s.ok and ".moe.expert" in s.key}
+    assert wrong == {f"L001.moe.expert{bad:03d}.out"}  # the other experts still match
+
+
+def test_projections_no_rule_takes_keep_their_module_path_and_are_named(tmp_path, capsys):
+    """An MLP with three input projections fits no rule: each keeps `L{NNN}.<module path>.out`,
+    the warning and run.json name them; the rest of the block still gets its roles."""
+
+    class Tri(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p, self.q, self.r = (torch.nn.Linear(8, 16) for _ in range(3))
+            self.o = torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.o(self.p(x) * self.q(x) + self.r(x))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+            self.a = torch.nn.Linear(8, 8)
+            self.m = Tri()
+
+        def forward(self, x):
+            x = x + self.a(self.n1(x))
+            return x + self.m(self.n2(x))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    model = Net()
+    with ffdebug.capture(model, dir=tmp_path, side="s", substages=True), torch.no_grad():
+        model(torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0)))
+    keys = set(open_side(tmp_path / "s").keys())
+    assert {"L000.m.p.out", "L000.m.q.out", "L000.m.r.out", "L001.m.r.out"} <= keys
+    assert {"L000.mlp.act.out", "L000.mlp.down.out", "L000.ffn_out"} <= keys  # o: the down projection
+    assert "no role sub-stage for m.p, m.q, m.r" in capsys.readouterr().err
+    assert open_side(tmp_path / "s").run["unplaced_stages"]["Block.m"] == ["m.p", "m.q", "m.r"]
+
+
+# --- packed [T, ...] against padded [B, S, ...] --------------------------------------------------
+
+
+def _padded_and_packed(tmp_path, mask_on_ref=True, bad_row=None, lens=(5, 3)):
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(2, 5, dtype=torch.long)
+    for b, n in enumerate(lens):
+        mask[b, :n] = 1
+    ids = torch.randint(3, 50, (2, 5), generator=g) * mask
+    h = torch.randn(2, 5, 4, 2, generator=g)
+    packed_h = h[mask.bool()].clone()  # [T, 4, 2]: batch 0's tokens, then batch 1's
+    if bad_row is not None:
+        packed_h[bad_row] *= -1
+    with ffdebug.capture(None, dir=tmp_path, side="ref"):
+        ffdebug.tap("embed.input_ids", ids)
+        if mask_on_ref:
+            ffdebug.tap("embed.attention_mask", mask)
+        ffdebug.tap("L000.attn.q.out", h)
+    with ffdebug.capture(None, dir=tmp_path, side="target"):
+        ffdebug.tap("embed.input_ids", ids[mask.bool()])
+        ffdebug.tap("L000.attn.q.out", packed_h)
+    return ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+
+
+def test_a_packed_side_is_aligned_with_a_padded_one_by_its_attention_mask(tmp_path):
+    res = _padded_and_packed(tmp_path)
+    q = next(s for s in res.stages if s.key == "L000.attn.q.out")
+    assert q.ok and q.bit_equal == 1.0 and any("padded -> [8, 4, 2] packed" in n for n in q.notes)
+    assert res.exit_code() == 0
+
+
+def test_an_aligned_packed_row_that_differs_is_found(tmp_path):
+    res = _padded_and_packed(tmp_path, bad_row=6)  # batch 1, position 1
+    q = next(s for s in res.stages if s.key == "L000.attn.q.out")
+    assert not q.ok and res.exit_code() == 1
+
+
+def test_without_a_mask_that_explains_the_shapes_it_is_a_shape_mismatch(tmp_path):
+    from ffdebug.errors import InputIdsMismatch
+
+    with pytest.raises(InputIdsMismatch, match="shape"):
+        _padded_and_packed(tmp_path / "a", mask_on_ref=False)
+    from ffdebug.compare.align import packed_view
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    padded = torch.randn(2, 4, 3)
+    assert torch.equal(packed_view(padded, torch.zeros(5, 3), mask), padded[mask.bool()])
+    assert packed_view(padded, torch.zeros(6, 3), mask) is None  # 5 tokens by the mask, 6 rows
+    assert packed_view(padded, torch.zeros(5, 2), mask) is None  # trailing dims differ
+
+
+def test_hf_records_the_attention_mask_of_its_first_call(hf, tmp_path):
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    with ffdebug.capture(hf, dir=tmp_path, side="s"), torch.no_grad():
+        hf(input_ids=ids(), attention_mask=mask)
+    recs = {r.key: r for r in open_side(tmp_path / "s").records}
+    assert torch.equal(recs["embed.attention_mask"].load(), mask)
