@@ -361,6 +361,7 @@ CAPTURE_OPTIONS = (
     "topk",
     "layer_attrs",
     "substages",
+    "grad_sample",
 )
 
 
