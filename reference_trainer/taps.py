@@ -48,6 +48,17 @@ def tap_inputs(
     ffdebug.tap("rollout.timesteps", timesteps)
 
 
+def tap_rollout_inputs(adapter, prompts: Sequence[str], trajectory) -> None:
+    """Tap the inputs of a rollout of ``prompts`` (each trainer that rolls out calls this right
+    after ``adapter.inference``): nothing when the adapter has no token ids or the trajectory no
+    initial noise; ``rollout.sde_noise`` only for a stochastic sampler (noise level > 0)."""
+    if not ffdebug.enabled():
+        return
+    ids = adapter.prompt_token_ids(list(prompts))
+    if ids is not None and trajectory.noise is not None:
+        tap_inputs(ids, trajectory.noise, trajectory.sde_noise, trajectory.sigmas)
+
+
 def delta_norms(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> torch.Tensor:
     """‖θ_after − θ_before‖₂ per tensor, [n_tensors] fp32 (the norm of each tensor's update)."""
     return torch.stack([(a.detach() - b).float().norm() for a, b in zip(after, before, strict=True)])
