@@ -43,8 +43,8 @@ layer whose own step loses accuracy. Ends with one sentence naming layer, class,
 Trainer stores (optimizer_step tags, docs/trainer-taps.md): the first divergent stage in training
 order (rollout, reward, advantage, train forwards, loss, gradients, updates) of the first divergent
 optimizer step, and per role. A harmless difference (prompts encoded as a batch) changes every
-later stage a little: with --noise (a run differing from the reference only by that kind of change)
-a stage is the divergence when its error is beyond the noise run's there, e.g.
+later stage a little: with --noise (the reference run again with that kind of change, never the
+target re-run) a stage is the divergence when its error is beyond the noise run's there, e.g.
 
   ffdebug bisect D/ref D/target --alias-file taps.txt --noise D/noise
 

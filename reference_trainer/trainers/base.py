@@ -129,7 +129,7 @@ class BaseTrainer(ABC):
         self.prompts, self.dataset = prompts, dataset
         self.heldout = heldout
         """Dataset trainers with evaluation: the held-out records (``load_records(..., "heldout")``)."""
-        self.conditions = ConditionCache(adapter)
+        self.conditions = ConditionCache(adapter, together=config.data.encode_prompts_together)
         # counters: independent; only the base advances them
         self.optimizer_step = 0
         self.rollout_iteration = 0

@@ -12,7 +12,7 @@ located at the optimizer step and stage where it first acts, by one ``bisect``:
   gradient is zero), and at step 1 the policy gradient is the first stage that differs: a sampled
   ``grad.policy.<group>`` of step 1 (the runs tap sampled gradients, FFDEBUG_FWD_DUMP_GRAD_SAMPLE);
   with batched prompt encoding every stage differs a little, and one bisect with a noise run (the
-  prompts encoded two at a time) still names the gradient of step 1, while the correct trainer with
+  reference with its prompts encoded in one batch) still names the gradient of step 1, while the correct trainer with
   batched encoding passes with that noise run;
 * the reference aliased to the policy (never frozen): ``update.reference`` of step 0, the
   reference's own weights changing.
@@ -58,22 +58,23 @@ def _target(dumps: Path, side: str, *args: str, example=None) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """D/target (3 steps), D/ref (the reference, --inputs-from D/target), D/batched (3 steps, the
-    prompts encoded in one batch), D/chunk2 (3 steps, two prompts per encoder call: a noise run)."""
+    prompts encoded in one batch), D/noise (the reference again with its new prompts encoded in one
+    batch, data.encode_prompts_together: a noise run)."""
     from reference_trainer.config import load_config
     from reference_trainer.run import train
 
     root = tmp_path_factory.mktemp("external")
     dumps = root / "dumps"
     _target(dumps, "target")
-    with ffdebug.capture(dir=str(dumps), side="ref", grad_sample=GRAD_SAMPLE):
-        train(
-            load_config(EXAMPLE / "reference.yaml"),
-            root / "ref_run",
-            inputs_from=dumps / "target",
-            inputs_map_file=TAPS,
-        )
+    for side, overrides in (("ref", ()), ("noise", ("data.encode_prompts_together=true",))):
+        with ffdebug.capture(dir=str(dumps), side=side, grad_sample=GRAD_SAMPLE):
+            train(
+                load_config(EXAMPLE / "reference.yaml", overrides=overrides),
+                root / f"{side}_run",
+                inputs_from=dumps / "target",
+                inputs_map_file=TAPS,
+            )
     _target(dumps, "batched", "--batched-prompts")
-    _target(dumps, "chunk2", "--prompt-chunk", "2")
     return root
 
 
@@ -181,16 +182,16 @@ GROUP_GRADS = ("grad.policy.*", "grad_norm.policy.*")  # the sampled taps, for a
 
 def test_batched_encoding_passes_bisect_with_a_noise_run(runs):
     """Without a noise run, the first stage that is not bit-equal after bit-equal ones is a bug
-    signal; with one (the prompts encoded two at a time: the same kind of harmless change), every
-    stage's error is within the noise run's and bisect passes."""
+    signal; with one (the reference with its prompts encoded in one batch: the same kind of harmless
+    change), every stage's error is within the noise run's and bisect passes."""
     dumps = runs / "dumps"
-    noise = ffdebug.compare(dumps / "ref", dumps / "chunk2", alias_file=TAPS)
+    noise = ffdebug.compare(dumps / "ref", dumps / "noise", alias_file=TAPS)
     assert any(not e.bit_equal for e in noise.stages), "the noise run equals the reference: no scale"
 
     alone = ffdebug.bisect(dumps / "ref", dumps / "batched", alias_file=TAPS)
     assert alone.exit_code() == 1 and alone.signal is not None  # the exact-prefix signal
 
-    result = ffdebug.bisect(dumps / "ref", dumps / "batched", alias_file=TAPS, noise=dumps / "chunk2")
+    result = ffdebug.bisect(dumps / "ref", dumps / "batched", alias_file=TAPS, noise=dumps / "noise")
     assert result.exit_code() == 0 and result.judgement is Severity.OK, result.notes
     assert result.first_divergence is None and not any(e.beyond_noise for e in result.stages)
 
@@ -203,7 +204,7 @@ def test_kl_under_no_grad_with_batched_encoding_is_located_beyond_noise(runs, tm
     monkeypatch.setattr(example, name, replacement)
     _target(tmp_path, "buggy", "--steps", "2", "--batched-prompts", example=example)
     dumps = runs / "dumps"
-    opts = dict(alias_file=TAPS, allow_partial=True, noise=dumps / "chunk2")
+    opts = dict(alias_file=TAPS, allow_partial=True, noise=dumps / "noise")
 
     result = ffdebug.bisect(dumps / "ref", tmp_path / "buggy", **opts)
     first = result.first_divergence
