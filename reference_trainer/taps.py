@@ -22,10 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 import ffdebug
+
+if TYPE_CHECKING:  # types only
+    from reference_trainer.adapters.base import BaseAdapter, Trajectory
 
 INPUT_STAGES = (
     "rollout.prompt_ids",
@@ -48,7 +52,7 @@ def tap_inputs(
     ffdebug.tap("rollout.timesteps", timesteps)
 
 
-def tap_rollout_inputs(adapter, prompts: Sequence[str], trajectory) -> None:
+def tap_rollout_inputs(adapter: BaseAdapter, prompts: Sequence[str], trajectory: Trajectory) -> None:
     """Tap the inputs of a rollout of ``prompts`` (each trainer that rolls out calls this right
     after ``adapter.inference``): nothing when the adapter has no token ids or the trajectory no
     initial noise; ``rollout.sde_noise`` only for a stochastic sampler (noise level > 0)."""
