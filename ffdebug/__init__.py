@@ -47,6 +47,7 @@ __all__ = [
     "step",
     "tap",
     "tap_function",
+    "tap_grads",
     "weights_diff",
     "load_audit",
 ]
@@ -84,6 +85,19 @@ def tap(stage: str, tensor, **tags):
     if s is not None:
         s.tap(stage, tensor, tags)
     return tensor
+
+
+def tap_grads(role: str, named_parameters) -> None:
+    """Tap `grad.<role>.<group>` (a deterministic sample of each parameter group's gradient) and
+    `grad_norm.<role>.<group>` (the group's norm) when `FFDEBUG_FWD_DUMP_GRAD_SAMPLE=N` (or
+    `capture(..., grad_sample=N)`) asks for N elements per parameter tensor; nothing otherwise.
+    Call it after the backward, before clipping (docs/trainer-taps.md "Sampled gradients")."""
+    s = _session.active_session()
+    if s is None or s.config.grad_sample <= 0:
+        return
+    from ffdebug.capture.grads import tap_grads as _tap_grads
+
+    _tap_grads(s, role, named_parameters, s.config.grad_sample)
 
 
 @_contextlib.contextmanager

@@ -163,6 +163,7 @@ class DumpConfig:
     topk: int = 0
     tap_functions: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (module:function, stage names)
     substages: bool = False  # role sub-stages inside every block (README "Role sub-stages")
+    grad_sample: int = 0  # gradient elements sampled per parameter tensor by `ffdebug.tap_grads` (0: off)
 
     def keep_stage(self, key: str) -> bool:
         return not self.stages or any(fnmatch.fnmatchcase(key, g) for g in self.stages)
@@ -244,6 +245,7 @@ def read_dump_config(environ: dict[str, str] | None = None) -> DumpConfig | None
         overwrite=_bool("FFDEBUG_FWD_DUMP_OVERWRITE", _get("FFDEBUG_FWD_DUMP_OVERWRITE", env), False),
         topk=_int("FFDEBUG_DEBUG_TOPK", _get("FFDEBUG_DEBUG_TOPK", env)) or 0,
         substages=_bool("FFDEBUG_FWD_DUMP_SUBSTAGES", _get("FFDEBUG_FWD_DUMP_SUBSTAGES", env), False),
+        grad_sample=_int("FFDEBUG_FWD_DUMP_GRAD_SAMPLE", _get("FFDEBUG_FWD_DUMP_GRAD_SAMPLE", env)) or 0,
         tap_functions=parse_tap_functions(
             _get("FFDEBUG_FWD_DUMP_TAP_FUNCTIONS", env), "FFDEBUG_FWD_DUMP_TAP_FUNCTIONS"
         ),

@@ -88,12 +88,15 @@ def repeat_groups(
 class ConditionCache:
     """Prompt -> frozen text condition, computed once per prompt (the only thing ever cached)."""
 
-    def __init__(self, adapter: BaseAdapter):
+    def __init__(self, adapter: BaseAdapter, together: bool = False):
         self.adapter = adapter
+        self.together = together  # data.encode_prompts_together: each call's rows in one batch
         self._cache: dict[str, Condition] = {}
 
     def get(self, prompts: Sequence[str]) -> Condition:
         """Conditions for ``prompts`` in order, [len(prompts), ...]."""
+        if self.together:  # one batch of every row, repeats included, uncached (a noise run)
+            return self.adapter.encode_prompt(list(prompts))
         for prompt in dict.fromkeys(prompts):
             if prompt not in self._cache:
                 # one prompt per call: a condition's bits must not depend on which other prompts

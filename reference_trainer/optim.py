@@ -247,8 +247,10 @@ class RoleOptimizer:
         next_step: Callable[[], int],
         on_step: Callable[[StepResult], None],
         update_taps: UpdateTaps | None = None,
+        param_names: Mapping[str, list[str]] | None = None,
     ):
         self.optimizer = optimizer
+        self.param_names = dict(param_names or {})
         self.update_taps = update_taps
         self.roles = dict(roles)
         self.max_grad_norm = max_grad_norm
@@ -286,6 +288,8 @@ class RoleOptimizer:
     def _finish(self, phase: RolePhase) -> StepResult:
         params = self.roles[phase.role]
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        names = self.param_names.get(phase.role) or [f"param{i}" for i in range(len(params))]
+        ffdebug.tap_grads(phase.role, zip(names, params, strict=True))  # opt-in: grad.<role>.<group>
         with self.update_taps.around_step(phase.role) if self.update_taps else nullcontext():
             # update.<name>: each watched tensor's update norm around the step
             grad_norm = self.optimizer.clip_and_step(phase.role, params, max_norm)

@@ -140,6 +140,17 @@ def role_parameters(
     }
 
 
+def role_parameter_names(
+    registry: ComponentVariantRegistry, role_variants: Mapping[str, str]
+) -> dict[str, list[str]]:
+    """``{role: names of the parameters role_parameters lists}``, in the same order (the names
+    ``ffdebug.tap_grads`` groups and seeds its gradient samples by)."""
+    return {
+        role: [name for name, p in registry.variants[variant].named_parameters() if p.requires_grad]
+        for role, variant in role_variants.items()
+    }
+
+
 def check_ownership(roles: Mapping[str, list[nn.Parameter]], modules: Iterable[nn.Module]) -> None:
     """Raise ``RoleError`` unless role ownership is disjoint and exhaustive over ``modules``.
 

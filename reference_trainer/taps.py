@@ -22,10 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 import ffdebug
+
+if TYPE_CHECKING:  # types only
+    from reference_trainer.adapters.base import BaseAdapter, Trajectory
 
 INPUT_STAGES = (
     "rollout.prompt_ids",
@@ -46,6 +50,17 @@ def tap_inputs(
     if sde_noise is not None:
         ffdebug.tap("rollout.sde_noise", sde_noise)
     ffdebug.tap("rollout.timesteps", timesteps)
+
+
+def tap_rollout_inputs(adapter: BaseAdapter, prompts: Sequence[str], trajectory: Trajectory) -> None:
+    """Tap the inputs of a rollout of ``prompts`` (each trainer that rolls out calls this right
+    after ``adapter.inference``): nothing when the adapter has no token ids or the trajectory no
+    initial noise; ``rollout.sde_noise`` only for a stochastic sampler (noise level > 0)."""
+    if not ffdebug.enabled():
+        return
+    ids = adapter.prompt_token_ids(list(prompts))
+    if ids is not None and trajectory.noise is not None:
+        tap_inputs(ids, trajectory.noise, trajectory.sde_noise, trajectory.sigmas)
 
 
 def delta_norms(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -51,7 +51,7 @@ class Settings:
     lr: float = 3e-3
     max_grad_norm: float = 1.0
     seed: int = 7
-    batched_prompts: bool = False  # encode the prompts as one batch (a harmless difference)
+    prompt_chunk: int = 1  # prompts CLIP-encoded per call; 0 = all in one batch (a harmless difference)
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -68,13 +68,15 @@ def load_models():
 
 
 @torch.no_grad()
-def encode(tokenizer, text, prompts, batched: bool):
-    """(token ids [B, L], CLIP penultimate states [B, L, D], pooled [B, D])."""
+def encode(tokenizer, text, prompts, chunk: int):
+    """(token ids [B, L], CLIP penultimate states [B, L, D], pooled [B, D]), `chunk` prompts per
+    encoder call (0: all in one)."""
     ids = tokenizer(
         list(prompts), padding="max_length", max_length=TOKENS, truncation=True, return_tensors="pt"
     )
     ids = ids.input_ids
-    rows = [ids] if batched else [ids[i : i + 1] for i in range(len(ids))]
+    size = chunk if chunk > 0 else len(ids)
+    rows = [ids[i : i + size] for i in range(0, len(ids), size)]
     outs = [text(r, output_hidden_states=True) for r in rows]
     states = torch.cat([o.hidden_states[-2].float() for o in outs])
     pooled = torch.cat([o.text_embeds.float() for o in outs])
@@ -198,7 +200,7 @@ def train(s: Settings) -> None:
         with ffdebug.step(**tags, phase="rollout"):
             picked = torch.randperm(len(PROMPTS), generator=rng)[: s.prompts].tolist()
             prompts = [PROMPTS[i] for i in picked for _ in range(s.group)]
-            ids, states, pooled = encode(tokenizer, text, prompts, s.batched_prompts)
+            ids, states, pooled = encode(tokenizer, text, prompts, s.prompt_chunk)
             cond = (states, pooled)
             noise, eps, xs, logps = rollout(policy, cond, sigmas, s.noise_level, rng, batch_size)
             for name, value in (
@@ -224,6 +226,7 @@ def train(s: Settings) -> None:
                 scaled = loss / s.denoise
                 ffdebug.tap("objective", scaled, microbatch=j, scale=scale / s.denoise)
                 scaled.backward()
+            ffdebug.tap_grads("policy", policy.named_parameters())  # opt-in sampled gradients, pre-clip
             gnorm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm, foreach=False)
             ffdebug.tap("gnorm", gnorm.detach().clone())
             before = [p.detach().clone() for p in params]
@@ -243,8 +246,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=Settings.seed)
     parser.add_argument("--beta", type=float, default=Settings.beta)
     parser.add_argument("--batched-prompts", action="store_true", help="encode the prompts in one batch")
+    parser.add_argument("--prompt-chunk", type=int, default=1, help="prompts per encoder call (default 1)")
     args = parser.parse_args(argv)
-    train(Settings(steps=args.steps, seed=args.seed, beta=args.beta, batched_prompts=args.batched_prompts))
+    chunk = 0 if args.batched_prompts else args.prompt_chunk
+    train(Settings(steps=args.steps, seed=args.seed, beta=args.beta, prompt_chunk=chunk))
 
 
 if __name__ == "__main__":

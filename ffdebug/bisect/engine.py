@@ -173,6 +173,8 @@ def _in_training_order(stages: list[StageResult], analyses: list, notes: list[st
                 analysis.first, analysis.sub, analysis.why_sub = located.stage, None, ""
             if located.exact_signal:
                 analysis.signal = EXACT_PREFIX_SIGNAL
+            elif located.stage.beyond_noise:
+                analysis.signal = BEYOND_NOISE_SIGNAL
             return ref, st, analysis
     return None
 

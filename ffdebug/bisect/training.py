@@ -11,8 +11,11 @@ them:
                    → train forwards and losses (in capture order) → gradients → updates
 
 and the first stage outside the ok band is the first divergence; when every stage is inside the
-band, the first stage that is not bit-equal after a bit-equal prefix is (the exact-prefix signal,
-`engine.break_in_exact_prefix`). Per role (the suffix of `loss.<role>`, `grad.<role>.<group>`,
+band, the first stage that is not bit-equal after a bit-equal prefix is. Either way, a first
+divergence that is the first stage not bit-equal is the exact-prefix signal (a bug however small).
+With a noise run, compare has already judged each stage against the noise run's error at that
+stage (beyond it: at least diverge), so the first stage outside the ok band is the divergence and
+rounding the noise run shares is not a signal. Per role (the suffix of `loss.<role>`, `grad.<role>.<group>`,
 `grad_norm.<role>`, `update.<role>`), the first such stage of that role is reported too: an
 unfrozen reference is named as `update.reference` changing.
 """
@@ -76,7 +79,11 @@ class TrainingFirst:
 
     def sentence(self) -> str:
         e = self.stage
-        how = "first stage not bit-equal after bit-equal ones" if self.exact_signal else f"{e.severity}"
+        how = f"{e.severity}"
+        if self.exact_signal:
+            how = "first stage not bit-equal after bit-equal ones"
+        elif e.beyond_noise and e.noise_rel:
+            how = f"{e.severity}: rel {e.rel:.3g}, {e.rel / e.noise_rel:.3g} x the noise run's"
         text = f"training order: first divergence at optimizer_step {e.step.get('optimizer_step')}, {e.key} ({how})"
         if self.per_role:
             roles = "; ".join(
@@ -91,16 +98,27 @@ def _exact(e: StageResult) -> bool:
     return (e.bit_equal or 0.0) >= 1.0
 
 
+def _exact_prefix_break(ordered: list[StageResult]) -> StageResult | None:
+    """The first stage not bit-equal after bit-equal ones in the same dtype (training order): its
+    own computation differs, a bug signal however small. Not with a noise run (`--noise`): compare
+    has judged every stage against the noise run's error, exact-prefix breaks included."""
+    if any(e.noise_given for e in ordered):
+        return None
+    broken = next((e for e in ordered if not _exact(e)), None)
+    if broken is None or not broken.same_dtype or broken.rel is None or broken.folded:
+        return None
+    return broken
+
+
 def locate(stages: list[StageResult]) -> TrainingFirst | None:
     """The first divergent stage in training order (module docstring), or None when all match."""
     ordered = training_order(stages)
     first = next((e for e in ordered if not e.ok), None)
-    exact_signal = False
+    broken = _exact_prefix_break(ordered)
+    exact_signal = broken is not None and (first is None or first is broken)
+    first = first or broken
     if first is None:
-        broken = next((e for e in ordered if not _exact(e)), None)
-        if broken is None or not broken.same_dtype or broken.rel is None or broken.folded:
-            return None
-        first, exact_signal = broken, True
+        return None
     located = TrainingFirst(first, exact_signal)
     for e in ordered:
         role = role_of(e.key)

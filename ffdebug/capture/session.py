@@ -389,6 +389,7 @@ CAPTURE_OPTIONS = (
     "topk",
     "layer_attrs",
     "substages",
+    "grad_sample",
 )
 
 

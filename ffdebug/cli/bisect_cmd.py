@@ -42,7 +42,11 @@ layer whose own step loses accuracy. Ends with one sentence naming layer, class,
 
 Trainer stores (optimizer_step tags, docs/trainer-taps.md): the first divergent stage in training
 order (rollout, reward, advantage, train forwards, loss, gradients, updates) of the first divergent
-optimizer step, and per role.
+optimizer step, and per role. A harmless difference (prompts encoded as a batch) changes every
+later stage a little: with --noise (the reference run again with that kind of change, never the
+target re-run) a stage is the divergence when its error is beyond the noise run's there, e.g.
+
+  ffdebug bisect D/ref D/target --alias-file taps.txt --noise D/noise
 
 Dump sub-stages by naming more classes: FFDEBUG_FWD_DUMP_BLOCK_CLASS=DecoderLayer,TopkRouter,MLP.
 Per-rank target dumps are folded as their manifest says (reduction='partial': summed; shard: concatenated);

@@ -155,6 +155,7 @@ def compare_records(
     severity = V.zero_side(severity, m.ref_norm, m.target_norm, m.numel)
     if not (m.nan_mismatch or m.inf_mismatch):
         severity = near_zero.grade(severity, r, t, m.max_abs, e.notes)  # declared `scale`: absolute atol
+        e.near_zero = near_zero.within(r, t, m.max_abs)
     severity = V.nonfinite(severity, m.nan_mismatch, m.inf_mismatch)
     if exact:
         severity, e.invariance = V.exact(severity, m.bit_equal)
@@ -244,7 +245,7 @@ def compare(
     if generation is not None:  # compare the calls before the one where the generation diverged
         pairing.pairs = [p for p in pairing.pairs if not generation.covers(p[0])]
 
-    noise_index = _noise_index(noise, ref_groups, ref_filters) if noise is not None else None
+    noise_index = _noise_index(noise, ref_groups, ref_filters, stage_map) if noise is not None else None
     stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
     units = [u for sp in stage_pairings for u in sp.units]
     stages_out: list[StageResult] = []
@@ -460,9 +461,10 @@ def _payload_records(unit: StageUnit) -> list[Record]:
     return out if len(out) > 1 else []
 
 
-def _noise_index(noise, ref_groups, filters) -> dict:
-    """(tags, call, stage) -> the noise run's rel against the reference for that stage."""
-    noise_store = _as_store(noise)
+def _noise_index(noise, ref_groups, filters, stage_map: StageMap) -> dict:
+    """(tags, call, stage) -> the noise run's rel against the reference for that stage (the noise
+    run's stages renamed by the same `--map` / `--alias-file` as the target's)."""
+    noise_store = _renamed(_as_store(noise), stage_map)
     pairing = pair_calls(ref_groups, group_calls(noise_store, filters))
     index = {}
     for rg, ng in pairing.pairs:
@@ -487,7 +489,7 @@ def _apply_noise(e: StageResult, noise: tuple | None) -> None:
         return
     noise_rel, noise_dtype = noise
     e.noise_rel = noise_rel
-    if noise_rel is None or e.rel is None:
+    if noise_rel is None or e.rel is None or e.near_zero:  # near zero: judged by its atol alone
         return
     k = V.noise_factor(e.dtype_ref, e.dtype_target or noise_dtype, noise_dtype)
     if V.beyond_noise(e.rel, noise_rel, k):
@@ -524,7 +526,14 @@ def _exact_prefix_with_noise(stages: list[StageResult]) -> None:
         if e.exact:
             continue
         seen.add(call)
-        if e.noise_rel == 0.0 and e.same_dtype and e.rel is not None and e.rel > 0.0 and not e.folded:
+        if (
+            e.noise_rel == 0.0
+            and not e.near_zero
+            and e.same_dtype
+            and e.rel is not None
+            and e.rel > 0.0
+            and not e.folded
+        ):
             e.beyond_noise = True
             e.severity = V.exact_prefix_break(e.severity)
             e.notes.append(EXACT_NOISE_NOTE)

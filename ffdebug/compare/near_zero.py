@@ -40,14 +40,19 @@ def tolerance(dtype: str | None, scale: float) -> float:
     return K * finfo.eps * abs(scale)
 
 
+def within(r, t, max_abs: float | None) -> bool:
+    """The records declare a scale and differ by no more than its atol: judged near zero (the noise
+    rules do not apply to such a pair: its relative error is meaningless, docs/trainer-taps.md)."""
+    scale = declared_scale(r, t)
+    return scale is not None and max_abs is not None and max_abs <= tolerance(r.dtype, scale)
+
+
 def grade(severity: Severity, r, t, max_abs: float | None, notes: list[str]) -> Severity:
     """`severity`, or ok when both records declare a scale and differ by no more than its atol."""
+    if V.is_ok(severity) or not within(r, t, max_abs):
+        return severity
     scale = declared_scale(r, t)
-    if V.is_ok(severity) or scale is None or max_abs is None:
-        return severity
     atol = tolerance(r.dtype, scale)
-    if max_abs > atol:
-        return severity
     notes.append(
         f"near zero: |difference| {max_abs:.3g} <= atol {atol:.3g} (16·eps·scale, scale {scale:.3g} "
         "declared by the tap)"

@@ -67,6 +67,7 @@ class StageResult:
     noise_given: bool = False  # a noise run was given (noise_rel is then reported, maybe null)
     noise_rel: float | None = None
     within_noise: bool | None = None
+    near_zero: bool = False  # judged by the absolute tolerance of a declared scale (compare.near_zero)
     beyond_noise: bool | None = None  # --noise: error >= k x the noise run's (or an exact-prefix break)
     unified_shape: bool = False  # the shapes differed by size-1 dims only and were unified
     max_abs_where: dict | None = None  # max_abs_at named by the stage's axes (batch, token, head, channel)

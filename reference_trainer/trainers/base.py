@@ -76,7 +76,12 @@ from reference_trainer.data import ConditionCache, DatasetAcquisition, PromptSou
 from reference_trainer.distributed import Backend
 from reference_trainer.jsonl import truncate_jsonl
 from reference_trainer.optim import RoleOptimizer, StepResult, build_optimizer
-from reference_trainer.roles import ComponentVariantRegistry, check_ownership, role_parameters
+from reference_trainer.roles import (
+    ComponentVariantRegistry,
+    check_ownership,
+    role_parameter_names,
+    role_parameters,
+)
 from reference_trainer.sharding import check_sharded_optimizer, full_state, full_tensors
 from reference_trainer.taps import UpdateTaps
 
@@ -125,7 +130,7 @@ class BaseTrainer(ABC):
         self.prompts, self.dataset = prompts, dataset
         self.heldout = heldout
         """Dataset trainers with evaluation: the held-out records (``load_records(..., "heldout")``)."""
-        self.conditions = ConditionCache(adapter)
+        self.conditions = ConditionCache(adapter, together=config.data.encode_prompts_together)
         # counters: independent; only the base advances them
         self.optimizer_step = 0
         self.rollout_iteration = 0
@@ -253,6 +258,7 @@ class BaseTrainer(ABC):
             next_step=lambda: self.optimizer_step + 1,
             on_step=self._record_step,
             update_taps=UpdateTaps(self._watched_weights),
+            param_names=role_parameter_names(self.variants, self.role_variants),
         )
 
     def _watched_weights(self, role: str) -> dict[str, list[torch.Tensor]]:

@@ -37,6 +37,7 @@ from reference_trainer.distributed import Backend
 from reference_trainer.errors import require
 from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
 from reference_trainer.flow_matching import randn_rows
+from reference_trainer.taps import tap_rollout_inputs
 from reference_trainer.trainers.base import BaseTrainer
 from reference_trainer.trainers.grpo import trained_steps
 
@@ -173,6 +174,7 @@ class DecoupledTrainer(BaseTrainer):
             module=None if parameters is not None else self.variants.variant("policy"),
             parameters=parameters,
         )
+        tap_rollout_inputs(self.adapter, repeated, trajectory)  # the same-inputs gate
         ffdebug.tap("rollout.latents", trajectory.latents)
         images = self.adapter.decode_latents(trajectory.final)
         advantages, self.cycle_metrics = self.feedback(images, repeated, group_ids)

@@ -107,6 +107,7 @@ class DMD2Phase:
     role: str
     condition: Condition
     z: torch.Tensor
+    prompts: tuple[str, ...] = ()  # the prompts of `condition` (their token ids are tapped)
 
 
 @register_trainer("dmd2", arguments=DMD2Arguments)
@@ -145,7 +146,7 @@ class DMD2Trainer(BaseTrainer):
                 "dmd2", self.rollout_iteration, index, "z", count=len(prompts)
             )
             z = randn_rows((len(prompts), *self.adapter.latent_shape), generators)
-            phases.append(DMD2Phase(role, self.conditions.get(prompts), z))
+            phases.append(DMD2Phase(role, self.conditions.get(prompts), z, tuple(prompts)))
         return phases
 
     def generate(self, phase: DMD2Phase) -> torch.Tensor:
@@ -173,12 +174,21 @@ class DMD2Trainer(BaseTrainer):
                 "dmd2", self.rollout_iteration, index, "noise", count=len(phase.z)
             )
             with ffdebug.step(**self.step_tags(phase.role)), self.optim.phase(phase.role) as step:
+                self.tap_phase_inputs(phase)
                 if phase.role == "fake":
                     loss, metrics = self.fake_loss(phase, generator)
                 else:
                     loss, metrics = self.generator_loss(phase, generator)
                 metrics.pop("loss")
                 step.backward(loss, metrics)
+
+    def tap_phase_inputs(self, phase: DMD2Phase) -> None:
+        """The phase's inputs, for the same-inputs gate (docs/trainer-taps.md): ``rollout.prompt_ids``
+        and ``rollout.noise`` (its z); a one-step generator has no σ schedule or SDE noise."""
+        ids = self.adapter.prompt_token_ids(list(phase.prompts)) if ffdebug.enabled() else None
+        if ids is not None:
+            ffdebug.tap("rollout.prompt_ids", ids)
+            ffdebug.tap("rollout.noise", phase.z)
 
     def noised(
         self, x: torch.Tensor, generator: Generators

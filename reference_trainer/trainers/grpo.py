@@ -38,7 +38,7 @@ from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
 from reference_trainer.losses import grpo as grpo_losses
 from reference_trainer.registry import register_trainer
 from reference_trainer.sde import SDEStep, flow_sde_step
-from reference_trainer.taps import tap_inputs
+from reference_trainer.taps import tap_rollout_inputs
 from reference_trainer.trainers.base import BaseTrainer
 
 
@@ -216,9 +216,7 @@ class GRPOTrainer(BaseTrainer):
             module=self.variants.variant("policy"),
             given=forced.sampling(self.rollout_iteration, args.noise_level) if forced is not None else None,
         )
-        ids = self.adapter.prompt_token_ids(repeated)
-        if ids is not None and trajectory.noise is not None:
-            tap_inputs(ids, trajectory.noise, trajectory.sde_noise, trajectory.sigmas)
+        tap_rollout_inputs(self.adapter, repeated, trajectory)
         ffdebug.tap("rollout.latents", trajectory.latents)
         ffdebug.tap("rollout.log_prob", trajectory.log_probs)
         # 3. rewards on the decoded images, then group-relative advantages

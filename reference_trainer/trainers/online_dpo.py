@@ -36,6 +36,7 @@ from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
 from reference_trainer.flow_matching import check_sigma_sampling, randn_rows, sample_sigmas
 from reference_trainer.losses.dpo import diffusion_dpo_loss, pair_errors
 from reference_trainer.registry import register_trainer
+from reference_trainer.taps import tap_rollout_inputs
 from reference_trainer.trainers.base import BaseTrainer
 
 
@@ -147,6 +148,7 @@ class OnlineDPOTrainer(BaseTrainer):
             generator=self.sample_generators("rollout", self.rollout_iteration, count=len(repeated)),
             module=self.variants.variant("policy"),
         )
+        tap_rollout_inputs(self.adapter, repeated, trajectory)  # the same-inputs gate
         x0 = trajectory.final
         ffdebug.tap("rollout.latents", trajectory.latents)
         if trajectory.log_probs is not None:

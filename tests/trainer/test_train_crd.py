@@ -233,6 +233,9 @@ def test_two_identical_dumped_runs_compare_ok(tmp_path):
     keys = {stage["key"] for stage in result["stages"]}
     assert result["verdict"] == "ok" and result["first_divergence"] is None
     expected = {
+        "rollout.prompt_ids",  # the inputs (same-inputs gate)
+        "rollout.noise",
+        "rollout.timesteps",
         "rollout.latents",
         "reward",
         "advantage",
