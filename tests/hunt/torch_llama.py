@@ -93,7 +93,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(ids)
         freqs = torch.outer(torch.arange(ids.shape[1], dtype=torch.float32), self.inv_freq)
         table = torch.cat((freqs, freqs), dim=-1)[None]
-        pe = (table.cos(), table.sin())
+        pe = (table.cos().to(x.dtype), table.sin().to(x.dtype))
         for layer in self.layers:
             x = layer(x, position_embeddings=pe)
         return self.norm(x)
