@@ -50,6 +50,7 @@ L = {layer}
 {plant}
 m = m.to(torch.{dtype})
 {tap}
+{weights}
 ffdebug.install({model})
 ids = torch.randint(0, 1000, (1, {seq}), generator=torch.Generator().manual_seed(1))
 with torch.no_grad():
@@ -76,10 +77,12 @@ def write_script(
     port: bool = False,
     hf: bool = False,
     dtype: str = "float32",
+    weights: bool = False,
 ) -> tuple[str, str]:
     """Write `tmp/name.py`; returns (shell command, run log path). `hf` (implied by `port`)
     builds transformers' `LlamaForCausalLM`, else the torch-only `torch_llama`; `dtype` is the
-    model's dtype once planted (a noise command: the reference in another dtype)."""
+    model's dtype once planted (a noise command: the reference in another dtype); `weights` calls
+    `ffdebug.maybe_dump_weights_and_exit` before the forward (hunt --dump-weights)."""
     hf = hf or port
     log = os.path.join(str(tmp), f"{name}.runs")
     text = _SCRIPT.format(
@@ -96,6 +99,7 @@ def write_script(
         port=_PORT if port else "",
         plant=PLANTS[plant],
         dtype=dtype,
+        weights=f"ffdebug.maybe_dump_weights_and_exit({'net' if port else 'm'})" if weights else "",
         model="net" if port else "m",
     )
     path = os.path.join(str(tmp), f"{name}.py")

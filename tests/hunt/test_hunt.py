@@ -16,6 +16,7 @@ import time
 import pytest
 from hunt_scripts import runs, write_script
 
+from ffdebug.errors import FFDebugError
 from ffdebug.hunt.engine import hunt
 from ffdebug.hunt.rounds import HuntConfig
 from ffdebug.hunt.runner import run_side, tree_bytes
@@ -171,3 +172,19 @@ def test_hunt_with_noise_names_the_bug_and_not_the_noise(tmp_path):
     state = hunt(HuntConfig(ref=ref, target=target, noise=noise, dir=str(tmp_path / "h")))
     assert state.complete and state.layer == 2 and state.sub_stage in EXPECTED["q_proj"]
     assert runs(noise_log).count("round1") == 2  # the noise side ran in both hunts' round 1
+
+
+def test_hunt_round0_from_the_commands_weight_dumps(tmp_path):
+    """--dump-weights: each command's maybe_dump_weights_and_exit writes its weights and exits; the
+    planted q weight is a weight bug, found before any forward. A command without the call is
+    named."""
+    ref, ref_log = write_script(tmp_path, "ref", layers=2, weights=True)
+    target, _ = write_script(tmp_path, "target", "q_proj", 1, layers=2, weights=True)
+    state = hunt(HuntConfig(ref=ref, target=target, dir=str(tmp_path / "h"), dump_weights=True))
+    assert [r.round for r in state.rounds] == [0] and state.complete
+    assert state.sub_stage == "weights" and state.rounds[0].decision.startswith("weight bug")
+    assert any("layers.1.self_attn.q_proj.weight" in line for line in state.rounds[0].evidence)
+    assert state.used == state.rounds[0].bytes > 0 and runs(ref_log) == []  # no forward dump dir
+    plain, _ = write_script(tmp_path, "plain", layers=2)
+    with pytest.raises(FFDebugError, match="the target command .* wrote no weights"):
+        hunt(HuntConfig(ref=ref, target=plain, dir=str(tmp_path / "h2"), dump_weights=True))
