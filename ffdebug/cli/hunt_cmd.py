@@ -9,7 +9,8 @@ from ffdebug.cli.common import emit_json, handles_errors
 HELP = """Run the reference and the target commands (each calls ffdebug.install) round after round,
 setting FFDEBUG_* for each, until the layer and the sub-stage that introduce the error are named.
 
-  round 0  (--weights A B) weights-diff first; a weight bug ends the hunt
+  round 0  (--weights A B, or --dump-weights: each command's maybe_dump_weights_and_exit writes
+           its weights and exits) weights-diff first; a weight bug ends the hunt
   round 1  a sketch of every block stage, embed and final (FFDEBUG_FWD_DUMP_MODE=sketch): rel and
            cos estimated from a seeded 1,024-bucket sketch, so a rotary swap shows even where mean,
            std and norm agree; bisect names the first introducing layer
@@ -27,6 +28,7 @@ finished rounds.
   ffdebug hunt --ref "python ref.py" --target "python port.py" --noise "python ref.py --bf16" \\
       --budget 2GiB --dir /tmp/hunt --html hunt.html
   ffdebug hunt --ref "python ref.py" --target "python port.py" --dir /tmp/hunt --resume --json
+  ffdebug hunt --ref "python ref.py" --target "python port.py" --dump-weights --dir /tmp/hunt
 
 Exit codes: 0 the hunt finished and found no divergence; 1 it named where the error starts; 2 bad
 input or a command failed (its log is named); 3 the sides were fed different input ids; 4
@@ -51,6 +53,11 @@ def register(app: typer.Typer) -> None:
         dir: str = typer.Option("ffdebug-hunt", "--dir", help="Where rounds and hunt.json go."),
         weights: list[str] = typer.Option(
             None, "--weights", help="Two checkpoints (give twice): round 0 diffs them."
+        ),
+        dump_weights: bool = typer.Option(
+            False,
+            "--dump-weights",
+            help="Round 0 from the commands: each calls ffdebug.maybe_dump_weights_and_exit(model).",
         ),
         seed: int = typer.Option(0, "--seed", help="Sketch seed (the same on every side)."),
         resume: bool = typer.Option(
@@ -79,6 +86,7 @@ def register(app: typer.Typer) -> None:
             noise=noise,
             budget=parse_size(budget),
             weights=tuple(weights) if weights else None,
+            dump_weights=dump_weights,
             seed=seed,
         )
         state = hunt(

@@ -56,7 +56,7 @@ def hunt(
             if on_round:
                 on_round(kept, True)
             continue
-        if state.complete or (number == 0 and cfg.weights is None):
+        if state.complete or (number == 0 and cfg.weights is None and not cfg.dump_weights):
             continue
         if max_rounds is not None and ran >= max_rounds:
             break

@@ -1,6 +1,7 @@
 """The rounds of `ffdebug hunt` (README "Hunt: from symptom to root cause").
 
-  0. weights (`--weights A B`): weights-diff; a weight bug ends the hunt;
+  0. weights (`--weights A B`, or `--dump-weights`: the commands' `maybe_dump_weights_and_exit`):
+     weights-diff; a weight bug ends the hunt;
   1. a sketch of every layer's block stages plus embed and final (`FFDEBUG_FWD_DUMP_MODE=sketch`);
      bisect over those estimates names the first introducing layer;
   2. full dumps of that layer with its role sub-stages (`attn.q.out`, `mlp.gate.out`, …) and the
@@ -17,6 +18,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from ffdebug.errors import FFDebugError
 from ffdebug.hunt.runner import fresh_dir, run_side, tree_bytes
 from ffdebug.hunt.state import HuntState, Round
 
@@ -44,7 +46,12 @@ class HuntConfig:
     noise: str | None = None
     budget: int | None = None  # bytes, every side and round together
     weights: tuple[str, str] | None = None
+    dump_weights: bool = False  # round 0 from the commands' `maybe_dump_weights_and_exit`
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.weights is not None and self.dump_weights:
+            raise FFDebugError("hunt: give --weights A B or --dump-weights, not both")
 
     def sides(self) -> dict[str, str]:
         out = {"ref": self.ref, "target": self.target}
@@ -111,11 +118,35 @@ def _round(cfg: HuntConfig, number: int, env: dict, root: str, decision: str, ev
     )
 
 
+def _dump_weights(cfg: HuntConfig) -> tuple[tuple[str, str], dict[str, dict[str, str]]]:
+    """Run the reference and target with FFDEBUG_WEIGHT_DUMP_DIR set: each command's
+    `ffdebug.maybe_dump_weights_and_exit(model)` dumps its weights under `D/round0/<side>/weights`
+    and exits before the forward. Returns the two dumps and the environments used."""
+    root = fresh_dir(os.path.abspath(os.path.join(cfg.dir, "round0")))
+    env, dumps = {}, []
+    for side, command in (("ref", cfg.ref), ("target", cfg.target)):
+        side_dir = os.path.join(root, side)
+        env[side] = {"FFDEBUG_WEIGHT_DUMP_DIR": side_dir, "FFDEBUG_WEIGHT_DUMP_EXIT": "1"}
+        run_side(command, env[side], os.path.join(root, f"{side}.log"), f"round 0, {side}")
+        dumps.append(os.path.join(side_dir, "weights"))
+        if not os.path.isdir(dumps[-1]):
+            raise FFDebugError(
+                f"--dump-weights: the {side} command ({command!r}) wrote no weights under {side_dir}; "
+                "call ffdebug.maybe_dump_weights_and_exit(model) before its forward, or drop --dump-weights"
+            )
+    return (dumps[0], dumps[1]), env
+
+
 def round0_weights(cfg: HuntConfig, state: HuntState) -> Round:
-    """Weights-diff of the two checkpoints; a difference ends the hunt (a weight bug)."""
+    """Weights-diff of the two checkpoints (given, or dumped by the commands); a difference ends
+    the hunt (a weight bug)."""
     from ffdebug.weights.diff import weights_diff
 
-    a, b = cfg.weights
+    env: dict[str, dict[str, str]] = {}
+    if cfg.dump_weights:
+        (a, b), env = _dump_weights(cfg)
+    else:
+        a, b = cfg.weights
     result = weights_diff(a, b)
     failed = result.failed()
     evidence = [f"weights-diff {a} {b}: verdict {result.verdict.value}"]
@@ -127,7 +158,8 @@ def round0_weights(cfg: HuntConfig, state: HuntState) -> Round:
         decision = "weight bug: the checkpoints differ, fix the weights before any forward"
     else:
         decision = "weights match: go on to the forward"
-    return Round(0, {}, cfg.ref, cfg.target, 0, decision, evidence)
+    used = tree_bytes(os.path.join(cfg.dir, "round0")) if cfg.dump_weights else 0
+    return Round(0, env, cfg.ref, cfg.target, used, decision, evidence)
 
 
 def _bisect(root: str, noise: bool):

@@ -1,5 +1,6 @@
-"""Small run scripts for the hunt tests: a tiny Llama (or its port) built from a config, one
-planted bug on the target side, `ffdebug.install`, one forward. Each run appends its dump directory
+"""Small run scripts for the hunt tests: a tiny Llama built from torch alone (`torch_llama`, with
+transformers' module names), or an HF `LlamaForCausalLM` from a config (or its port) where two
+codebases are the point, one planted bug on the target side, `ffdebug.install`, one forward. Each run appends its dump directory
 to a log so a test can count which rounds ran.
 
 Imported by name (`from hunt_scripts import write_script`), like `tiny_models`.
@@ -36,16 +37,20 @@ PLANTS = {
 _SCRIPT = """import os, sys
 import torch
 sys.path.insert(0, {tests!r})
-from tiny_models import tiny_llama
+sys.path.insert(0, {hunt_tests!r})
+{model_import}
 import ffdebug
 
 torch.set_num_threads(1)
 with open({log!r}, "a") as f:
     f.write(os.environ.get("FFDEBUG_FWD_DUMP_DIR", "") + "\\n")
-m = tiny_llama(num_layers={layers}, hidden={hidden})
+m = {build}(num_layers={layers}, hidden={hidden})
 L = {layer}
 {port}
 {plant}
+m = m.to(torch.{dtype})
+{tap}
+{weights}
 ffdebug.install({model})
 ids = torch.randint(0, 1000, (1, {seq}), generator=torch.Generator().manual_seed(1))
 with torch.no_grad():
@@ -53,6 +58,12 @@ with torch.no_grad():
 """
 
 _PORT = "from llama_ports import make_port\nnet = make_port(m)"
+_HF = "from tiny_models import tiny_llama"
+# the torch-only model's rotary function, tapped as a user's codebase would (README "Role sub-stages")
+_TORCH = (
+    "from torch_llama import torch_llama\n"
+    "ffdebug_rotary = ('torch_llama:apply_rotary_pos_emb', ('attn.q_rot', 'attn.k_rot'))"
+)
 
 
 def write_script(
@@ -64,11 +75,22 @@ def write_script(
     hidden: int = 64,
     seq: int = 64,
     port: bool = False,
+    hf: bool = False,
+    dtype: str = "float32",
+    weights: bool = False,
 ) -> tuple[str, str]:
-    """Write `tmp/name.py`; returns (shell command, run log path)."""
+    """Write `tmp/name.py`; returns (shell command, run log path). `hf` (implied by `port`)
+    builds transformers' `LlamaForCausalLM`, else the torch-only `torch_llama`; `dtype` is the
+    model's dtype once planted (a noise command: the reference in another dtype); `weights` calls
+    `ffdebug.maybe_dump_weights_and_exit` before the forward (hunt --dump-weights)."""
+    hf = hf or port
     log = os.path.join(str(tmp), f"{name}.runs")
     text = _SCRIPT.format(
         tests=TESTS,
+        hunt_tests=os.path.join(TESTS, "hunt"),
+        model_import=_HF if hf else _TORCH,
+        build="tiny_llama" if hf else "torch_llama",
+        tap="" if hf else "ffdebug.tap_function(*ffdebug_rotary)",
         log=log,
         layers=layers,
         hidden=hidden,
@@ -76,6 +98,8 @@ def write_script(
         seq=seq,
         port=_PORT if port else "",
         plant=PLANTS[plant],
+        dtype=dtype,
+        weights=f"ffdebug.maybe_dump_weights_and_exit({'net' if port else 'm'})" if weights else "",
         model="net" if port else "m",
     )
     path = os.path.join(str(tmp), f"{name}.py")

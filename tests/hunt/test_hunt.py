@@ -16,6 +16,7 @@ import time
 import pytest
 from hunt_scripts import runs, write_script
 
+from ffdebug.errors import FFDebugError
 from ffdebug.hunt.engine import hunt
 from ffdebug.hunt.rounds import HuntConfig
 from ffdebug.hunt.runner import run_side, tree_bytes
@@ -94,7 +95,7 @@ def test_hunt_32_layers_under_ten_percent(tmp_path):
 
 def test_hunt_port_against_hf(tmp_path):
     """Two codebases: the HF model as reference, a port with fused q/k/v as target."""
-    ref, _ = write_script(tmp_path, "ref")
+    ref, _ = write_script(tmp_path, "ref", hf=True)
     target, _ = write_script(tmp_path, "target", "port_q", 5, port=True)
     state = hunt(HuntConfig(ref=ref, target=target, dir=str(tmp_path / "h")))
     assert state.complete and state.layer == 5 and state.local is True
@@ -156,3 +157,34 @@ def test_hunt_respects_the_byte_budget(tmp_path):
     saved = json.loads((d / "hunt.json").read_text())
     assert saved["rounds"] == [] and saved["budget"]["limit"] == 64 * 1024 and not saved["complete"]
     assert tree_bytes(str(d / "round1" / "ref")) <= 32 * 1024 + 16 * 1024  # payloads capped, manifests on top
+
+
+def test_hunt_with_noise_names_the_bug_and_not_the_noise(tmp_path):
+    """--noise: the reference in bfloat16 sets each stage's noise floor. A float16 target (less
+    rounding than the noise side) is not blamed on any layer; a planted q bug still is."""
+    ref, _ = write_script(tmp_path, "ref")
+    noise, noise_log = write_script(tmp_path, "noise", dtype="bfloat16")
+    half, _ = write_script(tmp_path, "half", dtype="float16")
+    quiet = hunt(HuntConfig(ref=ref, target=half, noise=noise, dir=str(tmp_path / "quiet")))
+    assert quiet.complete and quiet.layer is None and quiet.sub_stage is None
+    assert "nothing to hunt" in quiet.rounds[-1].decision
+    target, _ = write_script(tmp_path, "target", "q_proj", 2)
+    state = hunt(HuntConfig(ref=ref, target=target, noise=noise, dir=str(tmp_path / "h")))
+    assert state.complete and state.layer == 2 and state.sub_stage in EXPECTED["q_proj"]
+    assert runs(noise_log).count("round1") == 2  # the noise side ran in both hunts' round 1
+
+
+def test_hunt_round0_from_the_commands_weight_dumps(tmp_path):
+    """--dump-weights: each command's maybe_dump_weights_and_exit writes its weights and exits; the
+    planted q weight is a weight bug, found before any forward. A command without the call is
+    named."""
+    ref, ref_log = write_script(tmp_path, "ref", layers=2, weights=True)
+    target, _ = write_script(tmp_path, "target", "q_proj", 1, layers=2, weights=True)
+    state = hunt(HuntConfig(ref=ref, target=target, dir=str(tmp_path / "h"), dump_weights=True))
+    assert [r.round for r in state.rounds] == [0] and state.complete
+    assert state.sub_stage == "weights" and state.rounds[0].decision.startswith("weight bug")
+    assert any("layers.1.self_attn.q_proj.weight" in line for line in state.rounds[0].evidence)
+    assert state.used == state.rounds[0].bytes > 0 and runs(ref_log) == []  # no forward dump dir
+    plain, _ = write_script(tmp_path, "plain", layers=2)
+    with pytest.raises(FFDebugError, match="the target command .* wrote no weights"):
+        hunt(HuntConfig(ref=ref, target=plain, dir=str(tmp_path / "h2"), dump_weights=True))

@@ -146,6 +146,36 @@ def test_isolate_classes_three_fixes(fixed_repo, tmp_path):
     assert len(worktrees.stdout.strip().splitlines()) == 1
 
 
+@pytest.mark.integration
+def test_isolate_classes_patch_files(fixed_repo, tmp_path):
+    """The same three fixes as patch files on top of the buggy HEAD: applied in each worktree
+    except the one reverted, the same classes, the user's checkout still untouched."""
+    repo, shas = fixed_repo
+    fixed = tmp_path / "fixed"
+    _git(tmp_path, "clone", "-q", str(repo), str(fixed))
+    patches = []
+    for i, sha in enumerate(shas):
+        diff = subprocess.run(
+            ["git", "-C", str(repo), "diff", f"{sha}~1", sha], capture_output=True, text=True, check=True
+        ).stdout
+        patches.append(tmp_path / f"fix{i}.patch")
+        patches[-1].write_text(diff)
+    _git(repo, "reset", "-q", "--hard", f"{shas[0]}~1")
+    args = ["isolate", "--ref", f"cd {fixed} && {sys.executable} run.py"]
+    args += ["--target", f"{sys.executable} run.py", "--repo", str(repo)]
+    args += ["--dir", str(tmp_path / "iso"), "--json"]
+    for patch in patches:
+        args += ["--fix", str(patch)]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.stdout)
+    assert [f["class"] for f in result["fixes"]] == ["critical", "fine-tuning", "no effect"]
+    assert result["all_fixes_equal_reference"] is True
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True)
+    assert status.stdout == ""
+    assert (repo / "mymodel" / "model.py").read_text() == MODEL  # still the buggy checkout
+
+
 def test_isolate_refuses_a_commit_not_in_head(fixed_repo, tmp_path):
     repo, _ = fixed_repo
     out = CliRunner().invoke(
