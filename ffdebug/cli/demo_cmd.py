@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ffdebug.cli.common import emit_json, handles_errors
+from ffdebug.cli.common import emit_json
 
 HELP = """Run the whole job on a built-in tiny model: dump a reference and a buggy target through the
 FFDEBUG_* env vars (one process each), compare them, and point at the first divergent layer.
@@ -21,7 +21,6 @@ dense), so the first divergence must be layer 1, class moe, stage ffn_out.
 
 def register(app: typer.Typer) -> None:
     @app.command("demo", help=HELP)
-    @handles_errors
     def demo_command(
         dir: str = typer.Option(None, "--dir", help="Keep the dumps here (default: a temp directory)."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
