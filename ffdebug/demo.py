@@ -146,6 +146,7 @@ class DemoRun:
     elapsed_s: float
 
     def to_json(self) -> dict:
+        """`ffdebug demo --json`: the comparison's keys, plus `demo` (where, expected, located) and `bisect`."""
         demo = {"dir": self.directory, "expected": EXPECTED, "located": self.located}
         return dict(self.compare.to_json(), demo=demo, bisect=self.bisect)
 

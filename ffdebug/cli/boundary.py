@@ -11,7 +11,7 @@ exception instead, for the full traceback. Imports only typer: both programs' `-
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from typer._click import exceptions as click_errors  # the click typer parses with (vendored)
@@ -41,7 +41,9 @@ class OneLineErrors(TyperGroup):
             return str(err), err.exit_code
         return None
 
-    def main(self, *args, standalone_mode: bool = True, **kwargs):
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        """Run the program; standalone, every outcome is a `SystemExit` with the exit code (known
+        errors as one line first). `standalone_mode=False` hands errors to the caller unchanged."""
         if not standalone_mode:  # a caller that handles errors itself
             return super().main(*args, standalone_mode=False, **kwargs)
         try:

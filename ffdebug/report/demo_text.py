@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 
 from ffdebug.report.text import print_compare
+
+if TYPE_CHECKING:
+    from ffdebug.demo import DemoRun
 
 
 def print_demo_start(console: Console) -> None:
@@ -17,7 +22,7 @@ def print_demo_start(console: Console) -> None:
     console.print("dumping ref and target (one process each, FFDEBUG_FWD_DUMP_* env vars) …")
 
 
-def print_demo(run, console: Console | None = None) -> None:
+def print_demo(run: DemoRun, console: Console | None = None) -> None:
     """The comparison table, then the expected and found first divergence and the commands to re-run."""
     from ffdebug.demo import EXPECTED
 

@@ -3,6 +3,11 @@ as rich text or Markdown (docs/architecture.md "report/")."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ffdebug.review.runner import ReviewReport
+
 _MARK = {"ticked": "[green]✓[/green]", "failed": "[red]✗[/red]", "human": "☐", "skipped": "[dim]–[/dim]"}
 
 
@@ -26,7 +31,7 @@ def print_checks(listing: dict) -> None:
         console.print(f"    [dim]{escape(c['why'])}[/dim]")
 
 
-def print_review(report, fmt: str = "text") -> None:
+def print_review(report: ReviewReport, fmt: str = "text") -> None:
     """The checklist ticked, failed at file:line or left for a human; `fmt="md"`: as Markdown."""
     if fmt == "md":
         import sys
@@ -75,7 +80,7 @@ def print_review(report, fmt: str = "text") -> None:
         )
 
 
-def review_markdown(report) -> str:
+def review_markdown(report: ReviewReport) -> str:
     """The checklist as a Markdown list to paste into a pull request."""
     from ffdebug.review.playbooks import load
 

@@ -14,13 +14,18 @@ import json
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 class HasJSON(Protocol):
     """A typed result with the stable `--json` keys."""
 
-    def to_json(self) -> Mapping[str, Any]: ...
+    def to_json(self) -> Mapping[str, Any]:
+        """The result as JSON-ready data with the stable keys."""
+        ...
 
 
 def write_json(obj: Any) -> None:
@@ -42,7 +47,7 @@ class Output:
             render(result, **options)
 
     @property
-    def console(self):
+    def console(self) -> Console:
         """A rich console for progress lines: stderr in JSON mode, stdout otherwise."""
         from rich.console import Console
 

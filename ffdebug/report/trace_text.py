@@ -3,6 +3,11 @@ summaries (docs/architecture.md "report/")."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ffdebug.trace import TraceResult
+
 _SHORT_DTYPES = {
     "float32": "f32",
     "float64": "f64",
@@ -45,7 +50,7 @@ def _cells(r, roots: list[str]) -> list[str]:
     ]
 
 
-def print_trace(result, max_rows: int = 200) -> None:
+def print_trace(result: TraceResult, max_rows: int = 200) -> None:
     """Rows per context (grad mode, phase), the parameters, the masks, the error if the function raised."""
     from rich import box
     from rich.console import Console
