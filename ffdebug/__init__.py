@@ -30,7 +30,7 @@ for _name in ("compare", "bisect"):
     if _importlib_util.find_spec(f"ffdebug.{_name}") is not None:
         _importlib.import_module(f"ffdebug.{_name}")
 
-__version__ = "0.1.0"
+from ffdebug.version import __version__  # noqa: E402 (after the subpackages above)
 
 __all__ = [
     "__version__",

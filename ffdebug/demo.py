@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 DEMO_CONFIG = dict(
     vocab_size=256,
@@ -131,6 +132,23 @@ def run_demo(directory: str | None = None):
     dump_both_sides(directory)
     result = compare(os.path.join(directory, "ref"), os.path.join(directory, "target"))
     return result, directory
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """What `ffdebug demo` found: the comparison, where the dumps are, whether the injected bug was
+    located, and the bisect's summary (its keys as in `ffdebug bisect --json`)."""
+
+    compare: object  # CompareResult
+    directory: str
+    located: bool
+    bisect: dict
+    elapsed_s: float
+
+    def to_json(self) -> dict:
+        """`ffdebug demo --json`: the comparison's keys, plus `demo` (where, expected, located) and `bisect`."""
+        demo = {"dir": self.directory, "expected": EXPECTED, "located": self.located}
+        return dict(self.compare.to_json(), demo=demo, bisect=self.bisect)
 
 
 def located_expected(result) -> bool:

@@ -7,15 +7,16 @@
 Also ``python -m reference_trainer ...``. Only typer and rich are imported at module level; torch,
 diffusers and the trainers are imported inside the commands. Known errors (invalid config or YAML,
 contract mismatch, refused or damaged checkpoint, bad log line, non-finite loss, bad reward) end in
-one ``error:`` line on stderr (never wrapped) plus a hint — exit 2 for config/usage errors, 1 for
-failures during training; ``FFDEBUG_DEBUG=1`` shows the traceback. ``main(args)`` runs the CLI in
+one ``reference-trainer: error: Type: message`` line on stderr (never wrapped) plus a hint — exit 2
+for config/usage errors, 1 for failures during training; ``FFDEBUG_DEBUG=1`` shows the traceback.
+The boundary is ffdebug's (``ffdebug.cli.boundary``, docs/architecture.md "cli/"): ``TrainerErrors``
+only names the program and maps the trainer's exception types to exit codes. ``main(args)`` runs the CLI in
 process and returns the exit code (the fault-injection tests call it so).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,14 +24,33 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from ffdebug.cli.boundary import OneLineErrors
+
+
+class TrainerErrors(OneLineErrors):
+    """`reference-trainer`'s error boundary: config and usage errors exit 2, failures during training 1."""
+
+    program = "reference-trainer"
+    hint = "set FFDEBUG_DEBUG=1 for the full traceback"
+
+    def known_error(self, err: Exception) -> tuple[str, int] | None:
+        """`Type: message` and 2 for a config or usage error, 1 for a training failure, None otherwise."""
+        usage, failures = _known_errors()
+        if isinstance(err, usage):
+            return f"{type(err).__name__}: {err}", 2
+        if isinstance(err, failures):
+            return f"{type(err).__name__}: {err}", 1
+        return None
+
+
 app = typer.Typer(
+    cls=TrainerErrors,
     name="reference-trainer",
     help="Reference trainer for diffusion / flow-matching RL finetuning (tiny CPU models).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-stderr = Console(stderr=True)
 
 EXAMPLES = {
     "train": [
@@ -42,20 +62,8 @@ EXAMPLES = {
 }
 
 
-def _fail(error: BaseException, code: int) -> None:
-    """The error as one ``error: Type: message`` line (never wrapped, no markup), then the debug hint."""
-    if os.environ.get("FFDEBUG_DEBUG") == "1":
-        raise error
-    from rich.text import Text
-
-    line = Text.assemble(("error:", "red"), f" {type(error).__name__}: {error}")
-    stderr.print(line, highlight=False, soft_wrap=True)
-    stderr.print("set FFDEBUG_DEBUG=1 for the full traceback", style="dim")
-    raise typer.Exit(code)
-
-
 def _known_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """(usage/config errors -> exit 2, training failures -> exit 1)."""
+    """(usage/config errors -> exit 2, training failures -> exit 1); imported when an error is mapped."""
     from reference_trainer.checkpoint import CheckpointError
     from reference_trainer.contracts import ContractError
     from reference_trainer.errors import ConfigError
@@ -126,26 +134,20 @@ def train(
     Teacher forcing against your own trainer (README "Compare your own trainer"):
     FFDEBUG_FWD_DUMP_DIR=D FFDEBUG_FWD_DUMP_SIDE=ref reference-trainer train CONFIG --inputs-from D/target
     """
-    usage, failures = _known_errors()
     output_dir = output_dir or Path("runs") / config.stem
     _quiet_loading()
-    try:
-        from reference_trainer.config import load_config
-        from reference_trainer.run import train as run_train
+    from reference_trainer.config import load_config
+    from reference_trainer.run import train as run_train
 
-        run_config = load_config(config, overrides=tuple(set_ or ()), max_steps=max_steps)
-        run_train(
-            run_config,
-            output_dir,
-            resume=resume,
-            inputs_from=inputs_from,
-            inputs_map=tuple(inputs_map or ()),
-            inputs_map_file=inputs_map_file,
-        )
-    except usage as error:
-        _fail(error, 2)
-    except failures as error:
-        _fail(error, 1)
+    run_config = load_config(config, overrides=tuple(set_ or ()), max_steps=max_steps)
+    run_train(
+        run_config,
+        output_dir,
+        resume=resume,
+        inputs_from=inputs_from,
+        inputs_map=tuple(inputs_map or ()),
+        inputs_map_file=inputs_map_file,
+    )
 
 
 @app.command("list")
@@ -171,11 +173,12 @@ def list_(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable
 
 
 def _read_metrics(run: Path) -> list[dict[str, Any]]:
+    from reference_trainer.errors import ConfigError
     from reference_trainer.jsonl import read_jsonl
 
     path = run / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found")
+        raise ConfigError("", f"{path} not found; give a run directory (it holds metrics.jsonl)")
     return list(read_jsonl(path).records)
 
 
@@ -223,16 +226,13 @@ def diff(
     The metric keys both runs log are compared; the keys only one run logs (another trainer, another
     reward) are listed, never compared. Example: reference-trainer diff runs/a runs/b --json
     """
-    from reference_trainer.jsonl import LogError
+    from reference_trainer.errors import ConfigError
 
-    try:
-        a, b = _read_metrics(run_a), _read_metrics(run_b)
-    except (FileNotFoundError, LogError) as error:
-        _fail(error, 2)
+    a, b = _read_metrics(run_a), _read_metrics(run_b)
     keys_a, keys_b = metric_keys(a), metric_keys(b)
     shared = keys_a & keys_b
     if not shared - COUNTER_KEYS:
-        _fail(ValueError(f"{run_a} and {run_b} log no metric key in common; nothing to compare"), 2)
+        raise ConfigError("", f"{run_a} and {run_b} log no metric key in common; nothing to compare")
     only_a, only_b = sorted(keys_a - keys_b), sorted(keys_b - keys_a)
     difference = first_difference(a, b, shared)
     if as_json:

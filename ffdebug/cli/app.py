@@ -1,13 +1,11 @@
-"""Entry point of the `ffdebug` command. Imports only typer and rich at module level: every
-command imports torch and friends inside its own body, so `ffdebug --help` stays fast."""
+"""Entry point of the `ffdebug` command: wiring only (docs/architecture.md "cli/"). Imports only
+typer and rich at module level: every command imports torch and friends inside its own body, so
+`ffdebug --help` stays fast. Errors end at one boundary (`ffdebug.cli.boundary.OneLineErrors`);
+results go to one sink (`ffdebug.report.sink.Output`)."""
 
 from __future__ import annotations
 
-import sys
-
 import typer
-from typer._click import exceptions as click_errors  # the click typer parses with (vendored)
-from typer.core import TyperGroup
 
 from ffdebug.cli import (
     bisect_cmd,
@@ -23,33 +21,7 @@ from ffdebug.cli import (
     trace_cmd,
     weights_diff_cmd,
 )
-
-
-class OneLineErrors(TyperGroup):
-    """Usage errors (a bad option value, a missing argument) answered like every other bad input:
-    one line `ffdebug: error: …` and exit 2 (README, troubleshooting)."""
-
-    def main(self, *args, standalone_mode: bool = True, **kwargs):
-        if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
-        try:
-            rv = super().main(*args, standalone_mode=False, **kwargs)
-        except click_errors.NoArgsIsHelpError as err:  # `ffdebug` alone prints the help
-            from typer import rich_utils
-
-            rich_utils.rich_format_error(err)
-            sys.exit(err.exit_code)
-        except click_errors.ClickException as err:
-            message = " ".join(err.format_message().split())
-            ctx = getattr(err, "ctx", None)
-            see = f"; see '{ctx.command_path} --help'" if ctx is not None else ""
-            print(f"ffdebug: error: {message}{see}", file=sys.stderr)
-            sys.exit(err.exit_code)
-        except typer.Abort:
-            print("ffdebug: aborted", file=sys.stderr)
-            sys.exit(1)
-        sys.exit(rv if isinstance(rv, int) else 0)
-
+from ffdebug.cli.boundary import OneLineErrors  # every error, usage or FFDebugError, ends there
 
 app = typer.Typer(
     cls=OneLineErrors,

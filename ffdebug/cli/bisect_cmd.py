@@ -20,8 +20,6 @@ from ffdebug.cli.common import (
     STEP_OPT,
     THRESHOLD_OPT,
     check_fail_on,
-    emit_json,
-    handles_errors,
     parse_step_filter,
     resolve_sides,
 )
@@ -61,7 +59,6 @@ input ids differ; 4 incomplete (what was left out is named; --allow-partial make
 
 def register(app: typer.Typer) -> None:
     @app.command("bisect", help=HELP)
-    @handles_errors
     def bisect_command(
         sides: list[str] = SIDES_ARG,
         dir: str = DIR_OPT,
@@ -121,17 +118,12 @@ def register(app: typer.Typer) -> None:
             model_target=model_target,
         )
         conclude(result)
-        data = result.to_json()
         if html:
             from ffdebug.report.html import write_bisect_html
 
-            write_bisect_html(data, html)
-        if json_out:
-            emit_json(data)
-        else:
-            from ffdebug.report.bisect_text import print_bisect
+            write_bisect_html(result.to_json(), html)
+        from ffdebug.report.bisect_text import print_bisect
+        from ffdebug.report.sink import Output
 
-            print_bisect(result, all_stages=all_stages)
-            if html:
-                print(f"HTML report: {html}")
+        Output(json=json_out).show(result, print_bisect, all_stages=all_stages, html=html)
         raise typer.Exit(result.exit_code())

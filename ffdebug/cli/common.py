@@ -1,15 +1,14 @@
-"""Shared CLI conventions: error handling (exit codes), side resolution, option parsing."""
+"""Shared CLI conventions: option declarations, side resolution, option parsing (errors end at
+`ffdebug.cli.boundary`, results at `ffdebug.report.sink`)."""
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-import sys
 
 import typer
 
 from ffdebug.errors import FFDebugError
+from ffdebug.report.sink import write_json as emit_json  # noqa: F401 (commands not yet on the sink)
 from ffdebug.verdict import parse_fail_on as check_fail_on  # noqa: F401 (the commands import it from here)
 
 FAIL_ON_HELP = "Exit 1 when a stage is at or above this severity: drift, diverge, bug, scramble."
@@ -53,21 +52,9 @@ ALLOW_PARTIAL_OPT = typer.Option(
 
 
 def handles_errors(fn):
-    """Map FFDebugError to a one-line message and its exit code (2, or 3 for input ids)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from ffdebug._env import debug_tracebacks
-
-        try:
-            return fn(*args, **kwargs)
-        except FFDebugError as err:
-            if debug_tracebacks():
-                raise
-            print(f"ffdebug: error: {err}", file=sys.stderr)
-            raise typer.Exit(err.exit_code) from None
-
-    return wrapper
+    """Identity, kept for the commands still decorated with it: FFDebugError is mapped to its one
+    line and exit code by the CLI's one boundary, `ffdebug.cli.boundary.OneLineErrors.main`."""
+    return fn
 
 
 def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, str]:
@@ -118,7 +105,3 @@ def parse_step_filter(items: list[str] | None) -> dict:
         k, v = item.split("=", 1)
         out[k.strip()] = v.strip()
     return out
-
-
-def emit_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=1, allow_nan=False, default=str) + "\n")

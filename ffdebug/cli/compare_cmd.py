@@ -19,8 +19,6 @@ from ffdebug.cli.common import (
     STEP_OPT,
     THRESHOLD_OPT,
     check_fail_on,
-    emit_json,
-    handles_errors,
     parse_step_filter,
     resolve_sides,
 )
@@ -59,7 +57,6 @@ dumped, statistics-only stages); --allow-partial makes it 0.
 
 def register(app: typer.Typer) -> None:
     @app.command("compare", help=HELP)
-    @handles_errors
     def compare_command(
         sides: list[str] = SIDES_ARG,
         dir: str = DIR_OPT,
@@ -108,10 +105,8 @@ def register(app: typer.Typer) -> None:
             workers=workers,
             exclude=tuple(exclude or ()),
         )
-        if json_out:
-            emit_json(result.to_json())
-        else:
-            from ffdebug.report.text import print_compare
+        from ffdebug.report.sink import Output
+        from ffdebug.report.text import print_compare
 
-            print_compare(result, only_problems=problems)
+        Output(json=json_out).show(result, print_compare, only_problems=problems)
         raise typer.Exit(result.exit_code())

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import typer
 
-from ffdebug.cli.common import emit_json, handles_errors
-
 HELP = """Run the whole job on a built-in tiny model: dump a reference and a buggy target through the
 FFDEBUG_* env vars (one process each), compare them, and point at the first divergent layer.
 
@@ -21,52 +19,26 @@ dense), so the first divergence must be layer 1, class moe, stage ffn_out.
 
 def register(app: typer.Typer) -> None:
     @app.command("demo", help=HELP)
-    @handles_errors
     def demo_command(
         dir: str = typer.Option(None, "--dir", help="Keep the dumps here (default: a temp directory)."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
         import time
 
-        from rich.console import Console
-
-        from ffdebug.demo import EXPECTED, located_expected, run_demo
-
-        console = Console(stderr=json_out)
-        start = time.perf_counter()
-        console.print(
-            "[bold]ffdebug demo[/bold]: tiny DeepSeek-V3-style LM (1 dense + 3 MoE layers); "
-            "target forgets routed_scaling_factor in the MoE router."
-        )
-        console.print("dumping ref and target (one process each, FFDEBUG_FWD_DUMP_* env vars) …")
-        result, directory = run_demo(dir)
-        ok = located_expected(result)
         from ffdebug.bisect.engine import bisect
+        from ffdebug.demo import DemoRun, located_expected, run_demo
         from ffdebug.report.bisect_text import conclude
+        from ffdebug.report.demo_text import print_demo, print_demo_start
+        from ffdebug.report.sink import Output
 
+        out = Output(json=json_out)
+        console = out.console
+        start = time.perf_counter()
+        print_demo_start(console)
+        result, directory = run_demo(dir)
         b = conclude(bisect(result.ref_path, result.target_path)).to_json()
         keys = ("verdict", "first_divergence", "pattern", "per_class", "sub_stage", "conclusion")
         summary = {k: b[k] for k in keys}
-        if json_out:
-            demo = {"dir": directory, "expected": EXPECTED, "located": ok}
-            emit_json(dict(result.to_json(), demo=demo, bisect=summary))
-        else:
-            from ffdebug.report.text import print_compare
-
-            print_compare(result, console=console)
-            first = result.first_divergence
-            where = (first.layer, first.layer_class, first.stage) if first else (None, None, None)
-            console.print(
-                f"\nDumps in {directory}. The injected bug was expected at layer {EXPECTED['layer']} "
-                f"({EXPECTED['layer_class']}), {EXPECTED['stage']}; ffdebug's first divergence is layer "
-                f"{where[0]} ({where[1]}), {where[2]}: "
-                f"{'located' if ok else 'NOT located'} in {time.perf_counter() - start:.1f} s.",
-                highlight=False,
-            )
-            console.print(f"\nBisect: {summary['conclusion']}", highlight=False, markup=False)
-            console.print(
-                f"Re-run the comparison: ffdebug compare ref-vs-target --dir {directory}; the bisect: "
-                f"ffdebug bisect --dir {directory} --html report.html",
-                highlight=False,
-            )
-        raise typer.Exit(0 if ok else 1)
+        run = DemoRun(result, directory, located_expected(result), summary, time.perf_counter() - start)
+        out.show(run, print_demo, console=console)
+        raise typer.Exit(0 if run.located else 1)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import typer
 
-from ffdebug.cli.common import emit_json, handles_errors
-
 HELP = """Run the reference and the target commands (each calls ffdebug.install) round after round,
 setting FFDEBUG_* for each, until the layer and the sub-stage that introduce the error are named.
 
@@ -38,7 +36,6 @@ incomplete (budget spent or interrupted: raise --budget and --resume).
 
 def register(app: typer.Typer) -> None:
     @app.command("hunt", help=HELP)
-    @handles_errors
     def hunt_command(
         ref: str = typer.Option(..., "--ref", help="Shell command of the reference run."),
         target: str = typer.Option(..., "--target", help="Shell command of the target run."),
@@ -72,6 +69,7 @@ def register(app: typer.Typer) -> None:
         from ffdebug.hunt.runner import parse_size
         from ffdebug.report import hunt_text
         from ffdebug.report.output import check_output_file, write_output_file
+        from ffdebug.report.sink import Output
 
         if weights and len(weights) != 2:
             raise FFDebugError(
@@ -96,10 +94,7 @@ def register(app: typer.Typer) -> None:
         )
         if html_out:
             write_output_file(html_out, hunt_text.hunt_html(state, noise), "--html")
-        if json_out:
-            emit_json(state.to_json())
-        else:
-            hunt_text.print_hunt(state)
+        Output(json=json_out).show(state, hunt_text.print_hunt)
         if not state.complete:
             raise typer.Exit(4)
         raise typer.Exit(0 if state.layer is None and state.sub_stage is None else 1)

@@ -6,8 +6,6 @@ import os
 
 import typer
 
-from ffdebug.cli.common import emit_json, handles_errors
-
 HELP = """Convert a peer engine's dump into an ffdebug store (compare, bisect and inspect also read
 the peer dumps directly; importing keeps a converted copy that loads fast and carries a manifest).
 
@@ -29,7 +27,6 @@ that differ): compare and bisect list them and do not exit 0 while any is there.
 
 def register(app: typer.Typer) -> None:
     @app.command("import", help=HELP)
-    @handles_errors
     def import_command(
         src: str = typer.Argument(..., help="The peer dump: a directory or file."),
         dir: str = typer.Argument(..., help="Dump directory to write; each side goes to DIR/SIDE."),
@@ -42,6 +39,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from ffdebug.errors import FFDebugError
         from ffdebug.io.registry import peer_sides
+        from ffdebug.report.sink import Output
+        from ffdebug.report.store_text import print_imported
         from ffdebug.store.importing import write_store
         from ffdebug.store.reader import open_side
 
@@ -58,10 +57,4 @@ def register(app: typer.Typer) -> None:
         written = [
             write_store(store, os.path.join(dir, label), label, src, overwrite) for label, store in stores
         ]
-        if json_out:
-            emit_json({"sides": written})
-            return
-        for w in written:
-            typer.echo(f"{w['side']}: {w['records']} records ({w['format']}) -> {w['path']}")
-            for p in w["problems"]:
-                typer.echo(f"  problem: {p}")
+        Output(json=json_out).show({"sides": written}, print_imported)

@@ -12,8 +12,6 @@ from ffdebug.cli.common import (
     STAGES_OPT,
     STEP_OPT,
     check_fail_on,
-    emit_json,
-    handles_errors,
     parse_step_filter,
 )
 from ffdebug.verdict import Severity
@@ -65,7 +63,6 @@ def _side_path(path: str | None, directory: str | None, side: str | None) -> str
 
 def register(app: typer.Typer) -> None:
     @app.command("slot-invariance", help=HELP)
-    @handles_errors
     def slot_invariance_command(
         path: str = typer.Argument(None, help="Side directory of the batched run (or use --dir)."),
         dir: str = typer.Option(None, "--dir", help="Dump directory; the side is --side (default target)."),
@@ -99,13 +96,9 @@ def register(app: typer.Typer) -> None:
             exact=exact,
             allow_partial=allow_partial,
         )
-        from ffdebug.report.bisect_text import conclude
+        from ffdebug.report.bisect_text import conclude, print_invariance
+        from ffdebug.report.sink import Output
 
         conclude(result)
-        if json_out:
-            emit_json(result.to_json())
-        else:
-            from ffdebug.report.bisect_text import print_invariance
-
-            print_invariance(result)
+        Output(json=json_out).show(result, print_invariance)
         raise typer.Exit(result.exit_code())

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import typer
 
-from ffdebug.cli.common import emit_json, handles_errors
-
 ISOLATE_HELP = """Fix isolation by revert: the target runs with every fix, then once per fix with that
 fix alone reverted, each in its own git worktree (your checkout is never touched), and its final
 output is compared with the all-fixes run:
@@ -46,7 +44,6 @@ Exit codes: 0 none; 1 kernel or input; 2 bad input.
 
 def register(app: typer.Typer) -> None:
     @app.command("isolate", help=ISOLATE_HELP)
-    @handles_errors
     def isolate_command(
         ref: str = typer.Option(..., "--ref", help="Shell command of the reference run."),
         target: str = typer.Option(
@@ -59,15 +56,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from ffdebug.hunt.isolate import IsolateConfig, isolate
         from ffdebug.report.hunt_text import print_isolate
+        from ffdebug.report.sink import Output
 
         result = isolate(IsolateConfig(ref=ref, target=target, fixes=tuple(fix), dir=dir, repo=repo))
-        if json_out:
-            emit_json(result.to_json())
-        else:
-            print_isolate(result)
+        Output(json=json_out).show(result, print_isolate)
 
     @app.command("replay", help=REPLAY_HELP)
-    @handles_errors
     def replay_command(
         dir: str = typer.Argument(..., help="Dump directory holding ref/ and target/."),
         stage: str = typer.Option(
@@ -87,6 +81,7 @@ def register(app: typer.Typer) -> None:
         from ffdebug.errors import FFDebugError
         from ffdebug.hunt.replay import replay
         from ffdebug.report.hunt_text import print_replay
+        from ffdebug.report.sink import Output
 
         parsed = None
         if kwargs:
@@ -99,8 +94,5 @@ def register(app: typer.Typer) -> None:
             if not isinstance(parsed, dict):
                 raise FFDebugError(f"--kwargs {kwargs!r}: give a JSON object, e.g. '{{\"eps\": 1e-6}}'")
         result = replay(dir, stage, ref_fn, target_fn, parsed)
-        if json_out:
-            emit_json(result.to_json())
-        else:
-            print_replay(result)
+        Output(json=json_out).show(result, print_replay)
         raise typer.Exit(0 if result.verdict == "none" else 1)

@@ -90,7 +90,10 @@ def layers_table(result) -> Table:
     return table
 
 
-def print_bisect(result: BisectResult, console: Console | None = None, all_stages: bool = False) -> None:
+def print_bisect(
+    result: BisectResult, console: Console | None = None, all_stages: bool = False, html: str | None = None
+) -> None:
+    """The layer table, the stages, the notes and the one-sentence conclusion; `html`: the report written."""
     console = console or Console()
     console.print(layers_table(result))
     first = result.first_divergence
@@ -122,6 +125,8 @@ def print_bisect(result: BisectResult, console: Console | None = None, all_stage
         console.print(f"[dim]note: {esc(note)}[/dim]")
     print_coverage(result.coverage, console)
     console.print(result.conclusion or bisect_sentence(result), highlight=False, markup=False)
+    if html:
+        print(f"HTML report: {html}")
 
 
 def _ranges(xs: list[int]) -> str:

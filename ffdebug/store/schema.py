@@ -153,8 +153,8 @@ def run_info(side: str, world_size: int, extra: dict | None = None) -> dict:
     """The identity block written to `<side>/run.json`."""
     import torch
 
-    from ffdebug import __version__
     from ffdebug._env import selected_env
+    from ffdebug.version import __version__
 
     info = {
         "format_version": FORMAT_VERSION,

@@ -34,6 +34,8 @@ def test_review_tooling_passes_its_own_review(monkeypatch):
         "ffdebug/report/playbook_text.py",
         "ffdebug/cli/review_cmd.py",
         "ffdebug/cli/trace_cmd.py",
+        "ffdebug/report/review_text.py",
+        "ffdebug/report/trace_text.py",
     ]
     report = review(paths, config=ReviewConfig())
     expected = {str(p) for p in Path("ffdebug/review").rglob("*.py")} | set(paths[1:])

@@ -247,7 +247,9 @@ def test_cli_rule_is_one_line_and_exit_2(tmp_path, capsys):
     code = main(
         ["train", str(example("dmd2")), "--output-dir", str(tmp_path / "run"), "--set", "backend.kind=fsdp1"]
     )
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    lines = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("reference-trainer: error:")
+    ]
     assert code == 2 and len(lines) == 1 and "backend.kind: FSDP1 ('fsdp1') is refused" in lines[0]
 
 

@@ -53,7 +53,7 @@ def invoke(capsys, args: list[str]) -> list[str]:
     captured = capsys.readouterr()
     output = captured.out + captured.err
     assert "Traceback" not in output, output
-    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    errors = [line for line in captured.err.splitlines() if line.startswith("reference-trainer: error:")]
     assert code == 2, output
     assert len(errors) == 1, output
     return errors[0]

@@ -101,9 +101,9 @@ def test_explicit_resume_of_a_damaged_checkpoint_is_refused_naming_the_file(stra
     capsys.readouterr()
     assert cli(run, N + 1, "--resume", str(checkpoint)) == 2
     err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    errors = [line for line in err.splitlines() if line.startswith("reference-trainer: error:")]
     assert errors == [
-        f"error: DamagedCheckpointError: {checkpoint}/state/optimizer.safetensors: "
+        f"reference-trainer: error: DamagedCheckpointError: {checkpoint}/state/optimizer.safetensors: "
         "contents differ from the sha256 in manifest.json"
     ]
     assert {name: (run / name).read_bytes() for name in before} == before
@@ -118,7 +118,9 @@ def test_a_bad_line_before_the_last_is_refused_naming_file_and_line(straight, tm
     before = (run / "metrics.jsonl").read_bytes()
     capsys.readouterr()
     assert cli(run, N + 1, "--resume", "latest") == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    errors = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("reference-trainer: error:")
+    ]
     assert len(errors) == 1 and f"LogError: {run / 'metrics.jsonl'}:2: not a JSON record" in errors[0]
     assert (run / "metrics.jsonl").read_bytes() == before
 
