@@ -8,7 +8,6 @@ import os
 import typer
 
 from ffdebug.errors import FFDebugError
-from ffdebug.report.sink import write_json as emit_json  # noqa: F401 (commands not yet on the sink)
 from ffdebug.verdict import parse_fail_on as check_fail_on  # noqa: F401 (the commands import it from here)
 
 FAIL_ON_HELP = "Exit 1 when a stage is at or above this severity: drift, diverge, bug, scramble."
@@ -49,12 +48,6 @@ ALLOW_PARTIAL_OPT = typer.Option(
     "--allow-partial",
     help="Exit 0 (not 4) when everything compared is fine but something was left out; the output still says what.",
 )
-
-
-def handles_errors(fn):
-    """Identity, kept for the commands still decorated with it: FFDebugError is mapped to its one
-    line and exit code by the CLI's one boundary, `ffdebug.cli.boundary.OneLineErrors.main`."""
-    return fn
 
 
 def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, str]:

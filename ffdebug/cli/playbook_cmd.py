@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ffdebug.cli.common import emit_json, handles_errors
+from ffdebug.report.sink import write_json
 
 HELP = """The debugging and development protocols, written as data (playbooks/*.yaml).
 
@@ -55,7 +55,7 @@ def _list(json_out: bool) -> None:
         for b in books.values()
     ]
     if json_out:
-        emit_json({"playbooks": rows})
+        write_json({"playbooks": rows})
         return
     from ffdebug.report.playbook_text import print_books_table
 
@@ -90,7 +90,7 @@ def _triage(flags: dict, answer: list[str], interactive: bool, json_out: bool) -
 
     result = walk(load_tree(), answers, ask)
     if json_out:
-        emit_json(result.to_json())
+        write_json(result.to_json())
     else:
         from ffdebug.report.playbook_text import print_triage
 
@@ -101,12 +101,10 @@ def _register_reading(playbook_app: typer.Typer) -> None:
     """list, show, checklist."""
 
     @playbook_app.command("list", help="List the playbooks: name, kind, sections, items, title.")
-    @handles_errors
     def list_command(json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
         _list(json_out)
 
     @playbook_app.command("show", help="Print a playbook (or one phase of it) with rationale and commands.")
-    @handles_errors
     def show_command(
         name: str = typer.Argument(..., help="Playbook name (see `ffdebug playbook list`)."),
         phase: Optional[int] = typer.Option(None, "--phase", help="Only this phase."),
@@ -116,7 +114,7 @@ def _register_reading(playbook_app: typer.Typer) -> None:
 
         book = load(name)
         if json_out:
-            emit_json(book.to_json(phase))
+            write_json(book.to_json(phase))
         else:
             from ffdebug.report.playbook_text import print_book
 
@@ -125,7 +123,6 @@ def _register_reading(playbook_app: typer.Typer) -> None:
     @playbook_app.command(
         "checklist", help="Print a playbook as a checklist: markdown (ready for a pull request) or JSON."
     )
-    @handles_errors
     def checklist_command(
         name: str = typer.Argument(..., help="Playbook name (see `ffdebug playbook list`)."),
         fmt: str = typer.Option("md", "--format", help="md or json."),
@@ -139,14 +136,13 @@ def _register_reading(playbook_app: typer.Typer) -> None:
             raise FFDebugError(f"--format {fmt!r} is invalid: use md or json")
         book = load(name)
         if fmt == "json":
-            emit_json(checklist_json(book, phase))
+            write_json(checklist_json(book, phase))
         else:
             sys.stdout.write(render_markdown(book, phase))
 
 
 def _register_triage(playbook_app: typer.Typer) -> None:
     @playbook_app.command("triage", help=TRIAGE_HELP)
-    @handles_errors
     def triage_command(
         symptom: Optional[str] = typer.Option(
             None, "--symptom", help="crash, wrong-output or training-divergence."
@@ -213,7 +209,6 @@ def register(app: typer.Typer) -> None:
     @playbook_app.command(
         "validate", help="Check the playbooks: schema, named commands and options, check ids, triage flags."
     )
-    @handles_errors
     def validate_command(
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
@@ -222,7 +217,7 @@ def register(app: typer.Typer) -> None:
         books = _books()
         problems = verify_playbooks(books)
         if json_out:
-            emit_json({"passed": not problems, "playbooks": list(books), "problems": problems})
+            write_json({"passed": not problems, "playbooks": list(books), "problems": problems})
         else:
             from ffdebug.report.playbook_text import print_validation
 

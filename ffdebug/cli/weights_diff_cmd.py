@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from ffdebug.cli.common import FAIL_ON_HELP, check_fail_on, emit_json, handles_errors
+from ffdebug.cli.common import FAIL_ON_HELP, check_fail_on
+from ffdebug.report.sink import write_json
 from ffdebug.verdict import Severity
 
 WEIGHTS_HELP = """Compare two sets of weights: schema first (names, shapes, dtypes, rename suggestions), then float64 numerics per tensor (byte-equal fast path; cos, rel, max_abs; a finding per tensor: equal, dtype_only, rounding, transposed, sign_flip, scaled, mismatch).
@@ -97,7 +98,7 @@ def _render_diff(diff, schema_only: bool, show_all: bool, json_out: bool) -> Non
     """Run the numerics (unless --schema-only), print or emit, and exit 1 when the diff fails."""
     if json_out:
         result = diff.schema_result() if schema_only else diff.run()
-        emit_json(result.to_json())
+        write_json(result.to_json())
         raise typer.Exit(1 if result.failed() else 0)
     from rich.console import Console
 
@@ -112,7 +113,6 @@ def _render_diff(diff, schema_only: bool, show_all: bool, json_out: bool) -> Non
 
 def _register_weights_diff(app: typer.Typer, names: dict) -> None:
     @app.command("weights-diff", help=WEIGHTS_HELP)
-    @handles_errors
     def weights_diff_command(
         a: str = typer.Argument(..., metavar="A", help="Reference weights (see the kinds above)."),
         b: str = typer.Argument(..., metavar="B", help="Target weights."),
@@ -177,7 +177,6 @@ def _register_weights_diff(app: typer.Typer, names: dict) -> None:
 
 def _register_load_audit(app: typer.Typer, audit_names: dict) -> None:
     @app.command("load-audit", help=AUDIT_HELP)
-    @handles_errors
     def load_audit_command(
         entry: str = typer.Argument(..., metavar="ENTRY", help="module:function returning the loaded model."),
         checkpoint: str = typer.Argument(
@@ -214,7 +213,7 @@ def _register_load_audit(app: typer.Typer, audit_names: dict) -> None:
             fail_on=check_fail_on(fail_on),
         )
         if json_out:
-            emit_json(result.to_json())
+            write_json(result.to_json())
         else:
             from ffdebug.report.weights_text import print_load_audit
 
