@@ -32,7 +32,7 @@ class _GatedWriter:
         self.gate.wait(30)
         self.written.append(key)
 
-    def close(self):
+    def close(self, complete=True):
         self.closed = True
 
 
@@ -136,3 +136,28 @@ def test_queue_bytes_zero_writes_on_the_forward_thread(tmp_path):
         assert [r.key for r in open_side(tmp_path / "t").records] == ["x"]
         assert not [t for t in threading.enumerate() if t.name == "ffdebug-dump-writer"]
         assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_failed_write_reaches_the_caller_and_the_store_is_closed_incomplete():
+    """A write error on the writer thread is raised by the next submit / close, and the store
+    writer is closed with complete=False (captures after the failure were not written)."""
+    import torch
+
+    from ffdebug.store.background import BackgroundWriter
+
+    class Failing:
+        def __init__(self):
+            self.complete = None
+
+        def write(self, key, tensor, meta, always_payload=False, payload=None):
+            raise OSError("disk full")
+
+        def close(self, complete=True):
+            self.complete = complete
+
+    store = Failing()
+    w = BackgroundWriter(store, 1 << 20)
+    w.submit("a", torch.zeros(4), {})
+    with pytest.raises(OSError, match="disk full"):
+        w.close()
+    assert store.complete is False

@@ -346,7 +346,9 @@ def test_projections_no_rule_takes_keep_their_module_path_and_are_named(tmp_path
 # --- packed [T, ...] against padded [B, S, ...] --------------------------------------------------
 
 
-def _padded_and_packed(tmp_path, mask_on_ref=True, bad_row=None, lens=(5, 3), lens_on_target=False):
+def _padded_and_packed(
+    tmp_path, mask_on_ref=True, bad_row=None, lens=(5, 3), lens_on_target=False, **compare_opts
+):
     g = torch.Generator().manual_seed(0)
     mask = torch.zeros(2, 5, dtype=torch.long)
     for b, n in enumerate(lens):
@@ -366,7 +368,7 @@ def _padded_and_packed(tmp_path, mask_on_ref=True, bad_row=None, lens=(5, 3), le
         if lens_on_target:
             ffdebug.tap("embed.seq_lens", torch.tensor(lens))
         ffdebug.tap("L000.attn.q.out", packed_h)
-    return ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    return ffdebug.compare(tmp_path / "ref", tmp_path / "target", **compare_opts)
 
 
 def test_a_packed_side_is_aligned_with_a_padded_one_by_its_attention_mask(tmp_path):
@@ -374,6 +376,14 @@ def test_a_packed_side_is_aligned_with_a_padded_one_by_its_attention_mask(tmp_pa
     q = next(s for s in res.stages if s.key == "L000.attn.q.out")
     assert q.ok and q.bit_equal == 1.0 and any("padded -> [8, 4, 2] packed" in n for n in q.notes)
     assert res.exit_code() == 0
+
+
+@pytest.mark.parametrize("opts", [{"stages": ("L000.*",)}, {"exclude": ("embed.attention_mask",)}])
+def test_stage_filters_keep_the_mask_the_alignment_needs(tmp_path, opts):
+    """--stages / --exclude select stages to report; the mask and lengths are still read."""
+    res = _padded_and_packed(tmp_path, **opts)
+    q = next(s for s in res.stages if s.key == "L000.attn.q.out")
+    assert q.ok and q.bit_equal == 1.0
 
 
 def test_or_by_the_packed_sides_sequence_lengths(tmp_path):

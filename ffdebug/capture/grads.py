@@ -65,7 +65,10 @@ def tap_grads(session, role: str, named_parameters, count: int) -> None:
             if p.grad is None:
                 samples.append(torch.zeros(len(index)))
                 continue
-            flat = p.grad.detach().reshape(-1).float()
+            grad = p.grad.detach()
+            if hasattr(grad, "full_tensor"):  # FSDP2: a sharded DTensor (a collective: every rank taps)
+                grad = grad.full_tensor()
+            flat = grad.reshape(-1).float()
             samples.append(flat[index.to(flat.device)].cpu())
             squares.append(flat.square().sum())
         norm = torch.stack(squares).sum().sqrt().cpu() if squares else torch.zeros(())

@@ -84,10 +84,11 @@ class Filters:
         layer = rec.layer
         if self.layers is not None and layer is not None and not self.layers.contains(layer, num_layers):
             return False
-        if self.stages and rec.key != "embed.input_ids":
+        always = rec.key in ("embed.input_ids", MASK_KEY, LENS_KEY)  # the gate and the alignment read them
+        if self.stages and not always:
             if not any(fnmatch.fnmatchcase(rec.key, g) for g in self.stages):
                 return False
-        if self.exclude and rec.key != "embed.input_ids":
+        if self.exclude and not always:
             if any(fnmatch.fnmatchcase(rec.key, g) for g in self.exclude):
                 return False
         return True

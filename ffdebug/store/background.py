@@ -37,6 +37,7 @@ class BackgroundWriter:
         self._pending = 0  # captures queued or being written
         self.queued_bytes = 0  # their bytes
         self._error: BaseException | None = None
+        self._failed = False  # a write failed: the store is closed as incomplete
         self._stop = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="ffdebug-dump-writer", daemon=True)
@@ -70,6 +71,7 @@ class BackgroundWriter:
                     self.writer.write(key, tensor, meta, always_payload=always_payload, payload=payload)
             except BaseException as err:  # raised later in the capturing thread
                 self._error = err
+                self._failed = True
             del tensor
             with self._cond:
                 self._pending -= 1
@@ -101,4 +103,4 @@ class BackgroundWriter:
                 self._cond.notify_all()
             self._thread.join()
             termination.unregister(self)
-            self.writer.close()
+            self.writer.close(complete=not self._failed)

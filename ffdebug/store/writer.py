@@ -221,8 +221,9 @@ class StoreWriter:
             self._manifest.flush()
             return record
 
-    def close(self) -> None:
-        """Flush the manifest and write `status.json` with the capture counters."""
+    def close(self, complete: bool = True) -> None:
+        """Flush the manifest and write `status.json` with the capture counters; `complete=False`
+        when captures were lost (a write failed in the background writer), so readers say so."""
         with self._lock:
             if self._manifest.closed:
                 return
@@ -236,7 +237,7 @@ class StoreWriter:
                     "bytes_written": self.bytes_written,
                     **self.counts,
                     "writer": self.writer_id,
-                    "complete": True,
+                    "complete": complete,
                 },
             )
             self.lock.release()
