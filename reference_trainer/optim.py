@@ -291,9 +291,10 @@ class RoleOptimizer:
         names = self.param_names.get(phase.role) or [f"param{i}" for i in range(len(params))]
         ffdebug.tap_grads(phase.role, zip(names, params, strict=True))  # opt-in: grad.<role>.<group>
         with self.update_taps.around_step(phase.role) if self.update_taps else nullcontext():
-            # update.<name>: each watched tensor's update norm around the step
+            # update.<name>: each watched tensor's update norm around the step, tapped on leaving
+            # the block, so after grad_norm (training order: grad, then update; docs/trainer-taps.md)
             grad_norm = self.optimizer.clip_and_step(phase.role, params, max_norm)
-        ffdebug.tap(f"grad_norm.{phase.role}", grad_norm.detach().clone())
+            ffdebug.tap(f"grad_norm.{phase.role}", grad_norm.detach().clone())
         if not bool(torch.isfinite(grad_norm)):
             raise NonFiniteLossError(
                 f"grad_norm.{phase.role} is {grad_norm.item()} at optimizer step {phase.optimizer_step}; aborting"
