@@ -1,7 +1,8 @@
 """TDM-R1: the surrogate's clips and loss and the generator's reward terms against hand values and
 Flow-Factory's formulas; the arguments are validated with the field named; on the tiny SD3 model the
-surrogate learns the reward's preference (its DSM advantage-weighted gap to the reference turns
-negative), the teacher and frozen components stay bit-identical, every trainable role changes, the
+trainer learns end to end (the generator's held-out reward rises, a reversed reward lowers it, the paired
+gap to the teacher stays bounded) and the surrogate objective learns the reward's preference on a fixed
+batch (its DSM advantage-weighted gap to the reference turns negative), the teacher and frozen components stay bit-identical, every trainable role changes, the
 phase order is (fake, surrogate, generator), the first steps match the golden and two identical dumped
 runs compare ``ok`` with every stage tapped (exact resume: test_resume.py)."""
 
