@@ -1,11 +1,14 @@
 """TDM-R1: the surrogate's clips and loss and the generator's reward terms against hand values and
 Flow-Factory's formulas; the arguments are validated with the field named; on the tiny SD3 model the
-surrogate learns the reward's preference (its DSM advantage-weighted gap to the reference turns
-negative), the teacher and frozen components stay bit-identical, every trainable role changes, the
+trainer learns end to end (the generator's held-out reward rises, a reversed reward lowers it, the paired
+gap to the teacher stays bounded) and the surrogate objective learns the reward's preference on a fixed
+batch (its DSM advantage-weighted gap to the reference turns negative), the teacher and frozen components stay bit-identical, every trainable role changes, the
 phase order is (fake, surrogate, generator), the first steps match the golden and two identical dumped
 runs compare ``ok`` with every stage tapped (exact resume: test_resume.py)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from trainer_utils import (
     variant_state,
 )
 
+from reference_trainer import evaluation
 from reference_trainer.errors import ConfigError
 from reference_trainer.losses.tdm import revised_x0_loss
 from reference_trainer.losses.tdm_r1 import generator_reward_loss, runaway_clip, surrogate_loss
@@ -173,6 +177,75 @@ def test_tdm_r1_surrogate_learns_the_preference_and_every_role_moves(tmp_path, c
     with capsys.disabled():
         print(f"\nTDM-R1 surrogate mean Â·(d_s − d_ref) on a fixed batch: {start:.6f} -> {end:.6f}")
     assert start == 0.0 and end < 0
+
+
+# The end-to-end learning settings (measured on seeds 0, 1, 2 at 24 steps: held-out brightness reward
+# +0.042, +0.017, +0.016; the reversed reward (target 0): −0.003 on seed 0, −0.017 on seed 2; with the surrogate frozen the
+# generator barely moves, so the rise is the surrogate reward's). Flow-Factory's lrs (example config) move
+# the tiny generator by < 1e-3 in reward in a CI-sized run.
+LEARNING = (
+    "optimizers.0.lr=1e-3",  # generator
+    "optimizers.2.lr=3e-3",  # surrogate
+    "train.prompts_per_iteration=4",  # 4 groups of 4: a less noisy preference per surrogate step
+    "eval.every=24",
+    "eval.samples_per_prompt=4",
+)
+
+
+def heldout_reward_and_teacher_gap(out) -> tuple[float, float, float, float]:
+    """(reward before, reward after, paired MSE to the teacher after, MMD² after) from ``eval.jsonl``."""
+    start, end = (json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines())
+    return (
+        start["eval.reward.brightness"],
+        end["eval.reward.brightness"],
+        end["eval.teacher_paired_mse"],
+        end["eval.teacher_mmd"],
+    )
+
+
+def teacher_spread(trainer) -> float:
+    """Mean squared gap between the teacher's evaluation samples from *different* noises (per element):
+    a generator whose paired gap to the teacher reaches it has forgotten which noise maps where."""
+    eval_config = trainer.config.eval
+    prompts, _ = evaluation.eval_prompts(eval_config)
+    x = trainer.adapter.inference(
+        trainer.conditions.get(prompts),
+        num_steps=eval_config.num_inference_steps,
+        noise_level=0.0,
+        generator=evaluation.eval_generator(eval_config),
+        parameters=trainer.variants.snapshot("teacher"),
+    ).final.flatten(1)
+    pairs = torch.cdist(x, x).square() / x.shape[1]
+    return float(pairs.sum() / (len(x) * (len(x) - 1)))
+
+
+@pytest.mark.integration
+def test_tdm_r1_raises_the_heldout_reward_end_to_end(tmp_path):
+    """24 steps = 8 cycles from the teacher, then the generator's 4-step samples on the held-out
+    evaluation prompts and fixed noises (32 samples, each paired with the same noise before/after):
+    the brightness reward rises by > 0.01 (started at −0.550); the same run with the reversed reward
+    (brightness target 0) ends > 0.02 below it, so the rise is the reward's, not TDM's drift; the
+    distillation against the teacher does not blow up: the paired gap to the teacher's 8-step sample of
+    the same noise stays below half the gap between two teacher samples of different noises."""
+    trainer = make_trainer("tdm_r1", tmp_path / "up", 24, *LEARNING)
+    trainer.start()
+    before, after, paired, mmd = heldout_reward_and_teacher_gap(tmp_path / "up")
+    spread = teacher_spread(trainer)
+    make_trainer(
+        "tdm_r1",
+        tmp_path / "down",
+        24,
+        *LEARNING,
+        "train.rewards=[{name: brightness, kwargs: {target: 0.0}}]",
+    ).start()
+    _, reversed_after, _, _ = heldout_reward_and_teacher_gap(tmp_path / "down")
+    print(
+        f"\nTDM-R1 held-out brightness reward {before:.4f} -> {after:.4f} (reversed reward: "
+        f"{reversed_after:.4f}); teacher paired MSE {paired:.4f} (teacher spread {spread:.4f}), MMD² {mmd:.4f}"
+    )
+    assert after > before + 0.01
+    assert reversed_after < after - 0.02
+    assert paired < 0.5 * spread
 
 
 @pytest.mark.integration
