@@ -102,8 +102,8 @@ def test_flux_single_stream_attention_bug(tmp_path, monkeypatch):
     assert where == (1, "attn_out")
 
 
-def test_unet_mid_block_bug_is_layer_2_in_execution_order(tmp_path, monkeypatch):
-    """Registered down, up, mid; run down (L000, L001), mid (L002), up (L003, L004)."""
+@pytest.fixture(scope="module")
+def unet():
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
@@ -114,7 +114,12 @@ def test_unet_mid_block_bug_is_layer_2_in_execution_order(tmp_path, monkeypatch)
     ).eval()  # fmt: skip
     g = torch.Generator().manual_seed(3)
     sample, context = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 5, 32, generator=g)
-    call = dict(sample=sample, timestep=torch.tensor([10]), encoder_hidden_states=context)
+    return model, dict(sample=sample, timestep=torch.tensor([10]), encoder_hidden_states=context)
+
+
+def test_unet_mid_block_bug_is_layer_2_in_execution_order(unet, tmp_path, monkeypatch):
+    """Registered down, up, mid; run down (L000, L001), mid (L002), up (L003, L004)."""
+    model, call = unet
     result, where = _located(model, "mid_block.resnets.1", [call], tmp_path, monkeypatch)
     assert where == (2, "resnets.1.out")
     paths = {s.layer: s.stage for s in result.stages if s.stage == "hidden_out"}
@@ -154,8 +159,8 @@ def test_mixtral_experts_bug(tmp_path, monkeypatch):
     assert where == (1, "ffn_out")
 
 
-def test_t5_decoder_cross_attention_bug(tmp_path, monkeypatch):
-    """Encoder blocks L000-L001, decoder blocks L002-L003 (one numbering, in execution order)."""
+@pytest.fixture(scope="module")
+def t5():
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
@@ -166,12 +171,49 @@ def test_t5_decoder_cross_attention_bug(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(6)
     call = dict(input_ids=torch.randint(2, 1000, (1, 6), generator=g),
                 decoder_input_ids=torch.randint(2, 1000, (1, 4), generator=g))  # fmt: skip
+    return model, call
+
+
+def test_t5_decoder_cross_attention_bug(t5, tmp_path, monkeypatch):
+    """Encoder blocks L000-L001, decoder blocks L002-L003 (one numbering, in execution order)."""
+    model, call = t5
     result, where = _located(model, "decoder.block.1.layer.1", [call], tmp_path, monkeypatch)
     assert where == (3, "cross_attn_out")
     keys = _keys(result)
     assert {"embed.decoder_input_ids", "embed.out", "final.norm_out", "L002.attn_out"} <= keys
     labels = {s.layer: s.layer_class for s in result.stages if s.layer is not None}
     assert labels[1] == "encoder.T5Block" and labels[2] == "decoder.T5Block"
+
+
+@pytest.mark.parametrize(
+    "family, child, layer",
+    [("unet", "mid_block.resnets.1", 2), ("t5", "decoder.block.0.layer.1", 2)],
+)
+def test_a_tap_inside_a_renumbered_block_carries_its_execution_order_number(
+    family, child, layer, request, tmp_path, monkeypatch
+):
+    """UNet's mid block is registered last (L004) and T5's first decoder block shares one list
+    with the encoder's, yet both run third: a free tap made inside one, in every call, is a stage
+    of L002 like the block's hidden_out, never of its registration number."""
+    from ffdebug.store.reader import open_side
+
+    model, call = request.getfixturevalue(family)
+    module = model.get_submodule(child)
+    forward = module.forward
+
+    def tapped(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        ffdebug.tap("probe", out[0] if isinstance(out, tuple) else out)
+        return out
+
+    monkeypatch.setattr(module, "forward", tapped)
+    records = open_side(_dump(model, tmp_path, "ref", [call, call])).records
+    probes = sorted((r.key, r.layer, r.call) for r in records if r.key.endswith(".probe"))
+    key = f"L{layer:03d}.probe"
+    assert probes == [(key, layer, 0), (key, layer, 1)]
+    block_path = child.rsplit(".", 2)[0] if family == "t5" else "mid_block"
+    out = {r.key: r for r in records if r.call == 0 and r.module_path == block_path}
+    assert out[f"L{layer:03d}.hidden_out"].layer == layer
 
 
 @pytest.fixture(scope="module")
