@@ -237,26 +237,40 @@ def test_vit_norm_after_attention_bug(vit, tmp_path, monkeypatch):
 
 
 def test_multi_step_pipeline_scheduler_difference_names_the_call(sd3, tmp_path):
-    """A 3-step flow-matching loop; the target's scheduler uses another shift. Step 0 starts at
-    sigma 1 on both sides (shift leaves 1 unchanged), so the first difference is call 1's
-    timestep — an input that is compared, never gated."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    """diffusers' `StableDiffusion3Pipeline`, 3 steps, from the reference trainer's tiny SD3
+    fixtures (CLIP text encoder and tokenizer as both SD3 encoders, VAE, scheduler config; no T5)
+    and the tiny transformer; the target's scheduler uses shift 1 instead of the fixture's 3.
+    Step 0 starts at sigma 1 on both sides (a shift leaves 1 unchanged), so the first difference
+    is call 1's timestep: an input that is compared, never gated."""
+    from pathlib import Path
+
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection
 
     from ffdebug.report.text import compare_conclusion
 
-    model, inputs = sd3
+    fixtures = Path(__file__).resolve().parents[1] / "reference_trainer" / "fixtures" / "sd3_tiny"
+    transformer, _ = sd3
+    text_encoder = CLIPTextModelWithProjection.from_pretrained(fixtures / "text_encoder").eval()
+    tokenizer = AutoTokenizer.from_pretrained(fixtures / "tokenizer")
+    vae = AutoencoderKL.from_pretrained(fixtures / "vae").eval()
 
     def run(side, shift):
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
-        scheduler.set_timesteps(3)
-        latents = inputs["hidden_states"].clone()
-        with ffdebug.capture(model, dir=str(tmp_path), side=side), torch.no_grad():
-            for t in scheduler.timesteps:
-                call = dict(inputs, hidden_states=latents, timestep=t.reshape(1))
-                latents = scheduler.step(model(**call).sample, t, latents).prev_sample
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(fixtures / "scheduler", shift=shift)
+        pipe = StableDiffusion3Pipeline(
+            transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+            tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer, text_encoder_3=None,
+            tokenizer_3=None,
+        )  # fmt: skip
+        pipe.set_progress_bar_config(disable=True)
+        with ffdebug.capture(pipe.transformer, dir=str(tmp_path), side=side), torch.no_grad():
+            pipe("a cat", height=32, width=32, num_inference_steps=3, guidance_scale=1.0,
+                 output_type="latent", generator=torch.Generator().manual_seed(0))  # fmt: skip
         return tmp_path / side
 
+    assert FlowMatchEulerDiscreteScheduler.from_pretrained(fixtures / "scheduler").config.shift == 3.0
     result = ffdebug.compare(run("ref", 3.0), run("target", 1.0))
+    assert {s.call for s in result.stages} == {0, 1, 2}
     first = result.first_divergence
     assert (first.call, first.key) == (1, "embed.timestep")
     assert all(s.ok for s in result.stages if s.call == 0)
