@@ -326,6 +326,38 @@ def test_decode_only_bug_reports_generation_diverged(tmp_path, monkeypatch):
     )
     assert sentence.endswith("FAILED")
     assert result.to_json()["generation_diverged"]["call"] == 2
+    bisected = ffdebug.bisect(ref, tmp_path / "target")  # the same rule, the same sentence head
+    assert bisected.exit_code() == 1 and bisected.call.call == 1
+    assert bisected.conclusion.startswith(
+        expected + "; first divergence of call 1: layer 1 (LlamaDecoderLayer), ffn_out"
+    )
+    assert bisected.to_json()["generation_diverged"]["call"] == 2
+
+
+def test_a_generation_that_diverged_fails_bisect_when_the_calls_before_are_ok(tmp_path):
+    """Sampling with another seed: the prefill is bit-identical, the first sampled token differs.
+    No band fails, yet the run is not the reference's: compare and bisect both fail it."""
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(num_layers=1)
+    prompt = torch.randint(3, 1000, (1, 5), generator=torch.Generator().manual_seed(8))
+
+    def generate(side, seed):
+        torch.manual_seed(seed)
+        with ffdebug.capture(model, dir=str(tmp_path), side=side), torch.no_grad():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, do_sample=True,
+                           top_k=0, temperature=5.0)  # fmt: skip
+        return tmp_path / side
+
+    ref, tgt = generate("ref", 0), generate("target", 1)
+    compared = ffdebug.compare(ref, tgt)
+    assert compared.generation is not None and compared.generation.call == 1
+    assert all(s.ok for s in compared.stages) and compared.exit_code() == 1
+    bisected = ffdebug.bisect(ref, tgt)
+    assert bisected.first_divergence is None and bisected.exit_code() == 1
+    assert bisected.conclusion.startswith("Generation diverged at call 1 (position [0, 0]: ref ")
+    assert "every stage of the calls before it is ok" in bisected.conclusion
+    assert bisected.conclusion.endswith("FAILED")
 
 
 def test_different_pixel_values_are_gated_and_named(vit, tmp_path):
