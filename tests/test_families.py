@@ -102,8 +102,8 @@ def test_flux_single_stream_attention_bug(tmp_path, monkeypatch):
     assert where == (1, "attn_out")
 
 
-def test_unet_mid_block_bug_is_layer_2_in_execution_order(tmp_path, monkeypatch):
-    """Registered down, up, mid; run down (L000, L001), mid (L002), up (L003, L004)."""
+@pytest.fixture(scope="module")
+def unet():
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
@@ -114,7 +114,12 @@ def test_unet_mid_block_bug_is_layer_2_in_execution_order(tmp_path, monkeypatch)
     ).eval()  # fmt: skip
     g = torch.Generator().manual_seed(3)
     sample, context = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 5, 32, generator=g)
-    call = dict(sample=sample, timestep=torch.tensor([10]), encoder_hidden_states=context)
+    return model, dict(sample=sample, timestep=torch.tensor([10]), encoder_hidden_states=context)
+
+
+def test_unet_mid_block_bug_is_layer_2_in_execution_order(unet, tmp_path, monkeypatch):
+    """Registered down, up, mid; run down (L000, L001), mid (L002), up (L003, L004)."""
+    model, call = unet
     result, where = _located(model, "mid_block.resnets.1", [call], tmp_path, monkeypatch)
     assert where == (2, "resnets.1.out")
     paths = {s.layer: s.stage for s in result.stages if s.stage == "hidden_out"}
@@ -154,8 +159,8 @@ def test_mixtral_experts_bug(tmp_path, monkeypatch):
     assert where == (1, "ffn_out")
 
 
-def test_t5_decoder_cross_attention_bug(tmp_path, monkeypatch):
-    """Encoder blocks L000-L001, decoder blocks L002-L003 (one numbering, in execution order)."""
+@pytest.fixture(scope="module")
+def t5():
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
@@ -166,12 +171,49 @@ def test_t5_decoder_cross_attention_bug(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(6)
     call = dict(input_ids=torch.randint(2, 1000, (1, 6), generator=g),
                 decoder_input_ids=torch.randint(2, 1000, (1, 4), generator=g))  # fmt: skip
+    return model, call
+
+
+def test_t5_decoder_cross_attention_bug(t5, tmp_path, monkeypatch):
+    """Encoder blocks L000-L001, decoder blocks L002-L003 (one numbering, in execution order)."""
+    model, call = t5
     result, where = _located(model, "decoder.block.1.layer.1", [call], tmp_path, monkeypatch)
     assert where == (3, "cross_attn_out")
     keys = _keys(result)
     assert {"embed.decoder_input_ids", "embed.out", "final.norm_out", "L002.attn_out"} <= keys
     labels = {s.layer: s.layer_class for s in result.stages if s.layer is not None}
     assert labels[1] == "encoder.T5Block" and labels[2] == "decoder.T5Block"
+
+
+@pytest.mark.parametrize(
+    "family, child, layer",
+    [("unet", "mid_block.resnets.1", 2), ("t5", "decoder.block.0.layer.1", 2)],
+)
+def test_a_tap_inside_a_renumbered_block_carries_its_execution_order_number(
+    family, child, layer, request, tmp_path, monkeypatch
+):
+    """UNet's mid block is registered last (L004) and T5's first decoder block shares one list
+    with the encoder's, yet both run third: a free tap made inside one, in every call, is a stage
+    of L002 like the block's hidden_out, never of its registration number."""
+    from ffdebug.store.reader import open_side
+
+    model, call = request.getfixturevalue(family)
+    module = model.get_submodule(child)
+    forward = module.forward
+
+    def tapped(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        ffdebug.tap("probe", out[0] if isinstance(out, tuple) else out)
+        return out
+
+    monkeypatch.setattr(module, "forward", tapped)
+    records = open_side(_dump(model, tmp_path, "ref", [call, call])).records
+    probes = sorted((r.key, r.layer, r.call) for r in records if r.key.endswith(".probe"))
+    key = f"L{layer:03d}.probe"
+    assert probes == [(key, layer, 0), (key, layer, 1)]
+    block_path = child.rsplit(".", 2)[0] if family == "t5" else "mid_block"
+    out = {r.key: r for r in records if r.call == 0 and r.module_path == block_path}
+    assert out[f"L{layer:03d}.hidden_out"].layer == layer
 
 
 @pytest.fixture(scope="module")
@@ -195,26 +237,40 @@ def test_vit_norm_after_attention_bug(vit, tmp_path, monkeypatch):
 
 
 def test_multi_step_pipeline_scheduler_difference_names_the_call(sd3, tmp_path):
-    """A 3-step flow-matching loop; the target's scheduler uses another shift. Step 0 starts at
-    sigma 1 on both sides (shift leaves 1 unchanged), so the first difference is call 1's
-    timestep — an input that is compared, never gated."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    """diffusers' `StableDiffusion3Pipeline`, 3 steps, from the reference trainer's tiny SD3
+    fixtures (CLIP text encoder and tokenizer as both SD3 encoders, VAE, scheduler config; no T5)
+    and the tiny transformer; the target's scheduler uses shift 1 instead of the fixture's 3.
+    Step 0 starts at sigma 1 on both sides (a shift leaves 1 unchanged), so the first difference
+    is call 1's timestep: an input that is compared, never gated."""
+    from pathlib import Path
+
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection
 
     from ffdebug.report.text import compare_conclusion
 
-    model, inputs = sd3
+    fixtures = Path(__file__).resolve().parents[1] / "reference_trainer" / "fixtures" / "sd3_tiny"
+    transformer, _ = sd3
+    text_encoder = CLIPTextModelWithProjection.from_pretrained(fixtures / "text_encoder").eval()
+    tokenizer = AutoTokenizer.from_pretrained(fixtures / "tokenizer")
+    vae = AutoencoderKL.from_pretrained(fixtures / "vae").eval()
 
     def run(side, shift):
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
-        scheduler.set_timesteps(3)
-        latents = inputs["hidden_states"].clone()
-        with ffdebug.capture(model, dir=str(tmp_path), side=side), torch.no_grad():
-            for t in scheduler.timesteps:
-                call = dict(inputs, hidden_states=latents, timestep=t.reshape(1))
-                latents = scheduler.step(model(**call).sample, t, latents).prev_sample
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(fixtures / "scheduler", shift=shift)
+        pipe = StableDiffusion3Pipeline(
+            transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+            tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer, text_encoder_3=None,
+            tokenizer_3=None,
+        )  # fmt: skip
+        pipe.set_progress_bar_config(disable=True)
+        with ffdebug.capture(pipe.transformer, dir=str(tmp_path), side=side), torch.no_grad():
+            pipe("a cat", height=32, width=32, num_inference_steps=3, guidance_scale=1.0,
+                 output_type="latent", generator=torch.Generator().manual_seed(0))  # fmt: skip
         return tmp_path / side
 
+    assert FlowMatchEulerDiscreteScheduler.from_pretrained(fixtures / "scheduler").config.shift == 3.0
     result = ffdebug.compare(run("ref", 3.0), run("target", 1.0))
+    assert {s.call for s in result.stages} == {0, 1, 2}
     first = result.first_divergence
     assert (first.call, first.key) == (1, "embed.timestep")
     assert all(s.ok for s in result.stages if s.call == 0)
@@ -270,6 +326,38 @@ def test_decode_only_bug_reports_generation_diverged(tmp_path, monkeypatch):
     )
     assert sentence.endswith("FAILED")
     assert result.to_json()["generation_diverged"]["call"] == 2
+    bisected = ffdebug.bisect(ref, tmp_path / "target")  # the same rule, the same sentence head
+    assert bisected.exit_code() == 1 and bisected.call.call == 1
+    assert bisected.conclusion.startswith(
+        expected + "; first divergence of call 1: layer 1 (LlamaDecoderLayer), ffn_out"
+    )
+    assert bisected.to_json()["generation_diverged"]["call"] == 2
+
+
+def test_a_generation_that_diverged_fails_bisect_when_the_calls_before_are_ok(tmp_path):
+    """Sampling with another seed: the prefill is bit-identical, the first sampled token differs.
+    No band fails, yet the run is not the reference's: compare and bisect both fail it."""
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(num_layers=1)
+    prompt = torch.randint(3, 1000, (1, 5), generator=torch.Generator().manual_seed(8))
+
+    def generate(side, seed):
+        torch.manual_seed(seed)
+        with ffdebug.capture(model, dir=str(tmp_path), side=side), torch.no_grad():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, do_sample=True,
+                           top_k=0, temperature=5.0)  # fmt: skip
+        return tmp_path / side
+
+    ref, tgt = generate("ref", 0), generate("target", 1)
+    compared = ffdebug.compare(ref, tgt)
+    assert compared.generation is not None and compared.generation.call == 1
+    assert all(s.ok for s in compared.stages) and compared.exit_code() == 1
+    bisected = ffdebug.bisect(ref, tgt)
+    assert bisected.first_divergence is None and bisected.exit_code() == 1
+    assert bisected.conclusion.startswith("Generation diverged at call 1 (position [0, 0]: ref ")
+    assert "every stage of the calls before it is ok" in bisected.conclusion
+    assert bisected.conclusion.endswith("FAILED")
 
 
 def test_different_pixel_values_are_gated_and_named(vit, tmp_path):

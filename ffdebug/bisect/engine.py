@@ -232,6 +232,8 @@ def bisect(
     if not analyses:
         raise FFDebugError(f"{result.ref_path} and {result.target_path}: no stage appears on both sides")
     chosen, st, analysis = next((a for a in analyses if not a[2].clean), analyses[0])
+    if result.generation is not None:  # the call before the one whose ids differ is where to look
+        chosen, st, analysis = next((a for a in analyses if _before(result.generation, a[0])), analyses[-1])
     if training.is_trainer_run(result.stages):  # trainer stores: training order, not call order
         chosen, st, analysis = _in_training_order(result.stages, analyses, notes) or (chosen, st, analysis)
     attribution = None
@@ -274,7 +276,14 @@ def bisect(
         notes=notes,
         coverage=result.coverage,
         allow_partial=allow_partial,
+        generation=result.generation,
     )
+
+
+def _before(generation, call: CallRef) -> bool:
+    """`call` is the one just before the call where `generation` diverged (same step tags)."""
+    step = {str(k): str(v) for k, v in generation.step.items()}
+    return call.call == generation.call - 1 and {str(k): str(v) for k, v in call.step.items()} == step
 
 
 __all__ = ["BisectResult", "bisect"]

@@ -379,7 +379,7 @@ def _hook_block_io(
     state: dict = {}  # invocation index and input shape of the call in flight
 
     def pre(module, args, kwargs):
-        sess.push_layer(block.layer)
+        sess.push_layer(block.layer, handle.order)
         state["inv"] = inv = session.next_invocation(block.path)
         h = _first_tensor(args, kwargs)
         if h is not None:

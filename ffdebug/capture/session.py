@@ -36,16 +36,25 @@ def current_layer() -> int | None:
     return stack[-1] if stack else None
 
 
-def push_layer(layer: int) -> None:
+def current_order():
+    """The `ExecutionOrder` (capture/order.py) of the block now running, or None."""
+    stack = getattr(_local, "orders", None)
+    return stack[-1] if stack else None
+
+
+def push_layer(layer: int, order=None) -> None:
+    """Enter block `layer`; `order` renumbers it when its model's blocks run out of order."""
     if not hasattr(_local, "layers"):
-        _local.layers = []
+        _local.layers, _local.orders = [], []
     _local.layers.append(layer)
+    _local.orders.append(order)
 
 
 def pop_layer() -> None:
     stack = getattr(_local, "layers", None)
     if stack:
         stack.pop()
+        _local.orders.pop()
 
 
 def _dist_coords() -> tuple[int, int]:
@@ -192,6 +201,18 @@ class Session:
         if self._held is not None:  # inside a block's first call: written in order at its return
             copy, extra = tensor.detach().clone(), dict(tags or {})
             self._held.append(lambda: self.capture(key, copy, tags=extra, **meta))
+            return
+        order = current_order()
+        if order is not None and order.pending and meta.get("layer") == current_layer():
+            # a tap inside a block whose number follows execution (capture/order.py): held with
+            # the block's own captures and renamed with them when the first root call ends
+            copy, extra = tensor.detach().clone(), dict(tags or {})
+
+            def replay():
+                renamed, renamed_meta = order.rename(key, meta)
+                self.capture(renamed, copy, tags=extra, **renamed_meta)
+
+            order.hold(replay)
             return
         extra = meta.get("extra") or {}
         ids = key == "embed.input_ids" or bool(extra.get("input_ids"))

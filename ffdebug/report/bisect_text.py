@@ -6,7 +6,15 @@ from rich.console import Console
 from rich.table import Table
 
 from ffdebug.report.safe_text import esc, key_markup
-from ffdebug.report.text import compare_table, coverage_word, fmt, numbers, print_coverage, severity_cell
+from ffdebug.report.text import (
+    compare_table,
+    coverage_word,
+    fmt,
+    generation_sentence,
+    numbers,
+    print_coverage,
+    severity_cell,
+)
 from ffdebug.results import SLOT_MEANING, BisectResult, InvarianceResult
 from ffdebug.verdict import PatternName
 
@@ -22,6 +30,8 @@ def bisect_sentence(result: BisectResult) -> str:
     """One plain sentence: layer, class, stage, pattern, then PASSED / FAILED."""
     word = coverage_word(result)
     first, p = result.first_divergence, result.pattern
+    if result.generation is not None:  # the rule compare uses (results.stages.fails)
+        return f"{generation_sentence(result.generation, result.stages)}; pattern {p}, {_verdict(result)}. {word}"
     if first is None:
         tail = f" ({result.warmup_skipped} warm-up call(s) set aside)" if result.warmup_skipped else ""
         what = (

@@ -142,16 +142,20 @@ def _at(result: CompareResult, e) -> str:
     return (f"call {e.call}, " if len(calls) > 1 and e.call is not None else "") + describe_stage(e)
 
 
-def generation_conclusion(result: CompareResult, word: str) -> str:
-    """`Generation diverged at call k (…); first divergence of call k-1 at …. FAILED`."""
-    gen = result.generation
-    before = [s for s in result.stages if not s.ok and s.call == gen.call - 1]
-    first = before[0] if before else result.first_divergence
+def generation_sentence(gen, stages) -> str:
+    """`Generation diverged at call k (…); first divergence of call k-1: …` (compare and bisect)."""
+    before = [s for s in stages if not s.ok and s.call == gen.call - 1]
+    first = before[0] if before else next((s for s in stages if not s.ok), None)
     head = gen.sentence()
     head = head[0].upper() + head[1:]
     if first is None:
-        return f"{head}; every stage of the calls before it is ok. {word}"
-    return f"{head}; first divergence of call {first.call}: {describe_stage(first)}. {word}"
+        return f"{head}; every stage of the calls before it is ok"
+    return f"{head}; first divergence of call {first.call}: {describe_stage(first)}"
+
+
+def generation_conclusion(result: CompareResult, word: str) -> str:
+    """`Generation diverged at call k (…); first divergence of call k-1 at …. FAILED`."""
+    return f"{generation_sentence(result.generation, result.stages)}. {word}"
 
 
 def compare_conclusion(result: CompareResult) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ffdebug.coverage import Coverage
-from ffdebug.results.stages import CallRef, CoveredVerdict, StageResult
+from ffdebug.results.stages import CallRef, CoveredVerdict, GenerationDivergence, StageResult, fails
 from ffdebug.verdict import PatternName, Severity, at_least
 
 
@@ -95,11 +95,18 @@ class BisectResult(CoveredVerdict):
     conclusion: str = ""  # the closing sentence, written by ffdebug.report.bisect_text.conclude
     coverage: Coverage = field(default_factory=Coverage)
     allow_partial: bool = False
+    generation: GenerationDivergence | None = None  # token ids that differ after the first call
 
     def failed(self, fail_on: Severity | str | None = None) -> bool:
-        return at_least(self.judgement, fail_on or self.fail_on)
+        return fails(self.generation, at_least(self.judgement, fail_on or self.fail_on))
 
     def to_json(self) -> dict:
+        out = self._to_json()
+        if self.generation is not None:
+            out["generation_diverged"] = self.generation.to_json()
+        return out
+
+    def _to_json(self) -> dict:
         sub = None
         if self.sub_stage is not None:
             sub = dict(self.sub_stage.summary(*SUB_STAGE_FIELDS), why=self.sub_stage_why)

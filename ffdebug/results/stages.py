@@ -265,7 +265,7 @@ class CompareResult(CoveredVerdict):
         return next((s for s in self.stages if s.severity.at_least(severity)), None)
 
     def failed(self, fail_on: Severity | str | None = None) -> bool:
-        return self.generation is not None or self.first_at_or_above(fail_on or self.fail_on) is not None
+        return fails(self.generation, self.first_at_or_above(fail_on or self.fail_on) is not None)
 
     def to_json(self) -> dict:
         out = self._to_json()
@@ -298,6 +298,12 @@ class CompareResult(CoveredVerdict):
             "allow_partial": self.allow_partial,
             "shards": self.shards,
         }
+
+
+def fails(generation: GenerationDivergence | None, judged_failed: bool) -> bool:
+    """The rule compare and bisect share: a generation that diverged after its first call fails the
+    run whatever the calls before it show (their bands judge only those calls)."""
+    return generation is not None or judged_failed
 
 
 def exit_code(failed: bool, coverage: Coverage, allow_partial: bool) -> int:
