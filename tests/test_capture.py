@@ -428,3 +428,18 @@ def test_install_on_a_deep_copy_of_an_installed_model_installs_once(tmp_path, ti
         with torch.no_grad():
             tiny_llama(input_ids=input_ids)
     assert set(open_side(tmp_path / "orig").keys()) == _expected_keys(4)
+
+
+@pytest.mark.parametrize("mode", ["stats", "sketch"])
+def test_gated_inputs_keep_their_payload_in_stats_and_sketch_modes(tiny_llama, input_ids, tmp_path, mode):
+    """The input gate reads position_ids / attention_mask values, so they are written in full in
+    every mode (like the input ids); a run with equal inputs passes the gate."""
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    for side in ("ref", "target"):
+        with ffdebug.capture(tiny_llama, dir=tmp_path, side=side, mode=mode):
+            tiny_llama(input_ids, position_ids=positions)
+    store = open_side(str(tmp_path / "ref"))
+    pos = next(r for r in store.records if r.key == "embed.position_ids")
+    assert pos.has_payload and torch.equal(pos.load(), positions)
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target", allow_partial=True)
+    assert not res.failed()

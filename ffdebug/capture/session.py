@@ -16,6 +16,7 @@ import sys
 import threading
 
 from ffdebug._env import DumpConfig, dump_config
+from ffdebug.capture.inputs import GATED
 
 # Step tags pushed by `ffdebug.step(...)`, outermost first. Module-level so that tags work before any
 # session exists and cost nothing when dumps are off.
@@ -216,7 +217,9 @@ class Session:
             return
         extra = meta.get("extra") or {}
         ids = key == "embed.input_ids" or bool(extra.get("input_ids"))
-        small = ids or bool(extra.get("token_mask"))  # kept always, like the ids (compare/align.py)
+        # kept in full always, like the ids: the token mask (compare/align.py), the inputs the gate
+        # reads (capture/inputs.py) and scalars judged near zero by a declared scale
+        small = ids or bool(extra.get("token_mask")) or key in GATED or "scale" in extra
         if not self.wants(key, meta.get("layer"), small):
             self.filtered += 1
             return

@@ -53,7 +53,7 @@ def _sketch_of(rec: Record) -> dict | None:
     return info if isinstance(info, dict) and rec.has_payload else None
 
 
-def _sketch_compare(r: Record, t: Record, e: StageResult) -> None:
+def _sketch_compare(r: Record, t: Record, e: StageResult, thresholds=(), exact: bool = False) -> None:
     """Compare two sketch-mode records: rel and cos estimated from their sketches and exact norms
     (`compare/sketch.py`). Sketches of different seeds or sizes cannot meet: a bug, said why."""
     from ffdebug.compare.sketch import estimate
@@ -72,8 +72,12 @@ def _sketch_compare(r: Record, t: Record, e: StageResult) -> None:
     e.cos, e.rel = est.cos, est.rel
     e.norm_ratio = (l2t / l2r) if l2r else None
     e.notes.append(f"rel and cos estimated from a {rs.get('buckets')}-bucket sketch")
-    severity = V.classify(est.cos, est.rel, e.key)
-    e.severity = V.zero_side(severity, float(l2r), float(l2t), int((r.stats or {}).get("numel") or 0))
+    severity = V.classify(est.cos, est.rel, e.key, thresholds)
+    severity = V.zero_side(severity, float(l2r), float(l2t), int((r.stats or {}).get("numel") or 0))
+    if exact:  # a sketch cannot show bit equality: at --exact it never passes as identical
+        severity, e.invariance = V.exact(severity, 0.0)
+        e.notes.append("a sketch cannot show bit equality (--exact): dump full tensors")
+    e.severity = severity
 
 
 def _meta(rec: Record) -> TensorMeta:
@@ -132,7 +136,7 @@ def compare_records(
         )
     if _sketch_of(r) is not None or _sketch_of(t) is not None:
         if _sketch_of(r) is not None and _sketch_of(t) is not None:
-            _sketch_compare(r, t, e)
+            _sketch_compare(r, t, e, thresholds, exact)
         else:  # a sketch meets a full tensor or statistics: the statistics alone decide nothing more
             _stats_compare(r, t, e)
         return e
@@ -340,7 +344,7 @@ def _compare_unit(
         return [e], [(r, unit.target)], reading
     per_rank = []
     for part in unit.replicas:
-        e = compare_records(r, part, thresholds, exact, load=load)
+        e = compare_records(r, part, thresholds, exact, masks=masks, load=load)
         e.rank, e.per_rank = part.rank, True
         per_rank.append(e)
     if all(e.ok for e in per_rank) or not (r.has_payload and all(p.has_payload for p in unit.replicas)):
@@ -356,7 +360,7 @@ def _compare_unit(
     if best is None:
         return per_rank, [(r, p) for p in unit.replicas], reading
     folded = fold(unit.replicas, best.plan)
-    e = compare_records(r, folded, thresholds, exact)
+    e = compare_records(r, folded, thresholds, exact, masks=masks)
     e.finding = "shard_reading"
     e.unsharded_target = {"how": best.how, "ranks": len(unit.replicas), "inferred": True}
     e.notes.append(f"target ranks match as the {best.reading}; declare it in the dump")
