@@ -9,13 +9,13 @@ children as `L{NNN}.{child}.out`), sub-stage classes named in the block-class li
 
 from __future__ import annotations
 
-from ffdebug.capture import session as sess
 from ffdebug.capture.children import ChildRoles
 from ffdebug.capture.copies import drop_inherited, remember
 from ffdebug.capture.functions import known_function_taps, tap_function
 from ffdebug.capture.inputs import LATENTS_KEY, root_inputs
 from ffdebug.capture.order import ExecutionOrder
 from ffdebug.capture.stage_map import StageMap
+from ffdebug.capture.state import pop_layer, push_layer
 from ffdebug.models.blocks import find_blocks
 from ffdebug.models.roles import has_role, is_norm, is_norm_type, norm_shaped, role_children
 
@@ -133,8 +133,7 @@ def install(
         grad_key = f"{key}.grad"
         if config.grads and live.requires_grad and session.wants(grad_key, meta.get("layer")):
             # the gradient arrives after the forward: it keeps the forward's call and step tags
-            grad_meta = dict(meta, io="grad", call=session.call, tags=sess.current_tags())
-            live.register_hook(lambda g: session.capture(grad_key, g, **grad_meta))
+            live.register_hook(session.capture_later(grad_key, **dict(meta, io="grad")))
 
     # root: call counter, input ids, final output
     def root_pre(module, args, kwargs):
@@ -383,7 +382,7 @@ def _hook_block_io(
     state: dict = {}  # invocation index and input shape of the call in flight
 
     def pre(module, args, kwargs):
-        sess.push_layer(block.layer)
+        push_layer(block.layer)
         state["inv"] = inv = session.next_invocation(block.path)
         h = _first_tensor(args, kwargs)
         if h is not None:
@@ -404,7 +403,7 @@ def _hook_block_io(
                 key = f"{prefix}.hidden_out" if main else f"{prefix}.hidden_out{suffix}"
                 capture(key, t, invocation=state.get("inv", 0), **meta)
         finally:
-            sess.pop_layer()
+            pop_layer()
             block_done()
 
     handle.add(block.module.register_forward_pre_hook(pre, with_kwargs=True))
