@@ -195,7 +195,7 @@ def compare(
     noise_idx = noise_index(noise, ref_groups, ref_filters) if noise is not None else None
     stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
     units = [u for sp in stage_pairings for u in sp.units]
-    run = _compare_units(units, pairing, thresholds, exact, workers, noise_idx)
+    run = _run_units(units, pairing, thresholds, exact, workers, noise_idx)
     if not any(e.key != "embed.input_ids" for e in run.stages):
         raise FFDebugError(nothing_paired(ref_store, tgt_store, pairing, filters))
     if layers is not None and not any(e.layer is not None for e in run.stages):
@@ -268,7 +268,7 @@ def _pair_calls(ref_store: SideStore, tgt_store: SideStore, filters: Filters, re
     return ref_groups, pairing, generation
 
 
-def _compare_units(units: list[StageUnit], pairing, thresholds, exact: bool, workers, noise_idx) -> UnitsRun:
+def _run_units(units: list[StageUnit], pairing, thresholds, exact: bool, workers, noise_idx) -> UnitsRun:
     """Every unit compared (in unit order), graded against the noise run when there is one."""
     run = UnitsRun()
     masks = {id(rg): layouts(rg, tg) for rg, tg in pairing.pairs}
