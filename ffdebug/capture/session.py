@@ -1,9 +1,9 @@
-"""A capture session: one side of one process writing into a dump store.
+"""A capture session: one side of one process, deciding what is captured and with which metadata.
 
 The session owns the filters (layers, stages, calls, ranks), the call counter of the instrumented
-root module, the invocation counters, the step tags and the store writer. The process-wide
-session is created from the environment at first use; `ffdebug.capture(...)` pushes an explicit
-one for the duration of a `with` block.
+root module, the invocation counters and the hold of a block's first call; each capture goes to its
+sink (capture/sinks.py: the dump store, or `ffdebug.trace`'s tracer). Step tags, the layer stack
+and which session is active live in capture/state.py.
 """
 
 from __future__ import annotations
