@@ -228,7 +228,12 @@ class Tracer:
 
     # -- recording ------------------------------------------------------------------------------
     def record(
-        self, name: str, kind: str, tensor: torch.Tensor, module_class: str | None = None, phase=_FROM_TAGS
+        self,
+        name: str,
+        kind: str,
+        tensor: torch.Tensor,
+        module_class: str | None = None,
+        phase: object = _FROM_TAGS,
     ) -> None:
         """Add (or count) one tensor under `name` in the current grad mode and `phase` (by default
         the step tags' one)."""
@@ -263,14 +268,16 @@ class Tracer:
             self.mask(name, tensor)
 
     # -- the capture sink ------------------------------------------------------------------------
-    def write(self, key: str, tensor, meta: dict, always_payload: bool = False, payload_of=None) -> None:
+    def write(
+        self, key: str, tensor: object, meta: dict, always_payload: bool = False, payload_of: object = None
+    ) -> None:
         """A free tap from the trace session: one row, in the phase the session resolved."""
         import torch
 
         if isinstance(tensor, torch.Tensor):
             self.record(key, "tap", tensor, phase=meta.get("phase"))
 
-    def update_run_info(self, **fields) -> None:
+    def update_run_info(self, **fields: object) -> None:
         """A trace has no run.json."""
 
     def count_skip(self, reason: str) -> None:
