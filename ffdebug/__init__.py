@@ -21,6 +21,7 @@ import importlib as _importlib
 import importlib.util as _importlib_util
 
 from ffdebug.capture import session as _session
+from ffdebug.capture import state as _state
 from ffdebug.verdict import Severity as _Severity
 
 # The analysis subpackages `ffdebug.compare` and `ffdebug.bisect` share their names with the API
@@ -59,7 +60,7 @@ def install(model, classes=None, layer_class: str | None = None, stage_names=Non
     Stages are named by role (README "Stage names by role"); `stage_names` renames what roles
     cannot place: {OLD: NEW} regular expressions over stage kinds, e.g. {"mix.out": "attn_out"}.
     """
-    s = _session.active_session()
+    s = _state.active_session()
     if s is None:
         return None
     from ffdebug.capture.hooks import install as _install
@@ -71,7 +72,7 @@ def install(model, classes=None, layer_class: str | None = None, stage_names=Non
 def enabled() -> bool:
     """True when dumps are on in this process (env vars or an open `ffdebug.capture`): lets a caller
     skip work done only for a tap, such as copying weights to tap their update."""
-    return _session.active_session() is not None
+    return _state.active_session() is not None
 
 
 def tap(stage: str, tensor, **tags):
@@ -81,7 +82,7 @@ def tap(stage: str, tensor, **tags):
     pre-all-reduce tensors; `layer=` sets the layer; `input_ids=True` marks token ids (compared
     first, exit 3 when they differ); other tags are step tags for this capture.
     """
-    s = _session.active_session()
+    s = _state.active_session()
     if s is not None:
         s.tap(stage, tensor, tags)
     return tensor
@@ -103,11 +104,8 @@ def tap_grads(role: str, named_parameters) -> None:
 @_contextlib.contextmanager
 def step(**tags):
     """Tag everything captured inside, e.g. `with ffdebug.step(optimizer_step=3, phase="rollout"):`."""
-    _session._TAGS.append(tags)
-    try:
+    with _state.tagged(tags):
         yield
-    finally:
-        _session._TAGS.pop()
 
 
 @_contextlib.contextmanager
@@ -132,7 +130,7 @@ def capture(
         raise TypeError("ffdebug.capture(...) needs dir=")
     config = _session.explicit_config(dir, side, layers=layers, classes=classes, **options)
     s = _session.Session(config, declared_classes=layer_class)
-    _session.push_explicit(s)
+    _state.push_explicit(s)
     handle = None
     try:
         if model is not None:
@@ -143,7 +141,7 @@ def capture(
     finally:
         if handle is not None:
             handle.remove()
-        _session.pop_explicit(s)
+        _state.pop_explicit(s)
         s.report_problems()
         s.close()
 

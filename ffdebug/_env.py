@@ -300,8 +300,8 @@ def dump_config() -> DumpConfig | None:
     return _dump_config  # type: ignore[return-value]
 
 
-def reset_for_tests() -> None:
-    """Forget the cached config (tests that change os.environ in-process)."""
+def forget_dump_config() -> None:
+    """Forget the cached config: the next use reads os.environ again (`capture.state.reset`)."""
     global _dump_config
     _dump_config = _UNSET
 

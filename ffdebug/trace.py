@@ -3,7 +3,8 @@ data-flow-trace).
 
 While the traced function runs, process-wide module hooks (`torch.nn.modules.module.
 register_module_forward_pre_hook` / `register_module_forward_hook`) see every forward of every
-module, and an explicit capture session receives every `ffdebug.tap(...)`. No model object is
+module, and an explicit capture session sends every `ffdebug.tap(...)` to the tracer, its sink
+(capture/sinks.py). No model object is
 needed: a module's name is its path below the outermost module that called it (`SD3Transformer2DModel
 .transformer_blocks.0.attn`), found from the call stack of modules.
 
@@ -27,13 +28,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ffdebug._entry import resolve_entry
-from ffdebug.capture import session as _session
+from ffdebug.capture import state as _state
+from ffdebug.capture.session import Session, explicit_config
 from ffdebug.errors import FFDebugError
 
 if TYPE_CHECKING:
     import torch
 
 MAX_MASK_ROWS = 8
+_FROM_TAGS = object()  # Tracer.record's phase: the step tags' one
 
 
 @dataclass
@@ -171,7 +174,12 @@ def _tensor_leaves(obj, prefix: str = "", brackets: bool = False):
 
 
 class Tracer:
-    """Collects rows while installed; `with Tracer(...) as t:` installs the global hooks."""
+    """Collects rows while installed; `with Tracer(...) as t:` installs the global hooks.
+
+    The sink of the trace's capture session (capture/sinks.py): free taps arrive through `write`;
+    module stages of `ffdebug.install` hooks are not sent, the global hooks see every module."""
+
+    takes_module_stages = False
 
     def __init__(
         self, modules: tuple[str, ...] = (), depth: int | None = None, all_calls: bool = False
@@ -219,14 +227,23 @@ class Tracer:
         return not self.modules or any(fnmatch.fnmatchcase(name, g) for g in self.modules)
 
     # -- recording ------------------------------------------------------------------------------
-    def record(self, name: str, kind: str, tensor: torch.Tensor, module_class: str | None = None) -> None:
-        """Add (or count) one tensor under `name` in the current grad mode and phase."""
+    def record(
+        self,
+        name: str,
+        kind: str,
+        tensor: torch.Tensor,
+        module_class: str | None = None,
+        phase: object = _FROM_TAGS,
+    ) -> None:
+        """Add (or count) one tensor under `name` in the current grad mode and `phase` (by default
+        the step tags' one)."""
         import torch
 
         from ffdebug.store.schema import tensor_stats
 
         grad = torch.is_grad_enabled()
-        phase = _session.current_tags().get("phase")
+        if phase is _FROM_TAGS:
+            phase = _state.current_tags().get("phase")
         key = (name, grad, phase) if not self.all_calls else (name, grad, phase, self._order)
         row = self.rows.get(key)
         if row is not None:
@@ -249,6 +266,25 @@ class Tracer:
         )
         if "mask" in name.lower():
             self.mask(name, tensor)
+
+    # -- the capture sink ------------------------------------------------------------------------
+    def write(
+        self, key: str, tensor: object, meta: dict, always_payload: bool = False, payload_of: object = None
+    ) -> None:
+        """A free tap from the trace session: one row, in the phase the session resolved."""
+        import torch
+
+        if isinstance(tensor, torch.Tensor):
+            self.record(key, "tap", tensor, phase=meta.get("phase"))
+
+    def update_run_info(self, **fields: object) -> None:
+        """A trace has no run.json."""
+
+    def count_skip(self, reason: str) -> None:
+        """Nothing is skipped from a trace's rows but graph captures, which have no tensors to read."""
+
+    def close(self) -> None:
+        """The rows stay readable after the session closes."""
 
     def mask(self, name: str, tensor: torch.Tensor) -> None:
         """Keep a mask summary for `name` (first occurrence)."""
@@ -295,32 +331,6 @@ class Tracer:
         self._handles.clear()
 
 
-class _TraceSession(_session.Session):
-    """A capture session that sends taps to the tracer and writes nothing to disk."""
-
-    def __init__(self, tracer: Tracer) -> None:
-        super().__init__(_session.explicit_config("<trace>", "trace", mode="stats"))
-        self.tracer = tracer
-
-    def capture(
-        self, key: str, tensor, **meta
-    ) -> None:  # hooks installed by ffdebug.install: modules are traced already
-        return None
-
-    def tap(self, stage: str, tensor, tags: dict) -> None:
-        import torch
-
-        if isinstance(tensor, torch.Tensor):
-            tags = {
-                k: v for k, v in tags.items() if k not in ("shard", "reduction", "layer", "layer_class", "io")
-            }
-            _session._TAGS.append(tags)
-            try:
-                self.tracer.record(stage, "tap", tensor)
-            finally:
-                _session._TAGS.pop()
-
-
 @contextlib.contextmanager
 def _argv(argv: list[str] | None):
     if argv is None:
@@ -352,10 +362,10 @@ def trace(
     fn = resolve_entry(entry)
     result = TraceResult(entry=entry)
     tracer = Tracer(modules, depth, all_calls)
-    traced_session = _TraceSession(tracer)
+    traced_session = Session(explicit_config("<trace>", "trace", mode="stats"), sink=tracer)
     start = time.perf_counter()
     returned = None
-    _session.push_explicit(traced_session)
+    _state.push_explicit(traced_session)
     try:
         # the traced code's prints go to stderr: stdout carries the trace (and its JSON)
         with tracer, _argv([entry, *args] if args else None), contextlib.redirect_stdout(sys.stderr):
@@ -367,7 +377,7 @@ def trace(
             except Exception as exc:  # noqa: BLE001 - reported with the partial trace, not swallowed
                 result.error = f"{type(exc).__name__}: {exc}"
     finally:
-        _session.pop_explicit(traced_session)
+        _state.pop_explicit(traced_session)
     for suffix, t in _tensor_leaves(returned, "return"):
         tracer.record(suffix, "return", t)
     result.elapsed_s = time.perf_counter() - start

@@ -21,14 +21,11 @@ def _clean_ffdebug_state(monkeypatch):
     import torch
 
     torch.set_num_threads(1)
-    from ffdebug import _env
-    from ffdebug.capture import session
+    from ffdebug.capture import state
 
-    _env.reset_for_tests()
-    session.reset_for_tests()
+    state.reset()
     yield
-    _env.reset_for_tests()
-    session.reset_for_tests()
+    state.reset()
 
 
 @pytest.fixture

@@ -443,3 +443,36 @@ def test_gated_inputs_keep_their_payload_in_stats_and_sketch_modes(tiny_llama, i
     assert pos.has_payload and torch.equal(pos.load(), positions)
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target", allow_partial=True)
     assert not res.failed()
+
+
+def test_gradient_keeps_the_forward_tags_not_the_backward_ones(tmp_path, tiny_llama, input_ids):
+    """A tag set at forward and changed before backward is the forward's on the grad record; a tag
+    that only the backward's context has does not reach it."""
+    with ffdebug.capture(tiny_llama, dir=tmp_path, side="g", grads=True, stages="L001.hidden_out*"):
+        with ffdebug.step(optimizer_step=3, phase="train"):
+            out = tiny_llama(input_ids=input_ids)
+        with ffdebug.step(optimizer_step=4, phase="eval", micro=1):
+            out.logits.sum().backward()
+    recs = {r.io: r for r in open_side(tmp_path / "g").records}
+    assert (recs["grad"].key, recs["grad"].step, recs["grad"].phase) == (
+        "L001.hidden_out.grad",
+        {"optimizer_step": 3},
+        "train",
+    )
+    assert (recs["out"].step, recs["out"].phase) == ({"optimizer_step": 3}, "train")
+
+
+def test_step_tags_are_per_context(tmp_path):
+    """Step tags are context variables: a thread started inside `ffdebug.step` does not see them,
+    and they are gone after the block."""
+    import threading
+
+    from ffdebug.capture.state import current_tags
+
+    seen: list = []
+    with ffdebug.step(optimizer_step=1):
+        t = threading.Thread(target=lambda: seen.append(current_tags()))
+        t.start()
+        t.join()
+        assert current_tags() == {"optimizer_step": 1}
+    assert seen == [{}] and current_tags() == {}

@@ -91,16 +91,14 @@ def test_ranks_selection_from_env(tmp_path, monkeypatch):
     import torch
 
     import ffdebug
-    from ffdebug import _env
-    from ffdebug.capture import session
+    from ffdebug.capture import state
 
     monkeypatch.setenv("FFDEBUG_FWD_DUMP_DIR", str(tmp_path))
     monkeypatch.setenv("FFDEBUG_FWD_DUMP_RANKS", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
-        _env.reset_for_tests()
-        session.reset_for_tests()
+        state.reset()
         ffdebug.tap("x", torch.ones(2))
-        session.active_session().close()
+        state.active_session().close()
     assert sorted(p.name for p in (tmp_path / "target").iterdir()) == ["rank001"]

@@ -225,33 +225,30 @@ def bisect(
     )
     notes = list(result.notes)
     _relabel(result.stages, layer_class)
-
-    # one analysis per paired call; the first call that is not a clean match is the one reported
-    index = {id(e): i for i, e in enumerate(result.stages)}
-    analyses = [(key, st, _analyse_call(st, None)) for key, st in _by_call(result.stages)]
-    if not analyses:
-        raise FFDebugError(f"{result.ref_path} and {result.target_path}: no stage appears on both sides")
-    chosen, st, analysis = next((a for a in analyses if not a[2].clean), analyses[0])
-    if result.generation is not None:  # the call before the one whose ids differ is where to look
-        chosen, st, analysis = next((a for a in analyses if _before(result.generation, a[0])), analyses[-1])
-    if training.is_trainer_run(result.stages):  # trainer stores: training order, not call order
-        chosen, st, analysis = _in_training_order(result.stages, analyses, notes) or (chosen, st, analysis)
+    analyses, (chosen, st, analysis) = _choose_call(result, notes)
     attribution = None
     if model_target:
         from ffdebug.bisect.attribution import attribute
 
+        index = {id(e): i for i, e in enumerate(result.stages)}
         records = [result.records[index[id(e)]] for e in st]
         attribution = attribute(model_ref, model_target, records, st)
         analysis = _analyse_call(st, attribution)
-
-    p = analysis.pattern
-    verdict = worst_of(result.stages)
-    calls = [CallSummary(ref, a.pattern.name, worst_of(s)) for ref, s, a in analyses]
     if len(analyses) > 1:
         on_rank = f" on target rank {chosen.rank}" if chosen.rank is not None else ""
         notes.append(
             f"{len(analyses)} paired calls; reporting call {chosen.call} {chosen.step or ''}{on_rank}".rstrip()
         )
+    return _bisect_result(
+        result, analyses, (chosen, st, analysis), attribution, notes, fail_on, allow_partial
+    )
+
+
+def _bisect_result(result, analyses, reported, attribution, notes, fail_on, allow_partial) -> BisectResult:
+    """The BisectResult of the reported call `(call, its stages, its analysis)`."""
+    chosen, st, analysis = reported
+    verdict = worst_of(result.stages)
+    p = analysis.pattern
     return BisectResult(
         verdict=verdict,
         judgement=V.judge(verdict, analysis.signal),
@@ -267,7 +264,7 @@ def bisect(
         ref_path=result.ref_path,
         target_path=result.target_path,
         call=chosen,
-        calls=calls,
+        calls=[CallSummary(ref, a.pattern.name, worst_of(s)) for ref, s, a in analyses],
         fail_on=V.parse_fail_on(fail_on),
         signal=analysis.signal,
         shards=result.shards,
@@ -284,6 +281,22 @@ def _before(generation, call: CallRef) -> bool:
     """`call` is the one just before the call where `generation` diverged (same step tags)."""
     step = {str(k): str(v) for k, v in generation.step.items()}
     return call.call == generation.call - 1 and {str(k): str(v) for k, v in call.step.items()} == step
+
+
+def _choose_call(result, notes: list[str]):
+    """One analysis per paired call, and the call reported: the first that is not a clean match
+    (trainer stores: in training order, not call order; `notes` says why when that differs)."""
+    from ffdebug.errors import FFDebugError
+
+    analyses = [(key, st, _analyse_call(st, None)) for key, st in _by_call(result.stages)]
+    if not analyses:
+        raise FFDebugError(f"{result.ref_path} and {result.target_path}: no stage appears on both sides")
+    chosen = next((a for a in analyses if not a[2].clean), analyses[0])
+    if result.generation is not None:  # the call before the one whose ids differ is where to look
+        chosen = next((a for a in analyses if _before(result.generation, a[0])), analyses[-1])
+    if training.is_trainer_run(result.stages):
+        chosen = _in_training_order(result.stages, analyses, notes) or chosen
+    return analyses, chosen
 
 
 __all__ = ["BisectResult", "bisect"]

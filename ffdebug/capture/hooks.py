@@ -9,13 +9,15 @@ children as `L{NNN}.{child}.out`), sub-stage classes named in the block-class li
 
 from __future__ import annotations
 
-from ffdebug.capture import session as sess
+from dataclasses import dataclass
+
 from ffdebug.capture.children import ChildRoles
 from ffdebug.capture.copies import drop_inherited, remember
 from ffdebug.capture.functions import known_function_taps, tap_function
 from ffdebug.capture.inputs import LATENTS_KEY, root_inputs
 from ffdebug.capture.order import ExecutionOrder
 from ffdebug.capture.stage_map import StageMap
+from ffdebug.capture.state import pop_layer, push_layer
 from ffdebug.models.blocks import find_blocks
 from ffdebug.models.roles import has_role, is_norm, is_norm_type, norm_shaped, role_children
 
@@ -92,6 +94,17 @@ def _input_ids(args, kwargs):
     return None
 
 
+@dataclass
+class _RootState:
+    """What the root call in flight has seen, shared by the root, embedding and final-norm hooks."""
+
+    vocab: int | None  # logits are the output whose last dim is this size
+    ids: object = None  # the root call's input ids
+    embedded: bool = False  # `embed.out` written for this call
+    blocks_done: int = 0
+    final_norm: tuple | None = None  # (copy, live, meta) of the last norm after the last block
+
+
 def install(
     model,
     session,
@@ -100,22 +113,36 @@ def install(
     stage_names=None,
 ) -> Handle:
     """Register the dump hooks of `session` on `model` and return a handle."""
-    import torch
-
     config = session.config
     drop_inherited(model)  # a deep copy of an installed model: its copied hooks go (capture.copies)
     globs = tuple(classes) if classes is not None else config.block_classes
-    block_globs = globs[:1] if globs else ()
-    sub_globs = globs[1:]
-    blocks = find_blocks(model, block_globs, config.layer_attrs, declared_classes or session.declared_classes)
+    blocks = find_blocks(model, globs[:1], config.layer_attrs, declared_classes or session.declared_classes)
     handle = Handle(session, blocks)
     session.installs += 1
     session.blocks_found += len(blocks)
     if blocks:
         session.num_layers = max(b.layer for b in blocks) + 1
-
-    stage_map = StageMap.of(stage_names)
     order = handle.order = ExecutionOrder(blocks)
+    capture = _capture_function(session, order, StageMap.of(stage_names))
+    root = _RootState(vocab=_vocab_size(model))
+    _hook_root(handle, session, capture, model, root, order)
+    inside_blocks: set[int] = set()
+    for b in blocks:
+        inside_blocks.update(id(m) for m in b.module.modules())
+    _hook_input_embedding(handle, session, capture, model, root, inside_blocks)
+    _hook_final_norm(handle, session, capture, model, root, inside_blocks)
+    _hook_blocks(handle, session, capture, model, root, globs[1:])
+    for spec, stages in (*known_function_taps([b.module for b in blocks]), *config.tap_functions):
+        handle.add(tap_function(spec, stages))
+    return handle
+
+
+def _capture_function(session, order: ExecutionOrder, stage_map: StageMap):
+    """`capture(key, tensor, grad_source=None, **meta)` of an install: held while the execution
+    order is pending, renamed by the order and the stage map, its gradient hooked when asked."""
+    import torch
+
+    grads = session.config.grads
 
     def capture(key, tensor, grad_source=None, **meta):
         """Write `tensor` as `key` (renamed by the stage map); its gradient is taken from
@@ -131,19 +158,24 @@ def install(
         session.capture(key, tensor, **meta)
         live = tensor if grad_source is None else grad_source
         grad_key = f"{key}.grad"
-        if config.grads and live.requires_grad and session.wants(grad_key, meta.get("layer")):
+        if grads and live.requires_grad and session.wants(grad_key, meta.get("layer")):
             # the gradient arrives after the forward: it keeps the forward's call and step tags
-            grad_meta = dict(meta, io="grad", call=session.call, tags=sess.current_tags())
-            live.register_hook(lambda g: session.capture(grad_key, g, **grad_meta))
+            live.register_hook(session.capture_later(grad_key, **dict(meta, io="grad")))
 
-    # root: call counter, input ids, final output
+    return capture
+
+
+def _hook_root(handle: Handle, session, capture, model, root: _RootState, order: ExecutionOrder) -> None:
+    """The root module: call counter, `embed.input_ids` and the other root inputs before the call;
+    `final.norm_out`, `final.logits` (and top-k) or `final.out` after it."""
+    forward_sig = _signature(model)
+
     def root_pre(module, args, kwargs):
         ids = _input_ids(args, kwargs)
         session.begin_call(ids)
-        if session.call_depth == 1:
-            root_state.update(ids=ids, embedded=False)
         if session.call_depth != 1:
             return
+        root.ids, root.embedded = ids, False
         meta = dict(io="in", module_class=type(module).__name__, module_path="")
         if ids is not None:
             capture("embed.input_ids", ids, **meta)
@@ -156,35 +188,14 @@ def install(
             else:
                 capture(spec.key, t, **meta)
 
-    root_state: dict = {"final_norm": None, "vocab": _vocab_size(model)}
-    forward_sig = _signature(model)
-
     def root_post(module, args, kwargs, output):
         try:
             if session.call_depth == 1:
-                pending = root_state.pop("final_norm", None)
-                root_state["final_norm"] = None
+                pending, root.final_norm = root.final_norm, None
                 if pending is not None:
                     tensor, live, meta = pending
                     capture("final.norm_out", tensor, grad_source=live, **meta)
-                logits = getattr(output, "logits", None)
-                if logits is None and isinstance(output, dict):
-                    logits = output.get("logits")
-                vocab = root_state["vocab"]
-                if logits is None and isinstance(output, torch.Tensor) and vocab and output.dim() >= 1:
-                    logits = output if output.shape[-1] == vocab else None
-                if isinstance(logits, torch.Tensor):
-                    capture("final.logits", logits, module_class=type(module).__name__, module_path="")
-                    if config.topk:
-                        _capture_topk(capture, logits, config.topk)
-                else:
-                    sample = getattr(output, "sample", None)
-                    if isinstance(sample, torch.Tensor):
-                        capture("final.out", sample, module_class=type(module).__name__, module_path="")
-                    else:
-                        for suffix, t in _tensors(output, "final.out"):
-                            capture(suffix, t, module_class=type(module).__name__, module_path="")
-                            break
+                _capture_final(capture, module, output, root.vocab, session.config.topk)
         finally:
             if session.call_depth == 1:
                 for replay in order.decide():
@@ -194,11 +205,37 @@ def install(
     handle.add(model.register_forward_pre_hook(root_pre, with_kwargs=True))
     handle.add(model.register_forward_hook(root_post, with_kwargs=True, always_call=True))
 
-    inside_blocks: set[int] = set()
-    for b in blocks:
-        inside_blocks.update(id(m) for m in b.module.modules())
 
-    # input embedding: the model's own, else the nn.Embedding outside the blocks fed the root's ids
+def _capture_final(capture, module, output, vocab: int | None, topk: int) -> None:
+    """The root's output: its logits (an output whose last dim is the vocabulary), else its
+    `sample`, else its first tensor as `final.out`."""
+    import torch
+
+    meta = dict(module_class=type(module).__name__, module_path="")
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("logits")
+    if logits is None and isinstance(output, torch.Tensor) and vocab and output.dim() >= 1:
+        logits = output if output.shape[-1] == vocab else None
+    if isinstance(logits, torch.Tensor):
+        capture("final.logits", logits, **meta)
+        if topk:
+            _capture_topk(capture, logits, topk)
+        return
+    sample = getattr(output, "sample", None)
+    if isinstance(sample, torch.Tensor):
+        capture("final.out", sample, **meta)
+        return
+    for suffix, t in _tensors(output, "final.out"):
+        capture(suffix, t, **meta)
+        break
+
+
+def _hook_input_embedding(handle: Handle, session, capture, model, root: _RootState, inside_blocks) -> None:
+    """`embed.out`: the model's own input embedding (and its tied copies), else the nn.Embedding
+    outside the blocks that was fed the root's ids."""
+    import torch
+
     emb = _input_embedding(model)
     known = emb is not None
     candidates = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
@@ -212,48 +249,56 @@ def install(
             continue
 
         def emb_post(m, a, o, known=known):
-            if session.call_depth != 1 or root_state.get("embedded"):
+            if session.call_depth != 1 or root.embedded:
                 return
-            ids = root_state.get("ids")
-            if not known and not (a and isinstance(a[0], torch.Tensor) and _same_ids(a[0], ids)):
+            if not known and not (a and isinstance(a[0], torch.Tensor) and _same_ids(a[0], root.ids)):
                 return
-            root_state["embedded"] = True
-            if root_state["vocab"] is None:
-                root_state["vocab"] = getattr(m, "num_embeddings", None)
+            root.embedded = True
+            if root.vocab is None:
+                root.vocab = getattr(m, "num_embeddings", None)
             capture("embed.out", o, module_class=type(m).__name__, module_path="embed")
 
         handle.add(e.register_forward_hook(emb_post))
 
-    # final norm: the last norm (by type or behaviour) that runs after the last block
-    root_state["blocks_done"] = 0
+
+def _hook_final_norm(handle: Handle, session, capture, model, root: _RootState, inside_blocks) -> None:
+    """`final.norm_out`: the last norm (by type or behaviour) that runs after the last block, kept
+    until the root returns (a norm followed by another block is not the final one)."""
+    import torch
+
     for path, norm in _norm_candidates(model, inside_blocks):
 
         def norm_post(m, a, o, p=path):
             out = o if isinstance(o, torch.Tensor) else next((t for _, t in _tensors(o)), None)
-            if session.call_depth != 1 or root_state["blocks_done"] == 0 or out is None:
+            if session.call_depth != 1 or root.blocks_done == 0 or out is None:
                 return
             if not is_norm(m, out):
                 return
             meta = dict(module_class=type(m).__name__, module_path=p)
-            root_state["final_norm"] = (out.detach().clone(), out, meta)
+            root.final_norm = (out.detach().clone(), out, meta)
 
         handle.add(norm.register_forward_hook(norm_post))
 
-    def block_done() -> None:
-        root_state["blocks_done"] += 1
-        root_state["final_norm"] = None  # a norm followed by another block is not the final one
 
-    for b in blocks:  # registered first: the block's number is known before its input is held
+def _hook_blocks(
+    handle: Handle, session, capture, model, root: _RootState, sub_globs: tuple[str, ...]
+) -> None:
+    """Every block's hooks (`_install_block`), after the pre-hooks that give the execution order
+    its layer numbers (registered first: a block's number is known before its input is held)."""
+    blocks, order = handle.blocks, handle.order
+
+    def block_done() -> None:
+        root.blocks_done += 1
+        root.final_norm = None  # a norm followed by another block is not the final one
+
+    for b in blocks:
         handle.add(b.module.register_forward_pre_hook(lambda m, a, b=b: order.enter(b.layer)))
-    substages = bool(config.substages or sub_globs)
+    substages = bool(session.config.substages or sub_globs)
     dims = getattr(model, "config", None)
     for b in blocks:
         _install_block(
             handle, session, capture, b, sub_globs, block_done, dims if substages else None, substages
         )
-    for spec, stages in (*known_function_taps([b.module for b in blocks]), *config.tap_functions):
-        handle.add(tap_function(spec, stages))
-    return handle
 
 
 def _signature(model):
@@ -379,7 +424,7 @@ def _hook_block_io(
     state: dict = {}  # invocation index and input shape of the call in flight
 
     def pre(module, args, kwargs):
-        sess.push_layer(block.layer, handle.order)
+        push_layer(block.layer, handle.order)
         state["inv"] = inv = session.next_invocation(block.path)
         h = _first_tensor(args, kwargs)
         if h is not None:
@@ -400,7 +445,7 @@ def _hook_block_io(
                 key = f"{prefix}.hidden_out" if main else f"{prefix}.hidden_out{suffix}"
                 capture(key, t, invocation=state.get("inv", 0), **meta)
         finally:
-            sess.pop_layer()
+            pop_layer()
             block_done()
 
     handle.add(block.module.register_forward_pre_hook(pre, with_kwargs=True))

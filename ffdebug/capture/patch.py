@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from ffdebug.capture import session as sess
+from ffdebug.capture import state
 
 
 @contextlib.contextmanager
@@ -59,7 +59,7 @@ def patch_block_forward(block_cls, layer_attr="layer_id", side: str | None = Non
     order: dict = {}
 
     def wrapper(original, self, *args, **kwargs):
-        s = sess.active_session()
+        s = state.active_session()
         if s is None:
             return original(*args, **kwargs)
         if side is not None and s.config.side != side:
@@ -73,11 +73,11 @@ def patch_block_forward(block_cls, layer_attr="layer_id", side: str | None = Non
         h = _first_tensor(args, kwargs)
         if isinstance(h, torch.Tensor):
             s.capture(f"{prefix}.hidden_in", h, io="in", **meta)
-        sess.push_layer(layer)
+        state.push_layer(layer)
         try:
             out = original(*args, **kwargs)
         finally:
-            sess.pop_layer()
+            state.pop_layer()
         for i, (suffix, t) in enumerate(_tensors(out)):
             s.capture(f"{prefix}.hidden_out" if i == 0 else f"{prefix}.hidden_out{suffix}", t, **meta)
         return out
@@ -95,8 +95,8 @@ def patch_module_dump(cls, stage: str, io: str = "out"):
     from ffdebug.capture.hooks import _first_tensor, _tensors
 
     def wrapper(original, self, *args, **kwargs):
-        s = sess.active_session()
-        layer = sess.current_layer()
+        s = state.active_session()
+        layer = state.current_layer()
         key = f"L{layer:03d}.{stage}" if layer is not None else stage
         meta = {"layer": layer, "module_class": type(self).__name__}
         if s is not None and io == "in":

@@ -1,61 +1,37 @@
-"""A capture session: one side of one process writing into a dump store.
+"""A capture session: one side of one process, deciding what is captured and with which metadata.
 
 The session owns the filters (layers, stages, calls, ranks), the call counter of the instrumented
-root module, the invocation counters, the step tags and the store writer. The process-wide
-session is created from the environment at first use; `ffdebug.capture(...)` pushes an explicit
-one for the duration of a `with` block.
+root module, the invocation counters and the hold of a block's first call; each capture goes to its
+sink (capture/sinks.py: the dump store, or `ffdebug.trace`'s tracer). Step tags, the layer stack
+and which session is active live in capture/state.py.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import re
 import sys
-import threading
 
-from ffdebug._env import DumpConfig, dump_config
+from ffdebug._env import DumpConfig
 from ffdebug.capture.inputs import GATED
+from ffdebug.capture.sinks import StoreSink
 
-# Step tags pushed by `ffdebug.step(...)`, outermost first. Module-level so that tags work before any
-# session exists and cost nothing when dumps are off.
-_TAGS: list[dict] = []
-_local = threading.local()
+# The capture state (tags, layers, sessions) lives in capture/state.py; these names are kept here
+# for the callers that import them from the session module.
+from ffdebug.capture.state import (  # noqa: F401
+    active_session,
+    current_layer,
+    current_order,
+    current_tags,
+    env_session,
+    pop_explicit,
+    pop_layer,
+    push_explicit,
+    push_layer,
+)
+
 _LAYER_PREFIX = re.compile(r"^L\d+\.")
-
-
-def current_tags() -> dict:
-    merged: dict = {}
-    for t in _TAGS:
-        merged.update(t)
-    return merged
-
-
-def current_layer() -> int | None:
-    stack = getattr(_local, "layers", None)
-    return stack[-1] if stack else None
-
-
-def current_order():
-    """The `ExecutionOrder` (capture/order.py) of the block now running, or None."""
-    stack = getattr(_local, "orders", None)
-    return stack[-1] if stack else None
-
-
-def push_layer(layer: int, order=None) -> None:
-    """Enter block `layer`; `order` renumbers it when its model's blocks run out of order."""
-    if not hasattr(_local, "layers"):
-        _local.layers, _local.orders = [], []
-    _local.layers.append(layer)
-    _local.orders.append(order)
-
-
-def pop_layer() -> None:
-    stack = getattr(_local, "layers", None)
-    if stack:
-        stack.pop()
-        _local.orders.pop()
 
 
 def _dist_coords() -> tuple[int, int]:
@@ -80,13 +56,13 @@ def _graph_capturing() -> bool:
 class Session:
     """Filters and writes captures for one side."""
 
-    def __init__(self, config: DumpConfig, declared_classes: str | None = None) -> None:
+    def __init__(self, config: DumpConfig, declared_classes: str | None = None, sink=None) -> None:
         self.config = config
         self.declared_classes = declared_classes
         self.rank, self.world_size = _dist_coords()
         self.enabled_rank = config.ranks.contains(self.rank, self.world_size)
-        self._writer = None
-        self._background = None  # ffdebug.store.background.BackgroundWriter, at the first capture
+        # where the captures go (capture/sinks.py): the dump store unless told otherwise
+        self.sink = sink if sink is not None else StoreSink(config, self.rank, self.world_size)
         self.captured = 0
         self.filtered = 0
         self.installs = 0
@@ -106,42 +82,6 @@ class Session:
         self._held: list | None = None
         self._hold_depth = 0
         self.closed = False
-
-    # -- writer -----------------------------------------------------------------------------
-    @property
-    def side_dir(self) -> str:
-        return os.path.join(self.config.dir, self.config.side)
-
-    def writer(self):
-        if self._writer is None:
-            from ffdebug.store.writer import StoreWriter
-
-            self._writer = StoreWriter(
-                self.side_dir,
-                side=self.config.side,
-                rank=self.rank,
-                world_size=self.world_size,
-                mode=self.config.mode,
-                max_bytes=self.config.max_bytes,
-                overwrite=self.config.overwrite,
-            )
-            if self.unplaced:
-                self._writer.update_run_info(unplaced_stages=dict(self.unplaced))
-        return self._writer
-
-    def _write(self, key: str, tensor, meta: dict, always_payload: bool, payload_of=None) -> None:
-        """Hand one capture (our own copy) to the background writer; inline when its queue is 0.
-        `payload_of(tensor)` gives the payload written instead of the tensor (sketch mode)."""
-        writer = self.writer()
-        if self.config.queue_bytes <= 0:
-            payload = payload_of(tensor) if payload_of is not None else None
-            writer.write(key, tensor, meta, always_payload=always_payload, payload=payload)
-            return
-        if self._background is None:
-            from ffdebug.store.background import BackgroundWriter
-
-            self._background = BackgroundWriter(writer, self.config.queue_bytes)
-        self._background.submit(key, tensor, meta, always_payload=always_payload, payload_of=payload_of)
 
     # -- calls ------------------------------------------------------------------------------
     def begin_call(self, input_ids=None) -> None:
@@ -194,39 +134,44 @@ class Session:
         # input ids are always kept (tiny, and the compare gate needs them)
         return ids or self.config.keep_stage(key)
 
-    def capture(self, key: str, tensor, tags: dict | None = None, **meta) -> None:
-        """Write one tensor, cloned (the dump must not see later in-place ops) in both modes: its
-        statistics and payload are computed and written by the background writer, off the
-        forward thread. `tags` are step tags of this capture only, on top of the
-        `ffdebug.step(...)` ones."""
+    def capture(
+        self, key: str, tensor, tags: dict | None = None, step_tags: dict | None = None, **meta
+    ) -> None:
+        """Send one tensor to the sink (the store copies it and writes its statistics and payload
+        off the forward thread). `tags` are step tags of this capture only, on top of the
+        `ffdebug.step(...)` ones in force; `step_tags` replaces the latter (the tags of the forward
+        a gradient belongs to, `capture_later`). `free=True` in meta marks a free tap."""
         if self._held is not None:  # inside a block's first call: written in order at its return
             copy, extra = tensor.detach().clone(), dict(tags or {})
-            self._held.append(lambda: self.capture(key, copy, tags=extra, **meta))
+            held_tags = current_tags() if step_tags is None else step_tags
+            self._held.append(lambda: self.capture(key, copy, tags=extra, step_tags=held_tags, **meta))
             return
         order = current_order()
         if order is not None and order.pending and meta.get("layer") == current_layer():
             # a tap inside a block whose number follows execution (capture/order.py): held with
             # the block's own captures and renamed with them when the first root call ends
-            copy, extra = tensor.detach().clone(), dict(tags or {})
+            copy, extra_tags = tensor.detach().clone(), dict(tags or {})
+            held_tags = current_tags() if step_tags is None else step_tags
 
             def replay():
                 renamed, renamed_meta = order.rename(key, meta)
-                self.capture(renamed, copy, tags=extra, **renamed_meta)
+                self.capture(renamed, copy, tags=extra_tags, step_tags=held_tags, **renamed_meta)
 
             order.hold(replay)
             return
+        free = meta.pop("free", False)
         extra = meta.get("extra") or {}
         ids = key == "embed.input_ids" or bool(extra.get("input_ids"))
         # kept in full always, like the ids: the token mask (compare/align.py), the inputs the gate
         # reads (capture/inputs.py) and scalars judged near zero by a declared scale
         small = ids or bool(extra.get("token_mask")) or key in GATED or "scale" in extra
-        if not self.wants(key, meta.get("layer"), small):
+        if not (free or self.sink.takes_module_stages) or not self.wants(key, meta.get("layer"), small):
             self.filtered += 1
             return
         if _graph_capturing():
-            self.writer().count_skip("skipped_graph_capture")
+            self.sink.count_skip("skipped_graph_capture")
             return
-        tags = {**current_tags(), **(tags or {})}
+        tags = {**(current_tags() if step_tags is None else step_tags), **(tags or {})}
         meta.setdefault("call", self.call)
         meta.setdefault("invocation", 0)
         meta["step"] = {k: v for k, v in tags.items() if k not in ("phase", "shard", "reduction")}
@@ -234,22 +179,27 @@ class Session:
         for reserved in ("shard", "reduction"):
             if reserved in tags:
                 meta.setdefault(reserved, tags[reserved])
-        t = tensor.detach()
-        t = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
         payload_of = None
-        if self.config.mode == "sketch" and not small and t.is_floating_point() and t.numel():
+        if self.config.mode == "sketch" and not small and tensor.is_floating_point() and tensor.numel():
             from ffdebug.compare.sketch import SKETCH_BUCKETS, sketch
 
             seed = self.config.sketch_seed
             payload_of = functools.partial(_sketch_payload, seed=seed, sketch=sketch)
             meta["extra"] = {**(meta.get("extra") or {}), "sketch": {"seed": seed, "buckets": SKETCH_BUCKETS}}
-        self._write(key, t, meta, always_payload=small, payload_of=payload_of)
+        self.sink.write(key, tensor, meta, always_payload=small, payload_of=payload_of)
         self.captured += 1
         if ids and self.input_ids_sha is None:  # run.json identifies the run by its first input ids
             from ffdebug.store.schema import sha256_of_tensor
 
-            self.input_ids_sha = sha256_of_tensor(t)
-            self.writer().update_run_info(input_ids_sha256=self.input_ids_sha)
+            self.input_ids_sha = sha256_of_tensor(tensor)
+            self.sink.update_run_info(input_ids_sha256=self.input_ids_sha)
+
+    def capture_later(self, key: str, **meta):
+        """A function that captures a tensor arriving later (a gradient, in a backward hook,
+        maybe on another thread) as `key` with this forward's call and step tags, taken now."""
+        meta = dict(meta, call=self.call)
+        forward_tags = current_tags()
+        return lambda tensor: self.capture(key, tensor, step_tags=forward_tags, **meta)
 
     # -- holding (a block's first call: its captures wait until the block's stage names are known)
     def begin_hold(self) -> None:
@@ -277,8 +227,7 @@ class Session:
         if not self.enabled_rank or self.unplaced.get(block_class) == list(children):
             return
         self.unplaced[block_class] = list(children)
-        if self._writer is not None:  # else written when the writer starts (a tracer never has one)
-            self._writer.update_run_info(unplaced_stages=dict(self.unplaced))
+        self.sink.update_run_info(unplaced_stages=dict(self.unplaced))
 
     def tap(self, stage: str, tensor, tags: dict) -> None:
         """A free tap. Reserved tags describe the tensor (`io`, `shard`, `reduction`, `layer`,
@@ -300,16 +249,13 @@ class Session:
             tensor, layout = heads_last(tensor, self.ids_shape)
             if layout:
                 meta["extra"] = {**meta.get("extra", {}), **layout}
-        self.capture(stage, tensor, tags=tags, **meta)
+        self.capture(stage, tensor, tags=tags, free=True, **meta)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        if self._background is not None:
-            self._background.close()  # drains the queue, then closes the store writer
-        elif self._writer is not None:
-            self._writer.close()
+        self.sink.close()
 
     def report_problems(self) -> None:
         """At the end of a run, say on stderr when it captured nothing or found no blocks, and why."""
@@ -350,54 +296,6 @@ def heads_last(t, ids_shape):
     if t.shape[2] == seq and t.shape[1] != seq:
         return t.transpose(1, 2), {"orig_shape": list(t.shape), "layout": "B,H,S,D"}
     return t, {}
-
-
-_ENV_SESSION: Session | None = None
-_ENV_READ = False
-_explicit: list[Session] = []
-
-
-def env_session() -> Session | None:
-    global _ENV_SESSION, _ENV_READ
-    if not _ENV_READ:
-        _ENV_READ = True
-        config = dump_config()
-        if config is not None:
-            _ENV_SESSION = Session(config)
-            atexit.register(_close_env_session)
-    return _ENV_SESSION
-
-
-def _close_env_session() -> None:
-    if _ENV_SESSION is not None:
-        _ENV_SESSION.report_problems()
-        _ENV_SESSION.close()
-
-
-def active_session() -> Session | None:
-    """The innermost explicit `capture()` session, else the env session."""
-    if _explicit:
-        return _explicit[-1]
-    return env_session()
-
-
-def push_explicit(session: Session) -> None:
-    _explicit.append(session)
-
-
-def pop_explicit(session: Session) -> None:
-    if session in _explicit:
-        _explicit.remove(session)
-
-
-def reset_for_tests() -> None:
-    global _ENV_SESSION, _ENV_READ
-    if _ENV_SESSION is not None:
-        _ENV_SESSION.close()
-    _ENV_SESSION = None
-    _ENV_READ = False
-    _explicit.clear()
-    _TAGS.clear()
 
 
 CAPTURE_OPTIONS = (

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
 from ffdebug.compare import near_zero, parallel
 from ffdebug.compare.align import TokenLayout, align, layouts
+from ffdebug.compare.estimates import sketch_compare, sketch_of, stats_compare
 from ffdebug.compare.inputs_gate import check_trainer_inputs
 from ffdebug.compare.metrics import compare_tensors, logits_metrics
+from ffdebug.compare.noise import apply_noise, exact_prefix_with_noise, noise_index
+from ffdebug.compare.notes import (
+    UnitsRun,
+    check_layer_selected,
+    excluded_sentences,
+    nothing_paired,
+    result_notes,
+)
 from ffdebug.compare.pairing import Filters, StageUnit, check_input_ids, group_calls, pair_calls, pair_stages
 from ffdebug.compare.shards import best_fold
 from ffdebug.coverage import CoverageInput, assess, filter_sentences
@@ -27,57 +35,6 @@ READ_AHEAD_BYTES = 256 << 20  # payload bytes read ahead and in use at once (pea
 
 def _as_store(x) -> SideStore:
     return x if isinstance(x, SideStore) else open_side(x)
-
-
-def _stats_compare(r: Record, t: Record, e: StageResult) -> None:
-    """Compare two stats-only records: relative error of l2, mean and std (no cos available)."""
-    rs, ts = r.stats or {}, t.stats or {}
-    e.stats_only = True
-    if not rs or not ts:
-        e.notes.append("no statistics to compare")
-        e.severity = V.stats_only(None)
-        return
-    l2r, l2t = rs.get("l2") or 0.0, ts.get("l2") or 0.0
-    scale = max(l2r / math.sqrt(max(rs.get("numel") or 1, 1)), 1e-30)
-    rel_l2 = abs(l2t - l2r) / l2r if l2r else (0.0 if l2t == 0 else None)
-    rel_mean = abs((ts.get("mean") or 0) - (rs.get("mean") or 0)) / scale
-    rel_std = abs((ts.get("std") or 0) - (rs.get("std") or 0)) / scale
-    e.rel = None if rel_l2 is None else max(rel_l2, rel_mean, rel_std)
-    e.norm_ratio = (l2t / l2r) if l2r else None
-    e.notes.append("compared on statistics only (l2, mean, std): a rotation or permutation is invisible")
-    e.severity = V.stats_only(e.rel)
-
-
-def _sketch_of(rec: Record) -> dict | None:
-    info = (rec.extra or {}).get("sketch")
-    return info if isinstance(info, dict) and rec.has_payload else None
-
-
-def _sketch_compare(r: Record, t: Record, e: StageResult, thresholds=(), exact: bool = False) -> None:
-    """Compare two sketch-mode records: rel and cos estimated from their sketches and exact norms
-    (`compare/sketch.py`). Sketches of different seeds or sizes cannot meet: a bug, said why."""
-    from ffdebug.compare.sketch import estimate
-
-    rs, ts = _sketch_of(r), _sketch_of(t)
-    if rs != ts:
-        e.notes.append(f"sketches differ in seed or size (ref {rs}, target {ts}): dump both with one seed")
-        e.severity = V.stats_only(None)
-        return
-    l2r, l2t = (r.stats or {}).get("l2"), (t.stats or {}).get("l2")
-    if l2r is None or l2t is None:
-        e.notes.append("sketch without the tensor's norm: nothing to compare")
-        e.severity = V.stats_only(None)
-        return
-    est = estimate(r.load(), t.load(), float(l2r), float(l2t))
-    e.cos, e.rel = est.cos, est.rel
-    e.norm_ratio = (l2t / l2r) if l2r else None
-    e.notes.append(f"rel and cos estimated from a {rs.get('buckets')}-bucket sketch")
-    severity = V.classify(est.cos, est.rel, e.key, thresholds)
-    severity = V.zero_side(severity, float(l2r), float(l2t), int((r.stats or {}).get("numel") or 0))
-    if exact:  # a sketch cannot show bit equality: at --exact it never passes as identical
-        severity, e.invariance = V.exact(severity, 0.0)
-        e.notes.append("a sketch cannot show bit equality (--exact): dump full tensors")
-    e.severity = severity
 
 
 def _meta(rec: Record) -> TensorMeta:
@@ -134,14 +91,14 @@ def compare_records(
             f"shapes differ by size-1 dims only (ref {e.ref.shape} vs target {e.target.shape}): "
             "compared on the reference's shape"
         )
-    if _sketch_of(r) is not None or _sketch_of(t) is not None:
-        if _sketch_of(r) is not None and _sketch_of(t) is not None:
-            _sketch_compare(r, t, e, thresholds, exact)
+    if sketch_of(r) is not None or sketch_of(t) is not None:
+        if sketch_of(r) is not None and sketch_of(t) is not None:
+            sketch_compare(r, t, e, thresholds, exact)
         else:  # a sketch meets a full tensor or statistics: the statistics alone decide nothing more
-            _stats_compare(r, t, e)
+            stats_compare(r, t, e)
         return e
     if not (r.has_payload and t.has_payload):
-        _stats_compare(r, t, e)
+        stats_compare(r, t, e)
         return e
     rt, tt = (load(r), load(t)) if aligned is None else aligned[:2]
     if aligned is not None:
@@ -224,9 +181,8 @@ def compare(
     from ffdebug._env import parse_layers
 
     fail_on = V.parse_fail_on(fail_on)
-    ref_store, tgt_store = _as_store(ref), _as_store(target)
     stage_map = StageMap.of(list(maps or ()), alias_file)
-    ref_store, tgt_store = _renamed(ref_store, stage_map), _renamed(tgt_store, stage_map)
+    ref_store, tgt_store = _renamed(_as_store(ref), stage_map), _renamed(_as_store(target), stage_map)
     if isinstance(layers, str):
         layers = parse_layers(layers)
     thresholds = tuple(t if isinstance(t, Threshold) else V.parse_threshold(t) for t in thresholds)
@@ -236,6 +192,72 @@ def compare(
     if rank is not None and {r.rank for r in ref_store.records} <= {0} and rank != 0:
         # --rank N against a single-rank reference: that rank against the reference's one
         ref_filters = dataclasses.replace(filters, rank=None)
+    ref_groups, pairing, generation = _pair_calls(ref_store, tgt_store, filters, ref_filters)
+    noise_idx = (
+        noise_index(_renamed(_as_store(noise), stage_map), ref_groups, ref_filters)
+        if noise is not None
+        else None
+    )
+    stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
+    units = [u for sp in stage_pairings for u in sp.units]
+    run = _run_units(units, pairing, thresholds, exact, workers, noise_idx)
+    if not any(e.key != "embed.input_ids" for e in run.stages):
+        raise FFDebugError(nothing_paired(ref_store, tgt_store, pairing, filters))
+    if layers is not None and not any(e.layer is not None for e in run.stages):
+        check_layer_selected(layers, ref_store)
+    only_ref = [r for sp in stage_pairings for r in sp.only_ref]
+    only_target = [r for sp in stage_pairings for r in sp.only_target]
+    selection = filter_sentences(layers, stages, step, rank) + excluded_sentences(exclude)
+    coverage = _coverage(
+        ref_store, tgt_store, pairing, run, (only_ref, only_target), units, selection, filters
+    )
+    stages_out = run.stages
+    return CompareResult(
+        verdict=worst_of(stages_out),
+        stages=stages_out,
+        ref_path=ref_store.path,
+        target_path=tgt_store.path,
+        fail_on=fail_on,
+        only_ref=sorted({r.key for r in only_ref}),
+        only_target=sorted({r.key for r in only_target}),
+        warmup_skipped=len(pairing.warmup_skipped),
+        unpaired_ref=[CallRef(g.call, dict(g.tags)) for g in pairing.unpaired_ref],
+        unpaired_target=[CallRef(g.call, dict(g.tags)) for g in pairing.unpaired_target],
+        notes=result_notes(pairing, run, stage_map, generation),
+        stats_only=any(e.stats_only for e in stages_out)
+        and all(e.stats_only for e in stages_out if e.key != "embed.input_ids"),
+        records=run.records,
+        shards=run.readings,
+        coverage=coverage,
+        allow_partial=allow_partial,
+        generation=generation,
+    )
+
+
+def _coverage(ref_store, tgt_store, pairing, run: UnitsRun, only: tuple, units, selection, filters: Filters):
+    """What was and was not compared (`ffdebug.coverage`): `only` = the records of one side alone,
+    `selection` = the sentences of the filters that left stages out on purpose."""
+    return assess(
+        ref_store,
+        tgt_store,
+        CoverageInput(
+            pairs=pairing.pairs,
+            results=run.stages,
+            only_ref=only[0],
+            only_target=only[1],
+            unpaired_ref=pairing.unpaired_ref,
+            unpaired_target=pairing.unpaired_target,
+            compared_ranks={r for u in units for r in u.target_ranks},
+            filters=selection,
+            stage_filter=bool(filters.stages or filters.exclude),
+            rank_filter=filters.rank,
+        ),
+    )
+
+
+def _pair_calls(ref_store: SideStore, tgt_store: SideStore, filters: Filters, ref_filters: Filters):
+    """The reference's call groups, the call pairing, and the generation divergence (if any): the
+    input-id gates run here, and the calls from a diverged generation on are left unpaired."""
     ref_groups = group_calls(ref_store, ref_filters)
     tgt_groups = group_calls(tgt_store, filters)
     if not ref_groups and not tgt_groups:
@@ -248,84 +270,24 @@ def compare(
     check_trainer_inputs(pairing.pairs)  # trainer stores: same prompts / noise / order (inputs_gate)
     if generation is not None:  # compare the calls before the one where the generation diverged
         pairing.pairs = [p for p in pairing.pairs if not generation.covers(p[0])]
+    return ref_groups, pairing, generation
 
-    noise_index = _noise_index(noise, ref_groups, ref_filters, stage_map) if noise is not None else None
-    stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
-    units = [u for sp in stage_pairings for u in sp.units]
-    stages_out: list[StageResult] = []
-    pairs_out: list[tuple] = []
-    readings: list[dict] = []
+
+def _run_units(units: list[StageUnit], pairing, thresholds, exact: bool, workers, noise_idx) -> UnitsRun:
+    """Every unit compared (in unit order), graded against the noise run when there is one."""
+    run = UnitsRun()
     masks = {id(rg): layouts(rg, tg) for rg, tg in pairing.pairs}
     for unit, (results, records, reading) in zip(units, _map_units(units, thresholds, exact, workers, masks)):
         for e in results:
-            if noise_index is not None:
-                _apply_noise(e, noise_index.get((unit.group.tags, unit.group.call, unit.sk)))
-        stages_out.extend(results)
-        pairs_out.extend(records)
+            if noise_idx is not None:
+                apply_noise(e, noise_idx.get((unit.group.tags, unit.group.call, unit.sk)))
+        run.stages.extend(results)
+        run.records.extend(records)
         if reading is not None:
-            readings.append(reading)
-    if noise_index is not None:
-        _exact_prefix_with_noise(stages_out)
-    if not any(e.key != "embed.input_ids" for e in stages_out):
-        raise FFDebugError(_nothing_paired(ref_store, tgt_store, pairing, filters))
-    if layers is not None and not any(e.layer is not None for e in stages_out):
-        _no_layer_selected(layers, ref_store)
-    notes: list[str] = []
-    if pairing.warmup_skipped:
-        notes.append(f"{len(pairing.warmup_skipped)} warm-up call(s) on the target side were set aside")
-    if pairing.warmup_skipped_ref:
-        notes.append(
-            f"{len(pairing.warmup_skipped_ref)} warm-up call(s) on the reference side were set aside"
-        )
-    if any(e.stats_only for e in stages_out):
-        notes.append("some stages were dumped as statistics only and compared on their stats")
-    if any(r["matches"] and not r["declared"] for r in readings):
-        notes.append(
-            "some target stages are per-rank pieces of the reference's tensor (see shards); tag them "
-            "with reduction='partial' or shard={dim,index,count} so they are folded automatically"
-        )
-    notes.extend(_budget_notes(pairs_out))
-    notes.extend(f"stage map rule {spec!r} renamed nothing on either side" for spec in stage_map.unused())
-    if generation is not None:
-        notes.append(f"{generation.sentence()}; calls from {generation.call} on were not compared")
-    only_ref = [r for sp in stage_pairings for r in sp.only_ref]
-    only_target = [r for sp in stage_pairings for r in sp.only_target]
-    coverage = assess(
-        ref_store,
-        tgt_store,
-        CoverageInput(
-            pairs=pairing.pairs,
-            results=stages_out,
-            only_ref=only_ref,
-            only_target=only_target,
-            unpaired_ref=pairing.unpaired_ref,
-            unpaired_target=pairing.unpaired_target,
-            compared_ranks={r for u in units for r in u.target_ranks},
-            filters=filter_sentences(layers, stages, step, rank) + excluded_sentences(exclude),
-            stage_filter=bool(stages or exclude),
-            rank_filter=rank,
-        ),
-    )
-    return CompareResult(
-        verdict=worst_of(stages_out),
-        stages=stages_out,
-        ref_path=ref_store.path,
-        target_path=tgt_store.path,
-        fail_on=fail_on,
-        only_ref=sorted({r.key for r in only_ref}),
-        only_target=sorted({r.key for r in only_target}),
-        warmup_skipped=len(pairing.warmup_skipped),
-        unpaired_ref=[CallRef(g.call, dict(g.tags)) for g in pairing.unpaired_ref],
-        unpaired_target=[CallRef(g.call, dict(g.tags)) for g in pairing.unpaired_target],
-        notes=notes,
-        stats_only=any(e.stats_only for e in stages_out)
-        and all(e.stats_only for e in stages_out if e.key != "embed.input_ids"),
-        records=pairs_out,
-        shards=readings,
-        coverage=coverage,
-        allow_partial=allow_partial,
-        generation=generation,
-    )
+            run.readings.append(reading)
+    if noise_idx is not None:
+        exact_prefix_with_noise(run.stages)
+    return run
 
 
 def _compare_unit(
@@ -368,11 +330,6 @@ def _compare_unit(
     return [e], [(r, folded)], reading
 
 
-def excluded_sentences(exclude: tuple[str, ...]) -> list[str]:
-    """`--exclude` as a selection sentence of the coverage (selected out, never silent)."""
-    return [f"--exclude {' '.join(exclude)}"] if exclude else []
-
-
 def _renamed(store: SideStore, stage_map: StageMap) -> SideStore:
     """`store` with its stage keys renamed by the stage map (`--map`, `--alias-file`)."""
     if not stage_map.rules:
@@ -387,45 +344,6 @@ def _renamed(store: SideStore, stage_map: StageMap) -> SideStore:
 def _unsharded(rec: Record) -> dict | None:
     """`{"how", "ranks"}` when ffdebug folded this record from per-rank pieces."""
     return {"how": rec.fold.describe(), "ranks": len(rec.parts)} if rec.fold is not None else None
-
-
-def _nothing_paired(ref: SideStore, tgt: SideStore, pairing, filters: Filters) -> str:
-    """The one-line error when no stage (besides input ids) is on both sides."""
-    if filters.stages or filters.layers is not None:
-        why = "no stage matches --stages / --layers on both sides"
-    elif pairing.unpaired_ref or pairing.unpaired_target:
-        tags = sorted({str(dict(g.tags)) for g in pairing.unpaired_ref})[:3]
-        other = sorted({str(dict(g.tags)) for g in pairing.unpaired_target})[:3]
-        why = f"the calls do not pair: reference step tags {', '.join(tags) or '-'} vs target {', '.join(other) or '-'}"
-    else:
-        why = "the two sides share no stage key"
-    return (
-        f"{ref.path} and {tgt.path}: nothing to compare ({why}); dump both sides with the same stages and "
-        "ffdebug.step(...) tags, or loosen --stages / --layers / --step"
-    )
-
-
-def _no_layer_selected(layers, store: SideStore) -> None:
-    """`--layers` that names none of the dumped layers is a usage error, not a pass."""
-    dumped = sorted({r.layer for r in store.records if r.layer is not None})
-    if dumped:
-        raise FFDebugError(
-            f"--layers {layers.spec!r} selects none of the dumped layers ({dumped[0]}-{dumped[-1]} in "
-            f"{store.path}); pick layers in that range"
-        )
-
-
-def _budget_notes(pairs: list[tuple[Record, Record]]) -> list[str]:
-    """Say which side's FFDEBUG_FWD_DUMP_MAX_BYTES budget turned stages into statistics-only ones."""
-    notes = []
-    for i, side in enumerate(("reference", "target")):
-        n = sum(1 for pair in pairs if pair[i].over_budget)
-        if n:
-            notes.append(
-                f"{n} stage(s) were over the {side}'s byte budget (FFDEBUG_FWD_DUMP_MAX_BYTES): "
-                "only their statistics were written and compared"
-            )
-    return notes
 
 
 def _map_units(
@@ -463,81 +381,3 @@ def _payload_records(unit: StageUnit) -> list[Record]:
         if list(r.shape or []) == list(t.shape or []) and r.has_payload and t.has_payload:
             out.append(t)
     return out if len(out) > 1 else []
-
-
-def _noise_index(noise, ref_groups, filters, stage_map: StageMap) -> dict:
-    """(tags, call, stage) -> the noise run's rel against the reference for that stage (the noise
-    run's stages renamed by the same `--map` / `--alias-file` as the target's)."""
-    noise_store = _renamed(_as_store(noise), stage_map)
-    pairing = pair_calls(ref_groups, group_calls(noise_store, filters))
-    index = {}
-    for rg, ng in pairing.pairs:
-        for sk in rg.order:
-            n = ng.records.get(sk)
-            if n is None:
-                continue
-            m = (
-                compare_tensors(rg.records[sk].load(), n.load())
-                if rg.records[sk].has_payload and n.has_payload
-                else None
-            )
-            index[(rg.tags, rg.call, sk)] = (m.rel if m else None, n.dtype)
-    return index
-
-
-def _apply_noise(e: StageResult, noise: tuple | None) -> None:
-    """Record the noise run's error at this stage and apply the verdict's noise rules: within
-    noise back to ok, beyond noise at least diverge."""
-    e.noise_given = True
-    if noise is None:
-        return
-    noise_rel, noise_dtype = noise
-    e.noise_rel = noise_rel
-    if noise_rel is None or e.rel is None or e.near_zero:  # near zero: judged by its atol alone
-        return
-    k = V.noise_factor(e.dtype_ref, e.dtype_target or noise_dtype, noise_dtype)
-    if V.beyond_noise(e.rel, noise_rel, k):
-        e.beyond_noise, e.within_noise = True, False
-        e.severity = V.noise_sensitive(e.severity, e.rel, noise_rel, k)
-        e.notes.append(
-            f"beyond noise: rel {e.rel:.3g} is {e.rel / noise_rel:.3g} x the noise run's {noise_rel:.3g}"
-        )
-        return
-    if e.ok:
-        return
-    graded = V.noise(e.severity, e.rel, noise_rel, k)
-    e.within_noise = graded is not e.severity
-    if e.within_noise:
-        e.notes.append(f"within noise: rel {e.rel:.3g} <= {k:g} x noise rel {noise_rel:.3g}")
-        e.severity = graded
-
-
-EXACT_NOISE_NOTE = (
-    "the noise run equals the reference bit for bit up to here, so the exact-prefix rule applies: the "
-    "first stage that is not bit-equal after exactly equal stages differs by its own computation"
-)
-
-
-def _exact_prefix_with_noise(stages: list[StageResult]) -> None:
-    """Per call and rank, in execution order: where the noise run is bit-identical to the
-    reference (noise rel 0) the noise rule has no scale, so the exact-prefix rule decides: the
-    first stage that is not bit-equal after bit-equal stages of the same dtype is raised."""
-    seen: set[tuple] = set()
-    for e in stages:
-        call = (tuple(sorted((str(k), str(v)) for k, v in e.step.items())), e.call, e.rank)
-        if call in seen or e.key == "embed.input_ids":
-            continue
-        if e.exact:
-            continue
-        seen.add(call)
-        if (
-            e.noise_rel == 0.0
-            and not e.near_zero
-            and e.same_dtype
-            and e.rel is not None
-            and e.rel > 0.0
-            and not e.folded
-        ):
-            e.beyond_noise = True
-            e.severity = V.exact_prefix_break(e.severity)
-            e.notes.append(EXACT_NOISE_NOTE)

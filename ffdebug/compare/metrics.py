@@ -87,6 +87,30 @@ def _pow2_scale(ref, target) -> float:
     return 2.0 ** -math.ceil(math.log2(absmax))
 
 
+@dataclass(slots=True)
+class _Sums:
+    """The float64 sums of the chunk loop (scaled units), in the order the chunks add them."""
+
+    nr2: float = 0.0  # ‖r‖²
+    nt2: float = 0.0  # ‖t‖²
+    dot: float = 0.0  # r·t
+    diff2: float = 0.0  # ‖t − r‖²
+    sum_abs: float = 0.0  # Σ |t − r|
+    max_abs: float = -1.0
+    max_at: int = 0
+    equal: int = 0  # positions with equal bits (same dtype) or values
+    counted: int = 0  # positions where both sides are finite
+    nan_mismatch: int = 0
+    inf_mismatch: int = 0
+    nan_both: int = 0
+    chunk_bounds: list[tuple[float, int]] = field(
+        default_factory=list
+    )  # (max |t − r|, start), not bit-identical
+
+    def finite(self) -> bool:
+        return math.isfinite(self.nr2 + self.nt2 + self.diff2 + abs(self.dot))
+
+
 def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
     """The chunk loop; None when unscaled float64 sums overflow. Values are multiplied by `scale`
     (a power of two) and norms / absolute errors divided back."""
@@ -96,24 +120,25 @@ def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
     t = target.detach().reshape(-1)
     if r.is_complex() or t.is_complex():
         r, t = torch.view_as_real(r).reshape(-1), torch.view_as_real(t).reshape(-1)
-    n = r.numel()
-    same_dtype = ref.dtype == target.dtype
     raw_view = None
-    if same_dtype and ref.dtype.is_floating_point and ref.element_size() in _INT_VIEW:
+    if ref.dtype == target.dtype and ref.dtype.is_floating_point and ref.element_size() in _INT_VIEW:
         raw_view = getattr(torch, _INT_VIEW[ref.element_size()])
+    sums = _chunk_sums(r, t, raw_view, scale)
+    if not sums.finite():
+        return None
+    return _metrics(sums, r, t, tuple(ref.shape), scale)
 
+
+def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
+    """One pass over flat `r`, `t` in CHUNK-element pieces copied into float64 work rows."""
+    import torch
+
+    n = r.numel()
     size = min(CHUNK, max(n, 1))
     # float64 work rows: r, t, t − r (stay in cache at 64 Ki elements)
     x = torch.empty((3, size), dtype=torch.float64)
     bits = torch.empty(size, dtype=raw_view) if raw_view is not None else None
-
-    nr2 = nt2 = dot = diff2 = sum_abs = 0.0
-    max_abs, max_at = -1.0, 0
-    equal = 0
-    counted = 0  # positions where both sides are finite
-    nan_mismatch = inf_mismatch = nan_both = 0
-    chunk_bounds: list[tuple[float, int]] = []  # (max |t − r|, start) of every chunk not bit-identical
-
+    s = _Sums()
     for i in range(0, n, CHUNK):
         m = min(CHUNK, n - i)
         rc, tc = r[i : i + m], t[i : i + m]
@@ -125,12 +150,12 @@ def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
             # bit-identical chunk (the common case before the first divergence): one norm suffices
             sq = float(torch.dot(xr, xr))
             if math.isfinite(sq):
-                nr2 += sq
-                nt2 += sq
-                dot += sq
-                equal += m
-                counted += m
-                max_abs = max(max_abs, 0.0)
+                s.nr2 += sq
+                s.nt2 += sq
+                s.dot += sq
+                s.equal += m
+                s.counted += m
+                s.max_abs = max(s.max_abs, 0.0)
                 continue
         xt.copy_(tc)
         if scale != 1.0:
@@ -138,66 +163,78 @@ def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
         torch.sub(xt, xr, out=xd)
         rt_, tt_ = torch.mv(x[:2, :m], xt).tolist()  # both dots with t in one pass over t
         rr_, dd_ = float(torch.dot(xr, xr)), float(torch.dot(xd, xd))
-        if math.isfinite(rr_ + tt_ + rt_ + dd_):
-            if bits is not None:  # integer difference is zero exactly where the bits are equal
-                equal += m - int(
-                    torch.count_nonzero(torch.sub(rc.view(raw_view), tc.view(raw_view), out=bits[:m]))
-                )
-            else:
-                equal += m - int(torch.count_nonzero(xd))
-            xd.abs_()  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
-            chunk_max = float(xd.amax())
-            chunk_bounds.append((chunk_max, i))
-            if chunk_max > max_abs:
-                max_abs, max_at = chunk_max, i + int(torch.argmax(xd))
-            sum_abs += float(xd.sum())
-            nr2 += rr_
-            nt2 += tt_
-            dot += rt_
-            diff2 += dd_
-            counted += m
+        if not math.isfinite(rr_ + tt_ + rt_ + dd_):
+            _nonfinite_chunk(s, i, rc, tc, xr, xt, raw_view)  # NaN/Inf on at least one side
             continue
-        # Slow path: this chunk holds NaN/Inf on at least one side.
-        if raw_view is not None:
-            equal += int((rc.view(raw_view) == tc.view(raw_view)).sum())
+        if bits is not None:  # integer difference is zero exactly where the bits are equal
+            s.equal += m - int(
+                torch.count_nonzero(torch.sub(rc.view(raw_view), tc.view(raw_view), out=bits[:m]))
+            )
         else:
-            equal += int((xr == xt).sum())
-        rn, tn = torch.isnan(xr), torch.isnan(xt)
-        ri, ti = torch.isinf(xr), torch.isinf(xt)
-        nan_mismatch += int((rn != tn).sum())
-        nan_both += int((rn & tn).sum())
-        inf_mismatch += int(((ri | ti) & ~((ri & ti) & (xr == xt))).sum())
-        ok = ~(rn | tn | ri | ti)
-        rr, tt = xr[ok], xt[ok]
-        if rr.numel() == 0:
-            continue
-        nr2 += float(torch.dot(rr, rr))
-        nt2 += float(torch.dot(tt, tt))
-        dot += float(torch.dot(rr, tt))
-        d = (tt - rr).abs_()
-        diff2 += float(torch.dot(d, d))
-        sum_abs += float(d.sum())
-        mv, mi = torch.max(d, 0)
-        chunk_bounds.append((float(mv), i))
-        if float(mv) > max_abs:
-            max_abs = float(mv)
-            max_at = i + int(torch.nonzero(ok)[int(mi)])
-        counted += rr.numel()
+            s.equal += m - int(torch.count_nonzero(xd))
+        xd.abs_()  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
+        chunk_max = float(xd.amax())
+        s.chunk_bounds.append((chunk_max, i))
+        if chunk_max > s.max_abs:
+            s.max_abs, s.max_at = chunk_max, i + int(torch.argmax(xd))
+        s.sum_abs += float(xd.sum())
+        s.nr2 += rr_
+        s.nt2 += tt_
+        s.dot += rt_
+        s.diff2 += dd_
+        s.counted += m
+    return s
 
-    if not math.isfinite(nr2 + nt2 + diff2 + abs(dot)):
-        return None
-    res = TensorMetrics(numel=n, nan_mismatch=nan_mismatch, inf_mismatch=inf_mismatch, nan_both=nan_both)
-    res.bit_equal = equal / n if n else 1.0
+
+def _nonfinite_chunk(s: _Sums, i: int, rc, tc, xr, xt, raw_view) -> None:
+    """The slow path of a chunk holding NaN/Inf: counted apart, the finite positions summed."""
+    import torch
+
+    if raw_view is not None:
+        s.equal += int((rc.view(raw_view) == tc.view(raw_view)).sum())
+    else:
+        s.equal += int((xr == xt).sum())
+    rn, tn = torch.isnan(xr), torch.isnan(xt)
+    ri, ti = torch.isinf(xr), torch.isinf(xt)
+    s.nan_mismatch += int((rn != tn).sum())
+    s.nan_both += int((rn & tn).sum())
+    s.inf_mismatch += int(((ri | ti) & ~((ri & ti) & (xr == xt))).sum())
+    ok = ~(rn | tn | ri | ti)
+    rr, tt = xr[ok], xt[ok]
+    if rr.numel() == 0:
+        return
+    s.nr2 += float(torch.dot(rr, rr))
+    s.nt2 += float(torch.dot(tt, tt))
+    s.dot += float(torch.dot(rr, tt))
+    d = (tt - rr).abs_()
+    s.diff2 += float(torch.dot(d, d))
+    s.sum_abs += float(d.sum())
+    mv, mi = torch.max(d, 0)
+    s.chunk_bounds.append((float(mv), i))
+    if float(mv) > s.max_abs:
+        s.max_abs = float(mv)
+        s.max_at = i + int(torch.nonzero(ok)[int(mi)])
+    s.counted += rr.numel()
+
+
+def _metrics(s: _Sums, r, t, shape: tuple, scale: float) -> TensorMetrics:
+    """The metrics of the module docstring from the sums (norms and errors back in true units)."""
+    n = r.numel()
+    nr2, nt2, dot = s.nr2, s.nt2, s.dot
+    res = TensorMetrics(
+        numel=n, nan_mismatch=s.nan_mismatch, inf_mismatch=s.inf_mismatch, nan_both=s.nan_both
+    )
+    res.bit_equal = s.equal / n if n else 1.0
     res.ref_norm = math.sqrt(nr2) / scale
     res.target_norm = math.sqrt(nt2) / scale
-    if counted == 0:
+    if s.counted == 0:
         res.notes.append("no finite positions to compare" if n else "empty tensors")
         if n == 0:
             res.cos, res.rel, res.rel_diff, res.max_abs, res.mean_abs = 1.0, 0.0, 0.0, 0.0, 0.0
         return res
-    res.max_abs = max_abs / scale
-    res.max_abs_at = _unravel(max_at, tuple(ref.shape))
-    res.mean_abs = sum_abs / counted / scale
+    res.max_abs = s.max_abs / scale
+    res.max_abs_at = _unravel(s.max_at, shape)
+    res.mean_abs = s.sum_abs / s.counted / scale
     if nr2 == 0.0 and nt2 == 0.0:
         res.cos, res.rel, res.rel_diff, res.norm_ratio = 1.0, 0.0, 0.0, 1.0
         res.notes.append("both sides are all zeros")
@@ -209,17 +246,18 @@ def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
         res.notes.append("target is all zeros but reference is not")
     else:
         res.cos = max(-1.0, min(1.0, dot / (math.sqrt(nr2) * math.sqrt(nt2))))
-        res.rel = _finite(math.sqrt(diff2) / math.sqrt(nr2))
+        res.rel = _finite(math.sqrt(s.diff2) / math.sqrt(nr2))
         res.rel_diff = 1.0 - 2.0 * dot / (nr2 + nt2)
         res.norm_ratio = math.sqrt(nt2) / math.sqrt(nr2)
     if nr2 == 0.0 and nt2 == 0.0:
         res.elem = 0.0
     elif nr2 > 0.0:
-        res.elem = 0.0 if max_abs <= 0.0 else _elem_pass(r, t, chunk_bounds, math.sqrt(nr2 / counted), scale)
-    if nan_mismatch:
-        res.notes.append(f"NaN at {nan_mismatch} positions on one side only")
-    if inf_mismatch:
-        res.notes.append(f"Inf differs at {inf_mismatch} positions")
+        rms = math.sqrt(nr2 / s.counted)
+        res.elem = 0.0 if s.max_abs <= 0.0 else _elem_pass(r, t, s.chunk_bounds, rms, scale)
+    if s.nan_mismatch:
+        res.notes.append(f"NaN at {s.nan_mismatch} positions on one side only")
+    if s.inf_mismatch:
+        res.notes.append(f"Inf differs at {s.inf_mismatch} positions")
     return res
 
 

@@ -113,3 +113,18 @@ def test_trace_one_reference_trainer_step(monkeypatch):
     }
     train = next(row for row in transformer if row["grad_enabled"])
     assert train["requires_grad"] is True and train["nan"] == 0
+
+
+def test_trace_is_the_sink_of_a_plain_session(tmp_path, monkeypatch):
+    """Inside a trace, `ffdebug.install` hooks the model into the trace's session: its module
+    stages are not rows (the tracer's own hooks see every module), a tap is a row in its own
+    phase, and nothing is written to disk."""
+    monkeypatch.chdir(tmp_path)
+    result = trace(f"{TARGET}:installed_step")
+    assert result.error is None
+    names = {r.name for r in result.rows}
+    assert "TinyLM.blocks.0.proj" in names
+    assert not any(n.startswith(("L0", "embed.", "final.")) for n in names)
+    probs = next(r for r in result.rows if r.name == "probs")
+    assert (probs.kind, probs.phase, probs.shape, probs.requires_grad) == ("tap", "sample", [2, 10, 32], True)
+    assert list(tmp_path.iterdir()) == []

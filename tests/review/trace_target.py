@@ -61,3 +61,13 @@ def fails() -> None:
     """Runs one module, then raises."""
     TinyLM()(torch.zeros(1, 3, dtype=torch.long))
     raise RuntimeError("boom after the forward")
+
+
+def installed_step() -> None:
+    """The traced code installs ffdebug's hooks itself and taps under a step tag."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    ffdebug.install(model, classes="Block")
+    with ffdebug.step(phase="train", optimizer_step=1):
+        logits = model(torch.randint(0, 32, (2, 10)))
+        ffdebug.tap("probs", logits.softmax(-1), phase="sample")
