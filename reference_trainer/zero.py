@@ -39,6 +39,7 @@ gradients), and ``ZeroOptimizer.state_dict`` gathers each parameter's AdamW mome
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -234,6 +235,13 @@ class DeepSpeedBackend(ProcessGroupBackend):
         super().__init__(backend.activation_checkpointing)
         world = require_launch("deepspeed")
         require_deepspeed()
+        if os.environ.get("FFDEBUG_FWD_DUMP_GRAD_SAMPLE", "0").strip() not in ("", "0"):
+            # ZeRO keeps gradients in partitioned buffers (p.grad is None): samples would read zeros
+            # on both sides and compare ok; refused rather than passing silently
+            raise ConfigError(
+                "FFDEBUG_FWD_DUMP_GRAD_SAMPLE",
+                "sampled gradient taps are not supported under deepspeed; unset it or use ddp / fsdp2",
+            )
         if backend.zero_stage not in (1, 2):  # check_plan refuses 3 first; a direct caller is checked here
             raise ConfigError("backend.zero_stage", f"must be 1 or 2, got {backend.zero_stage}")
         if not dist.is_initialized():
