@@ -1,7 +1,8 @@
 """Tiny Hugging Face causal LMs built from configs (no download), shared by the test suites.
 
 Imported by name (`from tiny_models import tiny_llama`): pytest puts `tests/` on sys.path for the
-top-level conftest. Sizes follow ../shared/reference/build-machine.md §4 (`LM_TINY`).
+top-level conftest. Sizes are the smallest that keep every stage of a decoder block (two-core CPU
+machines, seconds per model).
 """
 
 from __future__ import annotations

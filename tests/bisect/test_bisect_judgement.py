@@ -1,4 +1,4 @@
-"""Bisect's judgement on harder cases: where the bands alone would mislead (DESIGN §4-5).
+"""Bisect's judgement on harder cases: where the bands alone would mislead (README "Bisecting").
 
 Same dtype and an exactly equal prefix: any error that then appears is a bug signal, however small,
 and bisect fails (judgement `bug`) although the worst band may be `ok` or `drift`."""
