@@ -93,7 +93,7 @@ def tap_grads(role: str, named_parameters) -> None:
     `grad_norm.<role>.<group>` (the group's norm) when `FFDEBUG_FWD_DUMP_GRAD_SAMPLE=N` (or
     `capture(..., grad_sample=N)`) asks for N elements per parameter tensor; nothing otherwise.
     Call it after the backward, before clipping (docs/trainer-taps.md "Sampled gradients")."""
-    s = _session.active_session()
+    s = _state.active_session()
     if s is None or s.config.grad_sample <= 0:
         return
     from ffdebug.capture.grads import tap_grads as _tap_grads

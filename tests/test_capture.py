@@ -39,7 +39,7 @@ def test_env_dump_one_line_install(tmp_path, monkeypatch, tiny_llama, input_ids)
     with torch.no_grad():
         out = tiny_llama(input_ids=input_ids)
     handle.remove()
-    from ffdebug.capture.session import active_session
+    from ffdebug.capture.state import active_session
 
     active_session().close()
     store = open_side(tmp_path / "ref")
@@ -97,7 +97,7 @@ def test_disabled_installs_no_hooks_and_tap_is_noop(tiny_llama, input_ids, tmp_p
     nothing — not even relative to the working directory, which is tmp_path here."""
     from torch.nn.modules import module as nn_module
 
-    from ffdebug.capture.session import active_session
+    from ffdebug.capture.state import active_session
 
     monkeypatch.chdir(tmp_path)
     global_hooks = (nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks)

@@ -17,19 +17,8 @@ from ffdebug._env import DumpConfig
 from ffdebug.capture.inputs import GATED
 from ffdebug.capture.sinks import StoreSink
 
-# The capture state (tags, layers, sessions) lives in capture/state.py; these names are kept here
-# for the callers that import them from the session module.
-from ffdebug.capture.state import (  # noqa: F401
-    active_session,
-    current_layer,
-    current_order,
-    current_tags,
-    env_session,
-    pop_explicit,
-    pop_layer,
-    push_explicit,
-    push_layer,
-)
+# the capture state (tags, layers, sessions) lives in capture/state.py
+from ffdebug.capture.state import current_layer, current_order, current_tags
 
 _LAYER_PREFIX = re.compile(r"^L\d+\.")
 

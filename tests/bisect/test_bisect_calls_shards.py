@@ -46,7 +46,7 @@ class RowParallelDown(TappedDown):
 
 
 def _layer() -> int:
-    from ffdebug.capture.session import current_layer
+    from ffdebug.capture.state import current_layer
 
     return current_layer()
 

@@ -9,7 +9,7 @@ from peer_layouts import atom_hook
 from torch import nn
 
 import ffdebug
-from ffdebug.capture.session import active_session
+from ffdebug.capture.state import active_session
 from ffdebug.store.reader import open_side
 from ffdebug.verdict import Severity, band
 
