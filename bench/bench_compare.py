@@ -136,7 +136,7 @@ def metric_throughput(numel: int, repeat: int) -> tuple[float, float]:
     """(wall GB/s, thread-CPU GB/s) of `compare_tensors` on two in-memory fp32 tensors (medians)."""
     import torch
 
-    from ffdebug.compare.metrics import compare_tensors
+    from ffdebug.comparison.metrics import compare_tensors
 
     torch.set_num_threads(1)
     a = torch.randn(numel)

@@ -17,21 +17,11 @@ This module imports neither torch nor any heavy dependency at import time.
 """
 
 import contextlib as _contextlib
-import importlib as _importlib
-import importlib.util as _importlib_util
 
 from ffdebug.capture import session as _session
 from ffdebug.capture import state as _state
 from ffdebug.verdict import Severity as _Severity
-
-# The analysis subpackages `ffdebug.compare` and `ffdebug.bisect` share their names with the API
-# functions below. Importing the (light, torch-free) packages first means the functions, defined
-# afterwards, own the attribute: a later `from ffdebug.compare.engine import x` does not re-bind it.
-for _name in ("compare", "bisect"):
-    if _importlib_util.find_spec(f"ffdebug.{_name}") is not None:
-        _importlib.import_module(f"ffdebug.{_name}")
-
-from ffdebug.version import __version__  # noqa: E402 (after the subpackages above)
+from ffdebug.version import __version__
 
 __all__ = [
     "__version__",
@@ -188,7 +178,7 @@ def patch_module_dump(cls, stage: str, io: str = "out"):
 
 def compare(ref, target, **opts):
     """Compare two sides (paths or opened stores); returns a `CompareResult`."""
-    from ffdebug.compare.engine import compare as _compare
+    from ffdebug.comparison.engine import compare as _compare
 
     return _compare(ref, target, **opts)
 
@@ -206,7 +196,7 @@ def assert_match(ref, target, fail_on: str = _Severity.DRIFT, **opts):
 
 def bisect(ref, target, **opts):
     """Localise the first layer that introduces error, its class pattern and sub-stage (`BisectResult`)."""
-    from ffdebug.bisect.engine import bisect as _bisect
+    from ffdebug.bisection.engine import bisect as _bisect
     from ffdebug.report.bisect_text import conclude
 
     return conclude(_bisect(ref, target, **opts))

@@ -126,7 +126,7 @@ def dump_both_sides(directory: str, extra_env: dict | None = None) -> None:
 
 def run_demo(directory: str | None = None):
     """Dump both sides and compare them; returns (CompareResult, directory)."""
-    from ffdebug.compare.engine import compare
+    from ffdebug.comparison.engine import compare
 
     directory = directory or tempfile.mkdtemp(prefix="ffdebug-demo-")
     dump_both_sides(directory)

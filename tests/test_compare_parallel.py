@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import ffdebug
-from ffdebug.compare import engine
-from ffdebug.compare.engine import compare
-from ffdebug.compare.metrics import CHUNK
+from ffdebug.comparison import engine
+from ffdebug.comparison.engine import compare
+from ffdebug.comparison.metrics import CHUNK
 from ffdebug.io.prefetch import ReadAhead
 
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import ffdebug
 from ffdebug.cli.app import app
-from ffdebug.compare.engine import compare
+from ffdebug.comparison.engine import compare
 
 pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ffdebug
-from ffdebug.compare.metrics import compare_tensors
+from ffdebug.comparison.metrics import compare_tensors
 from ffdebug.errors import FFDebugError
 from ffdebug.verdict import ELEM_BUG, ELEM_DIVERGE, Severity, classify, parse_threshold
 
@@ -125,7 +125,7 @@ def test_bf16_dumps_of_a_tiny_hf_model_do_not_trip_the_element_wise_rule(tmp_pat
 def test_elem_over_many_chunks_equals_the_direct_float64_maximum():
     """The second pass visits chunks largest error first and stops early: the result must still be
     the exact maximum, here held by a small-|r| element far from the largest |t − r|."""
-    from ffdebug.compare.metrics import CHUNK
+    from ffdebug.comparison.metrics import CHUNK
 
     g = torch.Generator().manual_seed(1)
     r = torch.randn(3 * CHUNK + 5, generator=g)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ffdebug.compare.metrics import CHUNK, compare_tensors, logits_metrics
+from ffdebug.comparison.metrics import CHUNK, compare_tensors, logits_metrics
 from ffdebug.errors import FFDebugError
 from ffdebug.verdict import Severity, classify, parse_threshold, zero_side
 

@@ -403,7 +403,7 @@ def test_without_a_mask_that_explains_the_shapes_it_is_a_shape_mismatch(tmp_path
 
     with pytest.raises(InputIdsMismatch, match="shape"):
         _padded_and_packed(tmp_path / "a", mask_on_ref=False)
-    from ffdebug.compare.align import packed_view
+    from ffdebug.comparison.align import packed_view
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     padded = torch.randn(2, 4, 3)

@@ -19,8 +19,8 @@ from ffdebug.models.roles import (
 )
 
 
-def _tensors(obj, prefix: str = ""):
-    from ffdebug.capture.hooks import _tensors as tensors
+def tensors_of(obj, prefix: str = ""):
+    from ffdebug.capture.outputs import tensors_of as tensors
 
     return tensors(obj, prefix)
 
@@ -78,9 +78,9 @@ class ChildRoles:
         # a child called twice in one call (a shared dropout) gets its own invocation index
         inv = self.session.next_invocation(meta["module_path"])
         if self.names is not None:
-            self.emit(name, [(sfx, t, t) for sfx, t in _tensors(output)], inv, meta)
+            self.emit(name, [(sfx, t, t) for sfx, t in tensors_of(output)], inv, meta)
             return
-        pairs = list(_tensors(output))
+        pairs = list(tensors_of(output))
         if not pairs:
             return
         if name not in {n for n, _ in self.called}:

@@ -79,10 +79,10 @@ def tap_function(spec: str, stages: tuple[str, ...] | list[str]) -> FunctionTap:
     @functools.wraps(original)
     def tapped(*args, **kwargs):
         import ffdebug
-        from ffdebug.capture.hooks import _tensors
+        from ffdebug.capture.outputs import tensors_of
 
         out = original(*args, **kwargs)
-        for stage, (_, tensor) in zip(stages, _tensors(out)):
+        for stage, (_, tensor) in zip(stages, tensors_of(out)):
             ffdebug.tap(stage, tensor)
         return out
 

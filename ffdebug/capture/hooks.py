@@ -9,17 +9,22 @@ children as `L{NNN}.{child}.out`), sub-stage classes named in the block-class li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ffdebug.capture.children import ChildRoles
 from ffdebug.capture.copies import drop_inherited, remember
+from ffdebug.capture.edges import (
+    RootState,
+    hook_final_norm,
+    hook_input_embedding,
+    hook_root,
+    vocab_size,
+)
 from ffdebug.capture.functions import known_function_taps, tap_function
-from ffdebug.capture.inputs import LATENTS_KEY, root_inputs
 from ffdebug.capture.order import ExecutionOrder
+from ffdebug.capture.outputs import first_tensor, tensors_of
 from ffdebug.capture.stage_map import StageMap
 from ffdebug.capture.state import pop_layer, push_layer
 from ffdebug.models.blocks import find_blocks
-from ffdebug.models.roles import has_role, is_norm, is_norm_type, norm_shaped, role_children
+from ffdebug.models.roles import has_role, is_norm_type, norm_shaped, role_children
 
 
 class Handle:
@@ -54,57 +59,6 @@ class Handle:
         self.remove()
 
 
-def _tensors(obj, prefix: str = ""):
-    """(suffix, tensor) pairs of a module output: tensor, tuple/list, dict or ModelOutput."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            if isinstance(v, torch.Tensor):
-                yield f"{prefix}.{i}", v
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            if isinstance(v, torch.Tensor):
-                yield f"{prefix}.{k}", v
-
-
-def _first_tensor(args, kwargs, names=("hidden_states", "x", "input", "sample")):
-    import torch
-
-    for n in names:
-        v = kwargs.get(n)
-        if isinstance(v, torch.Tensor):
-            return v
-    for v in args:
-        if isinstance(v, torch.Tensor):
-            return v
-    return None
-
-
-def _input_ids(args, kwargs):
-    import torch
-
-    v = kwargs.get("input_ids")
-    if isinstance(v, torch.Tensor):
-        return v
-    if args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
-        return args[0]
-    return None
-
-
-@dataclass
-class _RootState:
-    """What the root call in flight has seen, shared by the root, embedding and final-norm hooks."""
-
-    vocab: int | None  # logits are the output whose last dim is this size
-    ids: object = None  # the root call's input ids
-    embedded: bool = False  # `embed.out` written for this call
-    blocks_done: int = 0
-    final_norm: tuple | None = None  # (copy, live, meta) of the last norm after the last block
-
-
 def install(
     model,
     session,
@@ -124,13 +78,13 @@ def install(
         session.num_layers = max(b.layer for b in blocks) + 1
     order = handle.order = ExecutionOrder(blocks)
     capture = _capture_function(session, order, StageMap.of(stage_names))
-    root = _RootState(vocab=_vocab_size(model))
-    _hook_root(handle, session, capture, model, root, order)
+    root = RootState(vocab=vocab_size(model))
+    hook_root(handle, session, capture, model, root, order)
     inside_blocks: set[int] = set()
     for b in blocks:
         inside_blocks.update(id(m) for m in b.module.modules())
-    _hook_input_embedding(handle, session, capture, model, root, inside_blocks)
-    _hook_final_norm(handle, session, capture, model, root, inside_blocks)
+    hook_input_embedding(handle, session, capture, model, root, inside_blocks)
+    hook_final_norm(handle, session, capture, model, root, inside_blocks)
     _hook_blocks(handle, session, capture, model, root, globs[1:])
     for spec, stages in (*known_function_taps([b.module for b in blocks]), *config.tap_functions):
         handle.add(tap_function(spec, stages))
@@ -165,123 +119,8 @@ def _capture_function(session, order: ExecutionOrder, stage_map: StageMap):
     return capture
 
 
-def _hook_root(handle: Handle, session, capture, model, root: _RootState, order: ExecutionOrder) -> None:
-    """The root module: call counter, `embed.input_ids` and the other root inputs before the call;
-    `final.norm_out`, `final.logits` (and top-k) or `final.out` after it."""
-    forward_sig = _signature(model)
-
-    def root_pre(module, args, kwargs):
-        ids = _input_ids(args, kwargs)
-        session.begin_call(ids)
-        if session.call_depth != 1:
-            return
-        root.ids, root.embedded = ids, False
-        meta = dict(io="in", module_class=type(module).__name__, module_path="")
-        if ids is not None:
-            capture("embed.input_ids", ids, **meta)
-        for spec, t in root_inputs(_bind(forward_sig, args, kwargs), ids):
-            if spec is None:
-                capture(LATENTS_KEY, t, **meta)
-            elif spec.kwarg == "attention_mask" and ids is not None and tuple(t.shape) == tuple(ids.shape):
-                # a padded batch: which positions are tokens (a packed side aligns through it)
-                capture(spec.key, t, extra={"token_mask": True}, **meta)
-            else:
-                capture(spec.key, t, **meta)
-
-    def root_post(module, args, kwargs, output):
-        try:
-            if session.call_depth == 1:
-                pending, root.final_norm = root.final_norm, None
-                if pending is not None:
-                    tensor, live, meta = pending
-                    capture("final.norm_out", tensor, grad_source=live, **meta)
-                _capture_final(capture, module, output, root.vocab, session.config.topk)
-        finally:
-            if session.call_depth == 1:
-                for replay in order.decide():
-                    replay()
-            session.end_call()
-
-    handle.add(model.register_forward_pre_hook(root_pre, with_kwargs=True))
-    handle.add(model.register_forward_hook(root_post, with_kwargs=True, always_call=True))
-
-
-def _capture_final(capture, module, output, vocab: int | None, topk: int) -> None:
-    """The root's output: its logits (an output whose last dim is the vocabulary), else its
-    `sample`, else its first tensor as `final.out`."""
-    import torch
-
-    meta = dict(module_class=type(module).__name__, module_path="")
-    logits = getattr(output, "logits", None)
-    if logits is None and isinstance(output, dict):
-        logits = output.get("logits")
-    if logits is None and isinstance(output, torch.Tensor) and vocab and output.dim() >= 1:
-        logits = output if output.shape[-1] == vocab else None
-    if isinstance(logits, torch.Tensor):
-        capture("final.logits", logits, **meta)
-        if topk:
-            _capture_topk(capture, logits, topk)
-        return
-    sample = getattr(output, "sample", None)
-    if isinstance(sample, torch.Tensor):
-        capture("final.out", sample, **meta)
-        return
-    for suffix, t in _tensors(output, "final.out"):
-        capture(suffix, t, **meta)
-        break
-
-
-def _hook_input_embedding(handle: Handle, session, capture, model, root: _RootState, inside_blocks) -> None:
-    """`embed.out`: the model's own input embedding (and its tied copies), else the nn.Embedding
-    outside the blocks that was fed the root's ids."""
-    import torch
-
-    emb = _input_embedding(model)
-    known = emb is not None
-    candidates = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-    if known:  # the model's own, and its tied copies (T5's encoder / decoder `embed_tokens`)
-        weight = getattr(emb, "weight", None)
-        candidates = [m for m in candidates if m is emb or (weight is not None and m.weight is weight)] or [
-            emb
-        ]
-    for e in candidates:
-        if id(e) in inside_blocks:
-            continue
-
-        def emb_post(m, a, o, known=known):
-            if session.call_depth != 1 or root.embedded:
-                return
-            if not known and not (a and isinstance(a[0], torch.Tensor) and _same_ids(a[0], root.ids)):
-                return
-            root.embedded = True
-            if root.vocab is None:
-                root.vocab = getattr(m, "num_embeddings", None)
-            capture("embed.out", o, module_class=type(m).__name__, module_path="embed")
-
-        handle.add(e.register_forward_hook(emb_post))
-
-
-def _hook_final_norm(handle: Handle, session, capture, model, root: _RootState, inside_blocks) -> None:
-    """`final.norm_out`: the last norm (by type or behaviour) that runs after the last block, kept
-    until the root returns (a norm followed by another block is not the final one)."""
-    import torch
-
-    for path, norm in _norm_candidates(model, inside_blocks):
-
-        def norm_post(m, a, o, p=path):
-            out = o if isinstance(o, torch.Tensor) else next((t for _, t in _tensors(o)), None)
-            if session.call_depth != 1 or root.blocks_done == 0 or out is None:
-                return
-            if not is_norm(m, out):
-                return
-            meta = dict(module_class=type(m).__name__, module_path=p)
-            root.final_norm = (out.detach().clone(), out, meta)
-
-        handle.add(norm.register_forward_hook(norm_post))
-
-
 def _hook_blocks(
-    handle: Handle, session, capture, model, root: _RootState, sub_globs: tuple[str, ...]
+    handle: Handle, session, capture, model, root: RootState, sub_globs: tuple[str, ...]
 ) -> None:
     """Every block's hooks (`_install_block`), after the pre-hooks that give the execution order
     its layer numbers (registered first: a block's number is known before its input is held)."""
@@ -299,89 +138,6 @@ def _hook_blocks(
         _install_block(
             handle, session, capture, b, sub_globs, block_done, dims if substages else None, substages
         )
-
-
-def _signature(model):
-    import inspect
-
-    try:
-        return inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return None
-
-
-def _bind(sig, args, kwargs) -> dict:
-    """The root call's arguments by name (positional ones too: a UNet's `timestep`)."""
-    import inspect
-
-    if sig is not None:
-        try:
-            bound = sig.bind_partial(*args, **kwargs).arguments
-        except TypeError:
-            return dict(kwargs)
-        out: dict = {}
-        for name, value in bound.items():  # `**kwargs` of the forward: its entries by name
-            if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-                out.update(value)
-            else:
-                out[name] = value
-        return out
-    return dict(kwargs)
-
-
-def _same_ids(x, ids) -> bool:
-    """`x` is the root's token ids (the same tensor, or equal values)."""
-    import torch
-
-    if ids is None:
-        return False
-    return x is ids or (x.shape == ids.shape and x.dtype == ids.dtype and bool(torch.equal(x, ids)))
-
-
-def _vocab_size(model) -> int | None:
-    """The vocabulary size: config `vocab_size`, else the input embedding's `num_embeddings`."""
-    config = getattr(model, "config", None)
-    size = getattr(config, "vocab_size", None) if config is not None else None
-    if isinstance(size, int) and size > 1:
-        return size
-    emb = _input_embedding(model)
-    return getattr(emb, "num_embeddings", None) if emb is not None else None
-
-
-def _input_embedding(model):
-    """`get_input_embeddings()` where the model has it, else its only `nn.Embedding` outside any
-    ModuleList-of-blocks (None when there are several or none)."""
-    import torch.nn as nn
-
-    if hasattr(model, "get_input_embeddings"):
-        try:
-            emb = model.get_input_embeddings()
-            if emb is not None:
-                return emb
-        except (NotImplementedError, AttributeError):
-            pass
-    embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    return embs[0] if len(embs) == 1 else None
-
-
-def _norm_candidates(model, inside_blocks: set[int]) -> list[tuple[str, object]]:
-    """Modules outside every block that may be a norm (by type, or shaped like one)."""
-    out = []
-    for path, m in model.named_modules():
-        if not path or id(m) in inside_blocks:
-            continue
-        if is_norm_type(m) or norm_shaped(m):
-            out.append((path, m))
-    return out
-
-
-def _capture_topk(capture, logits, k: int) -> None:
-    import torch
-
-    probs = torch.softmax(logits.detach().float(), dim=-1)
-    values, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
-    capture("final.topk_ids", ids, module_path="")
-    capture("final.topk_probs", values, module_path="")
 
 
 def _install_block(
@@ -426,7 +182,7 @@ def _hook_block_io(
     def pre(module, args, kwargs):
         push_layer(block.layer, handle.order)
         state["inv"] = inv = session.next_invocation(block.path)
-        h = _first_tensor(args, kwargs)
+        h = first_tensor(args, kwargs)
         if h is not None:
             state["shape"] = tuple(h.shape)
             capture(f"{prefix}.hidden_in", h, io="in", invocation=inv, **meta)
@@ -438,7 +194,7 @@ def _hook_block_io(
     def post(module, args, kwargs, output):
         try:
             flush()
-            pairs = list(_tensors(output))
+            pairs = list(tensors_of(output))
             same = [t for _, t in pairs if tuple(t.shape) == state.get("shape")]
             for suffix, t in pairs:
                 main = len(pairs) == 1 or (len(same) == 1 and t is same[0])
@@ -484,7 +240,7 @@ def _hook_substages(
         pending: list = []  # (invocation, input copy) of the call in flight
 
         def sub_pre(m, a, kw, path=path, pending=pending):
-            h = _first_tensor(a, kw)
+            h = first_tensor(a, kw)
             if h is not None:
                 pending.append((session.next_invocation(path), h.detach().clone(), h))
 
@@ -502,7 +258,7 @@ def _hook_substages(
 
         def sub_post(m, a, kw, o, path=path, pending=pending, write=write):
             call = pending.pop() if pending else (session.invocations.get(path, 1) - 1, None, None)
-            outputs = [(sfx, t.detach().clone(), t) for sfx, t in _tensors(o)]
+            outputs = [(sfx, t.detach().clone(), t) for sfx, t in tensors_of(o)]
             if not session.hold(lambda: write(call, outputs)):
                 write(call, outputs)
 

@@ -54,7 +54,7 @@ def patch_block_forward(block_cls, layer_attr="layer_id", side: str | None = Non
     """
     import torch
 
-    from ffdebug.capture.hooks import _first_tensor, _tensors
+    from ffdebug.capture.outputs import first_tensor, tensors_of
 
     order: dict = {}
 
@@ -70,7 +70,7 @@ def patch_block_forward(block_cls, layer_attr="layer_id", side: str | None = Non
         layer = _layer_of(self, layer_attr, order)
         prefix = f"L{layer:03d}"
         meta = {"layer": layer, "module_class": type(self).__name__}
-        h = _first_tensor(args, kwargs)
+        h = first_tensor(args, kwargs)
         if isinstance(h, torch.Tensor):
             s.capture(f"{prefix}.hidden_in", h, io="in", **meta)
         state.push_layer(layer)
@@ -78,7 +78,7 @@ def patch_block_forward(block_cls, layer_attr="layer_id", side: str | None = Non
             out = original(*args, **kwargs)
         finally:
             state.pop_layer()
-        for i, (suffix, t) in enumerate(_tensors(out)):
+        for i, (suffix, t) in enumerate(tensors_of(out)):
             s.capture(f"{prefix}.hidden_out" if i == 0 else f"{prefix}.hidden_out{suffix}", t, **meta)
         return out
 
@@ -92,7 +92,7 @@ def patch_module_dump(cls, stage: str, io: str = "out"):
 
     Inside a block known to ffdebug the key is `L{NNN}.{stage}`, else `stage`.
     """
-    from ffdebug.capture.hooks import _first_tensor, _tensors
+    from ffdebug.capture.outputs import first_tensor, tensors_of
 
     def wrapper(original, self, *args, **kwargs):
         s = state.active_session()
@@ -100,12 +100,12 @@ def patch_module_dump(cls, stage: str, io: str = "out"):
         key = f"L{layer:03d}.{stage}" if layer is not None else stage
         meta = {"layer": layer, "module_class": type(self).__name__}
         if s is not None and io == "in":
-            h = _first_tensor(args, kwargs)
+            h = first_tensor(args, kwargs)
             if h is not None:
                 s.capture(key, h, io="in", **meta)
         out = original(*args, **kwargs)
         if s is not None and io == "out":
-            for i, (suffix, t) in enumerate(_tensors(out)):
+            for i, (suffix, t) in enumerate(tensors_of(out)):
                 s.capture(key if i == 0 else f"{key}{suffix}", t, **meta)
         return out
 

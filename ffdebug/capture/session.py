@@ -151,7 +151,7 @@ class Session:
         free = meta.pop("free", False)
         extra = meta.get("extra") or {}
         ids = key == "embed.input_ids" or bool(extra.get("input_ids"))
-        # kept in full always, like the ids: the token mask (compare/align.py), the inputs the gate
+        # kept in full always, like the ids: the token mask (comparison/align.py), the inputs the gate
         # reads (capture/inputs.py) and scalars judged near zero by a declared scale
         small = ids or bool(extra.get("token_mask")) or key in GATED or "scale" in extra
         if not (free or self.sink.takes_module_stages) or not self.wants(key, meta.get("layer"), small):
@@ -170,7 +170,7 @@ class Session:
                 meta.setdefault(reserved, tags[reserved])
         payload_of = None
         if self.config.mode == "sketch" and not small and tensor.is_floating_point() and tensor.numel():
-            from ffdebug.compare.sketch import SKETCH_BUCKETS, sketch
+            from ffdebug.comparison.sketch import SKETCH_BUCKETS, sketch
 
             seed = self.config.sketch_seed
             payload_of = functools.partial(_sketch_payload, seed=seed, sketch=sketch)

@@ -240,9 +240,9 @@ class BranchRecorder:
     def pre(self, module, args, kwargs) -> None:
         from torch.overrides import TorchFunctionMode
 
-        from ffdebug.capture.hooks import _first_tensor
+        from ffdebug.capture.outputs import first_tensor
 
-        x = _first_tensor(args, kwargs)
+        x = first_tensor(args, kwargs)
         if x is None or not x.is_floating_point() or not self._selected():
             return
         self.trace = BranchTrace(lead=tuple(x.shape[:-1]), hidden=x.shape[-1])

@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
         allow_partial: bool = ALLOW_PARTIAL_OPT,
         json_out: bool = JSON_OPT,
     ) -> None:
-        from ffdebug.bisect.engine import bisect
+        from ffdebug.bisection.engine import bisect
         from ffdebug.report.bisect_text import conclude
 
         fail = check_fail_on(fail_on)

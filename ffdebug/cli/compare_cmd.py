@@ -84,7 +84,7 @@ def register(app: typer.Typer) -> None:
             "the output is bit-identical at any count.",
         ),
     ) -> None:
-        from ffdebug.compare.engine import compare
+        from ffdebug.comparison.engine import compare
 
         fail = check_fail_on(fail_on or (Severity.DRIFT if exact else Severity.DIVERGE))
         ref, tgt = resolve_sides(sides, dir)

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         import time
 
-        from ffdebug.bisect.engine import bisect
+        from ffdebug.bisection.engine import bisect
         from ffdebug.demo import DemoRun, located_expected, run_demo
         from ffdebug.report.bisect_text import conclude
         from ffdebug.report.demo_text import print_demo, print_demo_start

@@ -82,7 +82,7 @@ def register(app: typer.Typer) -> None:
         allow_partial: bool = ALLOW_PARTIAL_OPT,
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
-        from ffdebug.bisect.invariance import slot_invariance
+        from ffdebug.bisection.invariance import slot_invariance
 
         result = slot_invariance(
             _side_path(path, dir, side),

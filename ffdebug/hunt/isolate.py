@@ -199,7 +199,7 @@ def _final_pair(dumps: str, a: str, b: str):
 
 
 def _effect(dumps: str, base: str, other: str):
-    from ffdebug.compare.engine import compare_records
+    from ffdebug.comparison.engine import compare_records
 
     key, ra, rb = _final_pair(dumps, base, other)
     e = compare_records(ra, rb)

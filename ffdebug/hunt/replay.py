@@ -122,7 +122,7 @@ def _call(fn, inputs: list, kwargs: dict, name: str):
 
 
 def _graded(function: str, inputs: str, baseline, out) -> ReplayRun:
-    from ffdebug.compare.metrics import compare_tensors
+    from ffdebug.comparison.metrics import compare_tensors
 
     m = compare_tensors(baseline, out)
     severity = V.shape_mismatch() if m.shape_mismatch else V.classify(m.cos, m.rel)

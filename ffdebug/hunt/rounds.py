@@ -163,7 +163,7 @@ def round0_weights(cfg: HuntConfig, state: HuntState) -> Round:
 
 
 def _bisect(root: str, noise: bool):
-    from ffdebug.bisect.engine import bisect
+    from ffdebug.bisection.engine import bisect
 
     ref, target = os.path.join(root, "ref"), os.path.join(root, "target")
     return bisect(ref, target, noise=os.path.join(root, "noise") if noise else None, allow_partial=True)

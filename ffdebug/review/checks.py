@@ -324,7 +324,7 @@ def _is_norm_product(node: ast.AST) -> bool:
     "comparison code measures cosine in float64 (ffdebug's metrics), not cosine_similarity in fp32",
     "An fp32 / bf16 cosine rounds: it reads 1.0 (even > 1) on tensors that differ by 1e-5 relative, "
     "hides drift that compounds over layers, and is dominated by outliers. Use ffdebug.compare / "
-    "ffdebug.compare.metrics, which accumulate in float64 and also report rel.",
+    "ffdebug.comparison.metrics, which accumulate in float64 and also report rel.",
 )
 def check_fp32_cosine(src: SourceFile, config: ReviewConfig) -> Iterator[Finding]:
     """cosine_similarity / CosineSimilarity, or a hand-rolled dot / (norm * norm), with no float64 in sight."""

@@ -44,7 +44,7 @@ def _misplaced(entry: TensorDiff, r: Logical, t: Logical, loader: TensorLoader) 
         if lg.found is None:
             continue
         seg, build = lg.found
-        from ffdebug.compare.metrics import compare_tensors
+        from ffdebug.comparison.metrics import compare_tensors
 
         m = compare_tensors(loader.load(other, other_side), build())
         if not V.is_ok(V.classify(m.cos, m.rel)):

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ffdebug import verdict as V
-from ffdebug.compare.metrics import compare_tensors
+from ffdebug.comparison.metrics import compare_tensors
 from ffdebug.results import TensorDiff
 from ffdebug.verdict import Severity
 from ffdebug.weights import quant

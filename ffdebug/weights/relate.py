@@ -34,7 +34,7 @@ _OTHER = {"ref": "target", "target": "ref"}
 def _verify(f: _Found, load_comp, load_part) -> bool:
     """Every block of the composite within the ok band of its part (one part in memory)."""
     from ffdebug import verdict as V
-    from ffdebug.compare.metrics import compare_tensors
+    from ffdebug.comparison.metrics import compare_tensors
 
     x = load_comp(f.composite)
     for slot, axis, offset, size, transposed, names in f.blocks:

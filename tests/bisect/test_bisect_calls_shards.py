@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from bisect_models import dump, input_ids, llama
 
 import ffdebug
-from ffdebug.compare.pairing import Filters, group_calls, pick_prefill_call
+from ffdebug.comparison.pairing import Filters, group_calls, pick_prefill_call
 from ffdebug.store.reader import open_side
 
 pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one

@@ -1,9 +1,9 @@
-"""Training-order bisect on hand-built trainer stages (`ffdebug.bisect.training.locate`): the
+"""Training-order bisect on hand-built trainer stages (`ffdebug.bisection.training.locate`): the
 exact-prefix signal without a noise run, the noise run's judgement with one."""
 
 from __future__ import annotations
 
-from ffdebug.bisect.training import locate
+from ffdebug.bisection.training import locate
 from ffdebug.results import StageResult, TensorMeta
 from ffdebug.verdict import Severity
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ffdebug
-from ffdebug.compare.where import breakdown
+from ffdebug.comparison.where import breakdown
 
 
 def test_per_head_per_token_and_named_coordinate_hand_built():

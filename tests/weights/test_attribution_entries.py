@@ -1,5 +1,5 @@
 """Attribution entries on ports (`bisect --model-ref / --model-target`): the forward's input
-keyword, a file entry's own folder importable, every failure one line (ffdebug/bisect/attribution.py)."""
+keyword, a file entry's own folder importable, every failure one line (ffdebug/bisection/attribution.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ffdebug.bisect.attribution import load_entry, replay
+from ffdebug.bisection.attribution import load_entry, replay
 from ffdebug.errors import FFDebugError
 
 PORT = """

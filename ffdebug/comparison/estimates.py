@@ -36,8 +36,8 @@ def sketch_of(rec: Record) -> dict | None:
 
 def sketch_compare(r: Record, t: Record, e: StageResult, thresholds=(), exact: bool = False) -> None:
     """Compare two sketch-mode records: rel and cos estimated from their sketches and exact norms
-    (`compare/sketch.py`). Sketches of different seeds or sizes cannot meet: a bug, said why."""
-    from ffdebug.compare.sketch import estimate
+    (`comparison/sketch.py`). Sketches of different seeds or sizes cannot meet: a bug, said why."""
+    from ffdebug.comparison.sketch import estimate
 
     rs, ts = sketch_of(r), sketch_of(t)
     if rs != ts:

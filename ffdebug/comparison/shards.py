@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ffdebug.compare.metrics import compare_tensors
+from ffdebug.comparison.metrics import compare_tensors
 from ffdebug.io.ranks import Concat, Plan, Replicated, Sum
 from ffdebug.verdict import Severity, classify
 

@@ -13,7 +13,7 @@ the earliest such call; compare then compares the calls before it and fails.
 from __future__ import annotations
 
 from ffdebug.capture.inputs import GATED
-from ffdebug.compare.align import MASK_KEY, align, layouts
+from ffdebug.comparison.align import MASK_KEY, align, layouts
 from ffdebug.errors import FFDebugError, InputIdsMismatch
 from ffdebug.results.stages import GenerationDivergence
 

@@ -5,8 +5,8 @@ beyond noise at least diverge, and the exact-prefix rule where the noise run is 
 from __future__ import annotations
 
 from ffdebug import verdict as V
-from ffdebug.compare.metrics import compare_tensors
-from ffdebug.compare.pairing import group_calls, pair_calls
+from ffdebug.comparison.metrics import compare_tensors
+from ffdebug.comparison.pairing import group_calls, pair_calls
 from ffdebug.io.side import SideStore
 from ffdebug.results import StageResult
 from ffdebug.store.reader import open_side

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ffdebug import verdict as V
-from ffdebug.compare.metrics import compare_tensors
+from ffdebug.comparison.metrics import compare_tensors
 from ffdebug.coverage import Coverage, side_coverage, side_sentences
 from ffdebug.errors import FFDebugError, InputIdsMismatch
 from ffdebug.results import InvarianceResult, SlotCompare, SlotStage
@@ -52,7 +52,7 @@ class Checked:
 
 
 def _records(store, step: dict | None, call: int | None) -> Checked:
-    from ffdebug.compare.pairing import Filters, group_calls
+    from ffdebug.comparison.pairing import Filters, group_calls
 
     every = [g for g in group_calls(store, Filters(step=dict(step or {}))) if not g.warmup]
     groups = [g for g in every if g.call == call] if call is not None else every

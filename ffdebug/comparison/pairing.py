@@ -18,7 +18,7 @@ import fnmatch
 import hashlib
 from dataclasses import dataclass, field
 
-from ffdebug.compare.align import LENS_KEY, MASK_KEY
+from ffdebug.comparison.align import LENS_KEY, MASK_KEY
 from ffdebug.io.ranks import Replicated, fold, manifest_plan
 from ffdebug.io.record import Record
 from ffdebug.io.side import SideStore
@@ -38,8 +38,8 @@ class CallGroup:
     records: dict = field(default_factory=dict)  # (key, invocation, rank) -> Record
     order: list = field(default_factory=list)
     input_ids: Record | None = None
-    token_mask: Record | None = None  # the attention mask of a padded batch (compare/align.py)
-    seq_lens: Record | None = None  # the sequence lengths of a packed batch (compare/align.py)
+    token_mask: Record | None = None  # the attention mask of a padded batch (comparison/align.py)
+    seq_lens: Record | None = None  # the sequence lengths of a packed batch (comparison/align.py)
 
     @property
     def warmup(self) -> bool:
@@ -234,9 +234,9 @@ def merge_rank_records(parts: list[Record]) -> Record:
 
 
 def check_input_ids(pairs: list[tuple[CallGroup, CallGroup]]):
-    """The gate before numerics (`ffdebug.compare.gate`): raises InputIdsMismatch (exit 3) for
+    """The gate before numerics (`ffdebug.comparison.gate`): raises InputIdsMismatch (exit 3) for
     different external inputs, returns the call where a generation diverged (or None)."""
-    from ffdebug.compare.gate import gate_inputs
+    from ffdebug.comparison.gate import gate_inputs
 
     return gate_inputs(pairs)
 

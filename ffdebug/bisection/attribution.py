@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 
 from ffdebug import verdict as V
-from ffdebug.bisect.pattern import noise_factor
+from ffdebug.bisection.pattern import noise_factor
 from ffdebug.errors import FFDebugError
 
 _KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out)$")
@@ -81,7 +81,7 @@ def replay(model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target"
     """Each block's output when fed the reference's hidden_in (layer -> tensor)."""
     import torch
 
-    from ffdebug.capture.hooks import _first_tensor, _tensors
+    from ffdebug.capture.outputs import first_tensor, tensors_of
     from ffdebug.models.blocks import find_blocks
 
     blocks = find_blocks(model)
@@ -98,7 +98,7 @@ def replay(model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target"
         def pre(module, args, kw):
             if layer in seen or layer not in ref_in:
                 return None
-            h = _first_tensor(args, kw)
+            h = first_tensor(args, kw)
             if h is None:
                 return None
             sub = ref_in[layer].load().to(dtype=h.dtype, device=h.device)
@@ -113,7 +113,7 @@ def replay(model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target"
         def post(module, args, kw, output):
             if layer not in seen:
                 seen.add(layer)
-                first = next((t for _, t in _tensors(output)), None)
+                first = next((t for _, t in tensors_of(output)), None)
                 if first is not None:
                     outs[layer] = first.detach().to("cpu", copy=True)
 
@@ -160,7 +160,7 @@ def attribute(
     model_ref: str | None, model_target: str, records: list[tuple], stages: list[dict]
 ) -> list[dict]:
     """Per layer: local error of the target block on the reference input, and the verdict."""
-    from ffdebug.compare.metrics import compare_tensors
+    from ffdebug.comparison.metrics import compare_tensors
 
     ref_in, ref_out, ids = _block_inputs(records)
     if not ref_in:

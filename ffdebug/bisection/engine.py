@@ -3,7 +3,7 @@ the sub-stage inside the first bad layer (dump-bisect phases 4 and 5).
 
 Pipeline:
   1. compare the two sides (input-ids gate, call pairing with warm-up set aside, ranks folded,
-     float64 metrics, bands, noise calibration) — `ffdebug.compare.engine.compare`;
+     float64 metrics, bands, noise calibration) — `ffdebug.comparison.engine.compare`;
   2. (in compare) multi-rank target stages: declared folds, replicas compared rank by rank, and
      partial sums / shard concatenations tried when they disagree (`compare.shards`);
   3. per paired call, the layer error budget and the pattern (`pattern`); optionally re-run the
@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ffdebug import verdict as V
-from ffdebug.bisect import pattern as pat
-from ffdebug.bisect import training
-from ffdebug.bisect.substage import first_lossy
+from ffdebug.bisection import pattern as pat
+from ffdebug.bisection import training
+from ffdebug.bisection.substage import first_lossy
 from ffdebug.models.blocks import declared_class, parse_layer_class_spec
 from ffdebug.results import (
     BisectResult,
@@ -203,7 +203,7 @@ def bisect(
     Raises InputIdsMismatch (exit 3) when the sides were fed different input ids, FFDebugError
     (exit 2) on unreadable input or a bad option.
     """
-    from ffdebug.compare.engine import compare
+    from ffdebug.comparison.engine import compare
     from ffdebug.errors import FFDebugError
 
     if model_ref and not model_target:
@@ -228,7 +228,7 @@ def bisect(
     analyses, (chosen, st, analysis) = _choose_call(result, notes)
     attribution = None
     if model_target:
-        from ffdebug.bisect.attribution import attribute
+        from ffdebug.bisection.attribution import attribute
 
         index = {id(e): i for i, e in enumerate(result.stages)}
         records = [result.records[index[id(e)]] for e in st]

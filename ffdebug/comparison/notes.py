@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ffdebug.compare.pairing import Filters
+from ffdebug.comparison.pairing import Filters
 from ffdebug.errors import FFDebugError
 from ffdebug.io.record import Record
 from ffdebug.io.side import SideStore

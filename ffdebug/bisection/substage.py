@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from ffdebug.bisect.pattern import is_exact, within_noise
+from ffdebug.bisection.pattern import is_exact, within_noise
 from ffdebug.results import StageResult
 
 COS_STEP = 0.001

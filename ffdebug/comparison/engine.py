@@ -6,21 +6,28 @@ import dataclasses
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
-from ffdebug.compare import near_zero, parallel
-from ffdebug.compare.align import TokenLayout, align, layouts
-from ffdebug.compare.estimates import sketch_compare, sketch_of, stats_compare
-from ffdebug.compare.inputs_gate import check_trainer_inputs
-from ffdebug.compare.metrics import compare_tensors, logits_metrics
-from ffdebug.compare.noise import apply_noise, exact_prefix_with_noise, noise_index
-from ffdebug.compare.notes import (
+from ffdebug.comparison import near_zero, parallel
+from ffdebug.comparison.align import TokenLayout, align, layouts
+from ffdebug.comparison.estimates import sketch_compare, sketch_of, stats_compare
+from ffdebug.comparison.inputs_gate import check_trainer_inputs
+from ffdebug.comparison.metrics import compare_tensors, logits_metrics
+from ffdebug.comparison.noise import apply_noise, exact_prefix_with_noise, noise_index
+from ffdebug.comparison.notes import (
     UnitsRun,
     check_layer_selected,
     excluded_sentences,
     nothing_paired,
     result_notes,
 )
-from ffdebug.compare.pairing import Filters, StageUnit, check_input_ids, group_calls, pair_calls, pair_stages
-from ffdebug.compare.shards import best_fold
+from ffdebug.comparison.pairing import (
+    Filters,
+    StageUnit,
+    check_input_ids,
+    group_calls,
+    pair_calls,
+    pair_stages,
+)
+from ffdebug.comparison.shards import best_fold
 from ffdebug.coverage import CoverageInput, assess, filter_sentences
 from ffdebug.errors import FFDebugError
 from ffdebug.io.ranks import fold
@@ -132,7 +139,7 @@ def compare_records(
 
 def _locate(e: StageResult, rt, tt) -> None:
     """Where inside the tensor the error sits: per token / head, the named max-error coordinate."""
-    from ffdebug.compare.where import breakdown, named
+    from ffdebug.comparison.where import breakdown, named
 
     w = breakdown(e.key, rt, tt)
     if w is None:
@@ -176,7 +183,7 @@ def compare(
     (exit 2) on unreadable input. The result's coverage says what was left out (exit 4 unless
     `allow_partial`); `exclude` globs leave stages out, and the coverage lists them as selected out.
     `workers`: threads comparing whole tensors in parallel (None: one per free core,
-    `ffdebug.compare.parallel`); the result is bit-identical at any count.
+    `ffdebug.comparison.parallel`); the result is bit-identical at any count.
     """
     from ffdebug._env import parse_layers
 
