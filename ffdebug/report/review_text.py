@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ffdebug.review.runner import ReviewReport
 
-_MARK = {"ticked": "[green]✓[/green]", "failed": "[red]✗[/red]", "human": "☐", "skipped": "[dim]–[/dim]"}
+_MARK = {
+    "ticked": "[green]✓[/green]",
+    "failed": "[red]✗[/red]",
+    "not-run": "[yellow]?[/yellow]",
+    "human": "☐",
+    "skipped": "[dim]–[/dim]",
+}
 
 
 def checks_json() -> dict:
@@ -16,7 +22,17 @@ def checks_json() -> dict:
     from ffdebug.review.checks import CHECKS
 
     return {
-        "checks": [{"id": c.id, "title": c.title, "why": c.why, "scope": c.scope} for c in CHECKS.values()]
+        "checks": [
+            {
+                "id": c.id,
+                "title": c.title,
+                "why": c.why,
+                "scope": c.scope,
+                "tool": c.tool,
+                "codes": list(c.codes),
+            }
+            for c in CHECKS.values()
+        ]
     }
 
 
@@ -27,7 +43,8 @@ def print_checks(listing: dict) -> None:
 
     console = Console(highlight=False)
     for c in listing["checks"]:
-        console.print(f"[bold]{c['id']}[/bold]  {escape(c['title'])}")
+        rules = f"  [dim]({c['tool']} {', '.join(c['codes'])})[/dim]" if c["tool"] else ""
+        console.print(f"[bold]{c['id']}[/bold]  {escape(c['title'])}{rules}")
         console.print(f"    [dim]{escape(c['why'])}[/dim]")
 
 
@@ -50,6 +67,10 @@ def print_review(report: ReviewReport, fmt: str = "text") -> None:
         f"[bold]ffdebug review[/bold]: {len(report.files)} file(s) ({scope}), {len(report.checks_run)} check(s), "
         f"checklist [bold]{book.name}[/bold]"
     )
+    for tool in report.tools:
+        if tool.error:
+            ids = ", ".join(c for c, why in report.not_run.items() if why == tool.error)
+            console.print(f"[yellow]{escape(tool.error)}[/yellow] [dim]({ids} not run)[/dim]")
     commands = {i.id: i.command for i in book.items}
     listed: set = set()
     for item in report.checklist:
@@ -58,6 +79,9 @@ def print_review(report: ReviewReport, fmt: str = "text") -> None:
         if item.status == "skipped":
             reasons = {report.skipped[c] for c in item.checks if c in report.skipped}
             console.print(f"     [dim]skipped: {escape('; '.join(sorted(reasons)))}[/dim]")
+        if item.status == "not-run":
+            reasons = {report.not_run[c] for c in item.checks if c in report.not_run}
+            console.print(f"     [yellow]not run: {escape('; '.join(sorted(reasons)))}[/yellow]")
         for f in item.findings:
             listed.add(f)
             console.print(f"     [red]{escape(f.location)}[/red]  {escape(f.message)}")
@@ -73,10 +97,17 @@ def print_review(report: ReviewReport, fmt: str = "text") -> None:
     note = f" ({report.suppressed} suppressed)" if report.suppressed else ""
     if report.passed:
         console.print(f"No automated check failed{note}; {human} item(s) left for a human. PASSED")
+    elif not report.findings:
+        console.print(
+            f"No finding, but {len(report.not_run)} check(s) not run{note}; {human} item(s) left for a "
+            "human. INCOMPLETE"
+        )
     else:
         files = len({f.path for f in report.findings})
+        missing = f", {len(report.not_run)} check(s) not run" if report.not_run else ""
         console.print(
-            f"{len(report.findings)} finding(s) in {files} file(s){note}; {human} item(s) left for a human. FAILED"
+            f"{len(report.findings)} finding(s) in {files} file(s){missing}{note}; {human} item(s) left "
+            "for a human. FAILED"
         )
 
 
@@ -94,11 +125,19 @@ def review_markdown(report: ReviewReport) -> str:
             note = " _(auto: failed)_"
         elif item.status == "skipped":
             note = " _(auto: skipped)_"
+        elif item.status == "not-run":
+            reasons = sorted({report.not_run[c] for c in item.checks if c in report.not_run})
+            note = f" _(auto: not run: {'; '.join(reasons)})_"
         else:
             note = ""
         lines.append(f"- [{box}] {item.text}{note}")
         for f in item.findings:
             lines.append(f"  - `{f.location}` {f.message}")
-    verdict = "PASSED" if report.passed else f"FAILED: {len(report.findings)} finding(s)"
+    if report.passed:
+        verdict = "PASSED"
+    elif report.findings:
+        verdict = f"FAILED: {len(report.findings)} finding(s)"
+    else:
+        verdict = f"INCOMPLETE: {len(report.not_run)} check(s) not run"
     lines += ["", f"{len(report.files)} file(s) reviewed. {verdict}"]
     return "\n".join(lines) + "\n"

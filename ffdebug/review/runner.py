@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ffdebug.errors import FFDebugError
-from ffdebug.review.checks import CHECKS, Finding
+from ffdebug.review.checks import CHECKS, Check, Finding
 from ffdebug.review.source import SourceFile, display_path
+from ffdebug.review.tools import RUNNERS, ToolRun
 
 SKIP_DIRS = {
     ".git",
@@ -243,7 +244,7 @@ class ChecklistItem:
     id: str
     text: str
     checks: list[str]
-    status: str  # "ticked" | "failed" | "human" | "skipped"
+    status: str  # "ticked" | "failed" | "not-run" | "human" | "skipped"
     findings: list[Finding]
 
     def to_json(self) -> dict:
@@ -269,14 +270,24 @@ class ReviewReport:
     playbook: str
     checklist: list[ChecklistItem]
     base: str | None = None
+    not_run: dict[str, str] = field(default_factory=dict)  # check id -> why its tool did not run
+    tools: list[ToolRun] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        """No unsuppressed finding."""
-        return not self.findings
+        """Every enabled check ran and none has an unsuppressed finding."""
+        return not self.findings and not self.not_run
+
+    def status(self, cid: str) -> str:
+        """ "skipped", "not-run", "failed" or "passed" for the check `cid`."""
+        if cid in self.skipped:
+            return "skipped"
+        if cid in self.not_run:
+            return "not-run"
+        return "failed" if any(f.check == cid for f in self.findings) else "passed"
 
     def to_json(self) -> dict:
-        """Stable keys: passed, files, base, findings, checks, suppressed, checklist."""
+        """Stable keys: passed, files, base, findings, checks, tools, suppressed, checklist."""
         return {
             "passed": self.passed,
             "files": self.files,
@@ -286,37 +297,64 @@ class ReviewReport:
                 {
                     "id": cid,
                     "title": CHECKS[cid].title,
-                    "status": "skipped"
-                    if cid in self.skipped
-                    else ("failed" if any(f.check == cid for f in self.findings) else "passed"),
-                    "reason": self.skipped.get(cid),
+                    "status": self.status(cid),
+                    "reason": self.skipped.get(cid) or self.not_run.get(cid),
                 }
                 for cid in CHECKS
             ],
+            "tools": [t.to_json() for t in self.tools],
             "suppressed": self.suppressed,
             "checklist": {"playbook": self.playbook, "items": [i.to_json() for i in self.checklist]},
         }
 
 
-def run_checks(
-    sources: list[SourceFile], config: ReviewConfig
-) -> tuple[list[Finding], list[str], dict[str, str], int]:
-    """Run every enabled check; returns (findings, checks run, skipped id -> reason, suppressed count)."""
+@dataclass
+class CheckResults:
+    """The outcome of running the enabled checks over the reviewed files."""
+
+    findings: list[Finding]
+    run: list[str]
+    skipped: dict[str, str]  # id -> why it was not asked for
+    not_run: dict[str, str]  # id -> why its tool could not run
+    suppressed: int
+    tools: list[ToolRun]
+
+
+def run_tools(sources: list[SourceFile], checks: list[Check]) -> dict[str, ToolRun]:
+    """Each tool the `checks` are backed by, run once over `sources` with the union of their codes."""
+    codes: dict[str, list[str]] = {}
+    for chk in checks:
+        if chk.tool is not None:
+            codes.setdefault(chk.tool, []).extend(chk.codes)
+    paths = [os.path.abspath(s.path) for s in sources]
+    return {tool: RUNNERS[tool](tuple(dict.fromkeys(c)), paths) for tool, c in codes.items()}
+
+
+def run_checks(sources: list[SourceFile], config: ReviewConfig) -> CheckResults:
+    """Run every enabled check (the tool-backed ones on their tool's hits)."""
     skipped: dict[str, str] = {cid: "disabled" for cid in config.disable}
     if not config.license_header:
         skipped.setdefault(
             "license-header", "no license header configured ([tool.ffdebug.review] license-header)"
         )
+    enabled = [chk for cid, chk in CHECKS.items() if cid not in skipped]
+    tools = run_tools(sources, enabled)
+    not_run = {c.id: tools[c.tool].error for c in enabled if c.tool and tools[c.tool].error}
     by_path = {s.path: s for s in sources}
     project = Project(sources, config)
     findings: list[Finding] = []
     suppressed = 0
     run: list[str] = []
-    for cid, chk in CHECKS.items():
-        if cid in skipped:
+    for chk in enabled:
+        if chk.id in not_run:
             continue
-        run.append(cid)
-        raw = chk.fn(project) if chk.scope == "project" else [f for s in sources for f in chk.fn(s, config)]
+        run.append(chk.id)
+        if chk.tool is not None:
+            raw = chk.fn(project, [h for h in tools[chk.tool].hits if h.code in chk.codes])
+        elif chk.scope == "project":
+            raw = chk.fn(project)
+        else:
+            raw = [f for s in sources for f in chk.fn(s, config)]
         for f in raw:
             src = by_path.get(f.path)
             if src is not None and src.suppressed(f.line, f.check):
@@ -324,13 +362,19 @@ def run_checks(
             else:
                 findings.append(f)
     findings = sorted(set(findings), key=lambda f: (f.path, f.line, f.col, f.check))
-    return findings, run, skipped, suppressed
+    return CheckResults(findings, run, skipped, not_run, suppressed, list(tools.values()))
 
 
-def checklist(playbook_name: str, findings: list[Finding], skipped: dict[str, str]) -> list[ChecklistItem]:
-    """The playbook's items, ticked / failed by their checks, or left for a human."""
+def checklist(
+    playbook_name: str,
+    findings: list[Finding],
+    skipped: dict[str, str],
+    not_run: dict[str, str] | None = None,
+) -> list[ChecklistItem]:
+    """The playbook's items, ticked / failed by their checks, not run (a tool is missing), or left for a human."""
     from ffdebug.review.playbooks import load
 
+    not_run = not_run or {}
     items = []
     for item in load(playbook_name).items:
         hits = [f for f in findings if f.check in item.checks]
@@ -338,6 +382,8 @@ def checklist(playbook_name: str, findings: list[Finding], skipped: dict[str, st
             status = "human"
         elif hits:
             status = "failed"
+        elif any(c in not_run for c in item.checks):
+            status = "not-run"
         elif all(c in skipped for c in item.checks):
             status = "skipped"
         else:
@@ -373,14 +419,16 @@ def review(
         worktree_new = new_files_in_worktree()
         new = set(files) if worktree_new is None else worktree_new
     sources = [SourceFile.load(display_path(f), is_new=f in new) for f in files]
-    findings, run, skipped, suppressed = run_checks(sources, config)
+    results = run_checks(sources, config)
     return ReviewReport(
         files=[s.path for s in sources],
-        findings=findings,
-        checks_run=run,
-        skipped=skipped,
-        suppressed=suppressed,
+        findings=results.findings,
+        checks_run=results.run,
+        skipped=results.skipped,
+        suppressed=results.suppressed,
         playbook=config.playbook,
-        checklist=checklist(config.playbook, findings, skipped),
+        checklist=checklist(config.playbook, results.findings, results.skipped, results.not_run),
         base=diff_base,
+        not_run=results.not_run,
+        tools=results.tools,
     )

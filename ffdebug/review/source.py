@@ -54,6 +54,18 @@ def has_star_kwargs(call: ast.Call) -> bool:
     return any(kw.arg is None for kw in call.keywords)
 
 
+def decorator_names(fn: ast.AST) -> set[str]:
+    """Every decorator of `fn` by its last name and its dotted name (`overload`, `size.setter`)."""
+    out = set()
+    for d in getattr(fn, "decorator_list", []):
+        target = d.func if isinstance(d, ast.Call) else d
+        out.add(last_name(target) or "")
+        name = dotted(target)
+        if name:
+            out.add(name)
+    return out
+
+
 def walk_local(node: ast.AST) -> Iterator[ast.AST]:
     """`ast.walk` that does not descend into nested function or class definitions."""
     todo = list(ast.iter_child_nodes(node))
