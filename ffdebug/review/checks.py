@@ -220,6 +220,10 @@ def check_set_epoch(src: SourceFile, config: ReviewConfig) -> Iterator[Finding]:
             )
 
 
+# The checks of the other topics register themselves on import, in this order (after the registry
+# above exists, before the license check, which the listing shows last).
+from ffdebug.review import lint_checks, numeric_checks, trainer_checks  # noqa: E402, F401
+
 # ---------------------------------------------------------------------------------------------
 # license-header
 
@@ -248,7 +252,3 @@ def check_license_header(src: SourceFile, config: ReviewConfig) -> Iterable[Find
             f"no license header {config.license_header!r} in the first {config.license_lines} lines",
         )
     ]
-
-
-# The checks of the other topics register themselves on import (after the registry above exists).
-from ffdebug.review import lint_checks, numeric_checks, trainer_checks  # noqa: E402, F401
