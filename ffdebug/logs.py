@@ -7,9 +7,9 @@ Every library message goes to a logger under `ffdebug` (`ffdebug.capture`, `ffde
   handler, which stands aside as soon as the user configured logging themselves (a handler on the
   root logger or on `ffdebug`), so `logging.basicConfig(...)`, their own handlers and
   `logging.disable(...)` decide. Its level is left unset: the root's (WARNING by default) applies.
-* The CLI calls `configure(verbosity)` once: our handler always writes (and the records stop at
-  `ffdebug`: a script run by `ffdebug trace` that configures the root logger gets no second copy),
-  at INFO by default (progress and warnings), DEBUG with `-v`, errors only with `-q`.
+* The CLI calls `configure(verbosity)` once: our handler always writes, at INFO by default
+  (progress and warnings), DEBUG with `-v`, errors only with `-q`. Records still propagate (a
+  handler on the root, pytest's log capture for one, sees them too).
 
 Lines read `ffdebug: warning: MESSAGE` (`ffdebug: MESSAGE` at INFO), on whatever `sys.stderr` is
 when the message is written (so pytest's capture and `contextlib.redirect_stderr` see them).
@@ -91,15 +91,10 @@ def configure(verbosity: int = 0) -> None:
     """The CLI's logging: our handler writes whatever else is configured, at `level_for(verbosity)`."""
     h = handler()
     h.standalone = True
-    root = logging.getLogger(ROOT)
-    root.setLevel(level_for(verbosity))
-    root.propagate = False
+    logging.getLogger(ROOT).setLevel(level_for(verbosity))
 
 
 def reset() -> None:
     """Back to library use (the state before any `configure`): for tests and embedding programs."""
-    h = handler()
-    h.standalone = False
-    root = logging.getLogger(ROOT)
-    root.setLevel(logging.NOTSET)
-    root.propagate = True
+    handler().standalone = False
+    logging.getLogger(ROOT).setLevel(logging.NOTSET)
