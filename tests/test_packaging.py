@@ -122,3 +122,19 @@ def test_the_constraint_files_agree_with_the_ranges():
                     f"constraints/lower.txt {name}: {lower.get(name)} != {bound[0]}"
                 )
     assert "torch" not in lower
+
+
+def test_ddp_without_accelerate_names_the_extra(monkeypatch):
+    """Accelerate is the [trainer] extra, imported only by the ddp backend: without it, one
+    ConfigError naming backend.kind and the install command (the CLI prints it as one line, exit 2)."""
+    import importlib.util
+
+    from reference_trainer.distributed import require_accelerate
+    from reference_trainer.errors import ConfigError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else find_spec(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"backend.kind: .*accelerate.*pip install 'ffdebug\[trainer\]'"):
+        require_accelerate()
