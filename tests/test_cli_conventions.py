@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ def _required_args(cmd) -> list[str]:
 
 def test_version_of_both_programs():
     """`--version` prints the package version (pyproject's) and exits 0 before any command runs."""
-    assert ffdebug.__version__ == source_version()
+    assert ffdebug.__version__ == source_version(str(Path(__file__).resolve().parents[1] / "pyproject.toml"))
     result = runner.invoke(app, ["--version"])
     assert (result.exit_code, result.stdout) == (0, f"ffdebug {ffdebug.__version__}\n")
     result = runner.invoke(trainer_app, ["--version"])
