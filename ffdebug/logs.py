@@ -6,7 +6,8 @@ Every library message goes to a logger under `ffdebug` (`ffdebug.capture`, `ffde
 * Library use (an engine or trainer that imported ffdebug): the `ffdebug` logger has our stderr
   handler, which stands aside as soon as the user configured logging themselves (a handler on the
   root logger or on `ffdebug`), so `logging.basicConfig(...)`, their own handlers and
-  `logging.disable(...)` decide. Its level is left unset: the root's (WARNING by default) applies.
+  `logging.disable(...)` decide (pytest's log capture is such a handler: tests read library
+  messages with `caplog`). Its level is left unset: the root's (WARNING by default) applies.
 * The CLI calls `configure(verbosity)` once: our handler always writes, at INFO by default
   (progress and warnings), DEBUG with `-v`, errors only with `-q`. Records still propagate (a
   handler on the root, pytest's log capture for one, sees them too).
