@@ -99,3 +99,6 @@ def reset() -> None:
     """Back to library use (the state before any `configure`): for tests and embedding programs."""
     handler().standalone = False
     logging.getLogger(ROOT).setLevel(logging.NOTSET)
+
+
+handler()  # on import: a module that logs through logging.getLogger("ffdebug.<part>") directly gets it too
