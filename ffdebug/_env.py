@@ -11,10 +11,10 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 
 from ffdebug.errors import FFDebugError
+from ffdebug.logs import get_logger
 
 # ATOM name -> (our name, value translation)
 _ATOM_ALIASES: dict[str, tuple[str, dict[str, str] | None]] = {
@@ -48,10 +48,7 @@ def _get(name: str, environ: dict[str, str]) -> str | None:
             atom_value = translate[atom_value]
         if value is not None:
             if value != atom_value:
-                print(
-                    f"ffdebug: warning: both {name} and {atom_name} are set; using {name}={value!r}",
-                    file=sys.stderr,
-                )
+                get_logger("env").warning("both %s and %s are set; using %s=%r", name, atom_name, name, value)
             return value
         return atom_value
     return value

@@ -25,6 +25,7 @@ import typer
 from rich.console import Console
 
 from ffdebug.cli.boundary import OneLineErrors
+from ffdebug.cli.conventions import GLOBAL_HELP, add_global_options
 
 
 class TrainerErrors(OneLineErrors):
@@ -46,11 +47,14 @@ class TrainerErrors(OneLineErrors):
 app = typer.Typer(
     cls=TrainerErrors,
     name="reference-trainer",
-    help="Reference trainer for diffusion / flow-matching RL finetuning (tiny CPU models).",
+    help="Reference trainer for diffusion / flow-matching RL finetuning (tiny CPU models)."
+    + GLOBAL_HELP.format(program="reference-trainer"),
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (README "CLI conventions")
     pretty_exceptions_enable=False,
 )
+
+add_global_options(app, "reference-trainer")
 
 EXAMPLES = {
     "train": [

@@ -28,6 +28,7 @@ rank order), ``local_part`` (this rank's equal share of a global index list).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -218,6 +219,18 @@ def require_launch(kind: str) -> int:
     return world
 
 
+TRAINER_EXTRA = "pip install 'ffdebug[trainer]'"
+
+
+def require_accelerate() -> None:
+    """``ConfigError`` naming the extra when Accelerate (the ``[trainer]`` extra) is not installed."""
+    if importlib.util.find_spec("accelerate") is None:
+        raise ConfigError(
+            "backend.kind",
+            f"ddp runs on accelerate, which is not installed; install the extra: {TRAINER_EXTRA}",
+        )
+
+
 class DDPBackend(ProcessGroupBackend):
     """Accelerate's DistributedDataParallel over a torchrun launch (gloo on CPU)."""
 
@@ -226,6 +239,7 @@ class DDPBackend(ProcessGroupBackend):
     def __init__(self, activation_checkpointing: str = "none"):
         super().__init__(activation_checkpointing)
         world = require_launch("ddp")
+        require_accelerate()
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 

@@ -21,11 +21,14 @@ def _clean_ffdebug_state(monkeypatch):
     import torch
 
     torch.set_num_threads(1)
+    from ffdebug import logs
     from ffdebug.capture import state
 
     state.reset()
+    logs.reset()  # library logging: a CLI test's -q / -v does not reach the next test
     yield
     state.reset()
+    logs.reset()
 
 
 @pytest.fixture

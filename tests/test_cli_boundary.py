@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import pytest
 from typer.main import get_command
@@ -190,4 +191,5 @@ def test_version_comes_from_one_place(tmp_path):
     project.write_text('[project]\nname = "x"\nversion = "9.8.7"\n\n[tool.ruff]\ntarget-version = "py310"\n')
     assert source_version(str(project)) == "9.8.7"
     assert source_version(str(tmp_path / "missing.toml")) is None
-    assert ffdebug.__version__ == __version__ == source_version()
+    repo = Path(__file__).resolve().parents[1]  # also when the package runs from an installed wheel
+    assert ffdebug.__version__ == __version__ == source_version(str(repo / "pyproject.toml"))

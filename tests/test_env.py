@@ -57,7 +57,7 @@ def test_queue_bytes_default_and_zero():
     )
 
 
-def test_atom_aliases_and_precedence(capsys):
+def test_atom_aliases_and_precedence(caplog):
     c = read_dump_config(
         {
             "ATOM_FWD_DUMP_DIR": "/a",
@@ -72,7 +72,7 @@ def test_atom_aliases_and_precedence(capsys):
     )
     c2 = read_dump_config({"ATOM_FWD_DUMP_DIR": "/a", "FFDEBUG_FWD_DUMP_DIR": "/f"})
     assert c2.dir == "/f"
-    assert "FFDEBUG_FWD_DUMP_DIR" in capsys.readouterr().err
+    assert "FFDEBUG_FWD_DUMP_DIR" in caplog.text  # the ffdebug.env logger
     c3 = read_dump_config({"ATOM_FWD_DUMP_DIR": "/a", "ATOM_FWD_DUMP_ONE_SHOT": "0"})
     assert c3.calls.spec == "all"
     w = read_weight_dump_config({"ATOM_WEIGHT_DUMP_DIR": "/w", "ATOM_WEIGHT_DUMP_EXIT": "0"})

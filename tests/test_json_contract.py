@@ -248,6 +248,9 @@ INSPECT_TENSOR = {
     "checked": bool,
     "disagreements": list,
 }
+# a failing --json run: the one document on stdout (README "CLI conventions")
+ERROR_TOP = {"error": dict}
+ERROR = {"exit_code": int, "message": str, "hint": OPT_STR, "where": OPT_STR}
 
 
 def check(obj: dict, required: dict, optional: set = frozenset(), where: str = "") -> None:
@@ -351,3 +354,20 @@ def test_inspect_json_contract(demo_dir):
     check(data, INSPECT_TOP, where="inspect")
     for t in data["tensors"]:
         check(t, INSPECT_TENSOR, where=f"inspect.tensors[{t['key']}]")
+
+
+@pytest.mark.parametrize(
+    "args,code",
+    [
+        (("compare", "ref-vs-target", "--dir", "/nonexistent/dumps", "--json"), 2),
+        (("weights-diff", "a.safetensors", "--json", "--fail-on", "nope"), 2),
+    ],
+    ids=["bad-input", "usage"],
+)
+def test_error_json_contract(args, code):
+    r = CliRunner().invoke(app, list(args))
+    data = json.loads(r.stdout)
+    assert r.exit_code == code and r.stderr.startswith("ffdebug: error: ")
+    check(data, ERROR_TOP, where="error")
+    check(data["error"], ERROR, where="error.error")
+    assert data["error"]["exit_code"] == code and data["error"]["message"] in r.stderr

@@ -200,7 +200,7 @@ def test_per_group_qkv_and_even_odd_gate_up_are_read_from_the_ports_views(hf, tm
     assert {f"L001.{k}" for k in SUB + INS} <= {s.key for s in res.stages} and all(s.ok for s in res.stages)
 
 
-def test_a_fused_qkv_whose_split_is_not_seen_is_not_split_but_named(hf, tmp_path, capsys):
+def test_a_fused_qkv_whose_split_is_not_seen_is_not_split_but_named(hf, tmp_path, caplog):
     """The port copies its fused output (permute + contiguous) before taking q / k / v apart: the
     layout is not visible, so nothing is guessed. The projection keeps its module path, the
     warning says why, run.json lists it, and compare reports attn.q / k / v missing."""
@@ -224,7 +224,7 @@ def test_a_fused_qkv_whose_split_is_not_seen_is_not_split_but_named(hf, tmp_path
     tgt = dump(port, tmp_path, "target", tap="llama_ports:rope")
     assert "L000.attn.q.out" not in tgt and {"L000.mix.wqkv.in", "L000.mix.wqkv.out"} <= set(tgt)
     assert "L000.attn.o.out" in tgt  # the rest of the branch still has its roles
-    assert "mix.wqkv is a fused q / k / v projection (64 outputs) whose layout" in capsys.readouterr().err
+    assert "mix.wqkv is a fused q / k / v projection (64 outputs) whose layout" in caplog.text
     assert open_side(tmp_path / "target").run["unplaced_stages"]["Stack.mix"] == ["mix.wqkv"]
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.exit_code() != 0 and "reference only: attn.k.out, attn.q.out" in str(res.coverage.missing)
@@ -299,7 +299,7 @@ def test_a_bug_in_one_expert_is_located_at_that_layer_and_expert(hf_moe, tmp_pat
     assert wrong == {f"L001.moe.expert{bad:03d}.out"}  # the other experts still match
 
 
-def test_projections_no_rule_takes_keep_their_module_path_and_are_named(tmp_path, capsys):
+def test_projections_no_rule_takes_keep_their_module_path_and_are_named(tmp_path, caplog):
     """An MLP with three input projections fits no rule: each keeps `L{NNN}.<module path>.out`,
     the warning and run.json name them; the rest of the block still gets its roles."""
 
@@ -339,7 +339,7 @@ def test_projections_no_rule_takes_keep_their_module_path_and_are_named(tmp_path
     keys = set(open_side(tmp_path / "s").keys())
     assert {"L000.m.p.out", "L000.m.q.out", "L000.m.r.out", "L001.m.r.out"} <= keys
     assert {"L000.mlp.act.out", "L000.mlp.down.out", "L000.ffn_out"} <= keys  # o: the down projection
-    assert "no role sub-stage for m.p, m.q, m.r" in capsys.readouterr().err
+    assert "no role sub-stage for m.p, m.q, m.r" in caplog.text  # the ffdebug.capture logger
     assert open_side(tmp_path / "s").run["unplaced_stages"]["Block.m"] == ["m.p", "m.q", "m.r"]
 
 

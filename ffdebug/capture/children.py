@@ -111,16 +111,15 @@ class ChildRoles:
                 replay()
 
     def _warn(self, unplaced: tuple[str, ...]) -> None:
-        import sys
+        from ffdebug.logs import get_logger
 
         cls = self.block.class_name
         self.session.note_unplaced(cls, unplaced)
         if cls in self._warned:
             return
         self._warned.add(cls)
-        print(
-            f"ffdebug: warning: {cls} ({self.block.path}): could not place {', '.join(unplaced)} by role "
+        get_logger("capture").warning(
+            f"{cls} ({self.block.path}): could not place {', '.join(unplaced)} by role "
             f"(more than two branches, no name hint); dumped as L{{NNN}}.<child>.out — name them with "
-            "install(model, stage_names={...}) or compare --map",
-            file=sys.stderr,
+            "install(model, stage_names={...}) or compare --map"
         )

@@ -19,6 +19,7 @@ from ffdebug.capture.sinks import StoreSink
 
 # the capture state (tags, layers, sessions) lives in capture/state.py
 from ffdebug.capture.state import current_layer, current_order, current_tags
+from ffdebug.logs import get_logger
 
 _LAYER_PREFIX = re.compile(r"^L\d+\.")
 
@@ -268,7 +269,7 @@ class Session:
         else:
             why = "ffdebug.install(model) was never called and no ffdebug.tap ran"
         done = f"captured {self.captured} tensor(s)" if self.captured else "captured nothing"
-        print(f"ffdebug: warning: side '{self.config.side}' {done}: {why}", file=sys.stderr)
+        get_logger("capture").warning("side '%s' %s: %s", self.config.side, done, why)
 
 
 ROTARY_STAGES = ("attn.q_rot", "attn.k_rot")

@@ -11,9 +11,9 @@ so records keep execution order (q before the rotary taps, the context before th
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
+from ffdebug.logs import get_logger
 from ffdebug.models.subroles import (
     BranchTrace,
     Dims,
@@ -428,11 +428,10 @@ class BranchRecorder:
             self.session.note_unplaced(f"{block.class_name}.{self.name}", names)
             if (block.class_name, self.name) not in _WARNED:
                 _WARNED.add((block.class_name, self.name))
-                print(
-                    f"ffdebug: warning: {block.class_name} ({block.path}.{self.name}): no role sub-stage "
+                get_logger("capture").warning(
+                    f"{block.class_name} ({block.path}.{self.name}): no role sub-stage "
                     f"for {', '.join(names)}; dumped as L{{NNN}}.<module path>.in / .out"
-                    + "".join(f" ({note})" for note in dict.fromkeys(trace.notes)),
-                    file=sys.stderr,
+                    + "".join(f" ({note})" for note in dict.fromkeys(trace.notes))
                 )
         # a module a sub-stage class dumps keeps its own in / out under that path (not its projection's)
         return [s for s in out if s.module_path not in self.written.module_paths]

@@ -11,6 +11,7 @@ import os
 import sys
 
 from ffdebug._env import read_weight_dump_config
+from ffdebug.logs import get_logger
 
 
 def dump_weights(model, directory: str, layers=None, overwrite: bool = True) -> str:
@@ -72,6 +73,7 @@ def maybe_dump_weights_and_exit(model) -> str | None:
         torch = sys.modules.get("torch")
         if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
-        print(f"ffdebug: weights dumped to {side_dir}; exiting (FFDEBUG_WEIGHT_DUMP_EXIT=1)", file=sys.stderr)
+        # a warning, not info: the process ends here, and the default level must show why
+        get_logger("capture").warning("weights dumped to %s; exiting (FFDEBUG_WEIGHT_DUMP_EXIT=1)", side_dir)
         sys.exit(0)
     return side_dir

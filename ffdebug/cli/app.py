@@ -22,6 +22,7 @@ from ffdebug.cli import (
     weights_diff_cmd,
 )
 from ffdebug.cli.boundary import OneLineErrors  # every error, usage or FFDebugError, ends there
+from ffdebug.cli.conventions import GLOBAL_HELP, add_global_options
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -29,13 +30,15 @@ app = typer.Typer(
     help=(
         "Numerical debugging and dump-bisect for PyTorch models and training loops: dump the same "
         "named stages from a reference and a target, compare them in float64, and find where they "
-        "part ways.\n\nStart with [bold]ffdebug demo[/bold]."
+        "part ways.\n\nStart with [bold]ffdebug demo[/bold]." + GLOBAL_HELP.format(program="ffdebug")
     ),
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (README "CLI conventions")
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
+
+add_global_options(app, "ffdebug")
 
 # One line per command module; each registers its command(s) on `app`.
 for _module in (

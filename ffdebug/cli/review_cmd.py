@@ -9,7 +9,7 @@ import typer
 HELP = """Run the automated review checks over Python files and print the pre-commit checklist with
 items ticked, failed at file:line with a one-line why, not run, or left for a human. The domain
 checks are ffdebug's own (AST); the generic ones run ruff and bandit from this environment
-(pip install 'ffdebug[test]'), isolated from the project's lint settings.
+(pip install 'ffdebug[review]'), isolated from the project's lint settings.
 
 [bold]Examples[/bold]
 

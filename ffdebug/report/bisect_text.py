@@ -84,7 +84,8 @@ def _verdict(result: BisectResult) -> str:
 def layers_table(result) -> Table:
     table = Table(title="layers (block output vs reference)", header_style="bold")
     for col in ("", "layer", "class", "cos out", "rel in", "rel out", "added", "introduces", "local?"):
-        table.add_column(col, justify="left" if col in ("", "class", "introduces", "local?") else "right")
+        justify = "left" if col in ("", "class", "introduces", "local?") else "right"
+        table.add_column(col, justify=justify, overflow="fold")  # wrapped at 80 columns, never cut
     for r in result.layers:
         table.add_row(
             severity_cell(r.severity),
@@ -109,9 +110,13 @@ def print_bisect(
     first = result.first_divergence
     if first is not None and first.layer is not None and not all_stages:
         rows = [e for e in result.stages if e.layer == first.layer]
-        console.print(compare_table(rows, title=f"inside layer {first.layer} (execution order)"))
+        console.print(
+            compare_table(rows, title=f"inside layer {first.layer} (execution order)", width=console.width)
+        )
     elif all_stages or first is not None:
-        console.print(compare_table(result.stages, title="stages", only_problems=not all_stages))
+        console.print(
+            compare_table(result.stages, title="stages", only_problems=not all_stages, width=console.width)
+        )
     for c in result.per_class:
         console.print(
             f"class {esc(c.layer_class)}: layers {_ranges(c.layers)}; first bad layer "
@@ -167,7 +172,7 @@ def print_invariance(result: InvarianceResult, console: Console | None = None) -
     console = console or Console()
     table = Table(title=f"slot invariance ({result.slots} slots, dim {result.slot_dim})", header_style="bold")
     for col in ("", "layer", "stage", "worst slot", "cos", "rel", "bit-equal", "vs single"):
-        table.add_column(col, overflow="fold" if col == "stage" else "ellipsis")
+        table.add_column(col, overflow="fold")
     for s in result.stages:
         w = s.worst
         table.add_row(

@@ -28,9 +28,24 @@ class HasJSON(Protocol):
         ...
 
 
+_documents = [0]  # JSON documents written since the CLI boundary started the command
+
+
 def write_json(obj: Any) -> None:
     """One JSON document on stdout (indent 1, NaN refused, other types as their str)."""
     sys.stdout.write(json.dumps(obj, indent=1, allow_nan=False, default=str) + "\n")
+    _documents[0] += 1
+
+
+def reset_documents() -> None:
+    """A new command starts (`ffdebug.cli.boundary`): no document written yet."""
+    _documents[0] = 0
+
+
+def documents_written() -> int:
+    """JSON documents written since `reset_documents`: the boundary adds no error object after
+    one, so stdout stays one parseable document (the result already says what failed)."""
+    return _documents[0]
 
 
 @dataclass(frozen=True)

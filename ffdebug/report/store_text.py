@@ -26,7 +26,7 @@ def print_inspect(info: dict) -> None:
     table = Table(title=esc(f"{info['path']} ({info['kind']}, side {info['side']})"), header_style="bold")
     for col in ("key", "dtype", "shape", "mean", "std", "min", "max", "absmax", "nan/inf"):
         left = col in ("key", "dtype", "shape")
-        table.add_column(col, justify="left" if left else "right", overflow="fold" if left else "ellipsis")
+        table.add_column(col, justify="left" if left else "right", overflow="fold")  # wrapped, never cut
     for r in rows:
         s = r["stats"] or {}
         cell = key_markup(r["key"]) + ("" if r["payload"] else " [dim](stats)[/dim]")

@@ -144,7 +144,7 @@ def weights_table(tensors: list[dict], show_all: bool = False) -> Table:
             col,
             justify=justify,
             no_wrap=col in ("", "finding"),
-            overflow="fold" if col == "tensor" else "ellipsis",
+            overflow="fold",  # names and numbers wrap at 80 columns, never cut
         )
     for t in tensors:
         if not show_all and t["finding"] == "equal":

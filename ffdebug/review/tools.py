@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-INSTALL = "pip install 'ffdebug[test]'"
+INSTALL = "pip install 'ffdebug[review]'"
 _CHUNK = 400  # files per command line, far below any ARG_MAX
 _TIMEOUT_S = 600
 
@@ -114,7 +114,7 @@ def run_ruff(codes: tuple[str, ...], paths: list[str]) -> ToolRun:
             try:
                 rows = json.loads(out or "[]")
             except json.JSONDecodeError:
-                error = "ruff printed no JSON report (an old ruff? the tested one is pinned in ffdebug[test])"
+                error = "ruff printed no JSON report (an old ruff? the tested range is ffdebug[review]'s)"
         if error is not None:
             return ToolRun("ruff", codes, _version("ruff"), error=error)
         hits += [

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import weakref
+
+from ffdebug.logs import get_logger
 
 _live: weakref.WeakSet = weakref.WeakSet()
 _lock = threading.Lock()
@@ -58,7 +59,7 @@ def _on_sigterm(signum, frame) -> None:
         try:
             writer.drain()
         except Exception as err:  # the signal must still reach the previous handler
-            print(f"ffdebug: warning: dump writer failed while draining on SIGTERM: {err}", file=sys.stderr)
+            get_logger("store").warning("dump writer failed while draining on SIGTERM: %s", err)
     previous = _previous
     if callable(previous):
         previous(signum, frame)

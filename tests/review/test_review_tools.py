@@ -118,7 +118,7 @@ def test_a_missing_tool_leaves_its_checks_not_run_never_passed(monkeypatch):
     clean = "fixtures/review/license_present.py"  # breaks no rule
     monkeypatch.setattr(tools, "command", _missing("ruff"))
     report = review([clean], config=ReviewConfig())
-    hint = "ruff not found: pip install 'ffdebug[test]'"
+    hint = "ruff not found: pip install 'ffdebug[review]'"
     assert report.not_run == dict.fromkeys(
         ("silent-except", "public-api-typed", "public-api-docstring"), hint
     )

@@ -40,4 +40,4 @@ def test_runs_sharing_no_metric_are_a_usage_error(tmp_path):
     a = _run(tmp_path / "a", [{"optimizer_step": 1, "loss": 1.0}])
     b = _run(tmp_path / "b", [{"optimizer_step": 1, "objective": 1.0}])
     code, out = _diff(a, b)
-    assert code == 2 and "no metric key in common" in out
+    assert code == 2 and "no metric key in common" in out["error"]["message"]  # --json: the error object

@@ -1,0 +1,300 @@
+"""CLI conventions (README "CLI conventions"): `--version`, completion, flags without `<bool>`, the
+`--json` error object, `-v` / `-q`, library messages through `logging`, and tables that stay
+readable when piped at 80 columns."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from typer.main import get_command
+from typer.testing import CliRunner
+
+import ffdebug
+from ffdebug import logs
+from ffdebug.cli.app import app
+from ffdebug.errors import FFDebugError, InputIdsMismatch
+from ffdebug.version import source_version
+from reference_trainer.cli import app as trainer_app
+
+runner = CliRunner()
+ROOT = get_command(app)
+
+
+def _leaves(group, path=()):
+    for name, cmd in sorted(group.commands.items()):
+        if hasattr(cmd, "commands"):
+            yield from _leaves(cmd, (*path, name))
+        else:
+            yield (*path, name), cmd
+
+
+COMMANDS = list(_leaves(ROOT))
+JSON_COMMANDS = [(p, c) for p, c in COMMANDS if any("--json" in param.opts for param in c.params)]
+
+
+@pytest.fixture(autouse=True)
+def _library_logging():
+    """Every CLI call configures the `ffdebug` logger; each test starts and ends in library mode."""
+    logs.reset()
+    yield
+    logs.reset()
+    logging.disable(logging.NOTSET)
+
+
+@pytest.fixture
+def walked_tree(monkeypatch):
+    """Run ROOT (whose callbacks a test replaces) rather than a freshly built click tree."""
+    monkeypatch.setattr("typer.testing._get_command", lambda _app: ROOT)
+    monkeypatch.delenv("FFDEBUG_DEBUG", raising=False)
+
+
+def _required_args(cmd) -> list[str]:
+    args: list[str] = []
+    for param in cmd.params:
+        if param.required:
+            value = "1" if getattr(param.type_descriptor, "annotation", str) in (int, float) else "x"
+            args += [param.opts[0], value] if param.param_type_name == "option" else [value]
+    return args
+
+
+def test_version_of_both_programs():
+    """`--version` prints the package version (pyproject's) and exits 0 before any command runs."""
+    assert ffdebug.__version__ == source_version(str(Path(__file__).resolve().parents[1] / "pyproject.toml"))
+    result = runner.invoke(app, ["--version"])
+    assert (result.exit_code, result.stdout) == (0, f"ffdebug {ffdebug.__version__}\n")
+    result = runner.invoke(trainer_app, ["--version"])
+    assert (result.exit_code, result.stdout) == (0, f"reference-trainer {ffdebug.__version__}\n")
+
+
+def test_completion_completes_commands_and_options():
+    """Typer's completion protocol: `ffdebug comp<TAB>` offers compare, `compare --fa<TAB>` --fail-on."""
+    env = {"_FFDEBUG_COMPLETE": "complete_bash", "COMP_WORDS": "ffdebug comp", "COMP_CWORD": "1"}
+    assert runner.invoke(app, [], env=env).stdout.split() == ["compare"]
+    env.update(COMP_WORDS="ffdebug compare --fa", COMP_CWORD="2")
+    assert runner.invoke(app, [], env=env).stdout.split() == ["--fail-on"]
+    shown = runner.invoke(app, ["--show-completion", "bash"])
+    assert shown.exit_code == 0 and "_FFDEBUG_COMPLETE=complete_bash" in shown.stdout
+
+
+@pytest.mark.parametrize("path", [(), *(p for p, _ in COMMANDS)], ids=lambda p: " ".join(p) or "ffdebug")
+def test_help_shows_no_type_beside_a_flag(path):
+    """`--json`, not `--json <bool>` (typer prints a type beside every option, flags included)."""
+    result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.stdout and "--help" in result.stdout
+
+
+def _error_object(result) -> dict:
+    data = json.loads(result.stdout)
+    assert list(data) == ["error"] and set(data["error"]) == {"exit_code", "message", "hint", "where"}
+    return data["error"]
+
+
+@pytest.mark.parametrize("path,cmd", JSON_COMMANDS, ids=[" ".join(p) for p, _ in JSON_COMMANDS])
+def test_json_failure_prints_the_error_object(path, cmd, monkeypatch, walked_tree):
+    """Every command with --json: a bad input is the error object on stdout and the line on stderr."""
+
+    def bad_input(*args, **kwargs):
+        raise FFDebugError("x: bad input; give a good one")
+
+    monkeypatch.setattr(cmd, "callback", bad_input)
+    result = runner.invoke(app, [*path, *_required_args(cmd), "--json"])
+    assert result.exit_code == 2
+    assert result.stderr == "ffdebug: error: x: bad input; give a good one\n"
+    assert _error_object(result) == {
+        "exit_code": 2,
+        "message": "x: bad input; give a good one",
+        "hint": None,
+        "where": "ffdebug " + " ".join(path),
+    }
+
+
+def test_json_failure_exit_3_and_usage_errors(monkeypatch, walked_tree):
+    """Differing inputs keep exit 3; a usage error names the option and the help to read."""
+    _, cmd = next(c for c in COMMANDS if c[0] == ("compare",))
+
+    def mismatch(*args, **kwargs):
+        raise InputIdsMismatch("input ids differ at position 4; fix tokenization first")
+
+    monkeypatch.setattr(cmd, "callback", mismatch)
+    error = _error_object(result := runner.invoke(app, ["compare", "a", "b", "--json"]))
+    assert (
+        result.exit_code == 3 and error["exit_code"] == 3 and error["message"].startswith("input ids differ")
+    )
+    result = runner.invoke(app, ["compare", "a", "b", "--json", "--workers", "0"])
+    error = _error_object(result)
+    assert result.exit_code == 2 and error["exit_code"] == 2 and "--workers" in error["message"]
+    assert error["hint"] == "see 'ffdebug compare --help'" and error["where"] == "ffdebug compare --workers"
+    assert result.stderr.startswith("ffdebug: error: ") and result.stderr.endswith(
+        "; see 'ffdebug compare --help'\n"
+    )
+    # without --json nothing reaches stdout
+    assert runner.invoke(app, ["compare", "a", "b"]).stdout == ""
+
+
+def test_no_error_object_after_a_result_document(monkeypatch, walked_tree):
+    """A command that printed its result and then fails leaves stdout one document (the result)."""
+    from ffdebug.report.sink import Output
+
+    _, cmd = next(c for c in COMMANDS if c[0] == ("inspect",))
+
+    def shown_then_failed(*args, **kwargs):
+        Output(json=True).show({"records": 1, "disagreeing": 1}, print)
+        raise FFDebugError("1 record(s) disagree with their payloads")
+
+    monkeypatch.setattr(cmd, "callback", shown_then_failed)
+    result = runner.invoke(app, ["inspect", "x", "--json"])
+    assert result.exit_code == 2 and json.loads(result.stdout) == {"records": 1, "disagreeing": 1}
+
+
+def _messages(*args, **kwargs):
+    logs.get_logger("capture").warning("a library warning")
+    logs.get_logger("progress").info("12/40 stages")
+    logs.get_logger("capture").debug("a debug detail")
+
+
+@pytest.mark.parametrize(
+    "options,shown",
+    [
+        ((), {"ffdebug: warning: a library warning", "ffdebug: 12/40 stages"}),
+        (("-q",), set()),
+        (
+            ("-v",),
+            {
+                "ffdebug: warning: a library warning",
+                "ffdebug: 12/40 stages",
+                "ffdebug: debug: a debug detail",
+            },
+        ),
+    ],
+    ids=["default", "quiet", "verbose"],
+)
+def test_verbosity_of_the_cli(options, shown, monkeypatch, walked_tree):
+    """Default: warnings and progress (INFO) on stderr; -q errors only; -v debug too. stdout stays clean."""
+    _, cmd = next(c for c in COMMANDS if c[0] == ("inspect",))
+    monkeypatch.setattr(cmd, "callback", _messages)
+    result = runner.invoke(app, [*options, "inspect", "x"])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert set(result.stderr.splitlines()) == shown
+
+
+@pytest.mark.parametrize("options,expected", [((), 1), (("-q",), 0)], ids=["default", "quiet"])
+def test_quiet_silences_a_real_library_warning(options, expected, tmp_path, monkeypatch, walked_tree):
+    """A side that captured nothing warns when its capture ends, unless -q (the library's own path)."""
+    _, cmd = next(c for c in COMMANDS if c[0] == ("inspect",))
+
+    def dump_nothing(*args, **kwargs):
+        with ffdebug.capture(None, dir=tmp_path, side="ref"):
+            pass
+
+    monkeypatch.setattr(cmd, "callback", dump_nothing)
+    result = runner.invoke(app, [*options, "inspect", "x"])
+    assert result.stderr.count("ffdebug: warning: side 'ref' captured nothing") == expected, result.stderr
+
+
+BOTH_DIRS = {"FFDEBUG_FWD_DUMP_DIR": "/a", "ATOM_FWD_DUMP_DIR": "/b"}
+BOTH_WARNING = "ffdebug: warning: both FFDEBUG_FWD_DUMP_DIR and ATOM_FWD_DUMP_DIR are set; using FFDEBUG_FWD_DUMP_DIR='/a'\n"
+
+
+def test_library_warnings_go_through_logging(capsys, monkeypatch):
+    """Library use: our stderr line by default; nothing under logging.disable(); a user's handler
+    gets the record instead of our line (no copy on stderr)."""
+    from ffdebug._env import read_dump_config
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # a program that configured no logging
+
+    read_dump_config(BOTH_DIRS)
+    assert capsys.readouterr().err == BOTH_WARNING
+    logging.disable(logging.WARNING)
+    read_dump_config(BOTH_DIRS)
+    assert capsys.readouterr().err == ""
+    logging.disable(logging.NOTSET)
+
+    records: list[logging.LogRecord] = []
+    user = logging.Handler()
+    user.emit = records.append
+    logging.getLogger().addHandler(user)
+    try:
+        read_dump_config(BOTH_DIRS)
+    finally:
+        logging.getLogger().removeHandler(user)
+    assert capsys.readouterr().err == ""
+    assert [(r.name, r.levelname) for r in records] == [("ffdebug.env", "WARNING")]
+    assert "both FFDEBUG_FWD_DUMP_DIR and ATOM_FWD_DUMP_DIR" in records[0].getMessage()
+
+
+# ---- 80 columns, piped ----------------------------------------------------------------------
+
+LONG = (
+    "L012.self_attn.rotary_emb.out.cos_cached_with_a_long_suffix",
+    "L013.mlp.experts.gate_up_proj.weight_scale_inv.out",
+)
+CLASS = "Qwen3MoeDecoderLayer[mlp=Sparse]"
+
+
+def _column(text: str, header: str) -> str:
+    """The cells of one column of the tables that have it, top to bottom, joined (a wrapped key
+    reads whole again)."""
+    cells, at = [], None
+    for line in text.splitlines():
+        if line.startswith("┃"):
+            heads = [c.strip() for c in line.strip("┃").split("┃")]
+            at = heads.index(header) if header in heads else None
+        elif line.startswith("│") and at is not None:
+            cells.append(line.strip("│").split("│")[at].strip())
+    assert cells, f"no table with a {header!r} column"
+    return "".join(cells)
+
+
+def _at_80(*args: str) -> str:
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "80"})
+    assert result.exit_code in (0, 1), result.output
+    text = result.stdout
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
+    return text
+
+
+@pytest.fixture(scope="module")
+def long_keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("long")
+    for side in ("ref", "target"):
+        with ffdebug.capture(None, dir=d, side=side):
+            for key in LONG:
+                layer = int(key[1:4])
+                t = torch.arange(6.0) + 1
+                if side == "target" and layer == 13:
+                    t = t * 1.5 + 123456.789  # numbers as wide as they get: 3.17e+06%, 1.23e+05
+                ffdebug.tap(key, t, layer=layer, layer_class=CLASS)
+    return d
+
+
+def test_inspect_compare_bisect_at_80_columns(long_keys):
+    """Piped at 80 columns, long keys and wide numbers wrap inside their cells and are never cut."""
+    text = _at_80("inspect", str(long_keys / "ref"))
+    assert all(key in _column(text, "key") for key in LONG)
+    text = _at_80("compare", "ref-vs-target", "--dir", str(long_keys))
+    stages = _column(text, "stage")
+    assert all(key[5:] in stages for key in LONG)  # the layer has its own column
+    assert CLASS in _column(text, "class") and "3.17e+06%" in _column(text, "rel")
+    assert "1.23e+05" in _column(text, "max_abs")
+    text = _at_80("bisect", "--dir", str(long_keys))
+    assert LONG[1][5:] in _column(text, "stage")
+
+
+def test_weights_diff_at_80_columns(tmp_path):
+    from safetensors.torch import save_file
+
+    names = [
+        f"model.layers.{i}.self_attn.rotary_embedding_projection_with_a_long_name.weight" for i in (3, 4)
+    ]
+    a = {n: torch.arange(12.0).reshape(3, 4) + i for i, n in enumerate(names)}
+    b = {n: t * 2.5 for n, t in a.items()}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    text = _at_80("weights-diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"))
+    tensors = _column(text, "tensor")
+    assert all(n in tensors for n in names), tensors
