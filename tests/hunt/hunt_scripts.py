@@ -32,7 +32,13 @@ PLANTS = {
     ),
     # a tiny error from layer 1 on (inside the ok band): later layers' inputs are no longer
     # bit-equal, so a hunt must replay the planted layer on the reference's input (round 3)
-    "drift": "m.model.layers[1].mlp.down_proj.weight.data *= 1.0 + 1e-4",
+    "drift": "m.model.layers[1].mlp.down_proj.weight.data *= 1.0 + 1e-3",
+    # not a bug (give it to both sides): layer L's attention made sharp, so it amplifies a small
+    # input difference ~35x; with "drift" the layer looks like it introduces error but inherits it
+    "amplifier": (
+        "for p in ('q_proj', 'k_proj', 'o_proj'):\n"
+        "    getattr(m.model.layers[L].self_attn, p).weight.data *= 30.0"
+    ),
     # the port's fused q/k/v weight: its first rows are q's
     "port_q": "getattr(net, 'blocks')[L].attn.wqkv.weight.data[:16] *= 2.0",
 }

@@ -116,6 +116,21 @@ def test_hunt_round3_replays_the_layer_on_the_reference_input(tmp_path):
     assert ratio < 0.30
 
 
+def test_hunt_round3_says_inherited_when_the_layer_only_amplifies(tmp_path):
+    """Both sides' layer 5 amplifies its input's error (sharp attention); the target's only
+    difference is the drift from layer 1. Rounds 1-2 see layer 5 add most of the error; fed the
+    reference's input it is bit-equal: inherited, not local."""
+    d = tmp_path / "h"
+    state = hunt(
+        HuntConfig(ref=in_process("amplifier", 5), target=in_process("amplifier+drift", 5), dir=str(d))
+    )
+    assert [r.round for r in state.rounds] == [1, 2, 3] and state.complete
+    assert (state.layer, state.local) == (5, False)
+    assert "inherited" in state.rounds[2].decision
+    assert any("rel out 0% on the reference's input" in e for e in state.rounds[2].evidence)
+    assert json.loads((d / "hunt.json").read_text())["local"] is False
+
+
 def test_feed_dir_makes_the_fed_layer_bit_equal_when_only_its_input_differs(tmp_path):
     """The drift alone, fed at layer 5: its input becomes the reference's and nothing in the layer
     differs any more (attribution's 'inherited' case: fed rel 0 -> not local)."""
