@@ -58,7 +58,12 @@ def _feeder(record, directory: str):
             return args, dict(kwargs, hidden_states=fed)
         if any(a is h for a in args):
             return tuple(fed if a is h else a for a in args), kwargs
-        key = next(k for k, v in kwargs.items() if v is h)
+        key = next((k for k, v in kwargs.items() if v is h), None)
+        if key is None:  # the input is nested (a tuple, a dict): not a hidden-state argument to swap
+            raise FFDebugError(
+                f"FFDEBUG_FWD_FEED_DIR={directory}: the block of {record.key} takes its hidden states "
+                "inside another argument; pass them as the first argument or as hidden_states="
+            )
         return args, dict(kwargs, **{key: fed})
 
     return pre
