@@ -99,9 +99,18 @@ def test_hunt_32_layers_under_ten_percent(tmp_path):
 def test_hunt_round3_replays_the_layer_on_the_reference_input(tmp_path):
     """A drift inside the ok band from layer 1 on leaves layer 5's input inexact: round 2 cannot
     tell local from inherited, so round 3 feeds the target's layer 5 the reference's hidden_in
-    (FFDEBUG_FWD_FEED_DIR) and finds its q projection wrong on that input: local."""
+    (FFDEBUG_FWD_FEED_DIR) and finds its q projection wrong on that input: local. Stopped after
+    round 2, --resume runs round 3 alone (the target only)."""
     d = tmp_path / "h"
-    state = hunt(HuntConfig(ref=in_process(), target=in_process("drift+q_proj", 5), dir=str(d)))
+    ref_calls: list = []
+    target_calls: list = []
+    cfg = HuntConfig(
+        ref=in_process(calls=ref_calls), target=in_process("drift+q_proj", 5, calls=target_calls), dir=str(d)
+    )
+    first = hunt(cfg, max_rounds=2)
+    assert [r.round for r in first.rounds] == [1, 2] and not first.complete
+    state = hunt(cfg, resume=True)
+    assert (ref_calls, target_calls) == (["round1", "round2"], ["round1", "round2", "round3"])
     assert [r.round for r in state.rounds] == [1, 2, 3] and state.complete
     assert (state.layer, state.sub_stage, state.local) == (5, "attn.q.out", True)
     assert "replay it on the reference's input" in state.rounds[1].decision
