@@ -44,7 +44,7 @@ def conclusion(state) -> str:
         return f"Hunt finished: the error starts at {state.sub_stage}, outside the layers ({budget}). FAILED"
     where = {
         True: "local to this layer",
-        False: "inherited (fed the reference's input the layer is right: look before it)",
+        False: "inherited (on the reference's input the layer keeps under a tenth of its error: look before it)",
         None: "local or inherited not decided",
     }[state.local]
     return (
