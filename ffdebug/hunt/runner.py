@@ -110,7 +110,7 @@ def run_in_process(fn: Callable[[], object], env: dict[str, str], log_path: str,
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(f"in process: {command_text(fn)}\n" + (failure or "finished") + "\n")
     if failure:
-        raise FFDebugError(f"{what}: {command_text(fn)} {failure[:200]}; see {log_path}")
+        raise FFDebugError(f"{what}: {command_text(fn)} {failure[:400]}; see {log_path}")
 
 
 def _tail(path: str) -> str:

@@ -165,6 +165,12 @@ def test_feed_dir_makes_the_fed_layer_bit_equal_when_only_its_input_differs(tmp_
     env["FFDEBUG_FWD_FEED_DIR"] = str(tmp_path / "nowhere")
     with pytest.raises(FFDebugError, match="FFDEBUG_FWD_FEED_DIR"):
         run_side(in_process("drift"), env, str(tmp_path / "t2.log"), "target")
+    env["FFDEBUG_FWD_FEED_DIR"] = str(root / "ref")  # other inputs: 32 tokens against 64
+    env["FFDEBUG_FWD_DUMP_OVERWRITE"] = "1"
+    with pytest.raises(
+        FFDebugError, match=r"L000.hidden_in is \[1, 64, 64\] there but the block received \[1, 32, 64\]"
+    ):
+        run_side(in_process("drift", seq=32), env, str(tmp_path / "t3.log"), "target")
 
 
 def test_hunt_port_against_hf(tmp_path):
