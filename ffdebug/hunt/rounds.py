@@ -256,6 +256,30 @@ def _full_env(cfg: HuntConfig, layer: int) -> dict[str, dict[str, str]]:
     return {side: dict(common) for side in cfg.sides()}
 
 
+def _around(result, stage) -> list[str]:
+    """What the named sub-stage's step was measured against (its `.in`, else the nearest earlier
+    stage of its shape, else the block's input: `ffdebug/bisection/substage.py`), and the later
+    stages of the layer measured against it."""
+    from ffdebug.bisection.substage import input_and_readers
+
+    base, readers = input_and_readers([e for e in result.stages if e.layer == stage.layer], stage.key)
+    lines = []
+    if base is not None:
+        lines.append(f"its step measured against {base.key}: {_state_of(base)}")
+    lines.extend(f"measured against it: {e.key}, {_state_of(e)}" for e in readers[:4])
+    return lines
+
+
+def _state_of(e) -> str:
+    return (
+        "bit-equal"
+        if e.exact
+        else f"cos {e.cos:.6g}, rel {_pct(e.rel)}"
+        if e.cos is not None
+        else _pct(e.rel)
+    )
+
+
 def _input_exact(result, layer: int) -> bool:
     """The layer's `hidden_in` was compared and is bit-equal (same dtype) on both sides."""
     from ffdebug.bisection.pattern import is_exact
@@ -284,6 +308,7 @@ def _full_round(cfg: HuntConfig, state: HuntState, number: int) -> Round:
     state.sub_stage = stage.stage
     why = result.sub_stage_why or "first lossy stage"
     evidence.append(f"sub-stage {stage.key}: cos {stage.cos}, rel {_pct(stage.rel)} ({why})")
+    evidence.extend(_around(result, stage))
     missing = result.coverage.to_json().get("missing")
     if missing:
         evidence.append(f"not paired between the sides: {missing}")

@@ -72,6 +72,9 @@ def test_hunt_names_layer_and_sub_stage(tmp_path, plant, layer):
     # the layers before are bit-equal: round 2 settles local without a replay
     assert [r.round for r in state.rounds] == [1, 2]
     assert any("bit-equal on both sides" in e for e in state.rounds[-1].evidence)
+    # the planted stage is where the error starts: what its step is measured against is exact
+    stepped = [e for e in state.rounds[-1].evidence if e.startswith("its step measured against")]
+    assert len(stepped) == 1 and stepped[0].endswith("bit-equal"), state.rounds[-1].evidence
     ratio = state.used / (2 * full_dump_bytes(tmp_path))
     print(f"hunt {plant}@{layer}: {state.used} bytes, {ratio:.1%} of a full dump")
     assert ratio < 0.30
