@@ -161,6 +161,9 @@ class DumpConfig:
     tap_functions: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (module:function, stage names)
     substages: bool = False  # role sub-stages inside every block (README "Role sub-stages")
     grad_sample: int = 0  # gradient elements sampled per parameter tensor by `ffdebug.tap_grads` (0: off)
+    feed_dir: str | None = (
+        None  # FFDEBUG_FWD_FEED_DIR: blocks fed the reference's hidden_in (capture/feed.py)
+    )
 
     def keep_stage(self, key: str) -> bool:
         return not self.stages or any(fnmatch.fnmatchcase(key, g) for g in self.stages)
@@ -246,6 +249,7 @@ def read_dump_config(environ: dict[str, str] | None = None) -> DumpConfig | None
         tap_functions=parse_tap_functions(
             _get("FFDEBUG_FWD_DUMP_TAP_FUNCTIONS", env), "FFDEBUG_FWD_DUMP_TAP_FUNCTIONS"
         ),
+        feed_dir=_get("FFDEBUG_FWD_FEED_DIR", env) or None,
     )
 
 

@@ -76,3 +76,16 @@ def first_lossy(entries: list[StageResult], block_only: bool = False) -> tuple[S
         if ok:
             return e, why
     return None, ""
+
+
+def input_and_readers(entries: list[StageResult], key: str) -> tuple[StageResult | None, list[StageResult]]:
+    """What the step of stage `key` (one layer, execution order) is measured against by the rule
+    of `first_lossy`, and the later stages of the layer measured against it: the evidence around
+    a named sub-stage (`ffdebug hunt`'s round 2)."""
+    hidden_in = next((e for e in entries if e.stage == "hidden_in"), None)
+    pool = [e for e in entries if e.stage != "hidden_in"]
+    at = next((i for i, e in enumerate(pool) if e.key == key), None)
+    if at is None:
+        return None, []
+    readers = [e for j, e in enumerate(pool) if j > at and _input_of(j, pool, hidden_in) is pool[at]]
+    return _input_of(at, pool, hidden_in), readers

@@ -18,6 +18,7 @@ from ffdebug.capture.edges import (
     hook_root,
     vocab_size,
 )
+from ffdebug.capture.feed import hook_feed
 from ffdebug.capture.functions import known_function_taps, tap_function
 from ffdebug.capture.order import ExecutionOrder
 from ffdebug.capture.outputs import first_tensor, tensors_of
@@ -77,6 +78,7 @@ def install(
     if blocks:
         session.num_layers = max(b.layer for b in blocks) + 1
     order = handle.order = ExecutionOrder(blocks)
+    hook_feed(handle, session, blocks)  # before every other hook: they see the fed input
     capture = _capture_function(session, order, StageMap.of(stage_names))
     root = RootState(vocab=vocab_size(model))
     hook_root(handle, session, capture, model, root, order)

@@ -14,7 +14,9 @@ setting FFDEBUG_* for each, until the layer and the sub-stage that introduce the
            std and norm agree; bisect names the first introducing layer
   round 2  full dumps of that layer with its role sub-stages (attn.q.out, mlp.gate.out, ...)
            and the block stages of the layer before
-  round 3  only when round 2 shows the layer before already wrong: round 2 for that layer
+  round 3  only when needed: round 2 for the layer before when that one is already wrong; else,
+           when the layer's input differs between the sides, the target alone with that layer
+           fed the reference's hidden_in (FFDEBUG_FWD_FEED_DIR): local or inherited
 
 Each round prints its decision, its evidence, its bytes and the command lines that reproduce it.
 D/hunt.json is written after every round: --resume continues an interrupted hunt without redoing

@@ -13,17 +13,18 @@ from ffdebug.hunt.rounds import (
     round0_weights,
     round1_sketch,
     round2_full,
-    round3_before,
+    round3,
 )
+from ffdebug.hunt.runner import command_text
 from ffdebug.hunt.state import HuntState, Round, load_state
 
-ROUNDS = ((0, round0_weights), (1, round1_sketch), (2, round2_full), (3, round3_before))
+ROUNDS = ((0, round0_weights), (1, round1_sketch), (2, round2_full), (3, round3))
 
 
 def _check_resumable(cfg: HuntConfig, state: HuntState, directory: str) -> None:
     """A resumed hunt must run the same commands as the rounds it keeps."""
     for r in state.rounds:
-        if (r.command_ref, r.command_target) != (cfg.ref, cfg.target):
+        if (r.command_ref, r.command_target) != (command_text(cfg.ref), command_text(cfg.target)):
             raise FFDebugError(
                 f"{directory}/hunt.json: round {r.round} ran other commands ({r.command_ref!r}, "
                 f"{r.command_target!r}); give the same --ref / --target, or start again without --resume"

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 
 from ffdebug.errors import FFDebugError
-from ffdebug.hunt.runner import fresh_dir, run_side, tree_bytes
+from ffdebug.hunt.runner import Command, command_text, fresh_dir, run_side, tree_bytes
 from ffdebug.hunt.state import HuntState, Round
 
 # Round 1's stages: each block's branch outputs and its output, plus the stages outside the blocks.
@@ -40,10 +40,10 @@ ROUND1_STAGES = (
 class HuntConfig:
     """What `ffdebug hunt` was asked: the commands, the directory, the budget."""
 
-    ref: str
-    target: str
+    ref: Command  # a shell line, or (Python API) a function run in this process
+    target: Command
     dir: str
-    noise: str | None = None
+    noise: Command | None = None
     budget: int | None = None  # bytes, every side and round together
     weights: tuple[str, str] | None = None
     dump_weights: bool = False  # round 0 from the commands' `maybe_dump_weights_and_exit`
@@ -53,7 +53,7 @@ class HuntConfig:
         if self.weights is not None and self.dump_weights:
             raise FFDebugError("hunt: give --weights A B or --dump-weights, not both")
 
-    def sides(self) -> dict[str, str]:
+    def sides(self) -> dict[str, Command]:
         out = {"ref": self.ref, "target": self.target}
         if self.noise:
             out["noise"] = self.noise
@@ -100,7 +100,7 @@ class BudgetSpent(Exception):
         self.number, self.skipped = number, skipped
 
 
-def _check_budget(root: str, number: int) -> None:
+def check_budget(root: str, number: int) -> None:
     skipped = over_budget(root)
     if skipped:
         raise BudgetSpent(number, skipped)
@@ -110,8 +110,8 @@ def _round(cfg: HuntConfig, number: int, env: dict, root: str, decision: str, ev
     return Round(
         round=number,
         env=env,
-        command_ref=cfg.ref,
-        command_target=cfg.target,
+        command_ref=command_text(cfg.ref),
+        command_target=command_text(cfg.target),
         bytes=tree_bytes(root),
         decision=decision,
         evidence=evidence,
@@ -131,7 +131,7 @@ def _dump_weights(cfg: HuntConfig) -> tuple[tuple[str, str], dict[str, dict[str,
         dumps.append(os.path.join(side_dir, "weights"))
         if not os.path.isdir(dumps[-1]):
             raise FFDebugError(
-                f"--dump-weights: the {side} command ({command!r}) wrote no weights under {side_dir}; "
+                f"--dump-weights: the {side} command ({command_text(command)!r}) wrote no weights under {side_dir}; "
                 "call ffdebug.maybe_dump_weights_and_exit(model) before its forward, or drop --dump-weights"
             )
     return (dumps[0], dumps[1]), env
@@ -159,7 +159,7 @@ def round0_weights(cfg: HuntConfig, state: HuntState) -> Round:
     else:
         decision = "weights match: go on to the forward"
     used = tree_bytes(os.path.join(cfg.dir, "round0")) if cfg.dump_weights else 0
-    return Round(0, env, cfg.ref, cfg.target, used, decision, evidence)
+    return Round(0, env, command_text(cfg.ref), command_text(cfg.target), used, decision, evidence)
 
 
 def _bisect(root: str, noise: bool):
@@ -196,7 +196,7 @@ def round1_sketch(cfg: HuntConfig, state: HuntState) -> Round:
         for side in cfg.sides()
     }
     root = _run_round(cfg, state, 1, env)
-    _check_budget(root, 1)
+    check_budget(root, 1)
     result = _bisect(root, bool(cfg.noise))
     first = result.first_divergence
     evidence = [f"pattern {result.pattern.value}: {result.reason}"]
@@ -229,9 +229,18 @@ def round2_full(cfg: HuntConfig, state: HuntState) -> Round:
     return _full_round(cfg, state, 2)
 
 
-def round3_before(cfg: HuntConfig, state: HuntState) -> Round:
-    """Round 2 found the layer before already wrong: the same full dump of that layer."""
-    return _full_round(cfg, state, 3)
+def round3(cfg: HuntConfig, state: HuntState) -> Round:
+    """Round 2 found the layer before already wrong: the same full dump of that layer. Else round 2
+    named a layer whose input already differed: attribution (its target block replayed on the
+    reference's input, `attribution_round`) says local or inherited."""
+    from ffdebug.hunt.attribution_round import round3_attribution
+
+    dumped = state.done(2).env["target"]["FFDEBUG_FWD_DUMP_LAYERS"].split(",")[-1]
+    if state.layer != int(dumped):
+        return _full_round(cfg, state, 3)
+    result = _bisect(os.path.join(os.path.abspath(cfg.dir), "round2"), bool(cfg.noise))
+    row = next((r for r in result.layers if r.layer == state.layer), None)
+    return round3_attribution(cfg, state, row.rel_out if row is not None else None)
 
 
 def _full_env(cfg: HuntConfig, layer: int) -> dict[str, dict[str, str]]:
@@ -247,11 +256,43 @@ def _full_env(cfg: HuntConfig, layer: int) -> dict[str, dict[str, str]]:
     return {side: dict(common) for side in cfg.sides()}
 
 
+def _around(result, stage) -> list[str]:
+    """What the named sub-stage's step was measured against (its `.in`, else the nearest earlier
+    stage of its shape, else the block's input: `ffdebug/bisection/substage.py`), and the later
+    stages of the layer measured against it."""
+    from ffdebug.bisection.substage import input_and_readers
+
+    base, readers = input_and_readers([e for e in result.stages if e.layer == stage.layer], stage.key)
+    lines = []
+    if base is not None:
+        lines.append(f"its step measured against {base.key}: {_state_of(base)}")
+    lines.extend(f"measured against it: {e.key}, {_state_of(e)}" for e in readers[:4])
+    return lines
+
+
+def _state_of(e) -> str:
+    return (
+        "bit-equal"
+        if e.exact
+        else f"cos {e.cos:.6g}, rel {_pct(e.rel)}"
+        if e.cos is not None
+        else _pct(e.rel)
+    )
+
+
+def _input_exact(result, layer: int) -> bool:
+    """The layer's `hidden_in` was compared and is bit-equal (same dtype) on both sides."""
+    from ffdebug.bisection.pattern import is_exact
+
+    key = f"L{layer:03d}.hidden_in"
+    return is_exact(next((e for e in result.stages if e.key == key), None))
+
+
 def _full_round(cfg: HuntConfig, state: HuntState, number: int) -> Round:
     layer = state.layer
     env = _full_env(cfg, layer)
     root = _run_round(cfg, state, number, env)
-    _check_budget(root, number)
+    check_budget(root, number)
     result = _bisect(root, bool(cfg.noise))
     first, sub = result.first_divergence, result.sub_stage
     evidence = [f"pattern {result.pattern.value}: {result.reason}"]
@@ -267,6 +308,7 @@ def _full_round(cfg: HuntConfig, state: HuntState, number: int) -> Round:
     state.sub_stage = stage.stage
     why = result.sub_stage_why or "first lossy stage"
     evidence.append(f"sub-stage {stage.key}: cos {stage.cos}, rel {_pct(stage.rel)} ({why})")
+    evidence.extend(_around(result, stage))
     missing = result.coverage.to_json().get("missing")
     if missing:
         evidence.append(f"not paired between the sides: {missing}")
@@ -274,6 +316,14 @@ def _full_round(cfg: HuntConfig, state: HuntState, number: int) -> Round:
         return _round(
             cfg, number, env, root, f"layer {first.layer} already diverges: dump it in full", evidence
         )
+    if number == 2 and not _input_exact(result, layer):
+        evidence.append(
+            f"L{layer:03d}.hidden_in differs between the sides: local or inherited needs a replay"
+        )
+        decision = f"layer {layer}, sub-stage {stage.stage}: replay it on the reference's input (round 3)"
+        return _round(cfg, number, env, root, decision, evidence)
+    if number == 2:
+        evidence.append(f"L{layer:03d}.hidden_in is bit-equal on both sides: the layer's error is its own")
     state.complete = True
     where = "local to it" if state.local else "inherited from earlier layers"
     decision = f"layer {first.layer}, sub-stage {stage.stage}: the error is {where}"

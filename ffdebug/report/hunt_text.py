@@ -42,9 +42,11 @@ def conclusion(state) -> str:
         return f"Hunt finished: {last} ({budget})."
     if state.layer is None:
         return f"Hunt finished: the error starts at {state.sub_stage}, outside the layers ({budget}). FAILED"
-    where = {True: "local to this layer", False: "inherited", None: "local or inherited not decided"}[
-        state.local
-    ]
+    where = {
+        True: "local to this layer",
+        False: "inherited (on the reference's input the layer keeps under a tenth of its error: look before it)",
+        None: "local or inherited not decided",
+    }[state.local]
     return (
         f"Hunt finished: layer {state.layer} ({state.layer_class}), sub-stage {state.sub_stage}, {where}, "
         f"in {len(state.rounds)} round(s) ({budget}). FAILED"

@@ -30,6 +30,15 @@ PLANTS = {
         "    return args, kw\n"
         "m.model.layers[L].self_attn.register_forward_pre_hook(_swap, with_kwargs=True)"
     ),
+    # a tiny error from layer 1 on (inside the ok band): later layers' inputs are no longer
+    # bit-equal, so a hunt must replay the planted layer on the reference's input (round 3)
+    "drift": "m.model.layers[1].mlp.down_proj.weight.data *= 1.0 + 1e-3",
+    # not a bug (give it to both sides): layer L's attention made sharp, so it amplifies a small
+    # input difference ~35x; with "drift" the layer looks like it introduces error but inherits it
+    "amplifier": (
+        "for p in ('q_proj', 'k_proj', 'o_proj'):\n"
+        "    getattr(m.model.layers[L].self_attn, p).weight.data *= 30.0"
+    ),
     # the port's fused q/k/v weight: its first rows are q's
     "port_q": "getattr(net, 'blocks')[L].attn.wqkv.weight.data[:16] *= 2.0",
 }
@@ -114,3 +123,58 @@ def runs(log: str) -> list[str]:
         return []
     with open(log) as f:
         return [os.path.basename(line.strip()) for line in f if line.strip()]
+
+
+def in_process(
+    plant: str = "none",
+    layer: int = 0,
+    layers: int = 8,
+    hidden: int = 64,
+    seq: int = 64,
+    dtype: str = "float32",
+    calls: list | None = None,
+    weights: bool = False,
+    hf: bool = False,
+    port: bool = False,
+):
+    """The torch-only run script as a function run in the test's own process (hunt's Python API:
+    a side's command may be a function; `ffdebug.hunt.runner.run_in_process`): no interpreter nor
+    torch start per round. Each call appends its dump directory to `calls` when given."""
+
+    def run() -> None:
+        import contextlib
+
+        import torch
+
+        import ffdebug
+
+        if calls is not None:
+            calls.append(os.path.basename(os.environ.get("FFDEBUG_FWD_DUMP_DIR", "")))
+        if hf or port:
+            from tiny_models import tiny_llama as build
+
+            taps = contextlib.nullcontext()  # transformers' rotary function is tapped by ffdebug
+        else:
+            from torch_llama import torch_llama as build
+
+            taps = ffdebug.tap_function("torch_llama:apply_rotary_pos_emb", ("attn.q_rot", "attn.k_rot"))
+        m = build(num_layers=layers, hidden=hidden)
+        net = None
+        if port:
+            from llama_ports import make_port
+
+            net = make_port(m)
+        for one in plant.split("+"):  # several plants: "drift+q_proj"
+            exec(PLANTS[one], {"m": m, "net": net, "L": layer, "torch": torch})
+        model = (net if port else m).to(getattr(torch, dtype))
+        with taps:
+            if weights:
+                ffdebug.maybe_dump_weights_and_exit(model)
+            ffdebug.install(model)
+            ids = torch.randint(0, 1000, (1, seq), generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                model(ids)
+
+    kind = "port" if port else "hf_llama" if hf else "torch_llama"
+    run.__qualname__ = f"{kind}[{layers} layers, {plant}@{layer}, {dtype}]"
+    return run

@@ -4,6 +4,7 @@ on a dumped stage (README "Hunt: from symptom to root cause")."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -113,16 +114,35 @@ def fixed_repo(tmp_path):
     return repo, shas
 
 
+@pytest.fixture(scope="module")
+def reference_command(tmp_path_factory):
+    """One reference run per module: the fully fixed code run once with isolate's reference
+    variables (final stages only); each test's --ref command copies that side into its dump
+    directory, so both isolate tests compare against the same real run."""
+    fixed = tmp_path_factory.mktemp("fixed")
+    (fixed / "mymodel").mkdir()
+    (fixed / "mymodel" / "__init__.py").write_text("")
+    model = MODEL
+    for old, new, _ in FIXES:
+        model = model.replace(old, new)
+    (fixed / "mymodel" / "model.py").write_text(model)
+    (fixed / "run.py").write_text(RUN.replace("mm.make()", "mm.build()"))
+    cache = fixed / "dump"
+    env = {**os.environ, "FFDEBUG_FWD_DUMP_DIR": str(cache), "FFDEBUG_FWD_DUMP_SIDE": "ref"}
+    env["FFDEBUG_FWD_DUMP_STAGES"] = "final.*"
+    subprocess.run([sys.executable, "run.py"], cwd=fixed, env=env, check=True, capture_output=True)
+    return f'cp -R {cache / "ref"} "$FFDEBUG_FWD_DUMP_DIR/$FFDEBUG_FWD_DUMP_SIDE"'
+
+
 @pytest.mark.integration
-def test_isolate_classes_three_fixes(fixed_repo, tmp_path):
+def test_isolate_classes_three_fixes(fixed_repo, reference_command, tmp_path):
     """The scale fix is critical, the fp32 norm fine-tuning, the rename has no effect; the user's
     checkout is untouched and all fixes together equal the reference (the fixed checkout)."""
     repo, shas = fixed_repo
-    ref = f"cd {repo} && {sys.executable} run.py"
     args = [
         "isolate",
         "--ref",
-        ref,
+        reference_command,
         "--target",
         f"{sys.executable} run.py",
         "--repo",
@@ -147,12 +167,10 @@ def test_isolate_classes_three_fixes(fixed_repo, tmp_path):
 
 
 @pytest.mark.integration
-def test_isolate_classes_patch_files(fixed_repo, tmp_path):
+def test_isolate_classes_patch_files(fixed_repo, reference_command, tmp_path):
     """The same three fixes as patch files on top of the buggy HEAD: applied in each worktree
     except the one reverted, the same classes, the user's checkout still untouched."""
     repo, shas = fixed_repo
-    fixed = tmp_path / "fixed"
-    _git(tmp_path, "clone", "-q", str(repo), str(fixed))
     patches = []
     for i, sha in enumerate(shas):
         diff = subprocess.run(
@@ -161,7 +179,7 @@ def test_isolate_classes_patch_files(fixed_repo, tmp_path):
         patches.append(tmp_path / f"fix{i}.patch")
         patches[-1].write_text(diff)
     _git(repo, "reset", "-q", "--hard", f"{shas[0]}~1")
-    args = ["isolate", "--ref", f"cd {fixed} && {sys.executable} run.py"]
+    args = ["isolate", "--ref", reference_command]
     args += ["--target", f"{sys.executable} run.py", "--repo", str(repo)]
     args += ["--dir", str(tmp_path / "iso"), "--json"]
     for patch in patches:
