@@ -85,26 +85,29 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         from ffdebug.comparison.engine import compare
+        from ffdebug.report.progress import Progress
 
         fail = check_fail_on(fail_on or (Severity.DRIFT if exact else Severity.DIVERGE))
         ref, tgt = resolve_sides(sides, dir)
-        result = compare(
-            ref,
-            tgt,
-            layers=layers,
-            stages=tuple(stages or ()),
-            step=parse_step_filter(step),
-            rank=rank,
-            thresholds=tuple(threshold or ()),
-            noise=noise,
-            exact=exact,
-            fail_on=fail,
-            allow_partial=allow_partial,
-            maps=tuple(maps or ()),
-            alias_file=alias_file,
-            workers=workers,
-            exclude=tuple(exclude or ()),
-        )
+        with Progress("compare", "stages") as progress:
+            result = compare(
+                ref,
+                tgt,
+                layers=layers,
+                stages=tuple(stages or ()),
+                step=parse_step_filter(step),
+                rank=rank,
+                thresholds=tuple(threshold or ()),
+                noise=noise,
+                exact=exact,
+                fail_on=fail,
+                allow_partial=allow_partial,
+                maps=tuple(maps or ()),
+                alias_file=alias_file,
+                workers=workers,
+                exclude=tuple(exclude or ()),
+                progress=progress,
+            )
         from ffdebug.report.sink import Output
         from ffdebug.report.text import print_compare
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 from ffdebug.cli.common import FAIL_ON_HELP, check_fail_on
 from ffdebug.report.sink import write_json
 from ffdebug.verdict import Severity
+
+if TYPE_CHECKING:  # types only: the command imports the engine when it runs
+    from ffdebug.results import WeightsDiffResult
+    from ffdebug.weights.diff import WeightsDiff
 
 WEIGHTS_HELP = """Compare two sets of weights: schema first (names, shapes, dtypes, rename suggestions), then float64 numerics per tensor (byte-equal fast path; cos, rel, max_abs; a finding per tensor: equal, dtype_only, rounding, transposed, sign_flip, scaled, mismatch).
 
@@ -94,10 +100,18 @@ def register(app: typer.Typer) -> None:
     _register_load_audit(app, _name_options("CHECKPOINT", "model"))
 
 
+def _numerics(diff: WeightsDiff) -> WeightsDiffResult:
+    """The numerics with progress on stderr (README "Progress")."""
+    from ffdebug.report.progress import Progress
+
+    with Progress("weights-diff", "tensors") as progress:
+        return diff.run(progress=progress)
+
+
 def _render_diff(diff, schema_only: bool, show_all: bool, json_out: bool) -> None:
     """Run the numerics (unless --schema-only), print or emit, and exit 1 when the diff fails."""
     if json_out:
-        result = diff.schema_result() if schema_only else diff.run()
+        result = diff.schema_result() if schema_only else _numerics(diff)
         write_json(result.to_json())
         raise typer.Exit(1 if result.failed() else 0)
     from rich.console import Console
@@ -106,7 +120,7 @@ def _render_diff(diff, schema_only: bool, show_all: bool, json_out: bool) -> Non
 
     console = Console()
     print_weights_schema(diff.schema_result().to_json(), console)  # before the numerics start
-    result = diff.schema_result() if schema_only else diff.run()
+    result = diff.schema_result() if schema_only else _numerics(diff)
     print_weights_numerics(result.to_json(), console, show_all=show_all)
     raise typer.Exit(1 if result.failed() else 0)
 
