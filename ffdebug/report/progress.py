@@ -44,13 +44,13 @@ class _CurrentStderr(logging.StreamHandler):
         pass
 
 
-def ensure_stderr_handler(name: str) -> logging.Logger:
-    """The logger `name`, with a stderr handler at INFO when nothing above it handles records yet
-    (a CLI or application that configured logging keeps its own setup)."""
+def ensure_stderr_handler(name: str, fmt: str = "ffdebug %(message)s") -> logging.Logger:
+    """The logger `name`, with a stderr handler at INFO (records formatted by `fmt`) when nothing
+    above it handles records yet (a CLI or application that configured logging keeps its own)."""
     logger = logging.getLogger(name)
     if not logger.hasHandlers():
         handler = _CurrentStderr()
-        handler.setFormatter(logging.Formatter("ffdebug %(message)s"))
+        handler.setFormatter(logging.Formatter(fmt))
         logger.addHandler(handler)
         if logger.level == logging.NOTSET:
             logger.setLevel(logging.INFO)
