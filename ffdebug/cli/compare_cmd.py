@@ -52,6 +52,9 @@ tokenization first; pixel_values, attention_mask, position_ids: the input is nam
 incomplete: what was compared is fine but something was left out (the output names it: a side that
 did not finish, a stage kind on one side only, a rank or call not compared, final outputs never
 dumped, statistics-only stages); --allow-partial makes it 0.
+
+Progress goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds
+(0: one per stage; README "Progress").
 """
 
 

@@ -22,6 +22,9 @@ HELP = """Print shape, dtype and statistics of every tensor in a dump store or t
 Shape, dtype and statistics are recomputed from the payloads and every disagreement with the
 manifest is flagged (exit 2); --manifest-only lists the manifest's own numbers without reading
 payloads. Reads stores left by killed runs: only complete tensors are listed.
+
+Progress goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds
+(0: one per tensor; README "Progress").
 """
 
 

@@ -34,7 +34,9 @@ A weight dump written with FFDEBUG_WEIGHT_DUMP_LAYERS restricts the other side t
   ffdebug weights-diff ref/ engine/ --transform '*.o_proj.weight=transpose'
   ffdebug weights-diff ref/ engine/ --transform 'ref:*.experts.*=mylib.layout:shuffle'
 
-Exit codes: 0 match; 1 a schema difference (only-in, shape, dtype unless --allow-dtype), a replicated tensor differing across ranks, or a tensor at or above --fail-on; 2 bad input. """
+Exit codes: 0 match; 1 a schema difference (only-in, shape, dtype unless --allow-dtype), a replicated tensor differing across ranks, or a tensor at or above --fail-on; 2 bad input.
+
+Progress of the numerics goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds (0: one per tensor; README "Progress"). """
 
 AUDIT_HELP = """Audit what a model really loaded from a checkpoint: checkpoint tensors never loaded, model tensors the checkpoint does not hold (left at their initialisation), shape mismatches a non-strict load skipped, and tensors whose loaded values differ from the checkpoint.
 
