@@ -76,3 +76,28 @@ def test_trainer_logs_each_step_without_a_tty(tmp_path):
         assert tuple(float(v) for v in m.groups()[1:5]) == pytest.approx(expected, rel=1e-3)
         assert float(m.group(6)) > 0
     assert "grpo step" not in done.stdout
+
+
+@pytest.mark.parametrize("is_main", [True, False])
+def test_only_rank_zero_logs_steps(is_main, monkeypatch):
+    """Under torchrun every rank runs the loop; only rank 0 gets a step log (stderr not a terminal)."""
+    from types import SimpleNamespace
+
+    from reference_trainer.config import LogConfig
+    from reference_trainer.trainers.base import BaseTrainer
+
+    monkeypatch.setattr(  # stderr is not a terminal, even under `pytest -s` in one
+        "reference_trainer.trainers.base.Console", lambda stderr: SimpleNamespace(is_terminal=False)
+    )
+    fake = SimpleNamespace(
+        backend=SimpleNamespace(is_main=is_main),
+        registry_name="grpo",
+        config=SimpleNamespace(log=LogConfig(every=3), max_steps=9),
+        optimizer_step=0,
+        _step_log=None,
+        _progress=None,
+    )
+    with BaseTrainer._progress_bar(fake):
+        during = fake._step_log
+    assert (isinstance(during, StepLog) and during.every == 3) if is_main else during is None
+    assert fake._step_log is None
