@@ -21,6 +21,8 @@ class StepLog:
     """Writes the per-step lines of one run."""
 
     def __init__(self, trainer: str, every: int, max_steps: int, start_step: int) -> None:
+        """Lines of run `trainer` every `every` steps of `max_steps`, the clock starting now at
+        optimizer step `start_step` (a resumed run's)."""
         from ffdebug.report.progress import ensure_stderr_handler
 
         self.trainer, self.every, self.max_steps = trainer, every, max_steps
