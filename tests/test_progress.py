@@ -84,6 +84,23 @@ def test_interval_validated(value, expected):
         assert progress_interval(env) == expected
 
 
+def test_standalone_handler_writes_stderr_and_the_package_level_silences_it(monkeypatch, capsys):
+    """With no handler configured anywhere (a bare CLI), the logger gets one writing to the current
+    stderr; the package logger's level stays the switch that silences it."""
+    from ffdebug.report.progress import ensure_stderr_handler
+
+    monkeypatch.setattr(logging.root, "handlers", [])  # pytest's own capture handlers, for this test
+    for name in ("progresstest", "progresstest.progress"):
+        monkeypatch.setattr(logging.getLogger(name), "handlers", [])
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    logger = ensure_stderr_handler("progresstest.progress")
+    assert ensure_stderr_handler("progresstest.progress").handlers == logger.handlers  # once
+    logger.info("compare: 1/2 stages, 0.1 s")
+    logging.getLogger("progresstest").setLevel(logging.WARNING)
+    logger.info("compare: 2/2 stages, 0.2 s")
+    assert capsys.readouterr() == ("", "ffdebug compare: 1/2 stages, 0.1 s\n")
+
+
 def test_periodic_lines_stop_with_the_work(caplog):
     """Without a terminal, a positive interval gives a line per interval while the work runs, and
     none once the block has exited."""

@@ -52,8 +52,9 @@ def ensure_stderr_handler(name: str, fmt: str = "ffdebug %(message)s") -> loggin
         handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter(fmt))
         logger.addHandler(handler)
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.INFO)
+        package = logging.getLogger(name.split(".")[0])  # its level stays the one switch (-q)
+        if package.level == logging.NOTSET:
+            package.setLevel(logging.INFO)
     return logger
 
 
