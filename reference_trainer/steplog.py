@@ -11,6 +11,7 @@ optimizer steps it covers: a generation trainer's sampling and the evaluations a
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 
@@ -32,7 +33,7 @@ class StepLog:
     def step(self, record: Mapping[str, object]) -> None:
         """After optimizer step ``record["optimizer_step"]``: a line when it is a multiple of ``every``."""
         step = int(record["optimizer_step"])  # type: ignore[call-overload]
-        if not self.every or step % self.every:
+        if not self.every or step % self.every or not self.logger.isEnabledFor(logging.INFO):
             return
         now = time.monotonic()
         seconds = (now - self._clock) / max(step - self._since, 1)
