@@ -54,6 +54,7 @@ Judgement: error localised after an exactly equal prefix in the same dtype (or b
 
 Exit codes: 0 judgement below --fail-on and everything compared; 1 at or above it; 2 bad input; 3
 input ids differ; 4 incomplete (what was left out is named; --allow-partial makes it 0).
+
 Progress goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds
 (0: one per stage; README "Progress").
 """
