@@ -126,10 +126,9 @@ class Progress:
     def line(self) -> str:
         """`compare: 120/200 stages, 610 MiB/1.0 GiB, 380 MiB/s, 1.6 s` (bytes left out when unknown)."""
         total = "?" if self.total is None else str(self.total)
-        parts = [f"{self.task}: {self.done}/{total} {self.unit}"]
-        parts += [self._detail()] if self._detail() else []
-        parts.append(f"{time.monotonic() - self._started:.1f} s")
-        return ", ".join(parts)
+        detail = self._detail()
+        parts = [f"{self.task}: {self.done}/{total} {self.unit}", *([detail] if detail else [])]
+        return ", ".join([*parts, f"{time.monotonic() - self._started:.1f} s"])
 
     def _detail(self) -> str:
         if not self.total_bytes:
