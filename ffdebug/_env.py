@@ -314,3 +314,24 @@ def selected_env() -> dict[str, str]:
 
 def debug_tracebacks() -> bool:
     return os.environ.get("FFDEBUG_DEBUG", "0") not in ("", "0")
+
+
+PROGRESS_INTERVAL_S = 10.0  # FFDEBUG_PROGRESS_INTERVAL's default: one line every 10 s without a TTY
+
+
+def progress_interval(environ: dict[str, str] | None = None) -> float:
+    """`FFDEBUG_PROGRESS_INTERVAL`: seconds between progress lines on stderr without a TTY (0: one
+    line per item; README "Progress"). Raises FFDebugError naming the variable on a bad value."""
+    env = os.environ if environ is None else environ
+    value = env.get("FFDEBUG_PROGRESS_INTERVAL", "").strip()
+    if not value:
+        return PROGRESS_INTERVAL_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not (0.0 <= seconds < float("inf")):
+        raise FFDebugError(
+            f"FFDEBUG_PROGRESS_INTERVAL={value!r} is invalid: use seconds >= 0, e.g. 10 (0: a line per item)"
+        )
+    return seconds

@@ -23,6 +23,7 @@ import sys
 
 ROOT = "ffdebug"
 PROGRESS = "ffdebug.progress"  # progress lines, at INFO
+TRAINER = "ffdebug.trainer"  # the reference trainer's lines (its per-step log), at INFO
 
 
 class _Format(logging.Formatter):
@@ -32,9 +33,10 @@ class _Format(logging.Formatter):
         message = record.getMessage()
         if record.exc_info:
             message += "\n" + self.formatException(record.exc_info)
+        program = "reference-trainer" if record.name.startswith(TRAINER) else ROOT
         if record.levelno == logging.INFO:
-            return f"{ROOT}: {message}"
-        return f"{ROOT}: {record.levelname.lower()}: {message}"
+            return f"{program}: {message}"
+        return f"{program}: {record.levelname.lower()}: {message}"
 
 
 class StderrHandler(logging.StreamHandler):

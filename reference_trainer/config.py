@@ -13,6 +13,7 @@ A config file has these top-level keys (example: ``examples/grpo/full/sd3_tiny/d
     eval:        {every: 4, prompts: [...], rewards: [{name: brightness}]}
     runtime:     {threads: 1, deterministic: true}
     backend:     {kind: single}   # or ddp under torchrun (README "Several processes")
+    log:         {every: 1}       # a line per optimizer step on stderr when it is not a terminal
 
 Every error is a ``ConfigError`` (``reference_trainer.errors``) naming the offending field by its
 dotted path (``train.group_size: must be >= 2, got 1``), or the file and line of a YAML error
@@ -222,6 +223,19 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """Per-step lines on stderr when it is not a terminal (``reference_trainer.steplog``; a terminal
+    shows the progress bar). Operational: not part of the run identity."""
+
+    every: int = 1
+    """One line every this many optimizer steps, on rank 0: step, loss, reward, lr, grad norm, step
+    time; 0 = none."""
+
+    def __post_init__(self) -> None:
+        require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
     """Process-level numerics settings; part of the run identity (they change the bits)."""
 
@@ -368,6 +382,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "max_steps", f"must be >= 1, got {self.max_steps}")

@@ -22,6 +22,7 @@ from ffdebug.bisection import pattern as pat
 from ffdebug.bisection import training
 from ffdebug.bisection.substage import first_lossy
 from ffdebug.models.blocks import declared_class, parse_layer_class_spec
+from ffdebug.progress_hook import ProgressHook
 from ffdebug.results import (
     BisectResult,
     CallRef,
@@ -197,8 +198,10 @@ def bisect(
     maps=(),
     alias_file: str | None = None,
     exclude=(),
+    progress: ProgressHook | None = None,
 ) -> BisectResult:
-    """Localise the first divergence of `target` from `ref` (paths or opened stores).
+    """Localise the first divergence of `target` from `ref` (paths or opened stores); `progress`
+    follows the comparison underneath (`ffdebug.comparison.engine.compare`).
 
     Raises InputIdsMismatch (exit 3) when the sides were fed different input ids, FFDebugError
     (exit 2) on unreadable input or a bad option.
@@ -222,6 +225,7 @@ def bisect(
         maps=maps,
         alias_file=alias_file,
         exclude=tuple(exclude),
+        progress=progress,
     )
     notes = list(result.notes)
     _relabel(result.stages, layer_class)

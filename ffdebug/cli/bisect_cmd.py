@@ -54,6 +54,9 @@ Judgement: error localised after an exactly equal prefix in the same dtype (or b
 
 Exit codes: 0 judgement below --fail-on and everything compared; 1 at or above it; 2 bad input; 3
 input ids differ; 4 incomplete (what was left out is named; --allow-partial makes it 0).
+
+Progress goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds
+(0: one per stage; README "Progress").
 """
 
 
@@ -92,6 +95,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from ffdebug.bisection.engine import bisect
         from ffdebug.report.bisect_text import conclude
+        from ffdebug.report.progress import Progress
 
         fail = check_fail_on(fail_on)
         if html:  # before the analysis: a bad path is one line, not a lost bisect
@@ -99,24 +103,26 @@ def register(app: typer.Typer) -> None:
 
             check_output_file(html, "--html")
         ref, tgt = resolve_sides(sides, dir)
-        result = bisect(
-            ref,
-            tgt,
-            layers=layers,
-            stages=tuple(stages or ()),
-            step=parse_step_filter(step),
-            rank=rank,
-            thresholds=tuple(threshold or ()),
-            noise=noise,
-            fail_on=fail,
-            allow_partial=allow_partial,
-            maps=tuple(maps or ()),
-            alias_file=alias_file,
-            exclude=tuple(exclude or ()),
-            layer_class=layer_class,
-            model_ref=model_ref,
-            model_target=model_target,
-        )
+        with Progress("bisect", "stages") as progress:
+            result = bisect(
+                ref,
+                tgt,
+                layers=layers,
+                stages=tuple(stages or ()),
+                step=parse_step_filter(step),
+                rank=rank,
+                thresholds=tuple(threshold or ()),
+                noise=noise,
+                fail_on=fail,
+                allow_partial=allow_partial,
+                maps=tuple(maps or ()),
+                alias_file=alias_file,
+                exclude=tuple(exclude or ()),
+                layer_class=layer_class,
+                model_ref=model_ref,
+                model_target=model_target,
+                progress=progress,
+            )
         conclude(result)
         if html:
             from ffdebug.report.html import write_bisect_html

@@ -52,6 +52,9 @@ tokenization first; pixel_values, attention_mask, position_ids: the input is nam
 incomplete: what was compared is fine but something was left out (the output names it: a side that
 did not finish, a stage kind on one side only, a rank or call not compared, final outputs never
 dumped, statistics-only stages); --allow-partial makes it 0.
+
+Progress goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds
+(0: one per stage; README "Progress").
 """
 
 
@@ -85,26 +88,29 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         from ffdebug.comparison.engine import compare
+        from ffdebug.report.progress import Progress
 
         fail = check_fail_on(fail_on or (Severity.DRIFT if exact else Severity.DIVERGE))
         ref, tgt = resolve_sides(sides, dir)
-        result = compare(
-            ref,
-            tgt,
-            layers=layers,
-            stages=tuple(stages or ()),
-            step=parse_step_filter(step),
-            rank=rank,
-            thresholds=tuple(threshold or ()),
-            noise=noise,
-            exact=exact,
-            fail_on=fail,
-            allow_partial=allow_partial,
-            maps=tuple(maps or ()),
-            alias_file=alias_file,
-            workers=workers,
-            exclude=tuple(exclude or ()),
-        )
+        with Progress("compare", "stages") as progress:
+            result = compare(
+                ref,
+                tgt,
+                layers=layers,
+                stages=tuple(stages or ()),
+                step=parse_step_filter(step),
+                rank=rank,
+                thresholds=tuple(threshold or ()),
+                noise=noise,
+                exact=exact,
+                fail_on=fail,
+                allow_partial=allow_partial,
+                maps=tuple(maps or ()),
+                alias_file=alias_file,
+                workers=workers,
+                exclude=tuple(exclude or ()),
+                progress=progress,
+            )
         from ffdebug.report.sink import Output
         from ffdebug.report.text import print_compare
 

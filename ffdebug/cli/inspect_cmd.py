@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
+
+if TYPE_CHECKING:  # types only: the command imports what it reads when it runs
+    from ffdebug.io.record import Record
+    from ffdebug.progress_hook import ProgressHook
 
 HELP = """Print shape, dtype and statistics of every tensor in a dump store or tensor file.
 
@@ -16,6 +22,9 @@ HELP = """Print shape, dtype and statistics of every tensor in a dump store or t
 Shape, dtype and statistics are recomputed from the payloads and every disagreement with the
 manifest is flagged (exit 2); --manifest-only lists the manifest's own numbers without reading
 payloads. Reads stores left by killed runs: only complete tensors are listed.
+
+Progress goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds
+(0: one per tensor; README "Progress").
 """
 
 
@@ -37,39 +46,18 @@ def register(app: typer.Typer) -> None:
         import fnmatch
 
         from ffdebug.errors import FFDebugError
+        from ffdebug.report.progress import Progress
         from ffdebug.report.sink import Output
         from ffdebug.report.store_text import print_inspect
         from ffdebug.store.reader import open_side
-        from ffdebug.store.recheck import disagreements, payload_facts
         from ffdebug.weights.sources import checkpoint_side_store
 
         store = checkpoint_side_store(path) or open_side(path)
-        rows = []
-        for rec in store.records:
-            if stages and not any(fnmatch.fnmatchcase(rec.key, g) for g in stages):
-                continue
-            shape, dtype, stats, wrong = list(rec.shape), rec.dtype, rec.stats, []
-            if rec.has_payload and not manifest_only:
-                rec.verify()
-                actual = payload_facts(rec.load())
-                wrong = disagreements(rec, *actual)
-                shape, dtype, stats = list(actual[0]), actual[1], actual[2]
-            rows.append(
-                {
-                    "key": rec.key,
-                    "layer": rec.layer,
-                    "io": rec.io,
-                    "call": rec.call,
-                    "step": rec.step,
-                    "rank": rec.rank,
-                    "dtype": dtype,
-                    "shape": shape,
-                    "stats": stats,
-                    "payload": rec.has_payload,
-                    "checked": rec.has_payload and not manifest_only,
-                    "disagreements": wrong,
-                }
-            )
+        selected = [
+            r for r in store.records if not stages or any(fnmatch.fnmatchcase(r.key, g) for g in stages)
+        ]
+        with Progress("inspect", "tensors") as progress:
+            rows = _rows(selected, manifest_only, progress)
         complete = all(s.get("complete") for s in store.status.values()) if store.status else False
         bad = [r for r in rows if r["disagreements"]]
         info = {
@@ -92,3 +80,39 @@ def register(app: typer.Typer) -> None:
                 f"{store.path}: {len(bad)} record(s) disagree with their payloads, first {first['key'][:80]!r} "
                 f"({first['disagreements'][0]}); the manifest is damaged or was edited — re-run the dump"
             )
+
+
+def _rows(records: list[Record], manifest_only: bool, progress: ProgressHook) -> list[dict]:
+    """One row per record: shape, dtype and statistics recomputed from its payload (unless
+    `manifest_only`), with every field the manifest gets wrong."""
+    from ffdebug.io.prefetch import record_bytes
+    from ffdebug.store.recheck import disagreements, payload_facts
+
+    checked = [r.has_payload and not manifest_only for r in records]
+    progress.begin(len(records), sum(record_bytes(r) for r, c in zip(records, checked) if c))
+    rows = []
+    for rec, check in zip(records, checked):
+        shape, dtype, stats, wrong = list(rec.shape), rec.dtype, rec.stats, []
+        if check:
+            rec.verify()
+            actual = payload_facts(rec.load())
+            wrong = disagreements(rec, *actual)
+            shape, dtype, stats = list(actual[0]), actual[1], actual[2]
+        rows.append(
+            {
+                "key": rec.key,
+                "layer": rec.layer,
+                "io": rec.io,
+                "call": rec.call,
+                "step": rec.step,
+                "rank": rec.rank,
+                "dtype": dtype,
+                "shape": shape,
+                "stats": stats,
+                "payload": rec.has_payload,
+                "checked": check,
+                "disagreements": wrong,
+            }
+        )
+        progress.advance(record_bytes(rec) if check else 0)
+    return rows

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 from ffdebug.cli.common import FAIL_ON_HELP, check_fail_on
 from ffdebug.report.sink import write_json
 from ffdebug.verdict import Severity
+
+if TYPE_CHECKING:  # types only: the command imports the engine when it runs
+    from ffdebug.results import WeightsDiffResult
+    from ffdebug.weights.diff import WeightsDiff
 
 WEIGHTS_HELP = """Compare two sets of weights: schema first (names, shapes, dtypes, rename suggestions), then float64 numerics per tensor (byte-equal fast path; cos, rel, max_abs; a finding per tensor: equal, dtype_only, rounding, transposed, sign_flip, scaled, mismatch).
 
@@ -28,7 +34,9 @@ A weight dump written with FFDEBUG_WEIGHT_DUMP_LAYERS restricts the other side t
   ffdebug weights-diff ref/ engine/ --transform '*.o_proj.weight=transpose'
   ffdebug weights-diff ref/ engine/ --transform 'ref:*.experts.*=mylib.layout:shuffle'
 
-Exit codes: 0 match; 1 a schema difference (only-in, shape, dtype unless --allow-dtype), a replicated tensor differing across ranks, or a tensor at or above --fail-on; 2 bad input. """
+Exit codes: 0 match; 1 a schema difference (only-in, shape, dtype unless --allow-dtype), a replicated tensor differing across ranks, or a tensor at or above --fail-on; 2 bad input.
+
+Progress of the numerics goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds (0: one per tensor; README "Progress"). """
 
 AUDIT_HELP = """Audit what a model really loaded from a checkpoint: checkpoint tensors never loaded, model tensors the checkpoint does not hold (left at their initialisation), shape mismatches a non-strict load skipped, and tensors whose loaded values differ from the checkpoint.
 
@@ -94,10 +102,18 @@ def register(app: typer.Typer) -> None:
     _register_load_audit(app, _name_options("CHECKPOINT", "model"))
 
 
+def _numerics(diff: WeightsDiff) -> WeightsDiffResult:
+    """The numerics with progress on stderr (README "Progress")."""
+    from ffdebug.report.progress import Progress
+
+    with Progress("weights-diff", "tensors") as progress:
+        return diff.run(progress=progress)
+
+
 def _render_diff(diff, schema_only: bool, show_all: bool, json_out: bool) -> None:
     """Run the numerics (unless --schema-only), print or emit, and exit 1 when the diff fails."""
     if json_out:
-        result = diff.schema_result() if schema_only else diff.run()
+        result = diff.schema_result() if schema_only else _numerics(diff)
         write_json(result.to_json())
         raise typer.Exit(1 if result.failed() else 0)
     from rich.console import Console
@@ -106,7 +122,7 @@ def _render_diff(diff, schema_only: bool, show_all: bool, json_out: bool) -> Non
 
     console = Console()
     print_weights_schema(diff.schema_result().to_json(), console)  # before the numerics start
-    result = diff.schema_result() if schema_only else diff.run()
+    result = diff.schema_result() if schema_only else _numerics(diff)
     print_weights_numerics(result.to_json(), console, show_all=show_all)
     raise typer.Exit(1 if result.failed() else 0)
 

@@ -33,6 +33,7 @@ from ffdebug.errors import FFDebugError
 from ffdebug.io.ranks import fold
 from ffdebug.io.record import Record
 from ffdebug.io.side import SideStore
+from ffdebug.progress_hook import ProgressHook
 from ffdebug.results import CallRef, CompareResult, StageResult, TensorMeta, worst_of
 from ffdebug.store.reader import open_side
 from ffdebug.verdict import Severity, Threshold
@@ -176,6 +177,7 @@ def compare(
     alias_file: str | None = None,
     workers: int | None = None,
     exclude: tuple[str, ...] | list[str] = (),
+    progress: ProgressHook | None = None,
 ) -> CompareResult:
     """Compare two sides (paths or SideStores).
 
@@ -183,7 +185,7 @@ def compare(
     (exit 2) on unreadable input. The result's coverage says what was left out (exit 4 unless
     `allow_partial`); `exclude` globs leave stages out, and the coverage lists them as selected out.
     `workers`: threads comparing whole tensors in parallel (None: one per free core,
-    `ffdebug.comparison.parallel`); the result is bit-identical at any count.
+    `ffdebug.comparison.parallel`); bit-identical at any count. `progress` hears each stage unit.
     """
     from ffdebug._env import parse_layers
 
@@ -200,14 +202,11 @@ def compare(
         # --rank N against a single-rank reference: that rank against the reference's one
         ref_filters = dataclasses.replace(filters, rank=None)
     ref_groups, pairing, generation = _pair_calls(ref_store, tgt_store, filters, ref_filters)
-    noise_idx = (
-        noise_index(_renamed(_as_store(noise), stage_map), ref_groups, ref_filters)
-        if noise is not None
-        else None
-    )
+    noise_store = _renamed(_as_store(noise), stage_map) if noise is not None else None
+    noise_idx = noise_index(noise_store, ref_groups, ref_filters) if noise_store is not None else None
     stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
     units = [u for sp in stage_pairings for u in sp.units]
-    run = _run_units(units, pairing, thresholds, exact, workers, noise_idx)
+    run = _run_units(units, pairing, thresholds, exact, workers, noise_idx, progress)
     if not any(e.key != "embed.input_ids" for e in run.stages):
         raise FFDebugError(nothing_paired(ref_store, tgt_store, pairing, filters))
     if layers is not None and not any(e.layer is not None for e in run.stages):
@@ -280,11 +279,14 @@ def _pair_calls(ref_store: SideStore, tgt_store: SideStore, filters: Filters, re
     return ref_groups, pairing, generation
 
 
-def _run_units(units: list[StageUnit], pairing, thresholds, exact: bool, workers, noise_idx) -> UnitsRun:
+def _run_units(
+    units: list[StageUnit], pairing, thresholds, exact: bool, workers, noise_idx, progress=None
+) -> UnitsRun:
     """Every unit compared (in unit order), graded against the noise run when there is one."""
     run = UnitsRun()
     masks = {id(rg): layouts(rg, tg) for rg, tg in pairing.pairs}
-    for unit, (results, records, reading) in zip(units, _map_units(units, thresholds, exact, workers, masks)):
+    done = _map_units(units, thresholds, exact, workers, masks, progress)
+    for unit, (results, records, reading) in zip(units, done):
         for e in results:
             if noise_idx is not None:
                 apply_noise(e, noise_idx.get((unit.group.tags, unit.group.call, unit.sk)))
@@ -354,7 +356,12 @@ def _unsharded(rec: Record) -> dict | None:
 
 
 def _map_units(
-    units: list[StageUnit], thresholds, exact: bool, workers: int | None, masks: dict | None = None
+    units: list[StageUnit],
+    thresholds,
+    exact: bool,
+    workers: int | None,
+    masks: dict | None = None,
+    progress: ProgressHook | None = None,
 ) -> list[tuple]:
     """`_compare_unit` over every unit, results in unit order.
 
@@ -363,10 +370,13 @@ def _map_units(
     loop releases the GIL inside each kernel). One tensor's reduction never leaves its worker and
     runs on one intra-op thread, so every value is bit-identical at any worker count."""
     from ffdebug._chunks import single_thread
-    from ffdebug.io.prefetch import ReadAhead
+    from ffdebug.io.prefetch import ReadAhead, record_bytes
 
     jobs = [_payload_records(u) for u in units]
     n = workers if workers is not None else parallel.auto_workers(jobs, READ_AHEAD_BYTES)
+    sizes = [sum(record_bytes(r) for r in job) for job in jobs]
+    if progress is not None:
+        progress.begin(len(units), sum(sizes))
     with ReadAhead(jobs, READ_AHEAD_BYTES) as ahead:
 
         def one(i: int) -> tuple:
@@ -376,6 +386,8 @@ def _map_units(
                     return _compare_unit(units[i], thresholds, exact, ahead.take(i), mask)
             finally:
                 ahead.release(i)
+                if progress is not None:
+                    progress.advance(sizes[i])
 
         return parallel.map_ordered(one, len(units), n)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ffdebug import verdict as V
 from ffdebug.errors import FFDebugError
+from ffdebug.progress_hook import ProgressHook
 from ffdebug.results import TensorDiff, WeightsDiffResult
 from ffdebug.verdict import Severity
 from ffdebug.weights import plan
@@ -241,8 +242,9 @@ class WeightsDiff:
 
     # -- numerics -------------------------------------------------------------------------------
 
-    def run(self, on_tensor=None) -> WeightsDiffResult:
-        """Numerics for every paired tensor, one pair in memory at a time.
+    def run(self, on_tensor=None, progress: ProgressHook | None = None) -> WeightsDiffResult:
+        """Numerics for every paired tensor, one pair in memory at a time; `progress` hears the
+        number of pairs and their stored bytes, then each pair as it is done.
 
         Runs single-threaded: the 64 Ki-element chunk ops gain nothing from torch's thread pool,
         and with a busy core its spin-waits made a 2 × 2 GiB diff 8× slower on a 2-core machine.
@@ -251,7 +253,7 @@ class WeightsDiff:
 
         try:
             with single_thread():
-                return self._run(on_tensor)
+                return self._run(on_tensor, progress)
         finally:
             self.loader.release()
 
@@ -294,13 +296,21 @@ class WeightsDiff:
             entry.tp = {"ref": r.plan, "target": t.plan, "dim": t.dim if t.dim is not None else r.dim}
         return entry
 
-    def _run(self, on_tensor) -> WeightsDiffResult:
+    def _run(self, on_tensor, progress: ProgressHook | None = None) -> WeightsDiffResult:
         tensors, replica = [], []
-        for name in self.order():
+        names = self.order()
+        sizes = {n: _stored_bytes(self.ref[n]) + _stored_bytes(self.tgt[n]) for n in names}
+        if progress is not None:
+            progress.begin(len(names), sum(sizes.values()))
+        for name in names:
             r, t = self.ref[name], self.tgt[name]
             if not self._comparable(name, r, t):
+                if progress is not None:
+                    progress.advance(0)
                 continue
             entry = self._compare(name, r, t)
+            if progress is not None:
+                progress.advance(sizes[name])
             for side, lg in (("ref", r), ("target", t)):
                 if lg.replica_mismatch:
                     replica.append({"name": name, "side": side, "ranks": list(lg.replica_mismatch)})
@@ -310,6 +320,13 @@ class WeightsDiff:
             if on_tensor is not None:
                 on_tensor(entry)
         return self.result(tensors, replica)
+
+
+def _stored_bytes(t: Logical) -> int:
+    """The bytes a logical tensor's pieces hold as stored (shape x element size of each record)."""
+    from ffdebug.io.prefetch import record_bytes
+
+    return sum(record_bytes(r) for r in t.entries)
 
 
 def weights_diff(a, b, **opts) -> WeightsDiffResult:

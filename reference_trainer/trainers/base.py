@@ -83,6 +83,7 @@ from reference_trainer.roles import (
     role_parameters,
 )
 from reference_trainer.sharding import check_sharded_optimizer, full_state, full_tensors
+from reference_trainer.steplog import StepLog
 from reference_trainer.taps import UpdateTaps
 
 if TYPE_CHECKING:  # a type only
@@ -151,6 +152,7 @@ class BaseTrainer(ABC):
         self._last_saved_step = -1
         self._last_eval_step = -1
         self._progress = None
+        self._step_log: StepLog | None = None
 
     # ---------------------------------------------------------------- subclass hooks
     def setup_roles(self) -> Mapping[str, str]:
@@ -511,6 +513,8 @@ class BaseTrainer(ABC):
             record.setdefault(key, value)  # the run-identity keys above are never overridden
         with open(self.output_dir / METRICS_FILE, "a") as stream:
             stream.write(json.dumps(record) + "\n")
+        if self._step_log is not None:
+            self._step_log.step(record)
         if self._progress is not None:
             progress, task = self._progress
             progress.update(
@@ -519,9 +523,19 @@ class BaseTrainer(ABC):
 
     @contextmanager
     def _progress_bar(self) -> Iterator[None]:
+        """Rank 0: a bar on a terminal, else a line per ``log.every`` steps (``steplog``)."""
         console = Console(stderr=True)
-        if not console.is_terminal or not self.backend.is_main:
+        if not self.backend.is_main:
             yield
+            return
+        if not console.is_terminal:
+            self._step_log = StepLog(
+                self.registry_name, self.config.log.every, self.config.max_steps, self.optimizer_step
+            )
+            try:
+                yield
+            finally:
+                self._step_log = None
             return
         columns = (TextColumn(f"[bold]{self.registry_name}[/]"), BarColumn(), MofNCompleteColumn())
         with Progress(

@@ -1,0 +1,1 @@
+"""The public functions re-exported by `ffdebug` (`capture`: dumping; `analysis`: comparing)."""
