@@ -171,7 +171,7 @@ def test_progress_lines_on_real_stderr_without_a_tty(store):
     assert r.returncode == 1, r.stderr
     assert json.loads(r.stdout)["verdict"] != "ok"
     lines = r.stderr.splitlines()
-    assert [line.split(" ", 1)[0] for line in lines] == ["ffdebug"] * STAGES
+    assert [line.split(" ", 1)[0] for line in lines] == ["ffdebug:"] * STAGES
     assert _lines([line.split(" ", 1)[1] for line in lines], "compare", "stages") == [
         (i, STAGES) for i in range(1, STAGES + 1)
     ]

@@ -16,7 +16,7 @@ from reference_trainer.steplog import LOGGER, StepLog
 
 GRPO_CONFIG = REPO / "examples" / "grpo" / "full" / "sd3_tiny" / "default.yaml"
 LINE = re.compile(
-    r"grpo step (\d+)/2 role=policy loss=(\S+) reward=(\S+) lr=(\S+) grad_norm=(\S+) step_time=([\d.e+-]+)s"
+    r"reference-trainer: grpo step (\d+)/2 role=policy loss=(\S+) reward=(\S+) lr=(\S+) grad_norm=(\S+) step_time=([\d.e+-]+)s"
 )
 
 
