@@ -31,7 +31,7 @@ def _clean_ffdebug_state(monkeypatch):
 @pytest.fixture
 def tiny_llama():
     """A tiny LlamaForCausalLM from config (no download), eval mode, seeded weights."""
-    from tiny_models import tiny_llama as build
+    from helpers.tiny_models import tiny_llama as build
 
     return build(num_layers=4)
 

@@ -47,7 +47,7 @@ def test_scaled_mlp_at_layer_k_is_first_divergence(tmp_path, tiny_llama, input_i
 
 
 def _llama8():
-    from tiny_models import tiny_llama
+    from helpers.tiny_models import tiny_llama
 
     return tiny_llama(num_layers=8, hidden=64)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from framework_utils import REPO
+from helpers import REPO
 
 import ffdebug
 from ffdebug.verdict import Severity

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from framework_utils import GRPO_CONFIG
+from helpers.trainer.trainer_utils import GRPO_CONFIG
 from test_resume import assert_same_files
 
 N = 4

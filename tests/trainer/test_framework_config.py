@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
-from framework_utils import GRPO_CONFIG, REPO, load
+from helpers import REPO
+from helpers.trainer.trainer_utils import GRPO_CONFIG, load
 
 
 def test_validation_errors_name_the_field():
