@@ -33,6 +33,7 @@ only those — any other string for a float field is an error.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
@@ -583,7 +584,7 @@ def parse_yaml(text: str, where: str) -> Any:
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Apply ``dotted.key=value`` overrides to a raw config mapping (returns a new mapping)."""
-    result = yaml.safe_load(yaml.safe_dump(raw))  # deep copy of plain data
+    result = copy.deepcopy(dict(raw))  # the caller's mapping is left as it was
     for override in overrides:
         key, sep, text = override.partition("=")
         if not sep or not key:
