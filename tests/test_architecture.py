@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ast
-import functools
 import pathlib
+
+from helpers.sources import parsed
 
 import ffdebug
 
@@ -12,14 +13,9 @@ PACKAGE = pathlib.Path(ffdebug.__file__).parent
 SEVERITY_WORDS = {"ok", "drift", "diverge", "bug", "scramble"}
 
 
-@functools.cache
-def _sources() -> tuple[tuple[pathlib.Path, str, ast.Module], ...]:
-    """Every module of the package: (path, text, syntax tree), parsed once for the rules below."""
-    out = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        text = path.read_text(encoding="utf-8")
-        out.append((path, text, ast.parse(text, filename=str(path))))
-    return tuple(out)
+def _sources() -> list[tuple[pathlib.Path, str, ast.Module]]:
+    """Every module of the package: (path, text, syntax tree), parsed once per session."""
+    return [(s.path, s.text, s.tree) for s in parsed(PACKAGE)]
 
 
 def _modules():
