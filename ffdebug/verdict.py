@@ -17,6 +17,7 @@ comparison in this order:
 | noise             | `within_noise`      | error <= k x the noise run's: back to `ok` (below `bug`)    |
 | beyond noise      | `noise_sensitive`   | error >= k x the noise run's (> 0): at least `diverge`      |
 | exact prefix      | `exact_prefix_break`| noise run bit-identical: first inexact stage, `diverge`     |
+|                   |                     | (the stage: `exact_prefix_end`, also bisect's signal)       |
 | judgement         | `judge`             | a bug signal (bisect) raises the verdict to `bug`           |
 
 Bands (the worse of the two wins; rel is the more sensitive one, so a large-magnitude tensor with
@@ -41,8 +42,10 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol, TypeVar
 
 from ffdebug.errors import FFDebugError
 
@@ -333,6 +336,38 @@ def exact_prefix_break(severity: Severity) -> Severity:
     bit-equal after bit-equal stages in the same dtype, where the noise run equals the reference bit
     for bit, differs by its own computation: at least diverge."""
     return worst(severity, Severity.DIVERGE)
+
+
+class _Paired(Protocol):
+    """What the exact-prefix rule reads of a paired stage (`ffdebug.results.StageResult`)."""
+
+    @property
+    def exact(self) -> bool: ...
+    @property
+    def same_dtype(self) -> bool: ...
+    @property
+    def folded(self) -> bool: ...
+
+    rel: float | None
+
+
+_S = TypeVar("_S", bound=_Paired)
+
+
+def exact_prefix_end(stages: Iterable[_S]) -> _S | None:
+    """Exact-prefix rule (README "Bisecting"): the first stage, in the order given (execution order
+    of one call, or training order), that is not exactly equal (bit-equal, same dtype, graded ok)
+    while every earlier one is, when it can carry the rule's signal: the same dtype on both sides,
+    an error measured, and bits ffdebug did not fold itself from per-rank pieces (folded bits are not
+    the engine's). Nothing upstream differs, so its own computation does: a bug signal however small
+    its error. None when every stage is exact or the first one that is not cannot carry the signal.
+    Callers add their own context: bisect leaves out a stage within the noise run's error, compare
+    raises a stage where a noise run is bit-identical to the reference (`exact_prefix_break`)."""
+    for e in stages:
+        if e.exact:
+            continue
+        return e if e.same_dtype and e.rel is not None and not e.folded else None
+    return None
 
 
 def judge(verdict: Severity, signal: str | None) -> Severity:

@@ -34,6 +34,7 @@ only those — any other string for a float field is an error.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
@@ -553,8 +554,8 @@ def check_rewards(config: RunConfig) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+class _NoDuplicateKeys:
+    """A loader mixin that refuses a key given twice in one mapping (PyYAML keeps the last)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -570,7 +571,18 @@ class _StrictLoader(yaml.SafeLoader):
                     key_node.start_mark,
                 )
             seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+        return super().construct_mapping(node, deep=deep)  # type: ignore[misc]
+
+
+class _StrictLoader(_NoDuplicateKeys, yaml.SafeLoader):
+    """``yaml.SafeLoader`` without duplicate keys: PyYAML's own parser, whose error messages the
+    config errors quote."""
+
+
+class _FastStrictLoader(_NoDuplicateKeys, getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """The same loader on libyaml's parser when PyYAML has it (several times faster; the same
+    safe constructor and resolver, so the same values); a document it refuses is re-read by
+    ``_StrictLoader`` for the error message."""
 
 
 def _yaml_problem(error: yaml.YAMLError) -> tuple[str, str]:
@@ -589,6 +601,10 @@ def _yaml_problem(error: yaml.YAMLError) -> tuple[str, str]:
 def parse_yaml(text: str, where: str) -> Any:
     """``text`` as YAML (safe, no duplicate keys); a ``ConfigError`` naming ``where`` and the line."""
     try:
+        return yaml.load(text, Loader=_FastStrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError:
+        pass  # the message comes from PyYAML's own parser, the same with or without libyaml
+    try:
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
         position, problem = _yaml_problem(error)
@@ -598,7 +614,7 @@ def parse_yaml(text: str, where: str) -> Any:
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Apply ``dotted.key=value`` overrides to a raw config mapping (returns a new mapping)."""
-    result = yaml.safe_load(yaml.safe_dump(raw))  # deep copy of plain data
+    result = copy.deepcopy(dict(raw))  # the caller's mapping is left as it was
     for override in overrides:
         key, sep, text = override.partition("=")
         if not sep or not key:

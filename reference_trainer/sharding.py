@@ -17,17 +17,25 @@ so the callers (roles, optimizer, checkpoints) need no backend branch:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """``tensor`` is a ``DTensor``. Read without importing ``torch.distributed.tensor`` (about a second:
+    it pulls in sympy): no ``DTensor`` exists before that package is imported (``fsdp2`` imports it), so
+    a run on another backend never pays for it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The full (unsharded) value of ``tensor``: all-gathered for a ``DTensor``, else ``tensor`` itself."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 def full_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -49,9 +57,11 @@ def full_state(value: Any) -> Any:
 def like(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` (a full tensor) sharded like ``target`` when ``target`` is a ``DTensor``; each rank
     slices its own part locally (``src_data_rank=None``: every rank holds the same full value)."""
-    if isinstance(target, DTensor) and not isinstance(value, DTensor):
+    if is_dtensor(target) and not is_dtensor(value):
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"a tensor of shape {tuple(value.shape)} for one of shape {tuple(target.shape)}")
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(
             value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
         )
@@ -71,7 +81,7 @@ def check_sharded_optimizer(optimizer: Any, modules: Iterable[nn.Module]) -> Non
     """After FSDP2's prepare: every optimizer parameter is a ``DTensor``, and the optimizer holds exactly
     the trainable parameters of ``modules`` (the same objects; no pre-shard ``Parameter`` left)."""
     held = [p for group in optimizer.param_groups for p in group["params"]]
-    plain = [tuple(p.shape) for p in held if not isinstance(p, DTensor)]
+    plain = [tuple(p.shape) for p in held if not is_dtensor(p)]
     if plain:
         raise RuntimeError(f"fsdp2: {len(plain)} optimizer parameters are not sharded, first {plain[0]}")
     trainable = {id(p) for module in modules for p in module.parameters() if p.requires_grad}

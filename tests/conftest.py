@@ -31,10 +31,35 @@ def _clean_ffdebug_state(monkeypatch):
     logs.reset()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cli_trees_built_once():
+    """typer builds an app's click command tree anew on every call and every ``CliRunner.invoke``
+    (about 12 ms for ffdebug's on an idle core; the unit tier invokes the CLIs hundreds of times):
+    here each app's tree is built once per session. Commands are registered when their module is
+    imported, so a tree does not change afterwards (the key still counts the registered commands)."""
+    import typer.main
+    import typer.testing
+
+    build = typer.main.get_command
+    built: dict[tuple, tuple] = {}
+
+    def get_command(app):
+        key = (id(app), len(app.registered_commands), len(app.registered_groups))
+        if key not in built:
+            built[key] = (app, build(app))  # the app is held so that its id is not reused
+        return built[key][1]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(typer.main, "get_command", get_command)
+    patch.setattr(typer.testing, "_get_command", get_command)
+    yield
+    patch.undo()
+
+
 @pytest.fixture
 def tiny_llama():
     """A tiny LlamaForCausalLM from config (no download), eval mode, seeded weights."""
-    from tiny_models import tiny_llama as build
+    from helpers.tiny_models import tiny_llama as build
 
     return build(num_layers=4)
 

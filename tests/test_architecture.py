@@ -5,15 +5,21 @@ from __future__ import annotations
 import ast
 import pathlib
 
+from helpers.sources import parsed
+
 import ffdebug
 
 PACKAGE = pathlib.Path(ffdebug.__file__).parent
 SEVERITY_WORDS = {"ok", "drift", "diverge", "bug", "scramble"}
 
 
+def _sources() -> list[tuple[pathlib.Path, str, ast.Module]]:
+    """Every module of the package: (path, text, syntax tree), parsed once per session."""
+    return [(s.path, s.text, s.tree) for s in parsed(PACKAGE)]
+
+
 def _modules():
-    for path in sorted(PACKAGE.rglob("*.py")):
-        yield path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return ((path, tree) for path, _, tree in _sources())
 
 
 def test_severity_words_only_in_the_verdict_module():
@@ -47,11 +53,11 @@ SIZE_ALLOWED: set[str] = set()
 FUNCTIONS_PENDING: set[str] = set()
 
 
-def _oversized(rel: str, text: str) -> list[str]:
+def _oversized(rel: str, text: str, tree: ast.Module | None = None) -> list[str]:
     """The module and its functions past the size budget, as 'rel[:function] N lines'."""
     lines = text.count("\n")
     found = [f"{rel} {lines} lines"] if lines > MAX_MODULE_LINES else []
-    for node in ast.walk(ast.parse(text)):
+    for node in ast.walk(tree or ast.parse(text)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             n = node.end_lineno - node.lineno + 1
             if n > MAX_FUNCTION_LINES:
@@ -61,10 +67,10 @@ def _oversized(rel: str, text: str) -> list[str]:
 
 def test_no_module_over_500_lines_and_no_function_over_80():
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path, text, tree in _sources():
         rel = path.relative_to(PACKAGE).as_posix()
         if rel not in SIZE_ALLOWED:
-            found += _oversized(rel, path.read_text(encoding="utf-8"))
+            found += _oversized(rel, text, tree)
     found = [f for f in found if f.rsplit(" ", 2)[0] not in FUNCTIONS_PENDING]
     assert not found, "split these (docs/architecture.md):\n" + "\n".join(found)
 
@@ -134,14 +140,13 @@ def _module_level_imports(tree: ast.Module, module: str, is_package: bool) -> se
 
 def _unit_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path, _, tree in _sources():
         rel = path.relative_to(PACKAGE.parent).with_suffix("")
         is_package = rel.name == "__init__"
         module = ".".join(rel.parts[:-1] if is_package else rel.parts)
         src = _unit(module)
         if src is None:
             continue
-        tree = ast.parse(path.read_text(encoding="utf-8"))
         for imported in _module_level_imports(tree, module, is_package):
             dst = _unit(imported)
             if (

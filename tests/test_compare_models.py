@@ -47,7 +47,7 @@ def test_scaled_mlp_at_layer_k_is_first_divergence(tmp_path, tiny_llama, input_i
 
 
 def _llama8():
-    from tiny_models import tiny_llama
+    from helpers.tiny_models import tiny_llama
 
     return tiny_llama(num_layers=8, hidden=64)
 
@@ -229,6 +229,28 @@ def test_noise_factor_two_for_fp32_three_for_bf16(tmp_path):
         stage = ffdebug.compare(d / "ref", d / "target", noise=d / "noise").stages[0]
         assert stage.within_noise is within and stage.severity == ("ok" if within else "diverge"), stage
         assert stage.beyond_noise is (None if within else True)
+
+
+def test_a_stage_the_noise_run_cannot_be_compared_at_is_judged_without_it_and_says_so(tmp_path):
+    """The noise run has stage `a` but not `b`; the target is 5 % off at both (the drift band).
+    `a` is within the noise run's error (ok); `b` keeps its drift grade with a note saying why
+    noise was not applied, and the result's notes name it."""
+    x = torch.linspace(1.0, 2.0, 64)
+    e = 0.05 * torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0) * x
+    sides = {"ref": {"a": x, "b": x}, "noise": {"a": x + e}, "target": {"a": x + e, "b": x + e}}
+    for side, taps in sides.items():
+        with ffdebug.capture(None, dir=tmp_path, side=side):
+            for key, value in taps.items():
+                ffdebug.tap(key, value)
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target", noise=tmp_path / "noise")
+    a, b = (next(s for s in res.stages if s.key == key) for key in ("a", "b"))
+    assert a.noise_measured and a.within_noise and a.severity == "ok"
+    assert b.noise_given and not b.noise_measured and b.severity == "drift" and b.within_noise is None
+    assert b.notes == [
+        "noise not comparable: the noise run has no record of this stage; judged without the noise run"
+    ]
+    assert "noise not comparable at 1 stage(s) (b): judged without the noise run" in res.notes
+    assert res.verdict == "drift"
 
 
 def test_json_budget_note(tmp_path, tiny_llama, input_ids):

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from tiny_models import tiny_llama
+from helpers.tiny_models import tiny_llama
 from typer.testing import CliRunner
 
 import ffdebug

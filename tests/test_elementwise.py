@@ -109,7 +109,7 @@ def test_size_one_dims_are_unified_not_broadcast_and_listed_in_coverage(tmp_path
 
 
 def test_bf16_dumps_of_a_tiny_hf_model_do_not_trip_the_element_wise_rule(tmp_path):
-    from tiny_models import tiny_llama
+    from helpers.tiny_models import tiny_llama
 
     model = tiny_llama(num_layers=2)
     ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(3))

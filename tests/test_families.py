@@ -281,7 +281,7 @@ def test_decode_only_bug_reports_generation_diverged(tmp_path, monkeypatch):
     """Greedy generation with a KV cache: prefill (call 0) is clean, every decode call's MLP of
     layer 1 is wrong. Call 1 computes the wrong next token, so call 2's ids differ: the gate says
     "generation diverged at call 2" (not exit 3) and names call 1's first divergent stage."""
-    from tiny_models import tiny_llama
+    from helpers.tiny_models import tiny_llama
 
     from ffdebug.report.text import compare_conclusion
 
@@ -337,7 +337,7 @@ def test_decode_only_bug_reports_generation_diverged(tmp_path, monkeypatch):
 def test_a_generation_that_diverged_fails_bisect_when_the_calls_before_are_ok(tmp_path):
     """Sampling with another seed: the prefill is bit-identical, the first sampled token differs.
     No band fails, yet the run is not the reference's: compare and bisect both fail it."""
-    from tiny_models import tiny_llama
+    from helpers.tiny_models import tiny_llama
 
     model = tiny_llama(num_layers=1)
     prompt = torch.randint(3, 1000, (1, 5), generator=torch.Generator().manual_seed(8))

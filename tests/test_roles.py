@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from llama_ports import CONVENTIONAL, OPAQUE, make_port, rope_interleaved
-from tiny_models import tiny_llama
+from helpers.llama_ports import CONVENTIONAL, OPAQUE, make_port, rope_interleaved
+from helpers.tiny_models import tiny_llama
 from typer.testing import CliRunner
 
 import ffdebug
@@ -51,7 +51,7 @@ def dump(model, directory, side, **options):
     return directory / side
 
 
-def dump_port(port, directory, side, rotary_fn="llama_ports:rope"):
+def dump_port(port, directory, side, rotary_fn="helpers.llama_ports:rope"):
     """One install per side, plus the one tap_function line for the port's own rotary code."""
     with ffdebug.tap_function(rotary_fn, ("attn.q_rot", "attn.k_rot")):
         return dump(port, directory, side)
@@ -94,7 +94,10 @@ def test_an_unloaded_final_norm_is_found_at_final_norm_out(hf, tmp_path):
 def test_a_rotary_convention_swap_is_located_at_layer_0_q_rot(hf, tmp_path):
     ref = dump(hf, tmp_path, "ref")
     tgt = dump_port(
-        make_port(hf, OPAQUE, rotary=rope_interleaved), tmp_path, "target", "llama_ports:rope_interleaved"
+        make_port(hf, OPAQUE, rotary=rope_interleaved),
+        tmp_path,
+        "target",
+        "helpers.llama_ports:rope_interleaved",
     )
     r = ffdebug.bisect(ref, tgt)
     assert r.exit_code() == 1
@@ -300,11 +303,11 @@ def test_a_port_with_token_and_position_embeddings_finds_its_input_embedding(tmp
 
 
 def test_tap_function_restores_what_it_replaced(tmp_path):
-    import llama_ports
+    from helpers import llama_ports
 
     original = llama_ports.rope
-    t1 = ffdebug.tap_function("llama_ports:rope", ("a", "b"))
-    t2 = ffdebug.tap_function("llama_ports:rope", ("c", "d"))
+    t1 = ffdebug.tap_function("helpers.llama_ports:rope", ("a", "b"))
+    t2 = ffdebug.tap_function("helpers.llama_ports:rope", ("c", "d"))
     t2.remove()
     assert llama_ports.rope is not original and llama_ports.rope.__wrapped__ is original  # t1 still on
     t1.remove()
@@ -314,11 +317,11 @@ def test_tap_function_restores_what_it_replaced(tmp_path):
 @pytest.mark.integration
 def test_rotary_taps_in_either_layout_pair_as_batch_seq_heads_dim(hf, tmp_path):
     """HF rotates [B, heads, S, D]; this port rotates [B, S, heads, D]: both are stored seq-major."""
-    from llama_ports import rope_via_seq_major
+    from helpers.llama_ports import rope_via_seq_major
 
     ref = dump(hf, tmp_path, "ref")
     port = make_port(hf, OPAQUE, rotary=rope_via_seq_major)
-    tgt = dump_port(port, tmp_path, "target", "llama_ports:rope_seq_major")
+    tgt = dump_port(port, tmp_path, "target", "helpers.llama_ports:rope_seq_major")
     r_rec = next(r for r in open_side(ref).records if r.key == "L000.attn.k_rot")
     t_rec = next(r for r in open_side(tgt).records if r.key == "L000.attn.k_rot")
     assert list(r_rec.shape) == list(t_rec.shape) == [2, 12, 2, 8]

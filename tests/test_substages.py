@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from llama_ports import CONVENTIONAL, OPAQUE, make_port, rope
-from tiny_models import tiny_llama
+from helpers.llama_ports import CONVENTIONAL, OPAQUE, make_port, rope
+from helpers.tiny_models import tiny_llama
 
 import ffdebug
 from ffdebug.store.reader import open_side
@@ -62,7 +62,7 @@ def test_fused_port_sub_stages_pair_with_hf_llama_split_by_head_counts(hf, tmp_p
     """The port fuses q/k/v and gate/up and has no config: its projections are split by the head
     counts its own reshapes show, and every sub-stage pairs with HF's separate projections."""
     ref = dump(hf, tmp_path, "ref")
-    tgt = dump(make_port(hf, names), tmp_path, "target", tap="llama_ports:rope")
+    tgt = dump(make_port(hf, names), tmp_path, "target", tap="helpers.llama_ports:rope")
     for layer in range(2):
         for kind in SUB + INS:
             assert f"L{layer:03d}.{kind}" in ref and f"L{layer:03d}.{kind}" in tgt
@@ -88,7 +88,7 @@ def test_fused_port_sub_stages_pair_with_hf_llama_split_by_head_counts(hf, tmp_p
 def test_the_gate_is_the_half_the_activation_reads(hf, tmp_path):
     """A fused [up | gate] weight: the gate is found by the activation applied to it, not its place."""
     dump(hf, tmp_path, "ref")
-    tgt = dump(make_port(hf, OPAQUE, up_first=True), tmp_path, "target", tap="llama_ports:rope")
+    tgt = dump(make_port(hf, OPAQUE, up_first=True), tmp_path, "target", tap="helpers.llama_ports:rope")
     assert tgt["L000.mlp.gate.out"].extra["split"] == [64, 128]
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.exit_code() == 0 and all(s.ok for s in res.stages)
@@ -100,7 +100,7 @@ def test_a_bad_v_slice_of_a_fused_projection_is_located_at_attn_v(hf, tmp_path):
     port = make_port(hf, OPAQUE)
     with torch.no_grad():
         port.stages[1].mix.wqkv.weight[48:].mul_(1.5)
-    dump(port, tmp_path, "target", tap="llama_ports:rope")
+    dump(port, tmp_path, "target", tap="helpers.llama_ports:rope")
     r = ffdebug.bisect(tmp_path / "ref", tmp_path / "target")
     assert r.exit_code() == 1
     assert (r.first_divergence.layer, r.sub_stage.key) == (1, "L001.attn.v.out")
@@ -192,7 +192,7 @@ def test_per_group_qkv_and_even_odd_gate_up_are_read_from_the_ports_views(hf, tm
             stage.mix.forward = types.MethodType(attn_forward, stage.mix)
             stage.proj.forward = types.MethodType(mlp_forward, stage.proj)
     dump(hf, tmp_path, "ref")
-    tgt = dump(port, tmp_path, "target", tap="llama_ports:rope")
+    tgt = dump(port, tmp_path, "target", tap="helpers.llama_ports:rope")
     assert tgt["L000.attn.k.out"].extra["split_cols"] == [[16, 24], [48, 56]]
     assert tgt["L000.mlp.up.out"].extra["split_cols"][:2] == [[1, 2], [3, 4]]
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
@@ -221,7 +221,7 @@ def test_a_fused_qkv_whose_split_is_not_seen_is_not_split_but_named(hf, tmp_path
     for stage in port.stages:
         stage.mix.forward = types.MethodType(forward, stage.mix)
     dump(hf, tmp_path, "ref")
-    tgt = dump(port, tmp_path, "target", tap="llama_ports:rope")
+    tgt = dump(port, tmp_path, "target", tap="helpers.llama_ports:rope")
     assert "L000.attn.q.out" not in tgt and {"L000.mix.wqkv.in", "L000.mix.wqkv.out"} <= set(tgt)
     assert "L000.attn.o.out" in tgt  # the rest of the branch still has its roles
     assert "mix.wqkv is a fused q / k / v projection (64 outputs) whose layout" in caplog.text
@@ -251,7 +251,7 @@ MOE = ("moe.router.out", "moe.topk_ids.out", "moe.topk_weights.out")
 
 @pytest.fixture(scope="module")
 def hf_moe():
-    from moe_port import tiny_qwen3_moe
+    from helpers.moe_port import tiny_qwen3_moe
 
     return tiny_qwen3_moe(num_layers=2)
 
@@ -261,10 +261,10 @@ def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_pat
     """HF stacks its expert weights ([E, 2I, H]); the port stacks them too, or keeps a list of
     expert modules. HF loops experts in (slot, token) order, the port in (token, slot) order:
     expert rows are matched to tokens and sorted, so they pair."""
-    from moe_port import make_moe_port
+    from helpers.moe_port import make_moe_port
 
     ref = dump(hf_moe, tmp_path, "ref")
-    tgt = dump(make_moe_port(hf_moe, expert_list), tmp_path, "target", tap="moe_port:rope")
+    tgt = dump(make_moe_port(hf_moe, expert_list), tmp_path, "target", tap="helpers.moe_port:rope")
     experts = sorted(k for k in ref if k.startswith("L001.moe.expert"))
     assert experts and set(experts) == {k for k in tgt if k.startswith("L001.moe.expert")}
     for kind in (*MOE, "attn.q.out", "attn.k.out"):
@@ -282,7 +282,7 @@ def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_pat
 
 
 def test_a_bug_in_one_expert_is_located_at_that_layer_and_expert(hf_moe, tmp_path):
-    from moe_port import make_moe_port
+    from helpers.moe_port import make_moe_port
 
     ref = dump(hf_moe, tmp_path, "ref")
     used = sorted(int(k[15:18]) for k in ref if k.startswith("L001.moe.expert") and k.endswith(".out"))
@@ -290,7 +290,7 @@ def test_a_bug_in_one_expert_is_located_at_that_layer_and_expert(hf_moe, tmp_pat
     port = make_moe_port(hf_moe)
     with torch.no_grad():
         port.trunk[1].route.w_out[bad].mul_(1.3)  # one expert's down projection mis-scaled
-    dump(port, tmp_path, "target", tap="moe_port:rope")
+    dump(port, tmp_path, "target", tap="helpers.moe_port:rope")
     r = ffdebug.bisect(tmp_path / "ref", tmp_path / "target")
     assert r.exit_code() == 1
     assert (r.first_divergence.layer, r.sub_stage.key) == (1, f"L001.moe.expert{bad:03d}.out")

@@ -79,9 +79,6 @@ def _block_inputs(records: list[tuple]) -> tuple[dict, dict, object]:
 
 def replay(model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target") -> dict:
     """Each block's output when fed the reference's hidden_in (layer -> tensor)."""
-    import torch
-
-    from ffdebug.capture.outputs import first_tensor, tensors_of
     from ffdebug.models.blocks import find_blocks
 
     blocks = find_blocks(model)
@@ -91,8 +88,21 @@ def replay(model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target"
             "blocks were dumped"
         )
     outs: dict[int, object] = {}
+    hooks = _replay_hooks(blocks, ref_in, outs)
+    try:
+        _forward(model, kwargs, ids_record, flag)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs
+
+
+def _replay_hooks(blocks, ref_in: dict, outs: dict) -> list:
+    """Hooks on every block: its first call gets the reference's hidden_in in place of its own input
+    (same shape only), and its first output tensor lands in `outs[layer]`."""
+    from ffdebug.capture.outputs import first_tensor, tensors_of
+
     seen: set[int] = set()
-    hooks = []
 
     def make(layer):
         def pre(module, args, kw):
@@ -119,41 +129,45 @@ def replay(model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target"
 
         return pre, post
 
+    hooks = []
     for b in blocks:
         pre, post = make(b.layer)
         hooks.append(b.module.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(b.module.register_forward_hook(post, with_kwargs=True))
-    try:
-        call_args: tuple = ()
-        call_kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
-        if not call_kwargs:
-            if ids_record is None:
-                raise FFDebugError(
-                    f"attribution: the reference dumped no embed.input_ids; make the {flag} entry "
-                    "return (model, forward_kwargs)"
-                )
-            call_args, call_kwargs = _ids_call(
-                model, ids_record.load(), kwargs if isinstance(kwargs, str) else None
-            )
-        with torch.no_grad():
-            try:
-                model(*call_args, **call_kwargs)
-            except FFDebugError:
-                raise
-            except Exception as err:
-                from ffdebug.errors import short_reason
+    return hooks
 
-                fed = ", ".join(
-                    [f"{len(call_args)} positional"] * bool(call_args) + [f"{k}=" for k in call_kwargs]
-                )
-                raise FFDebugError(
-                    f"{flag}: {type(model).__name__}.forward({fed}) raised {type(err).__name__}: "
-                    f"{short_reason(err)}; return (model, 'keyword') or (model, forward_kwargs) from the entry"
-                ) from None
-    finally:
-        for h in hooks:
-            h.remove()
-    return outs
+
+def _forward(model, kwargs, ids_record, flag: str) -> None:
+    """One no-grad forward of `model` with the entry's keyword arguments, else the reference's
+    input ids; a forward that raises is one line naming `flag` and what it was fed."""
+    import torch
+
+    call_args: tuple = ()
+    call_kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+    if not call_kwargs:
+        if ids_record is None:
+            raise FFDebugError(
+                f"attribution: the reference dumped no embed.input_ids; make the {flag} entry "
+                "return (model, forward_kwargs)"
+            )
+        call_args, call_kwargs = _ids_call(
+            model, ids_record.load(), kwargs if isinstance(kwargs, str) else None
+        )
+    with torch.no_grad():
+        try:
+            model(*call_args, **call_kwargs)
+        except FFDebugError:
+            raise
+        except Exception as err:
+            from ffdebug.errors import short_reason
+
+            fed = ", ".join(
+                [f"{len(call_args)} positional"] * bool(call_args) + [f"{k}=" for k in call_kwargs]
+            )
+            raise FFDebugError(
+                f"{flag}: {type(model).__name__}.forward({fed}) raised {type(err).__name__}: "
+                f"{short_reason(err)}; return (model, 'keyword') or (model, forward_kwargs) from the entry"
+            ) from None
 
 
 def attribute(

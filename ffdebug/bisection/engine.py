@@ -53,15 +53,8 @@ def break_in_exact_prefix(stages: list[StageResult]) -> StageResult | None:
     the same dtype on both sides and outside the noise run's reach; None when there is no such
     stage. Nothing upstream differs, so this stage's own computation does: a bug signal however
     small its error (README "Bisecting")."""
-    for e in stages:
-        if pat.is_exact(e):
-            continue
-        if e.folded:
-            # ffdebug itself summed or joined per-rank pieces for this stage: its bits are not the
-            # engine's, so an ok-band difference here ends the exact prefix without a signal.
-            return None if e.ok else e
-        return e if e.same_dtype and e.rel is not None and not pat.within_noise(e) else None
-    return None
+    e = V.exact_prefix_end(stages)
+    return e if e is not None and not pat.within_noise(e) else None
 
 
 def _in_layer(stages: list[StageResult], layer) -> list[StageResult]:

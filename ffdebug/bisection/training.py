@@ -11,11 +11,12 @@ them:
                    → train forwards and losses (in capture order) → gradients → updates
 
 and the first stage outside the ok band is the first divergence; when every stage is inside the
-band, the first stage that is not bit-equal after a bit-equal prefix is. Either way, a first
-divergence that is the first stage not bit-equal is the exact-prefix signal (a bug however small).
-With a noise run, compare has already judged each stage against the noise run's error at that
-stage (beyond it: at least diverge), so the first stage outside the ok band is the divergence and
-rounding the noise run shares is not a signal. Per role (the suffix of `loss.<role>`, `grad.<role>.<group>`,
+band, the first stage that is not exactly equal after an exact prefix is (`verdict.exact_prefix_end`:
+bit-equal in the same dtype). Either way, a first divergence that ends the exact prefix is the
+exact-prefix signal (a bug however small). With a noise run, compare has already judged each stage
+where the noise run was measured against its error there (beyond it: at least diverge), so the first
+stage outside the ok band is the divergence and rounding the noise run shares is not a signal; a
+stage where the noise run was not comparable is judged as without one. Per role (the suffix of `loss.<role>`, `grad.<role>.<group>`,
 `grad_norm.<role>`, `update.<role>`), the first such stage of that role is reported too: an
 unfrozen reference is named as `update.reference` changing.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ffdebug import verdict as V
 from ffdebug.results import StageResult
 
 PHASE_RANK = {"rollout": 0, "train": 1}
@@ -94,20 +96,12 @@ class TrainingFirst:
         return text
 
 
-def _exact(e: StageResult) -> bool:
-    return (e.bit_equal or 0.0) >= 1.0
-
-
 def _exact_prefix_break(ordered: list[StageResult]) -> StageResult | None:
-    """The first stage not bit-equal after bit-equal ones in the same dtype (training order): its
-    own computation differs, a bug signal however small. Not with a noise run (`--noise`): compare
-    has judged every stage against the noise run's error, exact-prefix breaks included."""
-    if any(e.noise_given for e in ordered):
-        return None
-    broken = next((e for e in ordered if not _exact(e)), None)
-    if broken is None or not broken.same_dtype or broken.rel is None or broken.folded:
-        return None
-    return broken
+    """The exact-prefix rule in training order (`verdict.exact_prefix_end`): its own computation
+    differs, a bug signal however small. Not where a noise run was measured at that stage
+    (`--noise`): compare has judged it against the noise run's error, exact-prefix breaks included."""
+    broken = V.exact_prefix_end(ordered)
+    return None if broken is None or broken.noise_measured else broken
 
 
 def locate(stages: list[StageResult]) -> TrainingFirst | None:

@@ -3,14 +3,18 @@ name (`ffdebug playbook validate`, docs/playbooks.md): every command, option and
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typer._click import core as click  # the click typer vendors
 
 
+@functools.cache
 def cli_root(program: str) -> click.Command:
-    """The click command tree of `program` (ffdebug or reference-trainer)."""
+    """The click command tree of `program` (ffdebug or reference-trainer), built once per process:
+    typer builds it anew on every call (tens of ms for ffdebug's), and the playbooks name hundreds of
+    invocations. Commands are registered at import, so the tree does not change afterwards."""
     import importlib
 
     import typer.main

@@ -1,11 +1,12 @@
 """The sentences of a comparison: its result notes (warm-ups set aside, statistics-only stages,
-undeclared shards, byte budgets, unused stage-map rules, a diverged generation) and the one-line
+stages a noise run was not comparable at, undeclared shards, byte budgets, unused stage-map rules, a diverged generation) and the one-line
 errors when nothing could be compared."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ffdebug.comparison.noise import NOT_COMPARABLE
 from ffdebug.comparison.pairing import Filters
 from ffdebug.errors import FFDebugError
 from ffdebug.io.record import Record
@@ -33,6 +34,9 @@ def result_notes(pairing, run: UnitsRun, stage_map, generation) -> list[str]:
         )
     if any(e.stats_only for e in run.stages):
         notes.append("some stages were dumped as statistics only and compared on their stats")
+    noise_note = not_comparable_note(run.stages)
+    if noise_note is not None:
+        notes.append(noise_note)
     if any(r["matches"] and not r["declared"] for r in run.readings):
         notes.append(
             "some target stages are per-rank pieces of the reference's tensor (see shards); tag them "
@@ -43,6 +47,15 @@ def result_notes(pairing, run: UnitsRun, stage_map, generation) -> list[str]:
     if generation is not None:
         notes.append(f"{generation.sentence()}; calls from {generation.call} on were not compared")
     return notes
+
+
+def not_comparable_note(stages: list[StageResult]) -> str | None:
+    """The result's note naming the stages a noise run was given for but not comparable at."""
+    keys = sorted({e.key for e in stages if e.noise_given and not e.noise_measured})
+    if not keys:
+        return None
+    shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+    return f"{NOT_COMPARABLE} at {len(keys)} stage(s) ({shown}): judged without the noise run"
 
 
 def excluded_sentences(exclude: tuple[str, ...]) -> list[str]:

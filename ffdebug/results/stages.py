@@ -101,6 +101,13 @@ class StageResult:
         return self.bit_equal == 1.0 and self.same_dtype and self.severity is Severity.OK
 
     @property
+    def noise_measured(self) -> bool:
+        """A noise run was given and its error at this stage measured (`noise_rel` set); a noise run
+        without a comparable record here leaves the stage judged without it (a "noise not
+        comparable" note says so)."""
+        return self.noise_given and self.noise_rel is not None
+
+    @property
     def folded(self) -> bool:
         """ffdebug assembled this stage from per-rank pieces (folded by compare, or explained by a
         shard reading in bisect): its bits are not the engine's."""

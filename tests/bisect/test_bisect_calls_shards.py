@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from bisect_models import dump, input_ids, llama
+from helpers.bisect.bisect_models import dump, input_ids, llama
 
 import ffdebug
 from ffdebug.comparison.pairing import Filters, group_calls, pick_prefill_call

@@ -10,7 +10,14 @@ import subprocess
 
 import pytest
 import torch
-from bisect_models import DS_CLASSES, deepseek, deepseek_missing_routed_scaling, dump, input_ids, llama
+from helpers.bisect.bisect_models import (
+    DS_CLASSES,
+    deepseek,
+    deepseek_missing_routed_scaling,
+    dump,
+    input_ids,
+    llama,
+)
 from typer.testing import CliRunner
 
 from ffdebug.cli.app import app

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from bisect_models import (
+from helpers.bisect.bisect_models import (
     ROPE_BAD_LAYER,
     dump,
     input_ids,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from bisect_models import (
+from helpers import TESTS
+from helpers.bisect.bisect_models import (
     DS_CLASSES,
     ROPE_BAD_LAYER,
     deepseek,
@@ -19,7 +18,6 @@ from bisect_models import (
 
 import ffdebug
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 STABLE_KEYS = {"verdict", "first_divergence", "pattern", "per_class", "sub_stage"}
 
 
@@ -90,7 +88,7 @@ def test_wrong_rotary_base_in_one_layer_is_a_jump_with_attention_sub_stage(llama
 
 
 def test_attribution_tells_local_from_inherited(llama_dumps):
-    entry = os.path.join(HERE, "bisect_models.py")
+    entry = str(TESTS / "helpers" / "bisect" / "bisect_models.py")
     r = ffdebug.bisect(
         f"{llama_dumps}/ref",
         f"{llama_dumps}/rope",

@@ -1,4 +1,4 @@
-"""Honest patterns on ports: a from-scratch port of HF Llama (tests/llama_ports.py) and a tiny
+"""Honest patterns on ports: a from-scratch port of HF Llama (tests/helpers/llama_ports.py) and a tiny
 Qwen3-MoE, each with one planted bug, each found by one `bisect` (README "Bisecting").
 
 The noise run is the reference at another thread count: its down projections (1024 wide) round
@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bisect_models import bf16_router, input_ids, qk_norm_skipped, qwen3_moe, topk_not_renormalised
-from llama_ports import (
+from helpers.bisect.bisect_models import (
+    bf16_router,
+    input_ids,
+    qk_norm_skipped,
+    qwen3_moe,
+    topk_not_renormalised,
+)
+from helpers.llama_ports import (
     down_proj_not_loaded,
     dropped_residual,
     eps_outside_sqrt,
@@ -31,7 +37,7 @@ from ffdebug.verdict import Severity
 BAD = 2  # the layer of the one-layer bugs
 
 
-def _dump(model, directory, side, threads=1, rotary="llama_ports:rope"):
+def _dump(model, directory, side, threads=1, rotary="helpers.llama_ports:rope"):
     ids = input_ids(seq=24)
     torch.set_num_threads(threads)
     try:
@@ -55,7 +61,7 @@ def ports(tmp_path_factory):
     out["down"] = _dump(down_proj_not_loaded(port, BAD), d, "down", threads=2)
     sharp = hf_for_ports(qk_scale=20.0)  # sharp attention: rotary positions matter
     out["ref_sharp"] = _dump(sharp, d, "ref_sharp")
-    rot = "llama_ports:rope_interleaved"
+    rot = "helpers.llama_ports:rope_interleaved"
     out["rope"] = _dump(make_port(sharp, rotary=rope_interleaved), d, "rope", rotary=rot)
     return out
 

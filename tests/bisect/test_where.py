@@ -29,7 +29,7 @@ def test_per_head_per_token_and_named_coordinate_hand_built():
 def test_compare_names_the_max_error_coordinate_and_the_token_rise(tmp_path):
     """A Qwen2 sliding-window layer attending over 8 tokens instead of 4: tokens 0-3 see the same
     context on both sides (exactly equal), token 4 is the first whose window differs."""
-    from bisect_models import dump, input_ids, qwen2_sliding, wrong_sliding_window
+    from helpers.bisect.bisect_models import dump, input_ids, qwen2_sliding, wrong_sliding_window
 
     ref = qwen2_sliding(num_layers=2)
     ids = input_ids()
@@ -47,7 +47,7 @@ def test_compare_names_the_max_error_coordinate_and_the_token_rise(tmp_path):
 def test_a_gqa_head_grouping_bug_shows_which_heads_are_wrong(tmp_path):
     """4 query heads over 2 kv heads: grouped (k0, k0, k1, k1) on HF, tiled (k0, k1, k0, k1) in the
     buggy port, so heads 0 and 3 get their own kv head and heads 1 and 2 the other one."""
-    from llama_ports import gqa_ungrouped, hf_for_ports, make_port
+    from helpers.llama_ports import gqa_ungrouped, hf_for_ports, make_port
 
     hf = hf_for_ports(num_layers=1)
     ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(7))

@@ -12,8 +12,8 @@ import zlib
 
 import pytest
 import torch
-from audit import recording
-from cases import cli_cases, prepare_outside, store_cases
+from helpers.fuzz.audit import recording
+from helpers.fuzz.cases import cli_cases, prepare_outside, store_cases
 from typer.testing import CliRunner
 
 import ffdebug

@@ -16,12 +16,20 @@ import sys
 import time
 
 import pytest
-from hunt_scripts import in_process, runs, write_script
+from helpers import subprocess_env
+from helpers.hunt.hunt_scripts import in_process, runs, write_script
 
 from ffdebug.errors import FFDebugError
 from ffdebug.hunt.engine import hunt
 from ffdebug.hunt.rounds import HuntConfig
 from ffdebug.hunt.runner import run_side, tree_bytes
+
+
+@pytest.fixture(autouse=True)
+def _helpers_on_pythonpath(monkeypatch):
+    """The run scripts import ``helpers`` (tests/helpers/__init__.py): ``tests/`` on their PYTHONPATH."""
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
+
 
 # the role sub-stage each planted bug must be found at (README "Role sub-stages")
 EXPECTED = {

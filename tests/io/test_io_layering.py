@@ -7,6 +7,7 @@ import ast
 import pathlib
 
 import pytest
+from helpers.sources import parsed
 
 import ffdebug
 
@@ -21,8 +22,7 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+def _imports(tree: ast.Module) -> set[str]:
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -33,7 +33,7 @@ def _imports(path: pathlib.Path) -> set[str]:
     return {m for m in out if m == "ffdebug" or m.startswith("ffdebug.")}
 
 
-GRAPH = {_module_name(p): _imports(p) for p in ROOT.rglob("*.py")}
+GRAPH = {_module_name(s.path): _imports(s.tree) for s in parsed(ROOT)}
 
 
 def _reaches(start: str, target: str) -> bool:
@@ -59,8 +59,8 @@ def test_reader_and_importers_do_not_import_each_other():
 def test_one_torch_load():
     """Only ffdebug/io/torchfile.py calls torch.load, and always with weights_only=True."""
     calls = []
-    for path in ROOT.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for source in parsed(ROOT):
+        for node in ast.walk(source.tree):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -69,7 +69,9 @@ def test_one_torch_load():
                 if isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
                     kw = {k.arg: k.value for k in node.keywords}
                     only = kw.get("weights_only")
-                    calls.append((_module_name(path), isinstance(only, ast.Constant) and only.value is True))
+                    calls.append(
+                        (_module_name(source.path), isinstance(only, ast.Constant) and only.value is True)
+                    )
     assert calls == [("ffdebug.io.torchfile", True)]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-from peer_layouts import atom_hook, atom_ref, atom_weights, residual_stream
+from helpers.peers.peer_layouts import atom_hook, atom_ref, atom_weights, residual_stream
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peer_layouts import atom_hook
+from helpers.peers.peer_layouts import atom_hook
 from torch import nn
 
 import ffdebug

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from peer_layouts import SGLangRun
+from helpers.peers.peer_layouts import SGLangRun
 from typer.testing import CliRunner
 
 from ffdebug.cli.app import app

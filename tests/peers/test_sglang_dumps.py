@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from peer_layouts import SGLangRun, residual_stream
+from helpers.peers.peer_layouts import SGLangRun, residual_stream
 from typer.testing import CliRunner
 
 from ffdebug.cli.app import app

@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import TESTS
 from typer.testing import CliRunner
 
 from ffdebug.cli.app import app
 from ffdebug.trace import mask_summary, trace
 
 ROOT = Path(__file__).resolve().parents[2]
-TARGET = str(Path(__file__).resolve().parent / "trace_target.py")
+TARGET = str(TESTS / "helpers" / "review" / "trace_target.py")
 runner = CliRunner()
 
 

@@ -20,10 +20,10 @@ import os
 
 import pytest
 import torch
+from helpers.trainer.trainer_utils import example, load, metrics
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_distributed import FAST_EVAL, _files, torchrun
-from trainer_utils import example, load, metrics
 
 OPT_IN = os.environ.get("FFDEBUG_TEST_DEEPSPEED") == "1"
 opt_in = pytest.mark.skipif(

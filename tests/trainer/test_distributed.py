@@ -20,7 +20,6 @@ naming both sizes.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,9 +28,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_utils import REPO, example, load, metrics
+from helpers import REPO, TESTS, subprocess_env
+from helpers.trainer.trainer_utils import example, load, metrics
 
-DRIVER = Path(__file__).resolve().parent / "distributed_driver.py"
+DRIVER = TESTS / "helpers" / "trainer" / "distributed_driver.py"
 TIMEOUT = 240
 FAST_EVAL = "eval.num_inference_steps=2"
 COMPOSITIONS = {
@@ -44,7 +44,12 @@ COMPOSITIONS = {
 
 def torchrun(*args: str, driver: Path = DRIVER) -> float:
     """Run ``driver`` on two ranks (free rendezvous port, loopback only); its wall time in seconds."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = {
+        **subprocess_env(),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(driver), *args]
     start = time.monotonic()

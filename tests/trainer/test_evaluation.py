@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from framework_utils import GRPO_CONFIG, load, metrics
+from helpers.trainer.trainer_utils import GRPO_CONFIG, load, metrics
 
 EVAL = ("eval.every=2", "eval.samples_per_prompt=2", "eval.num_inference_steps=3", "eval.seed=5")
 
@@ -75,7 +75,7 @@ def test_eval_needs_heldout_records_before_any_model_loads(tmp_path, monkeypatch
     data.dataset, raised before the weights load."""
     import shutil
 
-    from trainer_utils import example
+    from helpers.trainer.trainer_utils import example
 
     from reference_trainer.adapters.sd3 import SD3TinyAdapter
     from reference_trainer.data import TINY_DATASET
@@ -98,7 +98,7 @@ def test_eval_needs_heldout_records_before_any_model_loads(tmp_path, monkeypatch
 def test_sft_evaluation_lowers_the_heldout_velocity_mse(tmp_path):
     """SFT, 24 steps, eval.every=12: the velocity MSE on the 4 held-out demonstrations (colours never
     trained on; fixed σ, ε) falls from the initial weights to the end."""
-    from trainer_utils import make_trainer
+    from helpers.trainer.trainer_utils import make_trainer
 
     overrides = ("train.max_epochs=100", "train.gradient_accumulation_steps=1", "eval.every=12")
     make_trainer("sft", tmp_path, 24, *overrides).start()

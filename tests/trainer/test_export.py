@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from framework_utils import GRPO_CONFIG, load
+from helpers.trainer.trainer_utils import GRPO_CONFIG, load
 
 pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 

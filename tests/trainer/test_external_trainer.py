@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from framework_utils import REPO
+from helpers import REPO
 
 import ffdebug
 from ffdebug.verdict import Severity
@@ -118,7 +118,11 @@ def test_different_prompts_and_noise_stop_at_the_inputs_gate(runs, tmp_path):
         ffdebug.compare(runs / "dumps" / "ref", tmp_path / "other_seed", alias_file=TAPS, allow_partial=True)
     assert raised.value.exit_code == 3
     message = str(raised.value)
-    assert message.startswith("rollout.prompt_ids (prompts) differs") or "rollout.noise" in message
+    # the gate checks the inputs in the tap contract's order, prompts first (inputs_gate.TRAINER_INPUTS),
+    # and the seeds already draw other prompts at step 0 (seed 7: prompts 3 and 2; seed 11: 1 and 0)
+    assert message.startswith("rollout.prompt_ids (prompts) differs at ") and "optimizer_step=0" in message, (
+        f"the prompts differ first (seed 11 draws other prompts than seed 7 at step 0): {message}"
+    )
     assert "feed both runs the same prompts / noise" in message
 
 

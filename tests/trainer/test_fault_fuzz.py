@@ -33,7 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from framework_utils import GRPO_CONFIG, REPO
+from helpers import REPO
+from helpers.trainer.trainer_utils import GRPO_CONFIG
 from safetensors.torch import load_file, save_file
 
 from reference_trainer.config import RunConfig

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from framework_utils import GRPO_CONFIG
+from helpers.trainer.trainer_utils import GRPO_CONFIG
 from test_resume import assert_same_files
 
 N = 4
@@ -91,6 +91,7 @@ def test_latest_skips_a_damaged_newest_checkpoint_and_matches_the_uninterrupted_
     assert validate_checkpoint(newest)["optimizer_step"] == N - 1
 
 
+@pytest.mark.integration  # `straight` is a trainer run
 def test_explicit_resume_of_a_damaged_checkpoint_is_refused_naming_the_file(straight, tmp_path, capsys):
     """``--resume DIR`` never falls back: exit 2, one line naming the file; nothing is rewritten."""
     run = tmp_path / "run"
@@ -109,6 +110,7 @@ def test_explicit_resume_of_a_damaged_checkpoint_is_refused_naming_the_file(stra
     assert {name: (run / name).read_bytes() for name in before} == before
 
 
+@pytest.mark.integration  # `straight` is a trainer run
 def test_a_bad_line_before_the_last_is_refused_naming_file_and_line(straight, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(straight, run)

@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 import pytest
-from framework_utils import GRPO_CONFIG, REPO
+from helpers import REPO
+from helpers.trainer.trainer_utils import GRPO_CONFIG
 
 pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 

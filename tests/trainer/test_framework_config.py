@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
-from framework_utils import GRPO_CONFIG, REPO, load
+from helpers import REPO
+from helpers.trainer.trainer_utils import GRPO_CONFIG, load
 
 
 def test_validation_errors_name_the_field():
@@ -158,3 +159,21 @@ def test_dataset_trainer_needs_dataset_arguments():
 
     with pytest.raises(TypeError, match="must subclass DatasetTrainingArguments, got TrainingArguments"):
         PlainArgumentsSFT(SimpleNamespace(train=TrainingArguments()), adapter=None, output_dir="unused")
+
+
+def test_libyaml_and_pyyaml_read_every_example_config_the_same():
+    """Configs are parsed with libyaml's parser when PyYAML has it, and a refused document is re-read
+    by PyYAML's own for the message (reference_trainer/config.py ``parse_yaml``): both give the same
+    values for every example config, and the same error for a duplicate key."""
+    import yaml
+
+    from reference_trainer.config import ConfigError, _FastStrictLoader, _StrictLoader, parse_yaml
+
+    configs = sorted((REPO / "examples").rglob("*.yaml"))
+    assert len(configs) >= 10
+    for path in configs:
+        text = path.read_text()
+        assert yaml.load(text, Loader=_FastStrictLoader) == yaml.load(text, Loader=_StrictLoader), path
+    with pytest.raises(ConfigError) as raised:
+        parse_yaml("seed: 1\nseed: 2\n", "cfg.yaml")
+    assert "cfg.yaml:2:1: while constructing a mapping; key 'seed' is given twice" in str(raised.value)

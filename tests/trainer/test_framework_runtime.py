@@ -10,7 +10,8 @@ import sys
 
 import pytest
 import torch
-from framework_utils import GRPO_CONFIG, REPO, load, metrics
+from helpers import REPO
+from helpers.trainer.trainer_utils import GRPO_CONFIG, load, metrics
 
 SFT_CONFIG = REPO / "examples/sft/full/sd3_tiny/default.yaml"
 

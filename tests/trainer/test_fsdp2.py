@@ -21,9 +21,9 @@ import json
 
 import pytest
 import torch
+from helpers.trainer.trainer_utils import example, load, metrics
 from safetensors.torch import load_file
 from test_distributed import DRIVER, FAST_EVAL, _files, torchrun
-from trainer_utils import example, load, metrics
 
 pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 

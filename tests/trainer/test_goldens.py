@@ -14,8 +14,9 @@ dropping a 1/microbatches factor or training one step more moves them far beyond
 from __future__ import annotations
 
 import pytest
-from golden_utils import GOLDEN_OVERRIDES, STEPS, check_golden
-from trainer_utils import REPO, load, metrics
+from helpers import REPO
+from helpers.trainer.golden_utils import GOLDEN_OVERRIDES, STEPS, check_golden
+from helpers.trainer.trainer_utils import load, metrics
 
 from reference_trainer.registry import trainer_names
 

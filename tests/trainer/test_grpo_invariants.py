@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from framework_utils import GRPO_CONFIG, load, metrics
+from helpers.trainer.trainer_utils import GRPO_CONFIG, load, metrics
 
 from reference_trainer.errors import ConfigError
 

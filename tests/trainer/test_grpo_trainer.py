@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from framework_utils import GRPO_CONFIG, clone_state, eval_reward, load, metrics, state_digest
+from helpers.trainer.trainer_utils import GRPO_CONFIG, clone_state, eval_reward, load, metrics, state_digest
 
 pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from framework_utils import REPO, clone_state, load, metrics
+from helpers import REPO
+from helpers.trainer.trainer_utils import clone_state, load, metrics
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.optim, "Muon"), reason=f"torch {torch.__version__} has no torch.optim.Muon"

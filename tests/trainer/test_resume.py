@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from framework_utils import REPO, load, metrics
+from helpers import REPO
+from helpers.trainer.trainer_utils import load, metrics
 from safetensors.torch import load_file
 
 from reference_trainer.registry import resolve_trainer, trainer_names

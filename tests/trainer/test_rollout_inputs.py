@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_utils import make_trainer
+from helpers.trainer.trainer_utils import make_trainer
 
 import ffdebug
 from ffdebug.store.reader import open_side

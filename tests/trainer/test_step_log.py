@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from framework_utils import REPO
+from helpers import REPO
 
 from reference_trainer.steplog import LOGGER, StepLog
 
@@ -50,7 +50,7 @@ def test_every_n_steps_with_the_window_mean_step_time(caplog, monkeypatch):
 
 
 def test_log_every_is_validated():
-    from framework_utils import load
+    from helpers.trainer.trainer_utils import load
 
     from reference_trainer.errors import ConfigError
 

@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
-import trainer_utils
-from golden_utils import check_golden
-from trainer_utils import (
+from helpers.trainer import trainer_utils
+from helpers.trainer.golden_utils import check_golden
+from helpers.trainer.trainer_utils import (
     REPO,
     assert_every_parameter_changed,
     assert_frozen_except_followers,
@@ -218,7 +218,7 @@ def test_awm_goldens(learning_run):
 @pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
     """Off-policy (rollouts from the EMA), dumped twice: ``ok``."""
-    from dump_utils import dumped_runs_compare
+    from helpers.trainer.dump_utils import dumped_runs_compare
 
     result = dumped_runs_compare(
         tmp_path, REPO / CONFIG, "train.off_policy=true", "train.loss_type=exp_first"

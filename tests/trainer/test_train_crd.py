@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-import trainer_utils
-from golden_utils import check_golden
-from trainer_utils import (
+from helpers.trainer import trainer_utils
+from helpers.trainer.golden_utils import check_golden
+from helpers.trainer.trainer_utils import (
     REPO,
     assert_every_parameter_changed,
     assert_frozen_except_followers,
@@ -227,7 +227,7 @@ def test_crd_goldens(learning_run):
 @pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
     """The dual-direction softmax centring with the BCE form, dumped twice: ``ok``."""
-    from dump_utils import dumped_runs_compare
+    from helpers.trainer.dump_utils import dumped_runs_compare
 
     result = dumped_runs_compare(tmp_path, REPO / CONFIG, "train.weight_temp=0.5", "train.crd_loss_type=bce")
     keys = {stage["key"] for stage in result["stages"]}

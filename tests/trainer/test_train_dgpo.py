@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
-import trainer_utils
-from golden_utils import check_golden
-from trainer_utils import (
+from helpers.trainer import trainer_utils
+from helpers.trainer.golden_utils import check_golden
+from helpers.trainer.trainer_utils import (
     REPO,
     assert_bit_identical,
     assert_every_parameter_changed,
@@ -192,7 +192,7 @@ def test_dgpo_goldens(learning_run):
 @pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
     """With d_ref from ema_ref (``use_ema_ref``), dumped twice: ``ok``."""
-    from dump_utils import dumped_runs_compare
+    from helpers.trainer.dump_utils import dumped_runs_compare
 
     result = dumped_runs_compare(tmp_path, REPO / CONFIG, "train.use_ema_ref=true")
     keys = {stage["key"] for stage in result["stages"]}

@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from golden_utils import check_golden
-from trainer_utils import (
+from helpers.trainer.golden_utils import check_golden
+from helpers.trainer.trainer_utils import (
     REPO,
     assert_bit_identical,
     assert_every_parameter_changed,
@@ -149,7 +149,7 @@ def test_opd_goldens(learning_run):
 
 @pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok_with_every_stage_tapped(tmp_path):
-    from dump_utils import dumped_runs_compare
+    from helpers.trainer.dump_utils import dumped_runs_compare
 
     result = dumped_runs_compare(tmp_path, REPO / CONFIG, "eval.every=0")
     keys = {stage["key"] for stage in result["stages"]}

@@ -3,7 +3,7 @@ and both trainable roles move (exact resume: test_resume.py)."""
 
 import pytest
 import torch
-from trainer_utils import (
+from helpers.trainer.trainer_utils import (
     assert_bit_identical,
     assert_every_parameter_changed,
     frozen_state,

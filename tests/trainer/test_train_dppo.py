@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-import trainer_utils
-from golden_utils import check_golden
-from trainer_utils import (
+from helpers.trainer import trainer_utils
+from helpers.trainer.golden_utils import check_golden
+from helpers.trainer.trainer_utils import (
     REPO,
     assert_bit_identical,
     assert_every_parameter_changed,
@@ -206,7 +206,7 @@ def test_dppo_goldens(learning_run):
 @pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
     """The v-based mask (the learning run covers the x-based one), dumped twice: ``ok``."""
-    from dump_utils import dumped_runs_compare
+    from helpers.trainer.dump_utils import dumped_runs_compare
 
     result = dumped_runs_compare(tmp_path, REPO / CONFIG, "train.kl_mask_type=v-based")
     keys = {stage["key"] for stage in result["stages"]}

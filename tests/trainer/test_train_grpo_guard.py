@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-import trainer_utils
-from golden_utils import check_golden
-from trainer_utils import (
+from helpers.trainer import trainer_utils
+from helpers.trainer.golden_utils import check_golden
+from helpers.trainer.trainer_utils import (
     REPO,
     assert_bit_identical,
     assert_every_parameter_changed,
@@ -173,7 +173,7 @@ def learning_run(tmp_path_factory):
 def test_rollout_velocities_reproduce_the_stored_log_probs(learning_run):
     """μ_old is recomputed from the velocities the sampler stored: on a fresh rollout (after training, so
     the run itself is untouched) the recomputed log p_old equals the stored one bit for bit."""
-    from trainer_utils import assert_rollout_velocities_replay
+    from helpers.trainer.trainer_utils import assert_rollout_velocities_replay
 
     assert_rollout_velocities_replay(learning_run["trainer"])
 
@@ -211,7 +211,7 @@ def test_grpo_guard_goldens(learning_run):
 
 @pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
-    from dump_utils import dumped_runs_compare
+    from helpers.trainer.dump_utils import dumped_runs_compare
 
     result = dumped_runs_compare(tmp_path, REPO / CONFIG)
     keys = {stage["key"] for stage in result["stages"]}

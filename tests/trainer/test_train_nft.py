@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import trainer_utils
-from golden_utils import check_golden
-from trainer_utils import (
+from helpers.trainer import trainer_utils
+from helpers.trainer.golden_utils import check_golden
+from helpers.trainer.trainer_utils import (
     REPO,
     assert_every_parameter_changed,
     assert_frozen_except_followers,
@@ -196,7 +196,7 @@ def test_nft_goldens(learning_run):
 
 @pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok(tmp_path):
-    from dump_utils import dumped_runs_compare
+    from helpers.trainer.dump_utils import dumped_runs_compare
 
     result = dumped_runs_compare(tmp_path, REPO / CONFIG, *OVERRIDES)
     keys = {stage["key"] for stage in result["stages"]}

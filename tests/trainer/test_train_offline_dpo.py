@@ -5,7 +5,7 @@ import json
 import math
 
 import pytest
-from trainer_utils import (
+from helpers.trainer.trainer_utils import (
     assert_bit_identical,
     assert_every_parameter_changed,
     frozen_state,

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from trainer_utils import (
+from helpers.trainer.trainer_utils import (
     assert_bit_identical,
     assert_every_parameter_changed,
     frozen_state,

@@ -1,7 +1,7 @@
 """SFT trainer on tiny SD3: the velocity MSE goes down, frozen parts stay bit-identical, the policy moves."""
 
 import pytest
-from trainer_utils import (
+from helpers.trainer.trainer_utils import (
     assert_bit_identical,
     assert_every_parameter_changed,
     frozen_state,

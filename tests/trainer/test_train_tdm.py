@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 import torch
-from golden_utils import GOLDEN_OVERRIDES, check_golden
-from trainer_utils import (
+from helpers.trainer.golden_utils import GOLDEN_OVERRIDES, check_golden
+from helpers.trainer.trainer_utils import (
     REPO,
     assert_bit_identical,
     assert_every_parameter_changed,
@@ -243,7 +243,7 @@ def test_tdm_distils_a_multistep_teacher_into_few_steps(tmp_path):
 
 @pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok_with_every_stage_tapped(tmp_path):
-    from dump_utils import dumped_runs_compare
+    from helpers.trainer.dump_utils import dumped_runs_compare
 
     result = dumped_runs_compare(tmp_path, REPO / CONFIG, "eval.every=0")
     keys = {stage["key"] for stage in result["stages"]}

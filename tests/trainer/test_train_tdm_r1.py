@@ -12,8 +12,8 @@ import json
 
 import pytest
 import torch
-from golden_utils import GOLDEN_OVERRIDES, check_golden
-from trainer_utils import (
+from helpers.trainer.golden_utils import GOLDEN_OVERRIDES, check_golden
+from helpers.trainer.trainer_utils import (
     REPO,
     assert_bit_identical,
     assert_every_parameter_changed,
@@ -250,7 +250,7 @@ def test_tdm_r1_raises_the_heldout_reward_end_to_end(tmp_path):
 
 @pytest.mark.integration
 def test_two_identical_dumped_runs_compare_ok_with_every_stage_tapped(tmp_path):
-    from dump_utils import dumped_runs_compare
+    from helpers.trainer.dump_utils import dumped_runs_compare
 
     result = dumped_runs_compare(tmp_path, REPO / CONFIG, "eval.every=0", max_steps=3)
     keys = {stage["key"] for stage in result["stages"]}

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.trainer.trainer_utils import example, load
 from safetensors.torch import load_file
-from trainer_utils import example, load
 
 STEPS = 3
 CUT = 1

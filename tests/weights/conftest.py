@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from weights_utils import tiny_llama_model
+from helpers.weights.weights_utils import tiny_llama_model
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ports import ENTRY, build, load_hf, tiny_qwen3_moe
+from helpers.weights.ports import ENTRY, build, load_hf, tiny_qwen3_moe
+from helpers.weights.weights_utils import run_cli, run_json
 from safetensors.torch import load_file
-from weights_utils import run_cli, run_json
 
 import ffdebug
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import torch
+from helpers.weights.weights_utils import run_cli
 from safetensors.torch import save_file
-from weights_utils import run_cli
 
 import ffdebug
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from weights_utils import run_cli, run_json
+from helpers.weights.weights_utils import run_cli, run_json
 
 import ffdebug
 

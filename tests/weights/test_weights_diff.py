@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
+from helpers.weights.weights_utils import run_cli, run_json
 from safetensors.torch import save_file
-from weights_utils import run_cli, run_json
 
 import ffdebug
 from ffdebug.weights.diff import STABLE_KEYS

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 import torch
-from weights_utils import run_cli
+from helpers.weights.weights_utils import run_cli
 
 
 class NotATensor:

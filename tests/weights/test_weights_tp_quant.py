@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.weights.weights_utils import run_json
 from safetensors.torch import save_file
-from weights_utils import run_json
 
 import ffdebug
 from ffdebug.store.writer import StoreWriter

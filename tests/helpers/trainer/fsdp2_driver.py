@@ -1,4 +1,5 @@
-"""Run under ``torchrun --nproc-per-node 2`` by ``test_fsdp2.py`` (not a test module).
+"""Run under ``torchrun --nproc-per-node 2`` by ``tests/trainer/test_fsdp2.py`` (not a test module; the test puts
+``tests/`` on ``PYTHONPATH`` with ``helpers.subprocess_env``).
 
 fsdp2_driver.py probe OUT
     builds GRPO and DMD2 trainers with backend.kind=fsdp2 and records, on rank 0, into OUT/probe.json:
@@ -17,10 +18,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from trainer_utils import example, load  # noqa: E402
+from helpers.trainer.trainer_utils import example, load
 
 FSDP2 = "backend.kind=fsdp2"
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-GOLDENS = Path(__file__).resolve().parent / "goldens"
+from helpers import TESTS
+
+GOLDENS = TESTS / "trainer" / "goldens"
 RECORD_ENV = "REFERENCE_TRAINER_RECORD_GOLDENS"
 STEPS = 3
 
@@ -73,14 +74,16 @@ def check_golden(name: str, records: list[dict[str, Any]], *, config: str, overr
         }
         path.write_text(json.dumps(document, indent=2) + "\n")
         return
-    assert path.is_file(), f"no golden {path.name}; record it with {RECORD_ENV}=1 (see golden_utils.py)"
+    assert path.is_file(), (
+        f"no golden {path.name}; record it with {RECORD_ENV}=1 (see tests/helpers/trainer/golden_utils.py)"
+    )
     golden = json.loads(path.read_text())
     assert (golden["config"], golden["overrides"]) == (config, overrides), "the golden is of another run"
     assert torch.get_num_threads() == golden["threads"] == 1
     if golden["torch"] != torch.__version__:
         pytest.skip(
             f"golden {path.name} was recorded with torch {golden['torch']}, this is torch {torch.__version__}: "
-            f"re-record it with {RECORD_ENV}=1 (golden_utils.py)"
+            f"re-record it with {RECORD_ENV}=1 (tests/helpers/trainer/golden_utils.py)"
         )
     for key in ("loss", "grad_norm"):
         assert values[key] == pytest.approx(golden[key], rel=1e-6, abs=1e-9), (

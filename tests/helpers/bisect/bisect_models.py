@@ -1,7 +1,7 @@
 """Tiny HF models built from configs (no download) and the bugs the bisect tests inject.
 
 Reference and target share weights: both are built from the same seed. The functions without
-arguments double as `--model-ref` / `--model-target` entries (`tests/bisect/bisect_models.py:llama_ref`).
+arguments double as `--model-ref` / `--model-target` entries (`tests/helpers/bisect/bisect_models.py:llama_ref`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def deepseek_missing_routed_scaling(model):
 
 def llama(num_layers: int = 5):
     """Llama-style LM with sharpened q/k projections so that rotary positions matter."""
-    from tiny_models import tiny_llama
+    from helpers.tiny_models import tiny_llama
 
     model = tiny_llama(num_layers=num_layers)
     with torch.no_grad():
@@ -105,8 +105,9 @@ def llama_scaled(model, name: str, factor: float):
 
 def qwen2_sliding(num_layers: int = 6, window: int = 4):
     """Qwen2-style LM alternating sliding-window and full attention (`layer_types` in the config)."""
-    from tiny_models import lm_tiny
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from helpers.tiny_models import lm_tiny
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
@@ -133,8 +134,9 @@ def wrong_sliding_window(model, window: int = 8):
 def qwen3_moe(num_layers: int = 6):
     """Qwen3-MoE-style LM alternating dense (even) and MoE (odd) layers, top-2 of 8 experts with
     renormalised top-k weights, q/k norms in every attention (router weights non-zero)."""
-    from tiny_models import lm_tiny
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from helpers.tiny_models import lm_tiny
 
     torch.manual_seed(0)
     cfg = dict(

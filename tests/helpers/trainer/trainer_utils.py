@@ -1,20 +1,71 @@
-"""Helpers of the algorithm trainer tests (SFT, online/offline DPO, DMD2); not a test module.
+"""Helpers of the reference-trainer tests (framework and algorithm tests alike); not a test module.
 
-The helpers every trainer test shares (``load``, ``metrics``, ``REPO``, ``eval_reward``) live in
-``framework_utils.py`` and are re-exported here."""
+The one owner of: the example configs (``example``, ``GRPO_CONFIG``), loading a config (``load``),
+reading a run's ``metrics.jsonl`` (``metrics``), building and running trainers (``make_trainer``,
+``learning_run``), state snapshots and digests, the fixed-noise evaluation reward, and the asserts on
+frozen / updated parameters."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from framework_utils import REPO, eval_reward, load, metrics  # noqa: F401 (shared with the algorithm tests)
+
+from helpers import REPO
 
 
 def example(algorithm: str, variant: str = "default") -> Path:
+    """The example config of ``algorithm`` for the tiny SD3 fixtures."""
     return REPO / "examples" / algorithm / "full" / "sd3_tiny" / f"{variant}.yaml"
+
+
+GRPO_CONFIG = example("grpo")
+
+
+def load(config: Path | str = GRPO_CONFIG, *overrides: str, max_steps: int | None = None):
+    from reference_trainer.config import load_config
+
+    return load_config(config, overrides=overrides, max_steps=max_steps)
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer (names and bytes)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+
+
+@torch.no_grad()
+def eval_reward(trainer, samples_per_prompt: int = 4, seed: int = 1234) -> float:
+    """Mean training reward of the current policy on every configured prompt, with fixed noise."""
+    prompts = list(trainer.prompts.prompts)
+    repeated = [prompt for prompt in prompts for _ in range(samples_per_prompt)]
+    condition = trainer.conditions.get(repeated)
+    trajectory = trainer.adapter.inference(
+        condition,
+        num_steps=trainer.args.num_inference_steps,
+        noise_level=trainer.args.noise_level,
+        generator=torch.Generator().manual_seed(seed),
+        module=trainer.variants.variant("policy"),
+    )
+    images = trainer.adapter.decode_latents(trajectory.final)
+    group_ids = torch.arange(len(prompts)).repeat_interleave(samples_per_prompt)
+    rewards = trainer.feedback.reward_processor(images, repeated, group_ids)
+    return float(sum(values for values in rewards.values()).mean())
 
 
 def make_trainer(

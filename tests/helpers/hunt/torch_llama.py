@@ -5,7 +5,7 @@ script then starts without importing transformers (about half a run's CPU time).
 function is tapped with `ffdebug.tap_function` as `attn.q_rot` / `attn.k_rot`, the line a user's
 own codebase would add.
 
-Imported by name, like `tiny_models`.
+Imported as `helpers.hunt.torch_llama` (`tests/helpers/__init__.py`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Tiny Hugging Face causal LMs built from configs (no download), shared by the test suites.
 
-Imported by name (`from tiny_models import tiny_llama`): pytest puts `tests/` on sys.path for the
-top-level conftest. Sizes are the smallest that keep every stage of a decoder block (two-core CPU
+Imported as `from helpers.tiny_models import tiny_llama` (`tests/helpers/__init__.py`). Sizes are the smallest that keep every stage of a decoder block (two-core CPU
 machines, seconds per model).
 """
 

@@ -5,7 +5,7 @@ MLPs instead), a plain `nn.Linear` router, its own rotary code and
 `forward(ids)` returning a plain tensor. `tiny_qwen3_moe()` builds the HF side from a config;
 `make_moe_port(hf)` builds the port and loads its weights.
 
-Imported by name (`from moe_port import make_moe_port`), like `llama_ports`.
+Imported as `from helpers.moe_port import make_moe_port` (`tests/helpers/__init__.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from llama_ports import rope
+
+from helpers.llama_ports import rope
 
 
 def tiny_qwen3_moe(num_layers: int = 2, seed: int = 0):

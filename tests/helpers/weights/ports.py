@@ -137,7 +137,7 @@ import sys
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from ports import build, load_hf
+from helpers.weights.ports import build, load_hf
 
 
 def load(checkpoint=None):

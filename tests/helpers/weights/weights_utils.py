@@ -1,10 +1,10 @@
-"""Helpers for the weights tests (imported by name: pytest puts this folder on sys.path)."""
+"""Helpers for the weights tests (`tests/helpers/__init__.py` says how they are imported)."""
 
 from __future__ import annotations
 
 
 def tiny_llama_model(seed: int = 0, layers: int = 2):
-    from tiny_models import tiny_llama
+    from helpers.tiny_models import tiny_llama
 
     return tiny_llama(num_layers=layers, vocab=256, max_positions=64, seed=seed)
 

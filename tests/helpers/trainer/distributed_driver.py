@@ -1,4 +1,5 @@
-"""Run under ``torchrun --nproc-per-node 2`` by ``test_distributed.py`` (not a test module).
+"""Run under ``torchrun --nproc-per-node 2`` by ``tests/trainer/test_distributed.py`` (not a test module; the test puts
+``tests/`` on ``PYTHONPATH`` with ``helpers.subprocess_env``).
 
 distributed_driver.py probe OUT
     DDP gradient vs the single-process gradient on the concatenated batch, the two-prompt
@@ -19,10 +20,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from trainer_utils import example, load  # noqa: E402
+from helpers.trainer.trainer_utils import example, load
 
 
 def probe(out: Path) -> None:

@@ -2,7 +2,7 @@
 fused q/k/v and gate/up weights, their own rotary code, `forward(input_ids)` returning a plain
 tensor. `make_port(hf, names)` builds one and loads the HF model's weights into it.
 
-Imported by name (`from llama_ports import make_port`), like `tiny_models`.
+Imported as `from helpers.llama_ports import make_port` (`tests/helpers/__init__.py`).
 """
 
 from __future__ import annotations
@@ -286,8 +286,9 @@ def hf_for_ports(num_layers: int = 4, qk_scale: float = 1.0):
     """A seeded HF Llama for the pattern tests: hidden 64, MLP width 1024 (its down projection is
     wide enough that the thread count changes its bits: the noise run), norms that are not all
     ones, q / k projections scaled by `qk_scale` (sharper attention makes rotary matter)."""
-    from tiny_models import lm_tiny
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers.tiny_models import lm_tiny
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**dict(lm_tiny(num_layers, 64), intermediate_size=1024))).eval()

@@ -3,15 +3,14 @@ transformers' module names), or an HF `LlamaForCausalLM` from a config (or its p
 codebases are the point, one planted bug on the target side, `ffdebug.install`, one forward. Each run appends its dump directory
 to a log so a test can count which rounds ran.
 
-Imported by name (`from hunt_scripts import write_script`), like `tiny_models`.
+Imported as `from helpers.hunt.hunt_scripts import write_script`; the scripts import `helpers` too,
+so the test that runs them puts `tests/` on `PYTHONPATH` (`helpers.subprocess_env`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # target-side bugs: each line runs with `m` the HF model (or `net` the port) and `L` the layer
 PLANTS = {
@@ -45,8 +44,6 @@ PLANTS = {
 
 _SCRIPT = """import os, sys
 import torch
-sys.path.insert(0, {tests!r})
-sys.path.insert(0, {hunt_tests!r})
 {model_import}
 import ffdebug
 
@@ -66,12 +63,12 @@ with torch.no_grad():
     {model}(ids)
 """
 
-_PORT = "from llama_ports import make_port\nnet = make_port(m)"
-_HF = "from tiny_models import tiny_llama"
+_PORT = "from helpers.llama_ports import make_port\nnet = make_port(m)"
+_HF = "from helpers.tiny_models import tiny_llama"
 # the torch-only model's rotary function, tapped as a user's codebase would (README "Role sub-stages")
 _TORCH = (
-    "from torch_llama import torch_llama\n"
-    "ffdebug_rotary = ('torch_llama:apply_rotary_pos_emb', ('attn.q_rot', 'attn.k_rot'))"
+    "from helpers.hunt.torch_llama import torch_llama\n"
+    "ffdebug_rotary = ('helpers.hunt.torch_llama:apply_rotary_pos_emb', ('attn.q_rot', 'attn.k_rot'))"
 )
 
 
@@ -95,8 +92,6 @@ def write_script(
     hf = hf or port
     log = os.path.join(str(tmp), f"{name}.runs")
     text = _SCRIPT.format(
-        tests=TESTS,
-        hunt_tests=os.path.join(TESTS, "hunt"),
         model_import=_HF if hf else _TORCH,
         build="tiny_llama" if hf else "torch_llama",
         tap="" if hf else "ffdebug.tap_function(*ffdebug_rotary)",
@@ -151,17 +146,19 @@ def in_process(
         if calls is not None:
             calls.append(os.path.basename(os.environ.get("FFDEBUG_FWD_DUMP_DIR", "")))
         if hf or port:
-            from tiny_models import tiny_llama as build
+            from helpers.tiny_models import tiny_llama as build
 
             taps = contextlib.nullcontext()  # transformers' rotary function is tapped by ffdebug
         else:
-            from torch_llama import torch_llama as build
+            from helpers.hunt.torch_llama import torch_llama as build
 
-            taps = ffdebug.tap_function("torch_llama:apply_rotary_pos_emb", ("attn.q_rot", "attn.k_rot"))
+            taps = ffdebug.tap_function(
+                "helpers.hunt.torch_llama:apply_rotary_pos_emb", ("attn.q_rot", "attn.k_rot")
+            )
         m = build(num_layers=layers, hidden=hidden)
         net = None
         if port:
-            from llama_ports import make_port
+            from helpers.llama_ports import make_port
 
             net = make_port(m)
         for one in plant.split("+"):  # several plants: "drift+q_proj"
