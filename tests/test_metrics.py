@@ -52,6 +52,18 @@ def test_max_abs_position_is_the_first_of_ties_after_a_rising_maximum():
     assert (m.max_abs, m.max_abs_at, m.nan_mismatch) == (2.0, [4 * CHUNK + 9], 1)
 
 
+def test_difference_past_float64_range_with_finite_norms():
+    """r = (−1.3e154, 1), t = (1.3e154, 1): r², t² and r·t fit in float64 but (t − r)² =
+    6.76e308 does not, so the sums are redone on scaled values: max |t − r| = 2.6e154 at 0,
+    rel = 2.6e154 / 1.3e154 = 2 (to the rounding of the norms), cos = (1 − 1.69e308) / 1.69e308."""
+    r = torch.tensor([-1.3e154, 1.0], dtype=torch.float64)
+    t = torch.tensor([1.3e154, 1.0], dtype=torch.float64)
+    m = compare_tensors(r, t)
+    assert (m.max_abs, m.max_abs_at) == (2.6e154, [0])
+    assert m.rel == pytest.approx(2.0, rel=1e-15) and m.cos == pytest.approx(-1.0, abs=1e-15)
+    assert m.nan_mismatch == m.inf_mismatch == 0 and m.bit_equal == 0.5
+
+
 def test_worker_threads_give_the_same_metrics():
     """Each thread keeps its own work rows: two threads comparing different pairs at once get
     what one thread gets comparing them in turn."""

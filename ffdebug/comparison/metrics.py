@@ -152,12 +152,12 @@ def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
     import torch
 
     n = r.numel()
-    x = _work_rows()  # float64 work rows r, t, t − r (stay in cache at 64 Ki elements)
+    x = _work_rows()  # float64 work rows r, t (then t − r in place), integer row (stay in cache)
     s = _Sums()
     for i in range(0, n, CHUNK):
         m = min(CHUNK, n - i)
         rc, tc = r[i : i + m], t[i : i + m]
-        xr, xt, xd = x[0, :m], x[1, :m], x[2, :m]
+        xr = x[0, :m]
         xr.copy_(rc)
         if scale != 1.0:
             xr.mul_(scale)
@@ -172,51 +172,64 @@ def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
                 s.counted += m
                 s.max_abs = max(s.max_abs, 0.0)
                 continue
-        xt.copy_(tc)
-        if scale != 1.0:
-            xt.mul_(scale)
-        equal = None
-        if raw_view is not None:  # integer difference is zero exactly where the bits are equal;
-            # taken while rc, tc are in cache, into the row t − r fills next (the rows and both
-            # inputs, 2 MiB, fit in L2; a separate integer row did not)
-            bits = xd.view(raw_view)[:m]
-            equal = m - int(torch.count_nonzero(torch.sub(rc.view(raw_view), tc.view(raw_view), out=bits)))
-        torch.sub(xt, xr, out=xd)
-        rt_, tt_ = torch.mv(x[:2, :m], xt).tolist()  # both dots with t in one pass over t
-        rr_, dd_ = float(torch.dot(xr, xr)), float(torch.dot(xd, xd))
-        if not math.isfinite(rr_ + tt_ + rt_ + dd_):
-            s.nonfinite.add(i)
-            _nonfinite_chunk(s, i, xr, xt, equal)  # NaN/Inf on at least one side
-            continue
-        s.equal += equal if equal is not None else m - int(torch.count_nonzero(xd))
-        xd.abs_()  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
-        chunk_max = float(xd.amax())
-        s.chunk_bounds.append((chunk_max, i))
-        if chunk_max > s.max_abs:  # its position is found once, after the loop (`_argmax_chunk`)
-            s.max_abs, s.max_chunk = chunk_max, i
-        s.sum_abs += float(xd.sum())
-        s.nr2 += rr_
-        s.nt2 += tt_
-        s.dot += rt_
-        s.diff2 += dd_
-        s.counted += m
+        _differing_chunk(s, i, rc, tc, x, raw_view, scale)
     if s.max_chunk >= 0:
         s.max_at = _argmax_chunk(r, t, s.max_chunk, scale, x)
     return s
 
 
-def _chunk_diff(r, t, i: int, scale: float, x):
-    """|t − r| over the finite chunk at `i` (scaled units) in `x[2]`; `x[0]` holds r."""
+def _differing_chunk(s: _Sums, i: int, rc, tc, x, raw_view, scale: float) -> None:
+    """The sums of one chunk that is not bit-identical (r already in x[0])."""
     import torch
 
+    m = rc.numel()
+    xr, xt = x[0, :m], x[1, :m]
+    xt.copy_(tc)
+    if scale != 1.0:
+        xt.mul_(scale)
+    equal = None
+    if raw_view is not None:  # integer difference is zero exactly where the bits are equal; taken
+        # while rc, tc are in cache (rows r, t, this integer row and both inputs fit in L2)
+        bits = x[2, :m].view(raw_view)[:m]
+        equal = m - int(torch.count_nonzero(torch.sub(rc.view(raw_view), tc.view(raw_view), out=bits)))
+    rt_, tt_ = torch.mv(x[:2, :m], xt).tolist()  # both dots with t in one pass over t
+    rr_ = float(torch.dot(xr, xr))
+    dd_ = math.inf
+    if math.isfinite(rr_ + tt_ + rt_):
+        xd = xt.sub_(xr)  # t − r in place: t is not read again on this path
+        dd_ = float(torch.dot(xd, xd))
+        if not math.isfinite(dd_):  # |t − r| past float64's range: the slow path needs t again
+            xt.copy_(tc)
+            if scale != 1.0:
+                xt.mul_(scale)
+    if not math.isfinite(dd_):
+        s.nonfinite.add(i)
+        _nonfinite_chunk(s, i, xr, xt, equal)  # NaN/Inf on at least one side
+        return
+    s.equal += equal if equal is not None else m - int(torch.count_nonzero(xd))
+    xd.abs_()  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
+    chunk_max = float(xd.amax())
+    s.chunk_bounds.append((chunk_max, i))
+    if chunk_max > s.max_abs:  # its position is found once, after the loop (`_argmax_chunk`)
+        s.max_abs, s.max_chunk = chunk_max, i
+    s.sum_abs += float(xd.sum())
+    s.nr2 += rr_
+    s.nt2 += tt_
+    s.dot += rt_
+    s.diff2 += dd_
+    s.counted += m
+
+
+def _chunk_diff(r, t, i: int, scale: float, x):
+    """(r, |t − r|) of the finite chunk at `i` (scaled units) in the rows x[0], x[1]."""
     m = min(CHUNK, r.numel() - i)
-    xr, xt, xd = x[0, :m], x[1, :m], x[2, :m]
+    xr, xt = x[0, :m], x[1, :m]
     xr.copy_(r[i : i + m])
     xt.copy_(t[i : i + m])
     if scale != 1.0:
         xr.mul_(scale)
         xt.mul_(scale)
-    return xr, torch.sub(xt, xr, out=xd).abs_()
+    return xr, xt.sub_(xr).abs_()
 
 
 def _argmax_chunk(r, t, i: int, scale: float, x) -> int:
