@@ -10,13 +10,14 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
     elem     = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)),  rms(r) = ‖r‖ / √n   (element-wise error)
 
 Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 64 Ki-element chunks copied into
-float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies, one integer-difference
-count of equal bits (taken while both inputs are still in cache, into the row t − r fills next, so
-the three float64 rows and both inputs — 2 MiB — fit in one core's L2), one subtraction, one `mv`
-of the [r; t] rows with t (r·t and t·t in one pass over t), two dots (r·r, d·d), and |d| taken in
-place for its max and its sum — each a single pass; in per-op timings at 64 Ki elements
+float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies (r, t), one
+integer-difference count of equal bits (taken while both inputs are still in cache, into a third
+row), one `mv` of the [r; t] rows with t (r·t and t·t in one pass over t), a dot r·r, t − r in
+place over t, a dot d·d, and |d| taken in place for its max and its sum — each a single pass; the
+three rows and both inputs (2 MiB) fit one core's L2. In per-op timings at 64 Ki elements
 (bench/README.md) `amax` of |d| was about 3x faster than `aminmax` of d, `mv` of two rows cheaper
-than two dots, and `torch.mm` of the 3×m block and `vector_norm(·, 1)` slower than these. A
+than two dots, the in-place subtraction cheaper than one into a third row, and `torch.mm` of the
+3×m block and `vector_norm(·, 1)` slower than these. A
 bit-identical chunk (checked with one memcmp-speed `torch.equal` on integer views) needs only ‖r‖².
 The position of max |t − r| is looked up once, in the chunk that set it, after the loop. The work
 rows are kept per thread (a fresh buffer per tensor was page-faulted on every call). Non-finite
@@ -35,12 +36,13 @@ from dataclasses import asdict, dataclass, field
 from ffdebug._chunks import CHUNK, iter_chunks, single_thread  # noqa: F401 (CHUNK, iter_chunks re-exported)
 
 _INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
-_work = threading.local()  # per thread: the float64 work rows and the integer-difference row
+_work = threading.local()  # per thread: the work rows and their full-chunk views
 
 
 def _work_rows():
-    """The float64 rows [r; t; t − r] of CHUNK elements, kept per thread: a fresh 1.5 MiB buffer
-    per tensor was mapped and page-faulted by the allocator on every call (bench/README.md)."""
+    """Three float64 rows of CHUNK elements — r, t (then t − r in place), and a row the integer
+    difference of the raw bits is written into — kept per thread: a fresh 1.5 MiB buffer per
+    tensor was mapped and page-faulted by the allocator on every call (bench/README.md)."""
     import torch
 
     rows = getattr(_work, "rows", None)
