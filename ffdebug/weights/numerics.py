@@ -1,7 +1,9 @@
 """Exactness tests of one weight tensor pair: same bytes, equal after a cast, within one ulp.
 
-Every test reads its tensors in `CHUNK`-element pieces (`ffdebug._chunks`), so a pair of large
-tensors costs no more than the pair itself."""
+Every test reads its tensors in `CHUNK`-element pieces (`ffdebug._chunks`) or in one reduction
+on the stored dtype (`abs_max`), so a pair of large tensors costs no more than the pair itself.
+`within_rounding` takes max|r| from its caller when known: the findings measure it once per pair
+for their up to three rounding tests (bench/README.md)."""
 
 from __future__ import annotations
 
