@@ -88,23 +88,3 @@ def test_read_ahead_stays_within_its_depth_and_serves_in_order():
             ahead.release(i)
     assert got == [[2.0 * i, 2.0 * i + 1] for i in range(6)]
     assert max(log) <= 4 << 20  # the job in use + one job ahead (2 + 2 MiB), never three jobs
-
-
-@pytest.mark.parametrize(
-    ("load", "now", "free"),
-    [
-        (1.2, 0, 2),  # the load average still counts work that ended: nothing runs now
-        (0.3, 5, 2),  # a burst right now on an otherwise idle machine: the average decides
-        (1.6, 1, 1),  # one other task runnable now and about as many on average
-        (3.9, 4, 1),  # busy both ways: at least one worker
-        (0.4, None, 2),  # no /proc/loadavg: the average alone, rounded (not floored to 1)
-    ],
-)
-def test_free_cores_takes_the_lower_estimate_of_other_work(monkeypatch, load, now, free):
-    """2 cores: free = round(2 − min(1-minute load, runnable others now)), at least 1."""
-    from ffdebug.comparison import parallel
-
-    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(parallel.os, "getloadavg", lambda: (load, load, load))
-    monkeypatch.setattr(parallel, "runnable_others", lambda: now)
-    assert parallel.free_cores() == free

@@ -17,13 +17,8 @@ MAX_WORKERS = 8
 
 
 def free_cores() -> int:
-    """Cores this process may use minus the other work on the machine, rounded; at least 1.
-
-    The other work is the lower of two estimates: the 1-minute load average (which lags: it still
-    counts a dump or a benchmark that ended seconds ago) and the tasks runnable right now, less
-    this process's own thread (`/proc/loadavg`, Linux). Erring towards one worker too many is cheap
-    here — each worker runs one intra-op thread, no OpenMP team to spin — while the load average
-    alone left two idle cores with one worker after any recent work (bench/README.md)."""
+    """Cores this process may use minus the 1-minute load average (other work on the machine),
+    counting this process's own main thread as busy; at least 1."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -32,20 +27,7 @@ def free_cores() -> int:
         load = os.getloadavg()[0]
     except OSError:
         load = 0.0
-    now = runnable_others()
-    other = load if now is None else min(load, now)
-    return max(1, round(cores - other))
-
-
-def runnable_others() -> int | None:
-    """Tasks runnable at this instant besides the calling thread, from `/proc/loadavg`'s
-    running/total field; None where it cannot be read."""
-    try:
-        with open("/proc/loadavg", encoding="ascii") as f:
-            running = int(f.read().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):
-        return None
-    return max(0, running - 1)
+    return max(1, int(cores - load))
 
 
 def auto_workers(jobs: list[list], budget_bytes: int) -> int:
