@@ -7,6 +7,9 @@ Writes two stores (ref, target = ref + small noise) of `--size` bytes of fp32 ea
            so the sizes add up to `--size`; shuffled with a fixed seed)
 then measures, each as a whole process, interleaved `--repeat` times (medians; peak RSS = max):
   floor    a script that opens every payload of both stores with safetensors and touches every page
+           (one float per 4 KiB page: the pages are mapped, 1/1024 of the values is read)
+  sum-all  the same, summing every value (every byte through the CPU once, one thread): what a
+           single streaming pass costs, for reference
   naive    a loop that loads each pair and computes whole-tensor float64 cos, rel and max |a - b|
            (2 intra-op threads)
   compare  `ffdebug compare REF TARGET --json`
@@ -41,6 +44,19 @@ for side in sys.argv[1:]:
             for k in f.keys():
                 t = f.get_tensor(k)
                 total += float(t.reshape(-1)[:: 1024].sum())  # touch every page
+print(total)
+"""
+
+READ_ALL = r"""
+import sys, glob, os, torch
+from safetensors import safe_open
+torch.set_num_threads(1)
+total = 0.0
+for side in sys.argv[1:]:
+    for path in sorted(glob.glob(os.path.join(side, "rank*", "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for k in f.keys():
+                total += float(f.get_tensor(k).sum())  # every byte through the CPU once, one thread
 print(total)
 """
 
@@ -180,6 +196,7 @@ def main() -> None:
         measure([py, "-c", READ_ONLY, ref, tgt])  # warm the page cache
         cmds = {
             "floor": [py, "-c", READ_ONLY, ref, tgt],
+            "sum-all": [py, "-c", READ_ALL, ref, tgt],
             "naive": [py, "-c", NAIVE, ref, tgt],
             "compare": [py, "-m", "ffdebug.cli.app", "compare", ref, tgt, "--json"],
         }
@@ -207,6 +224,10 @@ def main() -> None:
         print(
             f"compare / read floor   {wall['compare'] / wall['floor']:6.2f}x wall, "
             f"{cpu['compare'] / cpu['floor']:.2f}x CPU  (target <= 1.25)"
+        )
+        print(
+            f"compare / sum-all      {wall['compare'] / wall['sum-all']:6.2f}x wall, "
+            f"{cpu['compare'] / cpu['sum-all']:.2f}x CPU  (one fp32 pass over every byte: no target)"
         )
         print(
             f"compare / naive loop   {wall['compare'] / wall['naive']:6.2f}x wall, "

@@ -37,6 +37,49 @@ def test_multi_chunk_matches_direct_float64_and_coordinate():
     assert m.max_abs_at == [2, CHUNK + 5]
 
 
+def test_max_abs_position_is_the_first_of_ties_after_a_rising_maximum():
+    """The running maximum rises in chunks 0, 2 and 3 (errors 0.25, 0.5, 1.0); chunk 5 ties 1.0
+    again and chunk 4 holds a NaN next to an error of 2.0 — the largest finite one. Without the
+    NaN chunk the answer is the first 1.0, at 3·CHUNK + 7, not the tie at 5·CHUNK + 1."""
+    r = torch.zeros(6 * CHUNK)
+    t = r.clone()
+    for at, err in ((11, 0.25), (2 * CHUNK + 3, 0.5), (3 * CHUNK + 7, 1.0), (5 * CHUNK + 1, 1.0)):
+        t[at] = err
+    m = compare_tensors(r, t)
+    assert (m.max_abs, m.max_abs_at) == (1.0, [3 * CHUNK + 7])
+    t[4 * CHUNK + 2], t[4 * CHUNK + 9] = float("nan"), 2.0
+    m = compare_tensors(r, t)
+    assert (m.max_abs, m.max_abs_at, m.nan_mismatch) == (2.0, [4 * CHUNK + 9], 1)
+
+
+def test_difference_past_float64_range_with_finite_norms():
+    """r = (−1.3e154, 1), t = (1.3e154, 1): r², t² and r·t fit in float64 but (t − r)² =
+    6.76e308 does not, so the sums are redone on scaled values: max |t − r| = 2.6e154 at 0,
+    rel = 2.6e154 / 1.3e154 = 2 (to the rounding of the norms), cos = (1 − 1.69e308) / 1.69e308."""
+    r = torch.tensor([-1.3e154, 1.0], dtype=torch.float64)
+    t = torch.tensor([1.3e154, 1.0], dtype=torch.float64)
+    m = compare_tensors(r, t)
+    assert (m.max_abs, m.max_abs_at) == (2.6e154, [0])
+    assert m.rel == pytest.approx(2.0, rel=1e-15) and m.cos == pytest.approx(-1.0, abs=1e-15)
+    assert m.nan_mismatch == m.inf_mismatch == 0 and m.bit_equal == 0.5
+
+
+def test_worker_threads_give_the_same_metrics():
+    """Each thread keeps its own work rows: two threads comparing different pairs at once get
+    what one thread gets comparing them in turn."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(3)
+    pairs = []
+    for n in (5 * CHUNK + 17, 3 * CHUNK, 999):
+        r = torch.randn(n, generator=g)
+        pairs.append((r, r + 1e-3 * torch.randn(n, generator=g)))
+    alone = [compare_tensors(r, t).to_json() for r, t in pairs]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        together = list(pool.map(lambda p: compare_tensors(*p).to_json(), pairs * 4))
+    assert together == alone * 4
+
+
 def test_fp32_cos_above_one_is_clamped():
     """A vector against itself: float32 arithmetic gives cos 1.0000001; float64 unclamped gives
     1 + 4e-15 on the scaled pair below. Ours is exactly <= 1 in both cases."""

@@ -10,27 +10,46 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
     elem     = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)),  rms(r) = ‖r‖ / √n   (element-wise error)
 
 Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 64 Ki-element chunks copied into
-preallocated float64 buffers stay in cache and ran the maths at ~4 GB/s on our 2-core machine,
-while 1 Mi-element chunks fall to ~1 GB/s (README "Benchmarks"). Per chunk: two copies, one subtraction,
-one `mv` of the [r; t] rows with t (r·t and t·t in one pass over t), two dots (r·r, d·d), one
-integer-difference count of equal bits, and |d| taken in place for its max and its sum — each a
-single pass; in per-op timings at 64 Ki elements (bench/README.md) `amax` of |d| was about 3x
-faster than `aminmax` of d, `mv` of two rows cheaper than two dots, and `torch.mm` of the 3×m block
-and `vector_norm(·, 1)` slower than these; a bit-identical chunk
-(checked with one memcmp-speed `torch.equal` on integer views) needs only ‖r‖². Non-finite values take a slow path only in the
-chunks that hold them. `bit_equal` counts positions with identical bits (same dtype), or equal
-values (different dtypes). `elem` needs rms(r), known only after the first pass: a second pass
-visits the chunks that can hold its maximum, largest error first (none when the tensors are equal).
+float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies (r, t), one
+integer-difference count of equal bits (taken while both inputs are still in cache, into a third
+row), one `mv` of the [r; t] rows with t (r·t and t·t in one pass over t), a dot r·r, t − r in
+place over t, a dot d·d, and |d| taken in place for its max and its sum — each a single pass; the
+three rows and both inputs (2 MiB) fit one core's L2. In per-op timings at 64 Ki elements
+(bench/README.md) `amax` of |d| was about 3x faster than `aminmax` of d, `mv` of two rows cheaper
+than two dots, the in-place subtraction cheaper than one into a third row, and `torch.mm` of the
+3×m block and `vector_norm(·, 1)` slower than these. A
+bit-identical chunk (checked with one memcmp-speed `torch.equal` on integer views) needs only ‖r‖².
+The position of max |t − r| is looked up once, in the chunk that set it, after the loop. The work
+rows are kept per thread (a fresh buffer per tensor was page-faulted on every call). Non-finite
+values take a slow path only in the chunks that hold them. `bit_equal` counts positions with
+identical bits (same dtype), or equal values (different dtypes). `elem` needs rms(r), known only
+after the first pass: a second pass visits the chunks that can hold its maximum, largest error
+first (none when the tensors are equal).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import asdict, dataclass, field
 
 from ffdebug._chunks import CHUNK, iter_chunks, single_thread  # noqa: F401 (CHUNK, iter_chunks re-exported)
 
 _INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+_work = threading.local()  # per thread: the work rows and their full-chunk views
+
+
+def _work_rows():
+    """Three float64 rows of CHUNK elements — r, t (then t − r in place), and a row the integer
+    difference of the raw bits is written into — kept per thread: a fresh 1.5 MiB buffer per
+    tensor was mapped and page-faulted by the allocator on every call (bench/README.md)."""
+    import torch
+
+    rows = getattr(_work, "rows", None)
+    if rows is None:
+        rows = _work.rows = torch.empty((3, CHUNK), dtype=torch.float64)
+        _work.full = {}  # integer dtype -> the full-chunk views of these rows (`_row_views`)
+    return rows
 
 
 @dataclass
@@ -98,6 +117,7 @@ class _Sums:
     sum_abs: float = 0.0  # Σ |t − r|
     max_abs: float = -1.0
     max_at: int = 0
+    max_chunk: int = -1  # start of the finite chunk that set max_abs, its position not yet found
     equal: int = 0  # positions with equal bits (same dtype) or values
     counted: int = 0  # positions where both sides are finite
     nan_mismatch: int = 0
@@ -106,6 +126,7 @@ class _Sums:
     chunk_bounds: list[tuple[float, int]] = field(
         default_factory=list
     )  # (max |t − r|, start), not bit-identical
+    nonfinite: set[int] = field(default_factory=set)  # starts of the chunks holding NaN / Inf
 
     def finite(self) -> bool:
         return math.isfinite(self.nr2 + self.nt2 + self.diff2 + abs(self.dot))
@@ -129,24 +150,40 @@ def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
     return _metrics(sums, r, t, tuple(ref.shape), scale)
 
 
+def _row_views(x, m: int, raw_view) -> tuple:
+    """(r row, t row, [r; t] block, integer row) of the first `m` columns of the work rows; the
+    full-chunk views are made once per thread (a dozen views per chunk cost about 5% of it)."""
+    if m != CHUNK:
+        return _make_views(x, m, raw_view)
+    views = _work.full.get(raw_view)
+    if views is None:
+        views = _work.full[raw_view] = _make_views(x, m, raw_view)
+    return views
+
+
+def _make_views(x, m: int, raw_view) -> tuple:
+    bits = x[2, :m].view(raw_view)[:m] if raw_view is not None else None
+    return x[0, :m], x[1, :m], x[:2, :m], bits
+
+
 def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
     """One pass over flat `r`, `t` in CHUNK-element pieces copied into float64 work rows."""
     import torch
 
     n = r.numel()
-    size = min(CHUNK, max(n, 1))
-    # float64 work rows: r, t, t − r (stay in cache at 64 Ki elements)
-    x = torch.empty((3, size), dtype=torch.float64)
-    bits = torch.empty(size, dtype=raw_view) if raw_view is not None else None
+    x = _work_rows()  # float64 work rows r, t (then t − r in place), integer row (stay in cache)
+    r_bits, t_bits = (r.view(raw_view), t.view(raw_view)) if raw_view is not None else (None, None)
     s = _Sums()
     for i in range(0, n, CHUNK):
         m = min(CHUNK, n - i)
         rc, tc = r[i : i + m], t[i : i + m]
-        xr, xt, xd = x[0, :m], x[1, :m], x[2, :m]
+        rows = _row_views(x, m, raw_view)
+        xr = rows[0]
         xr.copy_(rc)
         if scale != 1.0:
             xr.mul_(scale)
-        if raw_view is not None and torch.equal(rc.view(raw_view), tc.view(raw_view)):
+        ints = (r_bits[i : i + m], t_bits[i : i + m]) if raw_view is not None else None
+        if ints is not None and torch.equal(*ints):
             # bit-identical chunk (the common case before the first divergence): one norm suffices
             sq = float(torch.dot(xr, xr))
             if math.isfinite(sq):
@@ -157,43 +194,82 @@ def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
                 s.counted += m
                 s.max_abs = max(s.max_abs, 0.0)
                 continue
-        xt.copy_(tc)
-        if scale != 1.0:
-            xt.mul_(scale)
-        torch.sub(xt, xr, out=xd)
-        rt_, tt_ = torch.mv(x[:2, :m], xt).tolist()  # both dots with t in one pass over t
-        rr_, dd_ = float(torch.dot(xr, xr)), float(torch.dot(xd, xd))
-        if not math.isfinite(rr_ + tt_ + rt_ + dd_):
-            _nonfinite_chunk(s, i, rc, tc, xr, xt, raw_view)  # NaN/Inf on at least one side
-            continue
-        if bits is not None:  # integer difference is zero exactly where the bits are equal
-            s.equal += m - int(
-                torch.count_nonzero(torch.sub(rc.view(raw_view), tc.view(raw_view), out=bits[:m]))
-            )
-        else:
-            s.equal += m - int(torch.count_nonzero(xd))
-        xd.abs_()  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
-        chunk_max = float(xd.amax())
-        s.chunk_bounds.append((chunk_max, i))
-        if chunk_max > s.max_abs:
-            s.max_abs, s.max_at = chunk_max, i + int(torch.argmax(xd))
-        s.sum_abs += float(xd.sum())
-        s.nr2 += rr_
-        s.nt2 += tt_
-        s.dot += rt_
-        s.diff2 += dd_
-        s.counted += m
+        _differing_chunk(s, i, tc, rows, ints, scale)
+    if s.max_chunk >= 0:
+        s.max_at = _argmax_chunk(r, t, s.max_chunk, scale, x)
     return s
 
 
-def _nonfinite_chunk(s: _Sums, i: int, rc, tc, xr, xt, raw_view) -> None:
-    """The slow path of a chunk holding NaN/Inf: counted apart, the finite positions summed."""
+def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> None:
+    """The sums of one chunk that is not bit-identical (r already in its row); `ints`: both
+    chunks as integers (same dtype), else None."""
     import torch
 
-    if raw_view is not None:
-        s.equal += int((rc.view(raw_view) == tc.view(raw_view)).sum())
-    else:
-        s.equal += int((xr == xt).sum())
+    xr, xt, pair, bits = rows
+    m = tc.numel()
+    xt.copy_(tc)
+    if scale != 1.0:
+        xt.mul_(scale)
+    equal = None
+    if ints is not None:  # integer difference is zero exactly where the bits are equal; taken
+        # while both inputs are in cache (rows r, t, this integer row and both inputs fit in L2)
+        equal = m - int(torch.count_nonzero(torch.sub(*ints, out=bits)))
+    rt_, tt_ = torch.mv(pair, xt).tolist()  # both dots with t in one pass over t
+    rr_ = float(torch.dot(xr, xr))
+    dd_ = math.inf
+    if math.isfinite(rr_ + tt_ + rt_):
+        xd = xt.sub_(xr)  # t − r in place: t is not read again on this path
+        dd_ = float(torch.dot(xd, xd))
+        if not math.isfinite(dd_):  # |t − r| past float64's range: the slow path needs t again
+            xt.copy_(tc)
+            if scale != 1.0:
+                xt.mul_(scale)
+    if not math.isfinite(dd_):
+        s.nonfinite.add(i)
+        _nonfinite_chunk(s, i, xr, xt, equal)  # NaN/Inf on at least one side
+        return
+    s.equal += equal if equal is not None else m - int(torch.count_nonzero(xd))
+    xd.abs_()  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
+    chunk_max = float(xd.amax())
+    s.chunk_bounds.append((chunk_max, i))
+    if chunk_max > s.max_abs:  # its position is found once, after the loop (`_argmax_chunk`)
+        s.max_abs, s.max_chunk = chunk_max, i
+    s.sum_abs += float(xd.sum())
+    s.nr2 += rr_
+    s.nt2 += tt_
+    s.dot += rt_
+    s.diff2 += dd_
+    s.counted += m
+
+
+def _chunk_diff(r, t, i: int, scale: float, x):
+    """(r, |t − r|) of the finite chunk at `i` (scaled units) in the rows x[0], x[1]."""
+    m = min(CHUNK, r.numel() - i)
+    xr, xt = x[0, :m], x[1, :m]
+    xr.copy_(r[i : i + m])
+    xt.copy_(t[i : i + m])
+    if scale != 1.0:
+        xr.mul_(scale)
+        xt.mul_(scale)
+    return xr, xt.sub_(xr).abs_()
+
+
+def _argmax_chunk(r, t, i: int, scale: float, x) -> int:
+    """The flat index of max |t − r| in the chunk at `i`: the first chunk to raise the running
+    maximum holds the first position of the tensor's maximum; recomputed there once instead of an
+    `argmax` in every chunk that raised it (the same values, so the same index)."""
+    import torch
+
+    _, xd = _chunk_diff(r, t, i, scale, x)
+    return i + int(torch.argmax(xd))
+
+
+def _nonfinite_chunk(s: _Sums, i: int, xr, xt, equal: int | None) -> None:
+    """The slow path of a chunk holding NaN/Inf: counted apart, the finite positions summed.
+    `equal`: the positions with equal bits (same dtype), else equal values are counted here."""
+    import torch
+
+    s.equal += equal if equal is not None else int((xr == xt).sum())
     rn, tn = torch.isnan(xr), torch.isnan(xt)
     ri, ti = torch.isinf(xr), torch.isinf(xt)
     s.nan_mismatch += int((rn != tn).sum())
@@ -212,7 +288,7 @@ def _nonfinite_chunk(s: _Sums, i: int, rc, tc, xr, xt, raw_view) -> None:
     mv, mi = torch.max(d, 0)
     s.chunk_bounds.append((float(mv), i))
     if float(mv) > s.max_abs:
-        s.max_abs = float(mv)
+        s.max_abs, s.max_chunk = float(mv), -1
         s.max_at = i + int(torch.nonzero(ok)[int(mi)])
     s.counted += rr.numel()
 
@@ -253,7 +329,7 @@ def _metrics(s: _Sums, r, t, shape: tuple, scale: float) -> TensorMetrics:
         res.elem = 0.0
     elif nr2 > 0.0:
         rms = math.sqrt(nr2 / s.counted)
-        res.elem = 0.0 if s.max_abs <= 0.0 else _elem_pass(r, t, s.chunk_bounds, rms, scale)
+        res.elem = 0.0 if s.max_abs <= 0.0 else _elem_pass(r, t, s, rms, scale)
     if s.nan_mismatch:
         res.notes.append(f"NaN at {s.nan_mismatch} positions on one side only")
     if s.inf_mismatch:
@@ -261,7 +337,7 @@ def _metrics(s: _Sums, r, t, shape: tuple, scale: float) -> TensorMetrics:
     return res
 
 
-def _elem_pass(r, t, chunk_bounds: list[tuple[float, int]], rms: float, scale: float) -> float:
+def _elem_pass(r, t, s: _Sums, rms: float, scale: float) -> float:
     """maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms) over the finite positions (rms in scaled units).
 
     Every denominator is at least rms, so a chunk whose max |t − r| / rms is no more than the best
@@ -269,25 +345,19 @@ def _elem_pass(r, t, chunk_bounds: list[tuple[float, int]], rms: float, scale: f
     there (exact; on noise-like differences it visits a few chunks)."""
     import torch
 
-    size = min(CHUNK, max(r.numel(), 1))
-    x = torch.empty((3, size), dtype=torch.float64)
+    x = _work_rows()
     best = 0.0
-    for bound, i in sorted(chunk_bounds, reverse=True):
+    for bound, i in sorted(s.chunk_bounds, reverse=True):
         if bound / rms <= best:
             break
-        m = min(CHUNK, r.numel() - i)
-        xr, xt, xd = x[0, :m], x[1, :m], x[2, :m]
-        xr.copy_(r[i : i + m])
-        xt.copy_(t[i : i + m])
-        if scale != 1.0:
-            xr.mul_(scale)
-            xt.mul_(scale)
-        torch.sub(xt, xr, out=xd).abs_()
+        xr, xd = _chunk_diff(r, t, i, scale, x)
         xr.abs_().clamp_(min=rms)
         xd.div_(xr)
-        finite = xd[torch.isfinite(xd)]
-        if finite.numel():
-            best = max(best, float(finite.max()))
+        top = float(xd.amax()) if i not in s.nonfinite else math.inf
+        if not math.isfinite(top):  # NaN / Inf in the chunk, or a quotient past float64's range
+            finite = xd[torch.isfinite(xd)]
+            top = float(finite.max()) if finite.numel() else 0.0
+        best = max(best, top)
     return best
 
 

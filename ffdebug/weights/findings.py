@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ffdebug import verdict as V
 from ffdebug.comparison.metrics import compare_tensors
 from ffdebug.results import TensorDiff
 from ffdebug.verdict import Severity
 from ffdebug.weights import quant
-from ffdebug.weights.numerics import bytes_equal, coarsest_ulp, equal_after_cast, within_rounding
+from ffdebug.weights.numerics import abs_max, bytes_equal, coarsest_ulp, equal_after_cast, within_rounding
 
 FINDINGS = (
     "equal",
@@ -74,6 +75,11 @@ class Pair:
         """The bands fail but there is a cos to explain: where sign / layout / scale are looked for."""
         return self.metrics.cos is not None and not V.is_ok(self.bands)
 
+    @cached_property
+    def ref_absmax(self) -> float:
+        """max |ref|, measured once for the rounding tests of the reference (and of −ref)."""
+        return abs_max(self.ref)
+
     @property
     def factor(self) -> float:
         """Least-squares factor c of t ≈ c·r."""
@@ -108,7 +114,7 @@ def _cast_equal(p: Pair) -> Found | None:
 
 
 def _rounding(p: Pair) -> Found | None:
-    if p.eps is None or not within_rounding(p.ref, p.tgt, p.eps):
+    if p.eps is None or not within_rounding(p.ref, p.tgt, p.eps, p.ref_absmax):
         return None
     fp8 = quant.is_fp8(p.dtype_ref) or quant.is_fp8(p.dtype_tgt)
     return Found("rounding", p.bands if fp8 else Severity.OK)
@@ -119,7 +125,9 @@ def _sign_flip(p: Pair) -> Found | None:
     if not p.correlated_failure:
         return None
     cos = p.metrics.cos
-    if cos <= -0.9999 or (p.eps is not None and cos < -0.99 and within_rounding(-p.ref, p.tgt, p.eps)):
+    if cos <= -0.9999 or (
+        p.eps is not None and cos < -0.99 and within_rounding(-p.ref, p.tgt, p.eps, p.ref_absmax)
+    ):
         return Found("sign_flip", p.bands)
     return None
 
@@ -153,7 +161,7 @@ def _same_dtype_change(p: Pair) -> Found | None:
         return None
     for coarse in ("float16", "bfloat16"):
         eps = quant.ulp(coarse)
-        if quant.ulp(p.dtype_ref) < eps and within_rounding(p.ref, p.tgt, eps):
+        if quant.ulp(p.dtype_ref) < eps and within_rounding(p.ref, p.tgt, eps, p.ref_absmax):
             note = f"same dtype, but the target's values were rounded through {coarse}"
             return Found("rounding", V.worst(p.bands, Severity.DRIFT), notes=[note])
     note = "same dtype, values differ beyond rounding: the loader changed them"

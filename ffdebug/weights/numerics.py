@@ -1,7 +1,9 @@
 """Exactness tests of one weight tensor pair: same bytes, equal after a cast, within one ulp.
 
-Every test reads its tensors in `CHUNK`-element pieces (`ffdebug._chunks`), so a pair of large
-tensors costs no more than the pair itself."""
+Every test reads its tensors in `CHUNK`-element pieces (`ffdebug._chunks`) or in one reduction
+on the stored dtype (`abs_max`), so a pair of large tensors costs no more than the pair itself.
+`within_rounding` takes max|r| from its caller when known: the findings measure it once per pair
+for their up to three rounding tests (bench/README.md)."""
 
 from __future__ import annotations
 
@@ -42,17 +44,42 @@ def equal_after_cast(fine, coarse) -> bool:
     return True
 
 
-def within_rounding(ref, tgt, eps: float) -> bool:
-    """Every |t − r| ≤ eps·|r| + eps·2⁻⁸·max|r| (one ulp, with a floor for tiny values)."""
+_MINMAX_DTYPES = ("float16", "bfloat16", "float32", "float64")  # `aminmax` is exact and supported
+
+
+def abs_max(x) -> float:
+    """max |x| over a float tensor (0.0 when empty; inf or NaN when it holds a non-finite value).
+    One `aminmax` pass on the stored dtype (exact: no rounding in a min or a max) where torch has
+    one, else float64 chunks."""
+    import torch
+
+    flat = x.reshape(-1)
+    if flat.numel() == 0:
+        return 0.0
+    if str(flat.dtype).removeprefix("torch.") in _MINMAX_DTYPES:
+        lo, hi = (float(v) for v in torch.aminmax(flat))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return math.nan
+        return max(-lo, hi)
+    absmax = 0.0
+    for c in iter_chunks(flat):
+        m = float(c.abs().max())
+        if not math.isfinite(m):
+            return m
+        absmax = max(absmax, m)
+    return absmax
+
+
+def within_rounding(ref, tgt, eps: float, absmax: float | None = None) -> bool:
+    """Every |t − r| ≤ eps·|r| + eps·2⁻⁸·max|r| (one ulp, with a floor for tiny values).
+    `absmax`: max|r| when the caller knows it (`abs_max`), else measured here."""
     import torch
 
     r, t = ref.reshape(-1), tgt.reshape(-1)
-    absmax = 0.0
-    for c in iter_chunks(r):
-        m = float(c.abs().max()) if c.numel() else 0.0
-        if not math.isfinite(m):
-            return False
-        absmax = max(absmax, m)
+    if absmax is None:
+        absmax = abs_max(r)
+    if not math.isfinite(absmax):
+        return False
     floor = eps * 2.0**-8 * absmax
     size = min(CHUNK, max(r.numel(), 1))
     rb = torch.empty(size, dtype=torch.float64)

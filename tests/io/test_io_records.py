@@ -175,3 +175,23 @@ def test_record_attributes_are_the_manifest_fields():
 
     names = {f.name for f in dataclasses.fields(Record)}
     assert set(RECORD_KEYS) | {"persistent", "over_budget", "extra", "unknown", "source"} == names
+
+
+@pytest.mark.parametrize("pad", [0, 1, 2, 3])
+def test_payload_read_mapped_or_copied_equals_the_bytes_and_never_writes_the_file(tmp_path, pad):
+    """A payload whose data starts at a multiple of 4 bytes is mapped, otherwise copied: either way
+    the tensor holds the file's values, and writing into it leaves the file as it was."""
+    from ffdebug.io.safetensors import load_payload
+
+    values = torch.arange(1000, dtype=torch.float32) / 7
+    header = json.dumps({"tensor": {"dtype": "F32", "shape": [10, 100], "data_offsets": [0, 4000]}})
+    header += " " * ((pad - 8 - len(header)) % 4)  # the data starts at 8 + len(header) ≡ pad (mod 4)
+    raw = len(header).to_bytes(8, "little") + header.encode() + values.numpy().tobytes()
+    assert (8 + len(header)) % 4 == pad
+    path = tmp_path / "p.safetensors"
+    path.write_bytes(raw)
+    x = load_payload(str(path), "tensor")
+    assert x.dtype == torch.float32 and x.shape == (10, 100) and torch.equal(x.reshape(-1), values)
+    x.fill_(0.0)
+    assert path.read_bytes() == raw
+    assert torch.equal(load_payload(str(path), "tensor").reshape(-1), values)

@@ -431,3 +431,24 @@ def test_layer_selected_dump_restricts_the_other_side(hf_dir, tmp_path, monkeypa
     manifest.write_text("\n".join(x for x in lines if "layers.1.mlp.up_proj" not in x) + "\n")
     res = ffdebug.weights_diff(tmp_path / "partial", hf_dir)
     assert not res and res.only_target == ["model.layers.1.mlp.up_proj.weight"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float8_e4m3fn])
+def test_abs_max_exact_and_nonfinite(dtype):
+    """max |x| of (−3, 0.5, 2) is 3 in every dtype (all three are exact in fp8 e4m3 too), through
+    `aminmax` or the float64 chunks; an Inf or NaN anywhere makes it non-finite; empty is 0."""
+    import math
+
+    from ffdebug.weights.numerics import abs_max, within_rounding
+
+    x = torch.tensor([-3.0, 0.5, 2.0]).to(dtype)
+    assert abs_max(x) == 3.0
+    assert abs_max(x[:0]) == 0.0
+    if dtype != torch.float8_e4m3fn:  # e4m3fn has no Inf
+        assert not math.isfinite(abs_max(torch.tensor([1.0, float("inf")]).to(dtype)))
+    assert not math.isfinite(abs_max(torch.tensor([1.0, float("nan"), -5.0]).to(dtype)))
+    # the absmax a caller passes sets the floor: |2.0 - 2.001| = 1e-3 <= 1e-6·2 + 1e-6·2⁻⁸·max|r|
+    # only when max|r| >= (1e-3 - 2e-6)·2⁸ / 1e-6 ≈ 255,488
+    r, t = torch.tensor([2.0], dtype=torch.float64), torch.tensor([2.001], dtype=torch.float64)
+    assert not within_rounding(r, t, 1e-6)
+    assert within_rounding(r, t, 1e-6, absmax=3e5) and not within_rounding(r, t, 1e-6, absmax=2e5)
