@@ -91,7 +91,7 @@ def test_hunt_names_layer_and_sub_stage(tmp_path, plant, layer):
     assert saved["budget"] == {"limit": None, "used": state.used}
     assert (
         saved["rounds"][0]["command_target"]
-        == f"python:hunt_scripts:torch_llama[8 layers, {plant}@{layer}, float32]"
+        == f"python:helpers.hunt.hunt_scripts:torch_llama[8 layers, {plant}@{layer}, float32]"
     )
 
 
