@@ -141,6 +141,7 @@ def train(
     output_dir = output_dir or Path("runs") / config.stem
     _quiet_loading()
     from reference_trainer.config import load_config
+    from reference_trainer.distributed import shutdown
     from reference_trainer.run import train as run_train
 
     run_config = load_config(config, overrides=tuple(set_ or ()), max_steps=max_steps)
@@ -152,6 +153,7 @@ def train(
         inputs_map=tuple(inputs_map or ()),
         inputs_map_file=inputs_map_file,
     )
+    shutdown()
 
 
 @app.command("list")

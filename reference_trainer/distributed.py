@@ -44,6 +44,17 @@ if TYPE_CHECKING:
     from reference_trainer.optim import CompositeOptimizer
 
 
+def shutdown() -> None:
+    """End of a launch of several processes, after its last run: every rank meets at a barrier, then
+    the process group is destroyed. A gloo group left to interpreter teardown can abort a rank at exit
+    (``terminate called without an active exception``, exit -6) after all its work succeeded. A no-op
+    at one process; called only on success (a rank that failed would leave the others at the barrier).
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def check_plan(config: RunConfig, roles: Sequence[str]) -> None:
     """The backend / optimizer rules of the module docstring; ``ConfigError`` naming the field."""
     backend = config.backend

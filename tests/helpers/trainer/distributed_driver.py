@@ -111,3 +111,6 @@ if __name__ == "__main__":
         train(load(*config, max_steps=int(sys.argv[4])), out / "straight")
     else:
         resume(out, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:])
+    from reference_trainer.distributed import shutdown
+
+    shutdown()

@@ -142,3 +142,6 @@ def probe(out: Path) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     probe(Path(sys.argv[2]))
+    from reference_trainer.distributed import shutdown
+
+    shutdown()
