@@ -460,3 +460,14 @@ def test_playbook_triage_and_list_at_80_columns():
     assert _squashed("weights-verified=no (assumed; pass --weights-verified to change)") in _squashed(text)
     text = _at_80("playbook", "list")
     assert _squashed("Full debug protocol for trainer failures") in _squashed(_column(text, "title"))
+
+
+def test_reference_trainer_list_at_80_columns():
+    """`reference-trainer list`: every trainer's name, contract and arguments class whole."""
+    info = json.loads(CliRunner().invoke(trainer_app, ["list", "--json"]).stdout)["trainers"]
+    result = CliRunner().invoke(trainer_app, ["list"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    text = _checked_80(result.stdout)
+    for column in ("trainer", "contract", "arguments"):
+        key = "name" if column == "trainer" else column
+        assert _column(text, column) == "".join(t[key] for t in info)
