@@ -167,9 +167,10 @@ def list_(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable
     if as_json:
         print(json.dumps(info, indent=2))
         return
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table("trainer", "contract", "roles", "arguments")
+    # every column folds: wrapped at 80 columns, never cut (README "CLI conventions")
+    table = Table(*(Column(h, overflow="fold") for h in ("trainer", "contract", "roles", "arguments")))
     for trainer in info["trainers"]:
         table.add_row(trainer["name"], trainer["contract"], ", ".join(trainer["roles"]), trainer["arguments"])
     console = Console()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 from pathlib import Path
 
 import pytest
@@ -250,12 +251,30 @@ def _column(text: str, header: str) -> str:
     return "".join(cells)
 
 
-def _at_80(*args: str) -> str:
-    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "80"})
-    assert result.exit_code in (0, 1), result.output
-    text = result.stdout
-    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
+def _checked_80(text: str, commands: tuple[str, ...] | set[str] = (), columns: int = 80) -> str:
+    """No "…"; every line within `columns` except a shell command (`$ ...`, kept on one line to
+    copy), which must be one of `commands`, whole; no boxed table cropped at the edge (a cropped
+    row has lost its right border)."""
+    assert "…" not in text, text
+    for line in text.splitlines():
+        if line.lstrip().startswith("$ "):
+            assert line.lstrip()[2:] in commands, line
+            continue
+        assert len(line) <= columns, text
+        if line[:1] in "┏┃┡│└":
+            assert line.rstrip()[-1:] in "┓┃┩│┘", text
     return text
+
+
+def _at_80(*args: str, commands: tuple[str, ...] | set[str] = (), columns: int = 80) -> str:
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": str(columns)})
+    assert result.exit_code in (0, 1), result.output
+    return _checked_80(result.stdout, commands, columns)
+
+
+def _squashed(text: str) -> str:
+    """Text without whitespace: a key or sentence that wrapped or folded reads whole again."""
+    return "".join(text.split())
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +302,9 @@ def test_inspect_compare_bisect_at_80_columns(long_keys):
     assert "1.23e+05" in _column(text, "max_abs")
     text = _at_80("bisect", "--dir", str(long_keys))
     assert LONG[1][5:] in _column(text, "stage")
+    # narrower than the numbers need: they fold too, and no column is cropped at the edge
+    text = _at_80("compare", "ref-vs-target", "--dir", str(long_keys), columns=60)
+    assert all(key[5:] in _column(text, "stage") for key in LONG) and "3.17e+06%" in _column(text, "rel")
 
 
 def test_weights_diff_at_80_columns(tmp_path):
@@ -298,3 +320,154 @@ def test_weights_diff_at_80_columns(tmp_path):
     text = _at_80("weights-diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"))
     tensors = _column(text, "tensor")
     assert all(n in tensors for n in names), tensors
+
+
+TRACE_TARGET = """
+import torch
+from torch import nn
+
+import ffdebug
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rotary_embedding_projection_with_a_long_name = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.rotary_embedding_projection_with_a_long_name(x)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.decoder_layers_with_long_names = nn.ModuleList([Block()])
+
+    def forward(self, x):
+        for block in self.decoder_layers_with_long_names:
+            x = block(x)
+        return x
+
+
+def step():
+    Model()(torch.ones(2, 16, 4))
+    ffdebug.tap(KEY, torch.tensor([-123456.789, 234567.0, 0.5, -0.25]))
+"""
+
+
+def _simple_tables(text: str, first: str) -> list[tuple[list[str], str]]:
+    """trace's borderless tables: (header words, the first column's cells joined) per table."""
+    tables, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.split()[:2] == ["name", first]:
+            cut, cells = line.index(first), []
+            for row in lines[i + 2 :]:
+                if not row.strip():
+                    break
+                cells.append(row[:cut].strip())
+            tables.append((line.split(), "".join(cells)))
+    return tables
+
+
+def test_trace_at_80_columns(tmp_path):
+    """Ten columns of wide numbers and long module / tap / parameter names: the names fold, the
+    numbers stay whole, no column is cropped."""
+    target = tmp_path / "long_names.py"
+    target.write_text(TRACE_TARGET.replace("KEY", repr(LONG[1])))
+    text = _at_80("trace", f"{target}:step", "--params")
+    (rows_head, names), (params_head, params) = _simple_tables(text, "shape")
+    assert rows_head == ["name", "shape", "dtype", "mean", "std", "min", "max", "nan", "grad", "n"]
+    assert params_head == rows_head[:-1]
+    assert "decoder_layers_with_long_names.0.rotary_embedding_projection_with_a_long_name" in names
+    assert LONG[1] in names
+    weight = "Model.decoder_layers_with_long_names.0.rotary_embedding_projection_with_a_long_name.weight"
+    assert weight in params
+    # the tap's row, every number whole: mean, std (the population's, as every ffdebug statistic),
+    # min, max of the four values, 0 NaN
+    values = [-123456.789, 234567.0, 0.5, -0.25]
+    stats = [format(f(values), ".3g") for f in (statistics.mean, statistics.pstdev, min, max)]
+    assert stats == ["2.78e+04", "1.3e+05", "-1.23e+05", "2.35e+05"]
+    tap_row = next(line for line in text.splitlines() if line.startswith(" " + LONG[1][:8]))
+    assert tap_row.split()[-7:] == [*stats, "0", "·", "1"]
+
+
+def test_hunt_isolate_replay_at_80_columns(monkeypatch, capsys):
+    """Constructed results through hunt's renderers: prose wraps, keys fold, tables are never cut,
+    and a reproduce command stays one whole line to copy."""
+    from ffdebug.hunt.isolate import FixOutcome, IsolateResult
+    from ffdebug.hunt.replay import ReplayResult, ReplayRun
+    from ffdebug.hunt.state import HuntState, Round
+    from ffdebug.report import hunt_text
+    from ffdebug.verdict import Severity
+
+    monkeypatch.setenv("COLUMNS", "80")
+    key = LONG[1]
+    command = "python serve_the_target_model_with_a_long_script_name.py --config configs/moe_long.yaml"
+    env = {"FFDEBUG_FWD_DUMP_DIR": "/tmp/hunt/round-2/target", "FFDEBUG_FWD_DUMP_BLOCK_CLASS": CLASS}
+    r = Round(2, {"target": env}, "python ref.py", command, 123456789, f"the error starts at {key}", [key])
+    hunt_text.print_round(r, resumed=False)
+    hunt_text.print_hunt(HuntState([r], 13, CLASS, key, local=True, complete=True))
+    reproduce = (
+        f"FFDEBUG_FWD_DUMP_BLOCK_CLASS='{CLASS}' FFDEBUG_FWD_DUMP_DIR=/tmp/hunt/round-2/target {command}"
+    )
+    text = _squashed(_checked_80(capsys.readouterr().out, {reproduce}))
+    assert _squashed(f"round 2: the error starts at {key} 123,456,789 bytes") in text
+    assert _squashed(f"layer 13 ({CLASS}), sub-stage {key}, local to this layer") in text
+
+    fix = "patches/0001-restore-the-routed-scaling-factor-in-the-moe-router.patch"
+    outside = {"fast_kernels_with_a_long_module_name": "/opt/site-packages/fast_kernels_with_a_long_name"}
+    bug = (0.898726, 31700.0, 0.0, Severity.BUG)  # rel 31700 -> 3.17e+06%
+    fixes = [FixOutcome(fix, "critical", *bug, outside_imports=outside)]
+    hunt_text.print_isolate(IsolateResult(key, fixes, True, Severity.OK))
+    text = _checked_80(capsys.readouterr().out)
+    assert fix in _column(text, "fix") and "0.898726" in _column(text, "cos")
+    assert "3.17e+06%" in _column(text, "rel") and "0%" in _column(text, "bit-equal")
+    ((name, path),) = outside.items()
+    assert _squashed(f"{name} ({path})") in _column(text, "outside")  # its header wraps too
+
+    runs = [
+        ReplayRun(f, i, *(bug if f == "target" else (1.0, 0.0, 1.0, Severity.OK)))
+        for f in ("ref", "target")
+        for i in ("ref", "target")
+    ]
+    hunt_text.print_replay(ReplayResult(key, [f"{key}.in", f"{key}.in.1"], runs, "kernel", f"{key} differs"))
+    text = _checked_80(capsys.readouterr().out)
+    assert _squashed(f"replay of {key} on {key}.in, {key}.in.1") in _squashed(text)
+    assert _column(text, "severity") == 2 * Severity.OK.value + 2 * Severity.BUG.value
+    assert _column(text, "rel") == "0%0%3.17e+06%3.17e+06%"
+
+
+def test_review_at_80_columns(tmp_path):
+    """A finding under a long path: its `path:line` reads whole; the checklist's commands are
+    whole lines."""
+    from ffdebug.review.playbooks import load_all
+
+    deep = tmp_path / "a_long_directory_name_for_the_review_fixture_that_runs_past_eighty_columns"
+    deep.mkdir()
+    source = deep / "torch_load_with_a_long_file_name.py"
+    source.write_text((Path(__file__).resolve().parents[1] / "fixtures/review/torch_load.py").read_text())
+    commands = {c for book in load_all().values() for item in book.items for c in item.command}
+    text = _at_80("review", str(source), commands=commands)
+    assert f"{source}:9" in _squashed(text) and "FAILED" in text
+
+
+def test_playbook_triage_and_list_at_80_columns():
+    """Triage's answers wrap and its commands stay whole lines; `playbook list`'s titles fold."""
+    args = ("playbook", "triage", "--symptom", "wrong-output", "--deterministic", "--reference")
+    expected = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)["commands"]
+    text = _at_80(*args, commands=set(expected))
+    assert [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("$ ")] == expected
+    assert _squashed("weights-verified=no (assumed; pass --weights-verified to change)") in _squashed(text)
+    text = _at_80("playbook", "list")
+    assert _squashed("Full debug protocol for trainer failures") in _squashed(_column(text, "title"))
+
+
+def test_reference_trainer_list_at_80_columns():
+    """`reference-trainer list`: every trainer's name, contract and arguments class whole."""
+    info = json.loads(CliRunner().invoke(trainer_app, ["list", "--json"]).stdout)["trainers"]
+    result = CliRunner().invoke(trainer_app, ["list"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    text = _checked_80(result.stdout)
+    for column in ("trainer", "contract", "arguments"):
+        key = "name" if column == "trainer" else column
+        assert _column(text, column) == "".join(t[key] for t in info)

@@ -13,7 +13,10 @@ from ffdebug.report.safe_text import esc as safe
 
 
 def _console(err: bool = False) -> Console:
-    return Console(stderr=err, highlight=False, soft_wrap=True)
+    """Prose wraps at the terminal's width (80 when piped) and long words fold, never cut
+    (README "CLI conventions"); a reproduce command is printed with `soft_wrap=True`, one line to
+    copy."""
+    return Console(stderr=err, highlight=False)
 
 
 def print_round(r, resumed: bool, err: bool = False, noise: str | None = None) -> None:
@@ -24,7 +27,7 @@ def print_round(r, resumed: bool, err: bool = False, noise: str | None = None) -
     for line in r.evidence:
         c.print(f"  - {safe(line)}")
     for side in sorted(r.env):
-        c.print(f"  [dim]$ {safe(r.reproduce(side, noise))}[/dim]")
+        c.print(f"  [dim]$ {safe(r.reproduce(side, noise))}[/dim]", soft_wrap=True)
 
 
 def conclusion(state) -> str:
@@ -86,7 +89,7 @@ def print_isolate(result) -> None:
 
     table = Table(title=f"reverting each fix alone ({safe(result.stage)} against the all-fixes run)")
     for col in ("fix", "class", "cos", "rel", "bit-equal", "imported from outside"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # wrapped at 80 columns, never cut
     for f in result.fixes:
         cos = "-" if f.cos is None else f"{f.cos:.6f}"
         outside = ", ".join(f"{k} ({v})" for k, v in f.outside_imports.items()) or "-"
@@ -107,7 +110,7 @@ def print_replay(result) -> None:
 
     table = Table(title=f"replay of {safe(result.stage)} on {safe(', '.join(result.inputs))}")
     for col in ("function", "inputs", "cos", "rel", "bit-equal", "severity"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # wrapped at 80 columns, never cut
     for r in result.runs:
         cos = "-" if r.cos is None else f"{r.cos:.6f}"
         table.add_row(r.function, r.inputs, cos, _pct(r.rel), _pct(r.bit_equal), r.severity.value)

@@ -17,7 +17,8 @@ def print_books_table(rows: list[dict]) -> None:
 
     table = Table(header_style="bold")
     for col in ("name", "kind", "sections", "items", "automated", "title"):
-        table.add_column(col, justify="right" if col in ("sections", "items", "automated") else "left")
+        justify = "right" if col in ("sections", "items", "automated") else "left"
+        table.add_column(col, justify=justify, overflow="fold")  # wrapped at 80 columns, never cut
     for r in rows:
         table.add_row(
             r["name"], r["kind"], str(r["sections"]), str(r["items"]), str(r["automated"]), r["title"]
@@ -58,7 +59,7 @@ def print_book(book: Playbook, phase: int | None) -> None:
             console.print(f"  [ ] {escape(item.text)}{auto} [dim]{item.id}[/dim]")
             console.print(f"      [dim italic]why: {escape(item.why)}[/dim italic]")
             for cmd in item.command:
-                console.print(f"      [cyan]$ {escape(cmd)}[/cyan]")
+                console.print(f"      [cyan]$ {escape(cmd)}[/cyan]", soft_wrap=True)  # one line to copy
 
 
 def checklist_json(book: Playbook, phase: int | None) -> dict:
@@ -109,7 +110,7 @@ def print_triage(result: TriageResult) -> None:
     if result.commands:
         console.print("[bold]Commands:[/bold]")
         for cmd in result.commands:
-            console.print(f"  [cyan]$ {escape(cmd)}[/cyan]")
+            console.print(f"  [cyan]$ {escape(cmd)}[/cyan]", soft_wrap=True)  # one line to copy
     if result.next_phases:
         console.print("[bold]Then:[/bold] " + "; ".join(escape(p) for p in result.next_phases))
     o = result.outcome

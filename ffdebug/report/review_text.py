@@ -87,7 +87,7 @@ def print_review(report: ReviewReport, fmt: str = "text") -> None:
             console.print(f"     [red]{escape(f.location)}[/red]  {escape(f.message)}")
         if item.status == "human":
             for cmd in commands.get(item.id, ()):
-                console.print(f"     [cyan]$ {escape(cmd)}[/cyan]")
+                console.print(f"     [cyan]$ {escape(cmd)}[/cyan]", soft_wrap=True)  # one line to copy
     others = [f for f in report.findings if f not in listed]
     if others:
         console.print(" [red]✗[/red] Checks outside this checklist")

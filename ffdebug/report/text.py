@@ -65,35 +65,36 @@ def stage_note(e: StageResult) -> str:
     return ""
 
 
-NUMBER_WIDTHS = (("cos", 8), ("rel", 6), ("max_abs", 8))
+NUMBER_COLUMNS = ("cos", "rel", "max_abs")
 
 
 def compare_table(
     stages: list[StageResult], title: str | None = None, only_problems: bool = False, width: int | None = None
 ) -> Table:
-    """One row per stage. Numbers are never cut, and neither are stage keys or classes: within
-    `width` (the terminal's, 80 when piped) the number columns keep their widest cell, the stage
-    and class columns share the rest and wrap (the class gives way first), and a row's note (NaN,
-    shape, stats) goes under its key."""
+    """One row per stage. Nothing is cut: every column folds (README "CLI conventions"). Within
+    `width` (the terminal's, 80 when piped) the class column is capped so it gives way first, rich
+    then narrows the widest column (the stage key) before any number, and a row's note (NaN,
+    shape, stats) goes under its key. No column has a minimum width: one that rich could not honour
+    would push the table past the terminal, where the console crops it."""
     multi_call = len({e.call for e in stages}) > 1
     shown = [e for e in stages if not (only_problems and e.ok)]
     cells = [stage_label(e, multi_call) + (f"\n{note}" if (note := stage_note(e)) else "") for e in shown]
     numbers = [(fmt(e.cos), fmt(e.rel, "%"), fmt(e.max_abs, ".3g")) for e in shown]
-    widths = [max([w, *(len(row[i]) for row in numbers)]) for i, (_, w) in enumerate(NUMBER_WIDTHS)]
+    widths = [max([len(col), *(len(row[i]) for row in numbers)]) for i, col in enumerate(NUMBER_COLUMNS)]
     marks = max((Text.from_markup(severity_cell(e.severity)).cell_len for e in shown), default=4)
     keys = max((Text.from_markup(c).cell_len for cell in cells for c in cell.split("\n")[:1]), default=5)
-    class_width, stage_width = 28, min(keys, 48)
+    class_width = 28
     if width is not None:  # 7 columns: 3 cells of padding + border each, plus the closing border
         room = max(16, width - 22 - marks - 5 - sum(widths))  # what the class and stage columns share
-        stage_width = min(keys, 48, max(10, room - 5))
+        stage_width = min(keys, 48, max(10, room - 5))  # the stage key's share; the class gets the rest
         class_width = max(5, min(28, room - stage_width))
     table = Table(title=title, show_lines=False, header_style="bold")
-    table.add_column("", no_wrap=True, min_width=marks)
-    table.add_column("layer", justify="right", no_wrap=True, min_width=5)
+    table.add_column("", overflow="fold")
+    table.add_column("layer", justify="right", overflow="fold")
     table.add_column("class", max_width=class_width, overflow="fold")
-    table.add_column("stage", min_width=stage_width, overflow="fold")
-    for (col, _), w in zip(NUMBER_WIDTHS, widths):
-        table.add_column(col, justify="right", no_wrap=True, min_width=w)
+    table.add_column("stage", overflow="fold")
+    for col in NUMBER_COLUMNS:
+        table.add_column(col, justify="right", overflow="fold")
     for e, cell, nums in zip(shown, cells, numbers):
         table.add_row(
             severity_cell(e.severity),

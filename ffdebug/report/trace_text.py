@@ -50,6 +50,15 @@ def _cells(r, roots: list[str]) -> list[str]:
     ]
 
 
+def _columns(table, numbers: tuple[str, ...]) -> None:
+    """The name column, then `numbers`; every column folds (README "CLI conventions"). None is
+    no_wrap or has a minimum width: rich narrows the widest column (the name) first, and a number
+    wraps only when the names are down to its width, rather than being cut."""
+    table.add_column("name", overflow="fold")
+    for col in numbers:
+        table.add_column(col, justify="left" if col in ("shape", "dtype") else "right", overflow="fold")
+
+
 def print_trace(result: TraceResult, max_rows: int = 200) -> None:
     """Rows per context (grad mode, phase), the parameters, the masks, the error if the function raised."""
     from rich import box
@@ -79,11 +88,9 @@ def print_trace(result: TraceResult, max_rows: int = 200) -> None:
                 header_style="bold",
                 box=box.SIMPLE_HEAD,
                 pad_edge=False,
-                padding=(0, 1, 0, 0),
+                padding=0,
             )
-            table.add_column("name", overflow="fold", min_width=16)
-            for col in ("shape", "dtype", "mean", "std", "min", "max", "nan", "grad", "n"):
-                table.add_column(col, justify="left" if col in ("shape", "dtype") else "right", no_wrap=True)
+            _columns(table, ("shape", "dtype", "mean", "std", "min", "max", "nan", "grad", "n"))
             for r in rows:
                 table.add_row(*_cells(r, roots))
             console.print(table)
@@ -98,11 +105,9 @@ def print_trace(result: TraceResult, max_rows: int = 200) -> None:
             header_style="bold",
             box=box.SIMPLE_HEAD,
             pad_edge=False,
-            padding=(0, 1, 0, 0),
+            padding=0,
         )
-        table.add_column("name", overflow="fold", min_width=16)
-        for col in ("shape", "dtype", "mean", "std", "min", "max", "nan", "grad"):
-            table.add_column(col, justify="left" if col in ("shape", "dtype") else "right", no_wrap=True)
+        _columns(table, ("shape", "dtype", "mean", "std", "min", "max", "nan", "grad"))
         for p in result.params[:max_rows]:
             table.add_row(*_cells(p, [])[:-1])
         console.print(table)

@@ -143,8 +143,7 @@ def weights_table(tensors: list[dict], show_all: bool = False) -> Table:
         table.add_column(
             col,
             justify=justify,
-            no_wrap=col in ("", "finding"),
-            overflow="fold",  # names and numbers wrap at 80 columns, never cut
+            overflow="fold",  # names and numbers wrap at 80 columns, never cut (no_wrap would cut)
         )
     for t in tensors:
         if not show_all and t["finding"] == "equal":
