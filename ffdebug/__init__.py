@@ -38,6 +38,7 @@ from ffdebug.api.capture import (
     tap_function,
     tap_grads,
 )
+from ffdebug.errors import FFDebugError, InputIdsMismatch
 from ffdebug.progress_hook import ProgressHook
 from ffdebug.verdict import Severity, Threshold
 from ffdebug.version import __version__
@@ -49,6 +50,8 @@ if TYPE_CHECKING:  # the result types are imported on first use (below)
 __all__ = [
     "BisectResult",
     "CompareResult",
+    "FFDebugError",
+    "InputIdsMismatch",
     "LayerSelection",
     "LoadAuditResult",
     "ProgressHook",

@@ -133,7 +133,7 @@ def train(
 
     Several processes (gloo on CPU): torchrun --nproc-per-node 2 -m reference_trainer train CONFIG
     --set backend.kind=fsdp2 (or ddp; or deepspeed with --set backend.zero_stage=2, after
-    DS_BUILD_OPS=0 pip install 'ffdebug[deepspeed]').
+    DS_BUILD_OPS=0 pip install 'ffdebug\\[deepspeed]').
 
     Teacher forcing against your own trainer (README "Compare your own trainer"):
     FFDEBUG_FWD_DUMP_DIR=D FFDEBUG_FWD_DUMP_SIDE=ref reference-trainer train CONFIG --inputs-from D/target

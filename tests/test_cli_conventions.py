@@ -197,6 +197,20 @@ def test_quiet_silences_a_real_library_warning(options, expected, tmp_path, monk
     assert result.stderr.count("ffdebug: warning: side 'ref' captured nothing") == expected, result.stderr
 
 
+def test_verbose_compare_says_what_it_paired(long_keys):
+    """-v on a real compare: a debug line naming both stores, their record counts and what was
+    paired (the fixture: 2 records a side, one call, no warm-up); none without -v."""
+    verbose = runner.invoke(app, ["-v", "compare", "ref-vs-target", "--dir", str(long_keys)])
+    lines = [line for line in verbose.stderr.splitlines() if line.startswith("ffdebug: debug: compare: ")]
+    assert len(lines) == 1, verbose.stderr
+    assert (
+        "(2 records) against" in lines[0]
+        and "1 calls paired, 0 warm-ups set aside, 2 stage units" in lines[0]
+    )
+    plain = runner.invoke(app, ["compare", "ref-vs-target", "--dir", str(long_keys)])
+    assert "debug" not in plain.stderr
+
+
 BOTH_DIRS = {"FFDEBUG_FWD_DUMP_DIR": "/a", "ATOM_FWD_DUMP_DIR": "/b"}
 BOTH_WARNING = "ffdebug: warning: both FFDEBUG_FWD_DUMP_DIR and ATOM_FWD_DUMP_DIR are set; using FFDEBUG_FWD_DUMP_DIR='/a'\n"
 
@@ -294,7 +308,13 @@ def long_keys(tmp_path_factory):
 def test_inspect_compare_bisect_at_80_columns(long_keys):
     """Piped at 80 columns, long keys and wide numbers wrap inside their cells and are never cut."""
     text = _at_80("inspect", str(long_keys / "ref"))
-    assert all(key in _column(text, "key") for key in LONG)
+    assert all(key in _squashed(text) for key in LONG)
+    # too narrow for a table with whole numbers: a key line and `name=value` words per tensor,
+    # every statistic whole (std of 1..6 is sqrt(17.5/6), printed to 4 significant digits)
+    words = text.split()
+    assert {"mean=3.5", "std=1.708", "min=1", "max=6", "absmax=6", "nan/inf=0/0"} <= set(words), text
+    wide = CliRunner().invoke(app, ["inspect", str(long_keys / "ref")], env={"COLUMNS": "200"}).stdout
+    assert all(key in _column(wide, "key") for key in LONG) and "1.708" in _column(wide, "std")
     text = _at_80("compare", "ref-vs-target", "--dir", str(long_keys))
     stages = _column(text, "stage")
     assert all(key[5:] in stages for key in LONG)  # the layer has its own column
@@ -471,3 +491,34 @@ def test_reference_trainer_list_at_80_columns():
     for column in ("trainer", "contract", "arguments"):
         key = "name" if column == "trainer" else column
         assert _column(text, column) == "".join(t[key] for t in info)
+
+
+def test_help_markup_keeps_every_literal_bracket():
+    """Help is rendered as rich markup ([bold]Examples[/bold]): a literal bracket that is not
+    escaped is read as a tag and silently dropped (`pip install 'ffdebug[review]'` shown as
+    `pip install 'ffdebug'`). Every help text of both programs renders to its own plain text."""
+    import re
+
+    import typer.main
+    from rich.text import Text
+
+    import reference_trainer.cli as trainer_cli
+    from ffdebug.cli.introspect import cli_root
+
+    tags = re.compile(r"\[/?(bold|dim|italic)\]")
+
+    def texts(cmd, path):
+        yield path, cmd.help or ""
+        for param in getattr(cmd, "params", []):
+            yield f"{path} {param.name}", getattr(param, "help", None) or ""
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from texts(sub, f"{path} {name}")
+
+    roots = ((cli_root("ffdebug"), "ffdebug"), (typer.main.get_command(trainer_cli.app), "reference-trainer"))
+    lost = [
+        where
+        for root, program in roots
+        for where, text in texts(root, program)
+        if Text.from_markup(text).plain != tags.sub("", text).replace("\\[", "[")
+    ]
+    assert lost == []

@@ -41,6 +41,15 @@ def test_result_types_exported():
         ffdebug.Nope  # noqa: B018
 
 
+def test_the_errors_the_docstrings_name_are_exported(tmp_path):
+    """`compare`'s docstring names FFDebugError (exit 2) and InputIdsMismatch (exit 3): a caller
+    catches them from `ffdebug` itself."""
+    with pytest.raises(ffdebug.FFDebugError) as caught:
+        ffdebug.compare(tmp_path / "missing-ref", tmp_path / "missing-target")
+    assert caught.value.exit_code == 2 and issubclass(ffdebug.InputIdsMismatch, ffdebug.FFDebugError)
+    assert ffdebug.InputIdsMismatch("x").exit_code == 3
+
+
 def test_import_stays_torch_free():
     code = (
         "import sys, ffdebug; assert not {'torch', 'ffdebug.results'} & set(sys.modules), sorted(sys.modules)"

@@ -49,7 +49,7 @@ def fail(program: str, failure: Failure, json_out: bool = False) -> NoReturn:
     if json_out and not sink.documents_written():
         sink.write_json(failure.to_json())
     if failure.hint and failure.inline_hint:
-        print(f"{program}: error: {failure.message}; {failure.hint}", file=sys.stderr)
+        print(f"{program}: error: {failure.message.rstrip('.')}; {failure.hint}", file=sys.stderr)
     else:
         print(f"{program}: error: {failure.message}", file=sys.stderr)
         if failure.hint:

@@ -27,7 +27,7 @@ kernel-stack property, not a model bug) or slot_bug (slot-dependent logic: masks
   ffdebug slot-invariance --dir D --side ref --slots 4 --single /tmp/single/ref
   ffdebug slot-invariance /tmp/dump/target --slots 8 --slot-dim 0 --exact --json
 
-Token-flattened dumps ([num_tokens, hidden]) are split into equal chunks along --slot-dim.
+Token-flattened dumps (\\[num_tokens, hidden]) are split into equal chunks along --slot-dim.
 Run-to-run determinism: ffdebug compare RUN1 RUN2 --exact.
 
 Exit codes: 0 below --fail-on (with --exact: all bit-identical) and every stage compared; 1

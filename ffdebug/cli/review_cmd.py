@@ -9,7 +9,7 @@ import typer
 HELP = """Run the automated review checks over Python files and print the pre-commit checklist with
 items ticked, failed at file:line with a one-line why, not run, or left for a human. The domain
 checks are ffdebug's own (AST); the generic ones run ruff and bandit from this environment
-(pip install 'ffdebug[review]'), isolated from the project's lint settings.
+(pip install 'ffdebug\\[review]'), isolated from the project's lint settings.
 
 [bold]Examples[/bold]
 
@@ -18,8 +18,8 @@ checks are ffdebug's own (AST); the generic ones run ruff and bandit from this e
   ffdebug review src/ --format md > review.md # paste into a pull request
   ffdebug review --list                       # the checks and their ids
 
-Silence one finding with a comment on its line: `# ffdebug: ignore[check-id]`.
-Settings: [tool.ffdebug.review] in pyproject.toml (license-header, license-scope, license-lines,
+Silence one finding with a comment on its line: `# ffdebug: ignore\\[check-id]`.
+Settings: \\[tool.ffdebug.review] in pyproject.toml (license-header, license-scope, license-lines,
 disable, exclude, playbook). Exit codes: 0 every enabled check ran and none failed, 1 a check
 failed or could not run (ruff / bandit not installed: the line says so), 2 usage error.
 """

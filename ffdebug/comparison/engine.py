@@ -33,10 +33,13 @@ from ffdebug.errors import FFDebugError
 from ffdebug.io.ranks import fold
 from ffdebug.io.record import Record
 from ffdebug.io.side import SideStore
+from ffdebug.logs import get_logger
 from ffdebug.progress_hook import ProgressHook
 from ffdebug.results import CallRef, CompareResult, StageResult, TensorMeta, worst_of
 from ffdebug.store.reader import open_side
 from ffdebug.verdict import Severity, Threshold
+
+_log = get_logger("comparison")  # -v: what was paired (README "CLI conventions")
 
 READ_AHEAD_BYTES = 256 << 20  # payload bytes read ahead and in use at once (peak RSS: README "Benchmarks")
 
@@ -206,6 +209,18 @@ def compare(
     noise_idx = noise_index(noise_store, ref_groups, ref_filters) if noise_store is not None else None
     stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
     units = [u for sp in stage_pairings for u in sp.units]
+    _log.debug(
+        "compare: %s (%d records) against %s (%d records): %d calls paired, %d warm-ups set aside, "
+        "%d stage units%s",
+        ref_store.path,
+        len(ref_store.records),
+        tgt_store.path,
+        len(tgt_store.records),
+        len(pairing.pairs),
+        len(pairing.warmup_skipped),
+        len(units),
+        f", noise run {noise_store.path}" if noise_store is not None else "",
+    )
     run = _run_units(units, pairing, thresholds, exact, workers, noise_idx, progress)
     if not any(e.key != "embed.input_ids" for e in run.stages):
         raise FFDebugError(nothing_paired(ref_store, tgt_store, pairing, filters))
