@@ -328,3 +328,54 @@ def test_rotary_taps_in_either_layout_pair_as_batch_seq_heads_dim(hf, tmp_path):
     assert r_rec.extra["orig_shape"] == [2, 2, 12, 8] and "orig_shape" not in t_rec.extra
     res = ffdebug.compare(ref, tgt)
     assert res.exit_code() == 0 and all(s.ok for s in res.stages)
+
+
+def test_a_one_branch_block_is_neither_attention_nor_mlp_by_order(tmp_path):
+    """`x + mlp(norm(x))`: one branch, so order cannot say which it is. It is `branch_out` (never a
+    guessed `attn_out`), its norm `branch_norm_out`, and its sub-stages are the MLP's (it reads an
+    activation): a bug after the gate projection of layer 1 is located at that layer's `mlp.act`."""
+    import torch
+    from torch import nn
+
+    import ffdebug
+
+    class MLP(nn.Module):
+        def __init__(self, bug: bool):
+            super().__init__()
+            self.gate, self.up = nn.Linear(16, 32, bias=False), nn.Linear(16, 32, bias=False)
+            self.down, self.bug = nn.Linear(32, 16, bias=False), bug
+
+        def forward(self, x):
+            g = self.gate(x) * (1.5 if self.bug else 1.0)
+            return self.down(nn.functional.silu(g) * self.up(x))
+
+    class Layer(nn.Module):
+        def __init__(self, bug: bool):
+            super().__init__()
+            self.norm, self.mlp = nn.RMSNorm(16), MLP(bug)
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+    class Net(nn.Module):
+        def __init__(self, bug_layer):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(i == bug_layer) for i in range(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    for side, bug_layer in (("ref", None), ("target", 1)):
+        torch.manual_seed(0)
+        model = Net(bug_layer)
+        with ffdebug.capture(model, dir=tmp_path, side=side, substages=True):
+            model(torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)))
+    result = ffdebug.bisect(tmp_path / "ref", tmp_path / "target")
+    keys = {s.key for s in result.stages}
+    assert {"L000.branch_norm_out", "L000.branch_out", "L000.mlp.gate.out", "L000.mlp.act.out"} <= keys
+    assert not any(".attn" in k or "ffn_out" in k for k in keys), sorted(keys)
+    first = result.first_divergence
+    assert (first.layer, first.key) == (1, "L001.branch_out")
+    assert result.sub_stage is not None and result.sub_stage.key == "L001.mlp.act.out"

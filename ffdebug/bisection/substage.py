@@ -22,7 +22,15 @@ COS_STEP = 0.001
 REL_STEP = 0.01
 REL_STEP_SHARE = 0.5
 
-BLOCK_STAGES = ("attn_norm_out", "attn_out", "ffn_norm_out", "ffn_out", "encoder_hidden_in")
+BLOCK_STAGES = (
+    "attn_norm_out",
+    "attn_out",
+    "ffn_norm_out",
+    "ffn_out",
+    "branch_norm_out",
+    "branch_out",
+    "encoder_hidden_in",
+)
 
 
 def is_block_stage(stage: str) -> bool:

@@ -20,6 +20,7 @@ from ffdebug.cli.common import (
     STEP_OPT,
     THRESHOLD_OPT,
     check_fail_on,
+    check_noise,
     parse_step_filter,
     resolve_sides,
 )
@@ -102,6 +103,7 @@ def register(app: typer.Typer) -> None:
             from ffdebug.report.output import check_output_file
 
             check_output_file(html, "--html")
+        check_noise(noise)
         ref, tgt = resolve_sides(sides, dir)
         with Progress("bisect", "stages") as progress:
             result = bisect(

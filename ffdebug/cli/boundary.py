@@ -49,7 +49,7 @@ def fail(program: str, failure: Failure, json_out: bool = False) -> NoReturn:
     if json_out and not sink.documents_written():
         sink.write_json(failure.to_json())
     if failure.hint and failure.inline_hint:
-        print(f"{program}: error: {failure.message.rstrip('.')}; {failure.hint}", file=sys.stderr)
+        print(f"{program}: error: {failure.message}; {failure.hint}", file=sys.stderr)
     else:
         print(f"{program}: error: {failure.message}", file=sys.stderr)
         if failure.hint:
@@ -120,12 +120,15 @@ class OneLineErrors(TyperGroup):
             if known is None or _debug_tracebacks():
                 raise
             where = getattr(err, "where", None) or self.command_path(argv)
+            option = str(known[0]).split(" ", 1)[0]
+            if option.startswith("--") and option in argv and " --" not in where:
+                where += f" {option}"  # a value our own code refused names its option, as usage errors do
             fail(self.program, Failure(known[1], known[0], self.hint, where), json_out)
         sys.exit(rv if isinstance(rv, int) else 0)
 
     def _usage_failure(self, err: click_errors.ClickException, argv: list[str]) -> Failure:
         """A usage error: its message and the help to read (on the stderr line, the hint in JSON)."""
-        message = " ".join(err.format_message().split())
+        message = " ".join(err.format_message().split()).rstrip(".")  # click's ends in "." before our "; see"
         ctx = getattr(err, "ctx", None)
         where = ctx.command_path if ctx is not None else self.command_path(argv)
         param = getattr(err, "param", None)

@@ -50,6 +50,16 @@ ALLOW_PARTIAL_OPT = typer.Option(
 )
 
 
+def check_noise(noise: str | None) -> None:
+    """`--noise PATH` names an existing side (a directory, or a peer dump an importer reads): said
+    with the option, before any store is opened."""
+    if noise is not None and not os.path.exists(noise):
+        raise FFDebugError(
+            f"--noise {noise}: no such file or directory; give the side directory of a noise run "
+            "(the reference run again with one benign change, e.g. another dtype or thread count)"
+        )
+
+
 def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, str]:
     """`ref-vs-target --dir D` (any `A-vs-B`), `--dir D` alone, or two side directories."""
     from ffdebug.io.registry import find_importer, peer_sides

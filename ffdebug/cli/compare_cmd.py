@@ -19,6 +19,7 @@ from ffdebug.cli.common import (
     STEP_OPT,
     THRESHOLD_OPT,
     check_fail_on,
+    check_noise,
     parse_step_filter,
     resolve_sides,
 )
@@ -91,6 +92,7 @@ def register(app: typer.Typer) -> None:
         from ffdebug.report.progress import Progress
 
         fail = check_fail_on(fail_on or (Severity.DRIFT if exact else Severity.DIVERGE))
+        check_noise(noise)
         ref, tgt = resolve_sides(sides, dir)
         with Progress("compare", "stages") as progress:
             result = compare(

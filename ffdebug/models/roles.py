@@ -17,8 +17,11 @@ differently; ffdebug names the stages by role so that they pair:
    | n c n n c n (sandwich)                   | attn_norm_out attn_out attn_post_norm_out ffn_norm_out ffn_out ffn_post_norm_out |
    | c n c n (post-norm)                      | attn_out attn_norm_out ffn_out ffn_norm_out |
    | n c c (parallel residual, one norm)      | attn_norm_out attn_out ffn_out |
+   | n c, c, c n, n c n (one branch)           | branch_norm_out branch_out (branch_post_norm_out) |
 
-   The first branch is the attention, the second the MLP (or MoE). A block with more than two
+   The first branch is the attention, the second the MLP (or MoE). A block with one branch is
+   `branch_out`: order cannot tell an attention from an MLP there, and the name is the same on
+   both sides. A block with more than two
    branches (diffusers' joint blocks: adaptive norms, context streams) has no unambiguous order:
    its children keep the attribute-name hints (`CANONICAL_CHILDREN`), else `{child}.out`, and a
    warning names what could not be placed.
@@ -141,7 +144,9 @@ class Placement:
 def _sequence_roles(kinds: list[str]) -> list[str] | None:
     """Stage names for a sequence of `norm` / `branch` kinds, or None when it is not a known form."""
     branches = [i for i, k in enumerate(kinds) if k == BRANCH]
-    if not 1 <= len(branches) <= 2:
+    if len(branches) == 1:
+        return _single_branch_roles(kinds)
+    if len(branches) != 2:
         return None
     names: list[str] = []
     first = branches[0]
@@ -165,6 +170,17 @@ def _sequence_roles(kinds: list[str]) -> list[str] | None:
             else:
                 names.append(pre_post[0][1])  # sandwich: the attention's post-norm
     return names if len(set(names)) == len(names) else None
+
+
+def _single_branch_roles(kinds: list[str]) -> list[str] | None:
+    """One branch (a block that is `x + mlp(norm(x))`, or a mixer-only block): order cannot say
+    whether it attends or not, so it is `branch_out`, its norm before it `branch_norm_out`, after it
+    `branch_post_norm_out` — the same names on both sides, never a guessed `attn_out`."""
+    at = kinds.index(BRANCH)
+    if kinds.count(NORM) != len(kinds) - 1 or at > 1 or len(kinds) - at > 2:
+        return None
+    names = ["branch_norm_out"] * at + ["branch_out"]
+    return names + ["branch_post_norm_out" if at else "branch_norm_out"] * (len(kinds) - at - 1)
 
 
 def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Placement:

@@ -386,7 +386,12 @@ def with_inputs(stages: list[SubStage], trace: BranchTrace, group: bool = True) 
 
 
 def branch_substages(trace: BranchTrace, stage: str, dims: Dims) -> list[SubStage]:
-    """Role sub-stages of a branch placed as `stage` (`attn_out` or `ffn_out`); [] when no rule fits."""
+    """Role sub-stages of a branch placed as `stage` (`attn_out`, `ffn_out`, or a one-branch block's
+    `branch_out`, whose trace decides: reshapes into heads and no activation read an attention, an
+    activation or experts an MLP / MoE); [] when no rule fits."""
+    if stage == "branch_out":
+        mlp_like = bool(trace.act_ptrs) or any(c.expert is not None for c in trace.calls)
+        stage = "ffn_out" if mlp_like else "attn_out" if trace.head_shapes else ""
     if stage == "attn_out":
         return attention_substages(trace, dims)
     if stage == "ffn_out":
