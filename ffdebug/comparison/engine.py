@@ -163,6 +163,22 @@ def _locate(e: StageResult, rt, tt) -> None:
             e.notes.append(f"error in head(s) {', '.join(map(str, bad))} (rel per head: see per_head_rel)")
 
 
+def _log_pairing(ref_store, tgt_store, pairing, units, noise_store) -> None:
+    """-v: the two stores, their record counts and what was paired."""
+    _log.debug(
+        "compare: %s (%d records) against %s (%d records): %d calls paired, %d warm-ups set aside, "
+        "%d stage units%s",
+        ref_store.path,
+        len(ref_store.records),
+        tgt_store.path,
+        len(tgt_store.records),
+        len(pairing.pairs),
+        len(pairing.warmup_skipped),
+        len(units),
+        f", noise run {noise_store.path}" if noise_store is not None else "",
+    )
+
+
 def compare(
     ref,
     target,
@@ -209,18 +225,7 @@ def compare(
     noise_idx = noise_index(noise_store, ref_groups, ref_filters) if noise_store is not None else None
     stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
     units = [u for sp in stage_pairings for u in sp.units]
-    _log.debug(
-        "compare: %s (%d records) against %s (%d records): %d calls paired, %d warm-ups set aside, "
-        "%d stage units%s",
-        ref_store.path,
-        len(ref_store.records),
-        tgt_store.path,
-        len(tgt_store.records),
-        len(pairing.pairs),
-        len(pairing.warmup_skipped),
-        len(units),
-        f", noise run {noise_store.path}" if noise_store is not None else "",
-    )
+    _log_pairing(ref_store, tgt_store, pairing, units, noise_store)
     run = _run_units(units, pairing, thresholds, exact, workers, noise_idx, progress)
     if not any(e.key != "embed.input_ids" for e in run.stages):
         raise FFDebugError(nothing_paired(ref_store, tgt_store, pairing, filters))
