@@ -403,7 +403,9 @@ def test_a_child_called_twice_gets_invocation_indices(tmp_path):
 
     torch.manual_seed(0)
     side = _dump(Model(), tmp_path, "ref", [dict(x=torch.randn(2, 3, 8))])
-    proj = sorted((r.key, r.invocation) for r in open_side(side).records if r.key.startswith("L000.branch_out"))
+    proj = sorted(
+        (r.key, r.invocation) for r in open_side(side).records if r.key.startswith("L000.branch_out")
+    )
     assert proj == [("L000.branch_out", 0), ("L000.branch_out", 1)]
 
 
