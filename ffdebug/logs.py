@@ -78,9 +78,12 @@ def handler() -> StderrHandler:
 
 
 def get_logger(name: str) -> logging.Logger:
-    """The logger `ffdebug.NAME` (our stderr handler in place): what library modules log through."""
+    """The logger `ffdebug.NAME` (our stderr handler in place): what library modules log through.
+    A name already under `ffdebug` (`PROGRESS`, `TRAINER`'s children) is taken as it is."""
     handler()
-    return logging.getLogger(f"{ROOT}.{name}" if name and name != ROOT else ROOT)
+    if not name or name == ROOT or name.startswith(f"{ROOT}."):
+        return logging.getLogger(name or ROOT)
+    return logging.getLogger(f"{ROOT}.{name}")
 
 
 def level_for(verbosity: int) -> int:

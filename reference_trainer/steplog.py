@@ -16,7 +16,9 @@ import logging
 import time
 from collections.abc import Mapping
 
-LOGGER = "ffdebug.trainer.steps"
+from ffdebug.logs import TRAINER, get_logger
+
+LOGGER = f"{TRAINER}.steps"
 
 
 class StepLog:
@@ -25,10 +27,8 @@ class StepLog:
     def __init__(self, trainer: str, every: int, max_steps: int, start_step: int) -> None:
         """Lines of run `trainer` every `every` steps of `max_steps`, the clock starting now at
         optimizer step `start_step` (a resumed run's)."""
-        from ffdebug.logs import get_logger
-
         self.trainer, self.every, self.max_steps = trainer, every, max_steps
-        self.logger = get_logger("trainer.steps")
+        self.logger = get_logger(LOGGER)
         self._clock, self._since = time.monotonic(), start_step
 
     def step(self, record: Mapping[str, object]) -> None:

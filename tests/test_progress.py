@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from ffdebug._env import PROGRESS_INTERVAL_S, progress_interval
 from ffdebug.cli.app import app
 from ffdebug.errors import FFDebugError
-from ffdebug.report.progress import LOGGER, Progress, size
+from ffdebug.logs import PROGRESS as LOGGER
+from ffdebug.report.progress import Progress, size
 
 STAGES = 4
 ROWS, COLS = 64, 32  # float32: 8 KiB per tensor, 16 KiB per stage pair

@@ -20,14 +20,13 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ffdebug.logs import get_logger
+from ffdebug.logs import PROGRESS, get_logger
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     from rich.progress import Progress as RichProgress
 
-LOGGER = "ffdebug.progress"
 BAR_DELAY_S = 1.0  # work shorter than this shows no bar
 
 
@@ -62,7 +61,7 @@ class Progress:
         self.task, self.unit, self.delay = task, unit, delay
         self.interval = progress_interval() if interval is None else interval
         self.tty = sys.stderr.isatty() if tty is None else tty
-        self.logger = get_logger("progress")
+        self.logger = get_logger(PROGRESS)
         self.enabled = self.logger.isEnabledFor(logging.INFO)
         self.total: int | None = None
         self.total_bytes = 0
