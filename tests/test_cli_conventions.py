@@ -531,9 +531,8 @@ def test_help_markup_keeps_every_literal_bracket():
 def test_a_value_our_code_refuses_names_its_option(option, value, long_keys):
     """A value the command's own code refuses (not click's type checks) is placed like a usage
     error: `where` ends with the option, the message names it and the fix, exit 2."""
-    result = runner.invoke(
-        app, ["compare", "ref-vs-target", "--dir", str(long_keys), option, value, "--json"]
-    )
-    error = json.loads(result.stdout)["error"]
-    assert result.exit_code == 2 and error["where"] == f"ffdebug compare {option}", error
-    assert error["message"].startswith(f"{option} ") and value in error["message"]
+    for given in ([option, value], [f"{option}={value}"]):  # both spellings of an option's value
+        result = runner.invoke(app, ["compare", "ref-vs-target", "--dir", str(long_keys), *given, "--json"])
+        error = json.loads(result.stdout)["error"]
+        assert result.exit_code == 2 and error["where"] == f"ffdebug compare {option}", error
+        assert error["message"].startswith(f"{option} ") and value in error["message"]

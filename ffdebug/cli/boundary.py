@@ -121,7 +121,8 @@ class OneLineErrors(TyperGroup):
                 raise
             where = getattr(err, "where", None) or self.command_path(argv)
             option = str(known[0]).split(" ", 1)[0]
-            if option.startswith("--") and option in argv and " --" not in where:
+            given = any(a == option or a.startswith(f"{option}=") for a in argv)  # --opt V or --opt=V
+            if option.startswith("--") and given and " --" not in where:
                 where += f" {option}"  # a value our own code refused names its option, as usage errors do
             fail(self.program, Failure(known[1], known[0], self.hint, where), json_out)
         sys.exit(rv if isinstance(rv, int) else 0)
