@@ -78,7 +78,10 @@ def test_completion_completes_commands_and_options():
     env.update(COMP_WORDS="ffdebug compare --fa", COMP_CWORD="2")
     assert runner.invoke(app, [], env=env).stdout.split() == ["--fail-on"]
     shown = runner.invoke(app, ["--show-completion", "bash"])
-    assert shown.exit_code == 0 and "_FFDEBUG_COMPLETE=complete_bash" in shown.stdout
+    assert shown.exit_code == 0 and "_FFDEBUG_COMPLETE=complete_bash" in shown.stdout, (
+        shown.output,
+        shown.exception,
+    )
 
 
 @pytest.mark.parametrize("path", [(), *(p for p, _ in COMMANDS)], ids=lambda p: " ".join(p) or "ffdebug")

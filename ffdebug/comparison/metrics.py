@@ -10,21 +10,24 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
     elem     = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)),  rms(r) = ‖r‖ / √n   (element-wise error)
 
 Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 64 Ki-element chunks copied into
-float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies (r, t), one
-integer-difference count of equal bits (taken while both inputs are still in cache, into a third
-row), one `mv` of the [r; t] rows with t (r·t and t·t in one pass over t), a dot r·r, t − r in
-place over t, a dot d·d, and |d| taken in place for its max and its sum — each a single pass; the
-three rows and both inputs (2 MiB) fit one core's L2. In per-op timings at 64 Ki elements
-(bench/README.md) `amax` of |d| was about 3x faster than `aminmax` of d, `mv` of two rows cheaper
-than two dots, the in-place subtraction cheaper than one into a third row, and `torch.mm` of the
-3×m block and `vector_norm(·, 1)` slower than these. A
-bit-identical chunk (checked with one memcmp-speed `torch.equal` on integer views) needs only ‖r‖².
-The position of max |t − r| is looked up once, in the chunk that set it, after the loop. The work
-rows are kept per thread (a fresh buffer per tensor was page-faulted on every call). Non-finite
-values take a slow path only in the chunks that hold them. `bit_equal` counts positions with
-identical bits (same dtype), or equal values (different dtypes). `elem` needs rms(r), known only
-after the first pass: a second pass visits the chunks that can hold its maximum, largest error
-first (none when the tensors are equal).
+float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies (r, t), one count of
+equal raw bits (taken while both inputs are still in cache), one `mv` of the [r; t] rows with t
+(r·t and t·t in one pass over t), a dot r·r, t − r in place over t, a dot d·d, and |d| taken in
+place for its max and its sum — each a single pass; the two rows and both inputs (1.5 MiB) fit one
+core's L2. In per-op timings at 64 Ki elements (bench/README.md) `amax` of |d| was about 3x faster
+than `aminmax` of d, `mv` of two rows cheaper than two dots, the in-place subtraction cheaper than
+one into a third row, and `torch.mm` of the 3×m block and `vector_norm(·, 1)` slower than these.
+The reductions whose result does not depend on their order — the equal-bits count, max |t − r|
+and its position — run in numpy on views of the same memory (no copy), where they cost a third to
+a half of torch's; every sum stays a torch kernel. A bit-identical chunk (checked with one
+memcmp-speed `torch.equal` on integer views) needs only ‖r‖². The position of max |t − r| is
+looked up once, in the chunk that set it, after the loop (from the rows as they are when that
+chunk was the last one read, as in a one-chunk tensor). The work rows are kept per thread (a
+fresh buffer per tensor was page-faulted on every call). Non-finite values take a slow path only
+in the chunks that hold them. `bit_equal` counts positions with identical bits (same dtype), or
+equal values (different dtypes). `elem` needs rms(r), known only after the first pass: a second
+pass visits the chunks that can hold its maximum, largest error first (none when the tensors are
+equal).
 """
 
 from __future__ import annotations
@@ -40,15 +43,18 @@ _work = threading.local()  # per thread: the work rows and their full-chunk view
 
 
 def _work_rows():
-    """Three float64 rows of CHUNK elements — r, t (then t − r in place), and a row the integer
-    difference of the raw bits is written into — kept per thread: a fresh 1.5 MiB buffer per
-    tensor was mapped and page-faulted by the allocator on every call (bench/README.md)."""
+    """Two float64 rows of CHUNK elements — r, and t (then t − r in place) — kept per thread with
+    their numpy view and a bool row for the equal-bits test: a fresh buffer per tensor was mapped
+    and page-faulted by the allocator on every call (bench/README.md)."""
+    import numpy as np
     import torch
 
     rows = getattr(_work, "rows", None)
     if rows is None:
-        rows = _work.rows = torch.empty((3, CHUNK), dtype=torch.float64)
-        _work.full = {}  # integer dtype -> the full-chunk views of these rows (`_row_views`)
+        rows = _work.rows = torch.empty((2, CHUNK), dtype=torch.float64)
+        _work.np = rows.numpy()  # the same memory: order-free reductions (max, argmax) in numpy
+        _work.same = np.empty(CHUNK, dtype=bool)
+        _work.full = {}  # the full-chunk views of these rows (`_row_views`)
     return rows
 
 
@@ -127,6 +133,7 @@ class _Sums:
         default_factory=list
     )  # (max |t − r|, start), not bit-identical
     nonfinite: set[int] = field(default_factory=set)  # starts of the chunks holding NaN / Inf
+    held: int = -1  # start of the chunk whose r and |t − r| the work rows still hold, else -1
 
     def finite(self) -> bool:
         return math.isfinite(self.nr2 + self.nt2 + self.diff2 + abs(self.dot))
@@ -150,20 +157,20 @@ def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
     return _metrics(sums, r, t, tuple(ref.shape), scale)
 
 
-def _row_views(x, m: int, raw_view) -> tuple:
-    """(r row, t row, [r; t] block, integer row) of the first `m` columns of the work rows; the
-    full-chunk views are made once per thread (a dozen views per chunk cost about 5% of it)."""
+def _row_views(x, m: int) -> tuple:
+    """(r row, t row, [r; t] block) of the first `m` columns of the work rows; the full-chunk
+    views are made once per thread (a dozen views per chunk cost about 5% of it)."""
     if m != CHUNK:
-        return _make_views(x, m, raw_view)
-    views = _work.full.get(raw_view)
+        return x[0, :m], x[1, :m], x[:2, :m]
+    views = _work.full.get("rows")
     if views is None:
-        views = _work.full[raw_view] = _make_views(x, m, raw_view)
+        views = _work.full["rows"] = (x[0], x[1], x[:2])
     return views
 
 
-def _make_views(x, m: int, raw_view) -> tuple:
-    bits = x[2, :m].view(raw_view)[:m] if raw_view is not None else None
-    return x[0, :m], x[1, :m], x[:2, :m], bits
+def _host_array(x):
+    """The numpy view of a CPU tensor (no copy), else None (the torch ops are used instead)."""
+    return x.numpy() if x.device.type == "cpu" else None
 
 
 def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
@@ -171,19 +178,27 @@ def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
     import torch
 
     n = r.numel()
-    x = _work_rows()  # float64 work rows r, t (then t − r in place), integer row (stay in cache)
+    x = _work_rows()  # float64 work rows r, t (then t − r in place) (stay in cache)
     r_bits, t_bits = (r.view(raw_view), t.view(raw_view)) if raw_view is not None else (None, None)
+    r_np = t_np = None
+    if raw_view is not None:
+        r_np, t_np = _host_array(r_bits), _host_array(t_bits)
     s = _Sums()
     for i in range(0, n, CHUNK):
         m = min(CHUNK, n - i)
+        s.held = -1  # the rows are about to be overwritten
         rc, tc = r[i : i + m], t[i : i + m]
-        rows = _row_views(x, m, raw_view)
+        rows = _row_views(x, m)
         xr = rows[0]
         xr.copy_(rc)
         if scale != 1.0:
             xr.mul_(scale)
-        ints = (r_bits[i : i + m], t_bits[i : i + m]) if raw_view is not None else None
-        if ints is not None and torch.equal(*ints):
+        ints = None
+        if raw_view is not None:
+            ints = (r_bits[i : i + m], t_bits[i : i + m])
+            if r_np is not None and t_np is not None:
+                ints = (*ints, r_np[i : i + m], t_np[i : i + m])
+        if ints is not None and torch.equal(ints[0], ints[1]):
             # bit-identical chunk (the common case before the first divergence): one norm suffices
             sq = float(torch.dot(xr, xr))
             if math.isfinite(sq):
@@ -196,8 +211,20 @@ def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
                 continue
         _differing_chunk(s, i, tc, rows, ints, scale)
     if s.max_chunk >= 0:
-        s.max_at = _argmax_chunk(r, t, s.max_chunk, scale, x)
+        s.max_at = _argmax_chunk(r, t, s, scale, x)
     return s
+
+
+def _equal_count(ints) -> int:
+    """Positions whose raw bits are equal: (r ints, t ints[, their numpy views])."""
+    import numpy as np
+    import torch
+
+    if len(ints) == 4:  # on the host: a compare into a bool row kept per thread, then a count
+        r_np, t_np = ints[2], ints[3]
+        same = _work.same[: r_np.shape[0]]
+        return int(np.count_nonzero(np.equal(r_np, t_np, out=same)))
+    return int(torch.count_nonzero(torch.eq(ints[0], ints[1])))
 
 
 def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> None:
@@ -205,15 +232,13 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> N
     chunks as integers (same dtype), else None."""
     import torch
 
-    xr, xt, pair, bits = rows
+    xr, xt, pair = rows
     m = tc.numel()
     xt.copy_(tc)
     if scale != 1.0:
         xt.mul_(scale)
-    equal = None
-    if ints is not None:  # integer difference is zero exactly where the bits are equal; taken
-        # while both inputs are in cache (rows r, t, this integer row and both inputs fit in L2)
-        equal = m - int(torch.count_nonzero(torch.sub(*ints, out=bits)))
+    # equal bits counted while both inputs are in cache (rows r, t and both inputs fit in L2)
+    equal = _equal_count(ints) if ints is not None else None
     rt_, tt_ = torch.mv(pair, xt).tolist()  # both dots with t in one pass over t
     rr_ = float(torch.dot(xr, xr))
     dd_ = math.inf
@@ -230,7 +255,7 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> N
         return
     s.equal += equal if equal is not None else m - int(torch.count_nonzero(xd))
     xd.abs_()  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
-    chunk_max = float(xd.amax())
+    chunk_max = float(_work.np[1, :m].max())  # max is exact in any order: numpy's is cheaper
     s.chunk_bounds.append((chunk_max, i))
     if chunk_max > s.max_abs:  # its position is found once, after the loop (`_argmax_chunk`)
         s.max_abs, s.max_chunk = chunk_max, i
@@ -240,12 +265,16 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> N
     s.dot += rt_
     s.diff2 += dd_
     s.counted += m
+    s.held = i
 
 
-def _chunk_diff(r, t, i: int, scale: float, x):
-    """(r, |t − r|) of the finite chunk at `i` (scaled units) in the rows x[0], x[1]."""
+def _chunk_diff(r, t, i: int, scale: float, x, held: int):
+    """(r, |t − r|) of the finite chunk at `i` (scaled units) in the rows x[0], x[1]; recomputed
+    unless the rows still hold that chunk (`held`: the start of the chunk they hold, else -1)."""
     m = min(CHUNK, r.numel() - i)
     xr, xt = x[0, :m], x[1, :m]
+    if held == i:
+        return xr, xt
     xr.copy_(r[i : i + m])
     xt.copy_(t[i : i + m])
     if scale != 1.0:
@@ -254,14 +283,17 @@ def _chunk_diff(r, t, i: int, scale: float, x):
     return xr, xt.sub_(xr).abs_()
 
 
-def _argmax_chunk(r, t, i: int, scale: float, x) -> int:
-    """The flat index of max |t − r| in the chunk at `i`: the first chunk to raise the running
-    maximum holds the first position of the tensor's maximum; recomputed there once instead of an
-    `argmax` in every chunk that raised it (the same values, so the same index)."""
-    import torch
+def _argmax_chunk(r, t, s: _Sums, scale: float, x) -> int:
+    """The flat index of max |t − r| in the chunk `s.max_chunk`: the first chunk to raise the
+    running maximum holds the first position of the tensor's maximum; recomputed there once
+    (unless the rows still hold it) instead of an `argmax` in every chunk that raised it (the
+    same values, so the same index: numpy's argmax, like torch's, returns the first maximum)."""
+    import numpy as np
 
-    _, xd = _chunk_diff(r, t, i, scale, x)
-    return i + int(torch.argmax(xd))
+    i = s.max_chunk
+    _, xd = _chunk_diff(r, t, i, scale, x, s.held)
+    s.held = i
+    return i + int(np.argmax(_work.np[1, : xd.numel()]))
 
 
 def _nonfinite_chunk(s: _Sums, i: int, xr, xt, equal: int | None) -> None:
@@ -350,7 +382,8 @@ def _elem_pass(r, t, s: _Sums, rms: float, scale: float) -> float:
     for bound, i in sorted(s.chunk_bounds, reverse=True):
         if bound / rms <= best:
             break
-        xr, xd = _chunk_diff(r, t, i, scale, x)
+        xr, xd = _chunk_diff(r, t, i, scale, x, s.held)
+        s.held = -1  # divided in place below
         xr.abs_().clamp_(min=rms)
         xd.div_(xr)
         top = float(xd.amax()) if i not in s.nonfinite else math.inf
