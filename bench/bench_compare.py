@@ -5,7 +5,8 @@ Writes two stores (ref, target = ref + small noise) of `--size` bytes of fp32 ea
   uniform  `--count` tensors of equal size (default 200: 1 GiB = 200 x 5.1 MiB)
   mixed    `--count` tensors from 4 KiB to 64 MiB (sizes 4 KiB x 16384^(u^p), u in [0, 1], p chosen
            so the sizes add up to `--size`; shuffled with a fixed seed)
-then measures, each as a whole process, interleaved `--repeat` times (medians; peak RSS = max):
+each 1-D, or with `--width W` shaped [1, tokens, W] like a layer's hidden states (so compare also
+breaks the error down per token), then measures, each as a whole process, interleaved `--repeat` times (medians; peak RSS = max):
   floor    a script that opens every payload of both stores with safetensors and touches every page
            (one float per 4 KiB page: the pages are mapped, 1/1024 of the values is read)
   sum-all  the same, summing every value (every byte through the CPU once, one thread): what a
@@ -20,6 +21,7 @@ thread; target >= 4 GB/s) in wall time and in thread CPU time (a shared machine 
 
 Usage: python bench/bench_compare.py --size 1GiB                     (smoke: --size 64MiB --count 20)
        python bench/bench_compare.py --size 1GiB --layout mixed --count 2000
+       python bench/bench_compare.py --size 1GiB --width 4096              (3-D layer stages)
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ MAKE_STORES = r"""
 import sys
 sys.path.insert(0, sys.argv[5])
 from bench_compare import make_stores
-print(make_stores(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))
+print(make_stores(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[6])))
 """
 
 
@@ -118,12 +120,14 @@ def tensor_numels(size: int, count: int, layout: str) -> list[int]:
     return out
 
 
-def make_stores(root: str, size: int, count: int, layout: str) -> str:
+def make_stores(root: str, size: int, count: int, layout: str, width: int = 0) -> str:
     import torch
 
     import ffdebug
 
     numels = tensor_numels(size, count, layout)
+    if width:  # whole rows of `width` channels, at least one
+        numels = [max(width, n // width * width) for n in numels]
     for side, noise in (("ref", 0.0), ("target", 1e-4)):
         g = torch.Generator().manual_seed(0)
         with ffdebug.capture(None, dir=root, side=side):
@@ -132,7 +136,7 @@ def make_stores(root: str, size: int, count: int, layout: str) -> str:
                 x = torch.randn(n, generator=g)
                 if noise:
                     x = x + noise * torch.randn(n, generator=torch.Generator().manual_seed(i))
-                ffdebug.tap(f"L{i:04d}.hidden_out", x, layer=i)
+                ffdebug.tap(f"L{i:04d}.hidden_out", x.reshape(1, -1, width) if width else x, layer=i)
     return f"{len(numels)} {min(numels) * 4} {max(numels) * 4} {sum(numels) * 4}"
 
 
@@ -173,6 +177,7 @@ def main() -> None:
     ap.add_argument("--size", default="64MiB", help="bytes per store (1GiB for the figure)")
     ap.add_argument("--count", type=int, default=200, help="tensors per store")
     ap.add_argument("--layout", choices=("uniform", "mixed"), default="uniform")
+    ap.add_argument("--width", type=int, default=0, help="shape tensors [1, tokens, WIDTH] (0: 1-D)")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved runs of each command (median)")
     ap.add_argument("--no-bisect", action="store_true")
     ap.add_argument("--keep", action="store_true")
@@ -185,7 +190,7 @@ def main() -> None:
         # so this process must stay small for the children's ru_maxrss to mean anything.
         here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(
-            [py, "-c", MAKE_STORES, root, str(size), str(args.count), args.layout, here],
+            [py, "-c", MAKE_STORES, root, str(size), str(args.count), args.layout, here, str(args.width)],
             check=True,
             capture_output=True,
             text=True,
@@ -212,7 +217,8 @@ def main() -> None:
         gbps, gbps_cpu = metric_throughput(min(largest // 4, 16 << 20), max(3, args.repeat))
         mib = 1 << 20
         print(
-            f"stores: 2 x {total / mib:.0f} MiB, {count} fp32 tensors ({args.layout}, "
+            f"stores: 2 x {total / mib:.0f} MiB, {count} fp32 tensors ({args.layout}"
+            f"{f', [1, tokens, {args.width}]' if args.width else ''}, "
             f"{smallest / 1024:.0f} KiB .. {largest / mib:.1f} MiB); medians of {args.repeat} interleaved runs"
         )
         for name in cmds:

@@ -21,6 +21,23 @@ def iter_chunks(flat, chunk: int = CHUNK):
         yield out
 
 
+_rows = threading.local()  # per Python thread: the float64 work rows of `work_rows`
+
+
+def work_rows():
+    """(rows, view): two float64 rows of CHUNK elements kept for this thread, and their numpy
+    view (the same memory). The chunk loops (metrics, the per-token breakdown) copy pieces of
+    their inputs there; kept because a fresh 1 MiB buffer per tensor was mapped and page-faulted
+    by the allocator on every call (bench/README.md). A loop owns them until it returns."""
+    import torch
+
+    rows = getattr(_rows, "rows", None)
+    if rows is None:
+        rows = _rows.rows = torch.empty((2, CHUNK), dtype=torch.float64)
+        _rows.view = rows.numpy()
+    return rows, _rows.view
+
+
 _threads = threading.local()  # per Python thread: torch's intra-op setting is per thread (OpenMP / MKL)
 
 

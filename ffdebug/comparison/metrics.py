@@ -36,23 +36,20 @@ import math
 import threading
 from dataclasses import asdict, dataclass, field
 
-from ffdebug._chunks import CHUNK, iter_chunks, single_thread  # noqa: F401 (CHUNK, iter_chunks re-exported)
+from ffdebug._chunks import CHUNK, iter_chunks, single_thread, work_rows  # noqa: F401 (CHUNK, iter_chunks re-exported)
 
 _INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
-_work = threading.local()  # per thread: the work rows and their full-chunk views
+_work = threading.local()  # per thread: views of the work rows, the bool row
 
 
 def _work_rows():
-    """Two float64 rows of CHUNK elements — r, and t (then t − r in place) — kept per thread with
-    their numpy view and a bool row for the equal-bits test: a fresh buffer per tensor was mapped
-    and page-faulted by the allocator on every call (bench/README.md)."""
+    """The thread's two float64 work rows (`ffdebug._chunks.work_rows`: r, and t then t − r in
+    place), with their numpy view and a bool row for the equal-bits test kept beside them."""
     import numpy as np
-    import torch
 
-    rows = getattr(_work, "rows", None)
-    if rows is None:
-        rows = _work.rows = torch.empty((2, CHUNK), dtype=torch.float64)
-        _work.np = rows.numpy()  # the same memory: order-free reductions (max, argmax) in numpy
+    rows, view = work_rows()
+    if getattr(_work, "rows", None) is not rows:
+        _work.rows, _work.np = rows, view  # the same memory: order-free reductions in numpy
         _work.same = np.empty(CHUNK, dtype=bool)
         _work.full = {}  # the full-chunk views of these rows (`_row_views`)
     return rows

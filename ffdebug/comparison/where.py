@@ -9,15 +9,23 @@ channel]`, attention sub-stages `[batch, token, head, head_dim]`. For those layo
 
 and the error "rises from token N" when token N is the first whose rel exceeds `RISE` x every
 earlier token's (and earlier tokens exist): a window, a cache or a position offset that goes wrong
-past some length. Computed in float64 on the loaded pair, only for stages that are not bit-equal.
+past some length. Only for stages that are not bit-equal.
+
+Streamed like the metrics (`ffdebug.comparison.metrics`): the tensor is read as rows of its last
+axis (channels, or a head's channels), whole rows at a time in blocks of at most CHUNK elements
+copied into the thread's float64 work rows, where each row's ‖t − r‖² and ‖r‖² are summed; the
+per-token and per-head sums add those row sums. Memory is the row sums (one float64 per token x
+head x batch) whatever the stage's size — it was two whole-tensor float64 copies and two more
+for the squares, and took 8-11 x as long as the metrics of the same pair (bench/README.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ffdebug._chunks import CHUNK, work_rows
+
 RISE = 10.0  # a token whose error is this many times every earlier token's starts a rise
-MAX_ELEMENTS = 1 << 26  # larger stages are not broken down (two float64 copies)
 
 
 @dataclass(frozen=True)
@@ -60,23 +68,78 @@ def _rise(per_token: list[float | None]) -> int | None:
 
 
 def breakdown(key: str, ref, target) -> Where | None:
-    """Per-token (and per-head) error of a layer stage; None when the layout is not known, the
-    tensors are too large or hold non-finite values."""
-    import torch
+    """Per-token (and per-head) error of a layer stage; None when the layout is not known or the
+    tensors hold non-finite values (or squares past float64's range)."""
 
-    axes = axes_of(key, list(ref.shape))
-    if axes is None or ref.numel() > MAX_ELEMENTS or tuple(ref.shape) != tuple(target.shape):
+    shape = tuple(ref.shape)
+    axes = axes_of(key, list(shape))
+    if axes is None or shape != tuple(target.shape) or 0 in shape:
         return None
-    r, t = ref.detach().to(torch.float64), target.detach().to(torch.float64)
-    if not (bool(torch.isfinite(r).all()) and bool(torch.isfinite(t).all())):
+    sums = row_sums(ref.detach().reshape(-1), target.detach().reshape(-1), shape[-1])
+    if sums is None:
         return None
-    d2, r2 = (t - r).pow(2), r.pow(2)
-    others = [i for i in range(r.dim()) if i != 1]
+    d2, r2 = (x.view(shape[:-1]) for x in sums)  # [batch, token] or [batch, token, head]
+    others = [i for i in range(d2.dim()) if i != 1]
     per_token = _rel(d2.sum(others), r2.sum(others))
     per_head = None
     if "head" in axes:
-        per_head = _rel(d2.sum((0, 1, 3)), r2.sum((0, 1, 3)))
+        per_head = _rel(d2.sum((0, 1)), r2.sum((0, 1)))
     return Where(axes, per_token, per_head, _rise(per_token))
+
+
+def row_sums(r, t, width: int):
+    """(Σ (t − r)², Σ r²) of each `width`-element row of the flat tensors, in float64 (a vector of
+    numel / width each); None when a sum is not finite (NaN / Inf, or squares past float64)."""
+    import torch
+
+    from ffdebug._chunks import single_thread
+
+    rows = r.numel() // width
+    d2 = torch.empty(rows, dtype=torch.float64)
+    r2 = torch.empty(rows, dtype=torch.float64)
+    with single_thread():
+        if width <= CHUNK:
+            _whole_rows(r, t, width, d2, r2)
+        else:
+            _long_rows(r, t, width, d2, r2)
+    if not (bool(torch.isfinite(d2).all()) and bool(torch.isfinite(r2).all())):
+        return None
+    return d2, r2
+
+
+def _whole_rows(r, t, width: int, d2, r2) -> None:
+    """Rows of at most CHUNK elements: CHUNK // width whole rows per block."""
+    import torch
+
+    x, _ = work_rows()
+    per = CHUNK // width
+    n_rows = d2.numel()
+    for row in range(0, n_rows, per):
+        k = min(per, n_rows - row)
+        m = k * width
+        xr, xt = x[0, :m], x[1, :m]
+        xr.copy_(r[row * width : row * width + m])
+        xt.copy_(t[row * width : row * width + m])
+        xt.sub_(xr).mul_(xt)  # (t − r)²
+        xr.mul_(xr)
+        torch.sum(xt.view(k, width), dim=1, out=d2[row : row + k])
+        torch.sum(xr.view(k, width), dim=1, out=r2[row : row + k])
+
+
+def _long_rows(r, t, width: int, d2, r2) -> None:
+    """Rows longer than CHUNK: each row summed in CHUNK-element pieces, in order."""
+    x, _ = work_rows()
+    for row in range(d2.numel()):
+        sd = sr = 0.0
+        for j in range(row * width, (row + 1) * width, CHUNK):
+            m = min(CHUNK, (row + 1) * width - j)
+            xr, xt = x[0, :m], x[1, :m]
+            xr.copy_(r[j : j + m])
+            xt.copy_(t[j : j + m])
+            xt.sub_(xr)
+            sd += float(xt.dot(xt))
+            sr += float(xr.dot(xr))
+        d2[row], r2[row] = sd, sr
 
 
 def named(axes: tuple[str, ...], at: list[int] | None) -> dict | None:

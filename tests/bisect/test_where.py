@@ -62,3 +62,45 @@ def test_a_gqa_head_grouping_bug_shows_which_heads_are_wrong(tmp_path):
     assert heads[0] == 0.0 and heads[3] == 0.0 and min(heads[1], heads[2]) > 0.1
     assert "error in head(s) 1, 2 (rel per head: see per_head_rel)" in ctx.notes
     assert ctx.max_abs_where["head"] == 1
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 40, 3000), (1, 3, 70_000), (1, 40, 4, 2048)],
+    ids=["rows-straddle-blocks", "rows-longer-than-a-chunk", "heads"],
+)
+def test_streamed_breakdown_matches_whole_tensor_float64(shape):
+    """The row-block streaming (`where.row_sums`) against the per-token / per-head sums taken on
+    whole float64 copies: 80 rows of 3000 (four blocks of 21 rows, the last one short), rows of
+    70,000 (longer than a 64 Ki chunk: each summed in two pieces), and a 4-D attention stage
+    (160 head rows of 2048, five blocks of 32)."""
+    g = torch.Generator().manual_seed(1)
+    r = torch.randn(shape, generator=g)
+    t = r + 1e-3 * torch.randn(shape, generator=g) * torch.arange(shape[1]).view(
+        1, -1, *[1] * (len(shape) - 2)
+    )
+    key = "L002.attn.q_rot" if len(shape) == 4 else "L002.mlp_out"
+    w = breakdown(key, r, t)
+    d2, r2 = (t.double() - r.double()).pow(2), r.double().pow(2)
+    others = [i for i in range(len(shape)) if i != 1]
+    expect_token = (d2.sum(others) / r2.sum(others)).sqrt().tolist()
+    assert w.per_token_rel[0] == 0.0  # token 0 is scaled by 0: equal on both sides
+    assert w.per_token_rel == pytest.approx(expect_token, rel=1e-12, abs=0)
+    if len(shape) == 4:
+        expect_head = (d2.sum((0, 1, 3)) / r2.sum((0, 1, 3))).sqrt().tolist()
+        assert w.per_head_rel == pytest.approx(expect_head, rel=1e-12)
+    assert w.rise_from == 1  # token 0 exact, token 1 the first with an error (then linear growth)
+
+
+def test_breakdown_of_non_finite_or_overflowing_squares_is_none():
+    """NaN / Inf in either side, or squares past float64's range, leave the stage unbroken."""
+    r = torch.randn(1, 4, 8, dtype=torch.float64)
+    t = r.clone()
+    t[0, 2, 3] = float("nan")
+    assert breakdown("L000.mlp_out", r, t) is None
+    t = r.clone()
+    t[0, 1, 1] = 1e200  # (t - r)² overflows float64
+    assert breakdown("L000.mlp_out", r, t) is None
+    t = r.clone()
+    t[0, 3, 0] += 1.0
+    assert breakdown("L000.mlp_out", r, t).per_token_rel[:3] == [0.0, 0.0, 0.0]
