@@ -196,6 +196,35 @@ def test_logits_kl_masked_and_infinite():
     assert far["kl_mean"] is None and far["kl_max"] is None and far["kl_inf_rows"] == 1
 
 
+def test_logits_blocks_are_bounded_and_do_not_change_the_answer(monkeypatch):
+    """A large vocabulary is taken a few rows at a time (each float64 block within
+    LOGITS_CHUNK_BYTES; a fixed 256 rows of a 152k vocabulary held about 2 GiB), and the result
+    does not depend on the blocking: one row at a time, the default, all rows at once."""
+    import ffdebug.comparison.metrics as metrics
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(2, 30, 40_000, generator=g)
+    t = r + 0.05 * torch.randn(r.shape, generator=g)
+    t[1, 4] = t[1, 4].flip(0)  # one row far off: argmax and top-k disagree there
+    seen = []
+    real = torch.log_softmax
+
+    def spy(x, dim):
+        seen.append(x.numel() * x.element_size())
+        return real(x, dim)
+
+    monkeypatch.setattr(torch, "log_softmax", spy)
+    default = logits_metrics(r, t)
+    assert seen and max(seen) <= metrics.LOGITS_CHUNK_BYTES and len(seen) > 2
+    for rows in (1, 60):
+        other = logits_metrics(r, t, rows_per_chunk=rows)
+        assert {k: v for k, v in other.items() if k != "kl_mean"} == {
+            k: v for k, v in default.items() if k != "kl_mean"
+        }
+        assert other["kl_mean"] == pytest.approx(default["kl_mean"], rel=1e-12)
+    assert default["argmax_agree"] < 1.0
+
+
 def test_threshold_bounds_validated():
     with pytest.raises(FFDebugError, match=r"outside \[-1, 1\]"):
         parse_threshold("L*:cos>=2")

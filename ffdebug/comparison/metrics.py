@@ -399,10 +399,16 @@ def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:
     return list(reversed(coords))
 
 
-def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int = 256) -> dict:
+LOGITS_CHUNK_BYTES = 8 << 20  # one float64 block of logits rows; the loop holds about six
+
+
+def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int | None = None) -> dict:
     """Argmax agreement, top-k overlap and KL(ref ‖ target) over the last dim, in float64.
 
-    `kl_mean` / `kl_max` are null when a row's KL is infinite (`kl_inf_rows` counts them)."""
+    Rows are taken `rows_per_chunk` at a time (default: as many as fit `LOGITS_CHUNK_BYTES` in
+    float64, at least one: 13 rows of a 152k vocabulary; a fixed 256 rows held about 2 GiB of
+    float64 blocks for such a vocabulary). `kl_mean` / `kl_max` are null when a row's KL is
+    infinite (`kl_inf_rows` counts them)."""
     import torch
 
     if tuple(ref.shape) != tuple(target.shape) or ref.dim() == 0:
@@ -412,6 +418,8 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int = 256) -> dic
     t = target.detach().reshape(-1, vocab)
     k = min(topk, vocab)
     rows = r.shape[0]
+    if rows_per_chunk is None:
+        rows_per_chunk = max(1, LOGITS_CHUNK_BYTES // (8 * max(vocab, 1)))
     agree = overlap = 0
     kl_sum = 0.0
     kl_max = 0.0
