@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+# A thread that shows progress marks itself with this attribute (true): it holds nothing a forked
+# compare worker uses, so `ffdebug.comparison.forked` may fork beside it.
+FORK_SAFE = "ffdebug_fork_safe"
+
 
 @runtime_checkable
 class ProgressHook(Protocol):

@@ -4,6 +4,9 @@ tensors on worker threads, the JSON bit-identical at any worker count."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 import threading
 
 import pytest
@@ -13,6 +16,7 @@ import ffdebug
 from ffdebug.comparison import engine
 from ffdebug.comparison.engine import compare
 from ffdebug.comparison.metrics import CHUNK
+from ffdebug.errors import FFDebugError
 from ffdebug.io.prefetch import ReadAhead
 
 
@@ -38,25 +42,104 @@ def _stores(tmp_path):
 
 
 @pytest.mark.integration
-def test_json_bit_identical_at_one_and_two_workers(tmp_path, monkeypatch):
+def test_json_bit_identical_at_any_worker_count_processes_and_threads(tmp_path, monkeypatch):
+    """One worker, forked worker processes (2 and 3) and worker threads (forking refused) give
+    the same JSON, byte for byte; the processes really ran the units (other pids)."""
     ref, tgt = _stores(tmp_path)
     one = json.dumps(compare(ref, tgt, workers=1, allow_partial=True).to_json(), sort_keys=True)
+    pids = tmp_path / "pids"
     threads = set()
     inner = engine._compare_unit
 
     def spy(*args):
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
         threads.add(threading.current_thread().name)
         return inner(*args)
 
     monkeypatch.setattr(engine, "_compare_unit", spy)
+    monkeypatch.setattr(
+        engine, "fork_usable", lambda: True
+    )  # a thread an earlier test left is no reason here
+    for n in (2, 3):
+        assert json.dumps(compare(ref, tgt, workers=n, allow_partial=True).to_json(), sort_keys=True) == one
+    ran_in = set(pids.read_text().split())
+    assert len(ran_in) >= 2 and str(os.getpid()) not in ran_in  # children, not this process
+    monkeypatch.setattr(engine, "fork_usable", lambda: False)
     two = json.dumps(compare(ref, tgt, workers=2, allow_partial=True).to_json(), sort_keys=True)
     assert two == one
-    assert threads and all(name.startswith("ffdebug-compare") for name in threads)  # the pool ran them
+    assert threads and all(name.startswith("ffdebug-compare") for name in threads)  # the thread pool ran them
     stages = {s["key"]: s for s in json.loads(one)["stages"]}
     assert stages["same"]["bit_equal"] == 1.0 and stages["noisy"]["bit_equal"] < 1.0
     assert (
         stages["nan"]["nan_mismatch"] == 1 and abs(stages["offset"]["max_abs"] - 0.5) < 1e-6
     )  # fp32 rounding of +0.5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are used on Linux only")
+def test_forked_workers_return_the_parents_own_records(tmp_path, monkeypatch):
+    """`CompareResult.records` holds the stores' own Record objects (attribution loads them by
+    position), not the children's copies."""
+    from ffdebug.store.reader import open_side
+
+    ref, tgt = _stores(tmp_path)
+    monkeypatch.setattr(engine, "fork_usable", lambda: True)
+    a, b = open_side(ref), open_side(tgt)
+    res = compare(a, b, workers=2, allow_partial=True)
+    own = {id(r) for r in (*a.records, *b.records)}
+    assert res.records and all(id(x) in own for pair in res.records for x in pair)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are used on Linux only")
+def test_a_worker_that_dies_is_one_line_naming_its_stage_and_leaves_no_child(tmp_path, monkeypatch):
+    """A child killed mid-unit (as the OOM killer would): compare fails at once with a one-line
+    error naming the stage and the way round it, and no child process is left behind."""
+    ref, tgt = _stores(tmp_path)
+    inner = engine._compare_unit
+
+    def dies_on_offset(unit, *args):
+        if unit.ref.key == "offset":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return inner(unit, *args)
+
+    monkeypatch.setattr(engine, "_compare_unit", dies_on_offset)
+    monkeypatch.setattr(engine, "fork_usable", lambda: True)
+    before = _children()
+    with pytest.raises(FFDebugError, match=r"killed by SIGKILL while comparing stage 'offset'.*--workers 1"):
+        compare(ref, tgt, workers=2, allow_partial=True)
+    assert _children() == before  # every child was reaped, the dead one and the live one
+
+
+def _children() -> set[int]:
+    """Pids whose parent is this process (zombies included), from /proc."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid():
+                out.add(int(entry))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are used on Linux only")
+def test_an_error_in_a_worker_is_raised_in_unit_order(tmp_path, monkeypatch):
+    """Two units fail in the children: the parent raises the earlier one's own exception."""
+    ref, tgt = _stores(tmp_path)
+    inner = engine._compare_unit
+
+    def fails(unit, *args):
+        if unit.ref.key in ("nan", "ints"):
+            raise FFDebugError(f"{unit.ref.key}: damaged payload")
+        return inner(unit, *args)
+
+    monkeypatch.setattr(engine, "_compare_unit", fails)
+    monkeypatch.setattr(engine, "fork_usable", lambda: True)
+    with pytest.raises(FFDebugError, match="^nan: damaged payload$"):
+        compare(ref, tgt, workers=3, allow_partial=True)
 
 
 class _Rec:
@@ -88,3 +171,35 @@ def test_read_ahead_stays_within_its_depth_and_serves_in_order():
             ahead.release(i)
     assert got == [[2.0 * i, 2.0 * i + 1] for i in range(6)]
     assert max(log) <= 4 << 20  # the job in use + one job ahead (2 + 2 MiB), never three jobs
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are used on Linux only")
+def test_fork_is_refused_beside_a_thread_not_marked_fork_safe(monkeypatch):
+    """A caller's own thread could hold a lock a child inherits: then compare uses threads; the
+    progress display's threads mark themselves fork-safe and do not stop the fork."""
+    from ffdebug.comparison.forked import fork_usable
+    from ffdebug.progress_hook import FORK_SAFE
+
+    other = threading.Thread(target=lambda: None)
+    alive = [threading.current_thread()]
+    monkeypatch.setattr(threading, "enumerate", lambda: list(alive))
+    assert fork_usable()
+    alive.append(other)
+    assert not fork_usable()
+    setattr(other, FORK_SAFE, True)
+    assert fork_usable()
+
+
+def test_free_cores_counts_what_runs_now_not_the_last_minute(monkeypatch):
+    """2 cores, a load average of 1.9 left by the last minute's commands, this process the only
+    task runnable now: both cores are free. With another task running now, one is."""
+    from ffdebug.comparison import parallel
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 0.5))
+    monkeypatch.setattr(parallel, "_running_now", lambda: 1)
+    assert parallel.free_cores() == 2
+    monkeypatch.setattr(parallel, "_running_now", lambda: 2)
+    assert parallel.free_cores() == 1
+    monkeypatch.setattr(parallel, "_running_now", lambda: None)  # no /proc: the load average alone
+    assert parallel.free_cores() == 1

@@ -33,7 +33,7 @@ HELP = """Compare a reference dump with a target dump, stage by stage, in float6
   ffdebug compare /tmp/dump/ref /tmp/dump/target --layers 0-3 --stages 'L*.ffn_*'
   ffdebug compare ref-vs-target --dir D --threshold 'final.logits:cos>=0.999,rel<=0.05' --json
   ffdebug compare run1 run2 --exact          # run-to-run determinism: any bit difference fails
-  ffdebug compare ref-vs-target --dir D --workers 2   # two threads comparing whole tensors
+  ffdebug compare ref-vs-target --dir D --workers 2   # two workers comparing whole tensors
   ffdebug compare --dir D --exclude 'L*' --alias-file taps.txt   # a trainer's scalars only
   ffdebug compare ref-vs-target --dir D --noise /tmp/dump/ref_2threads   # error beyond noise: diverge
   ffdebug compare ref-vs-target --dir D --threshold 'L*.attn_out:rel<=0.02,atol=1e-4'
@@ -84,8 +84,8 @@ def register(app: typer.Typer) -> None:
             None,
             "--workers",
             min=1,
-            help="Threads comparing whole tensors in parallel (default: one per free core); "
-            "the output is bit-identical at any count.",
+            help="Workers comparing whole tensors in parallel: forked processes on Linux, else "
+            "threads (default: one per free core); the output is bit-identical at any count.",
         ),
     ) -> None:
         from ffdebug.comparison.engine import compare

@@ -9,6 +9,7 @@ from ffdebug.capture.stage_map import StageMap
 from ffdebug.comparison import near_zero, parallel
 from ffdebug.comparison.align import TokenLayout, align, layouts
 from ffdebug.comparison.estimates import sketch_compare, sketch_of, stats_compare
+from ffdebug.comparison.forked import ForkPool, fork_usable
 from ffdebug.comparison.inputs_gate import check_trainer_inputs
 from ffdebug.comparison.metrics import compare_tensors, logits_metrics
 from ffdebug.comparison.noise import apply_noise, exact_prefix_with_noise, noise_index
@@ -395,6 +396,12 @@ def _map_units(
     jobs = [_payload_records(u) for u in units]
     n = workers if workers is not None else parallel.auto_workers(jobs, READ_AHEAD_BYTES)
     sizes = [sum(record_bytes(r) for r in job) for job in jobs]
+
+    def unit_mask(i: int) -> tuple[TokenLayout, TokenLayout]:
+        return (masks or {}).get(id(units[i].group), (TokenLayout(), TokenLayout()))
+
+    if n > 1 and len(units) > 1 and fork_usable():  # before progress starts its thread
+        return _map_units_forked(units, thresholds, exact, unit_mask, min(n, len(units)), sizes, progress)
     if progress is not None:
         progress.begin(len(units), sum(sizes))
     with ReadAhead(jobs, READ_AHEAD_BYTES) as ahead:
@@ -402,14 +409,52 @@ def _map_units(
         def one(i: int) -> tuple:
             try:  # single_thread is per Python thread: each worker sets its own
                 with single_thread():
-                    mask = (masks or {}).get(id(units[i].group), (TokenLayout(), TokenLayout()))
-                    return _compare_unit(units[i], thresholds, exact, ahead.take(i), mask)
+                    return _compare_unit(units[i], thresholds, exact, ahead.take(i), unit_mask(i))
             finally:
                 ahead.release(i)
                 if progress is not None:
                     progress.advance(sizes[i])
 
         return parallel.map_ordered(one, len(units), n)
+
+
+def _map_units_forked(units, thresholds, exact, unit_mask, n: int, sizes, progress) -> list[tuple]:
+    """`_map_units` on `n` forked worker processes (`ffdebug.comparison.forked`): each child reads
+    its units' payloads itself and sends back their results; the record pairs come back as
+    references to the unit's own records (only a record folded from ranks travels whole)."""
+    from ffdebug._chunks import single_thread
+
+    def one(i: int) -> tuple:
+        with single_thread():
+            results, records, reading = _compare_unit(units[i], thresholds, exact, Record.load, unit_mask(i))
+        return results, _record_refs(units[i], records), reading
+
+    def what(i: int) -> str:
+        return f"stage {units[i].ref.key!r} (rank {units[i].ref.rank or 0})"
+
+    with ForkPool(one, n, what) as pool:
+        if progress is not None:
+            progress.begin(len(units), sum(sizes))
+        done = pool.map(
+            len(units), (lambda i: progress.advance(sizes[i])) if progress is not None else (lambda i: None)
+        )
+    return [(results, _resolve_refs(u, refs), reading) for u, (results, refs, reading) in zip(units, done)]
+
+
+def _unit_records(unit: StageUnit) -> list[Record]:
+    return [unit.ref, unit.target, *unit.replicas]
+
+
+def _record_refs(unit: StageUnit, pairs: list[tuple]) -> list[tuple]:
+    """The record pairs with each of the unit's own records replaced by its index (a child's copies
+    are not the parent's objects, which `CompareResult.records` must hold)."""
+    index = {id(rec): k for k, rec in enumerate(_unit_records(unit))}
+    return [tuple(index.get(id(rec), rec) for rec in pair) for pair in pairs]
+
+
+def _resolve_refs(unit: StageUnit, refs: list[tuple]) -> list[tuple]:
+    own = _unit_records(unit)
+    return [tuple(own[x] if isinstance(x, int) else x for x in pair) for pair in refs]
 
 
 def _payload_records(unit: StageUnit) -> list[Record]:

@@ -1,10 +1,11 @@
-"""Whole tensors compared on several threads when cores are free (README "Benchmarks").
+"""Whole tensors compared on several workers when cores are free (README "Benchmarks").
 
 The unit of work is one stage unit (a reference tensor against its target tensor or ranks):
 its float64 reduction runs start to end on one worker and one intra-op thread, in the same chunk
-order as with one worker, so the JSON is bit-identical at any worker count. Threads, not
-processes: each 64 Ki-element kernel of the chunk loop releases the GIL, and a process pool would
-pay torch's import in every worker.
+order as with one worker, so the JSON is bit-identical at any worker count. Workers are forked
+processes where that is safe (`ffdebug.comparison.forked`: each has its own GIL and inherits
+`import torch`), else the threads of `map_ordered` (each kernel of the chunk loop releases the
+GIL, but handing it over between kernels costs about as much as one: 1.1-1.2 x on two cores).
 """
 
 from __future__ import annotations
@@ -17,17 +18,32 @@ MAX_WORKERS = 8
 
 
 def free_cores() -> int:
-    """Cores this process may use minus the 1-minute load average (other work on the machine),
-    counting this process's own main thread as busy; at least 1."""
+    """Cores this process may use minus the other work running on them, counting this process's
+    own main thread as busy; at least 1. The other work is the lower of the 1-minute load
+    average and the tasks runnable right now (Linux `/proc/loadavg`) less this one: the load
+    average alone still counts the commands of the last minute (a user's previous compare, a
+    benchmark's previous run) and left an idle 2-core machine one worker."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     try:
-        load = os.getloadavg()[0]
+        busy = os.getloadavg()[0]
     except OSError:
-        load = 0.0
-    return max(1, int(cores - load))
+        busy = 0.0
+    running = _running_now()
+    if running is not None:
+        busy = min(busy, running - 1)
+    return max(1, int(cores - busy))
+
+
+def _running_now() -> int | None:
+    """Tasks runnable at this moment, this process included (`/proc/loadavg`: "0.20 0.18 0.12 1/80 …")."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def auto_workers(jobs: list[list], budget_bytes: int) -> int:

@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ffdebug.logs import PROGRESS, get_logger
+from ffdebug.progress_hook import FORK_SAFE
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -132,7 +133,10 @@ class Progress:
             )
             self._bar_task = self._bar.add_task(self.task, total=self.total, detail="")
             self._update_bar()
+            before = set(threading.enumerate())
             self._bar.start()
+            for thread in set(threading.enumerate()) - before:  # rich's refresh thread
+                setattr(thread, FORK_SAFE, True)
 
     def _tick(self) -> None:
         """Without a terminal: a line every `interval` seconds until the work ends."""
@@ -154,6 +158,7 @@ class Progress:
         if self._thread is not None:
             self._thread.daemon = True
             self._thread.name = "ffdebug-progress"
+            setattr(self._thread, FORK_SAFE, True)  # compare's forked workers never call into it
             self._thread.start()
         return self
 

@@ -1,0 +1,176 @@
+"""Whole stage units compared in forked worker processes (README "Benchmarks").
+
+Why processes: each 64 Ki-element kernel of the chunk loop takes 5-20 µs, about what handing
+the GIL from one thread to another costs on a busy core, so worker threads gained 1.1-1.2 x on two
+cores; forked workers each have their own interpreter and gained 1.9-2 x (bench/README.md).
+Forked, not spawned: a child starts as a copy of the parent after `import torch` and the store
+reading, so it pays neither again and needs nothing pickled but unit indices and results.
+
+`ForkPool(fn, workers)` forks `workers` children at once; `map(n, done)` hands indices 0..n-1 to
+whichever child is free and returns [fn(0), ..., fn(n-1)] in index order, calling `done(i)` in the
+parent as each result arrives; the first error in index order is raised once the children in
+flight have answered. A child that dies (killed, out of memory) is reported in one line naming
+the unit it held, never waited for. `close()` ends every child, killing any that does not stop.
+Each child ignores SIGINT (the parent, told to stop, kills them) and leaves with `os._exit`, so
+no parent cleanup or buffered output runs twice.
+
+Used only where `fork_usable()`: Linux (fork after `import torch` is how its data loaders start
+workers there), and a parent with no other Python thread, whose locks a child could inherit held —
+except threads marked fork-safe (`FORK_SAFE` set on the thread: the CLI's progress ticker and bar,
+which a child never calls into; logging re-creates its locks in a child itself).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from ffdebug.errors import FFDebugError
+from ffdebug.progress_hook import FORK_SAFE
+
+_STOP_SECONDS = 2.0  # a child told to stop gets this long before it is killed
+
+
+def fork_usable() -> bool:
+    """Forking is safe and cheap here: Linux, and no other Python thread but fork-safe ones."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "fork")):
+        return False
+    me = threading.current_thread()
+    return all(t is me or getattr(t, FORK_SAFE, False) for t in threading.enumerate())
+
+
+class ForkPool:
+    """`workers` forked children running `fn(i)` for the indices sent to them."""
+
+    def __init__(self, fn: Callable[[int], object], workers: int, what: Callable[[int], str] = str) -> None:
+        from multiprocessing.connection import Pipe
+
+        self._what = what  # names index i in a dead child's message
+        self._children: dict = {}  # parent end of the pipe -> child pid
+        sys.stdout.flush()  # a child must not inherit (and later write) unflushed output
+        sys.stderr.flush()
+        try:
+            for _ in range(workers):
+                mine, theirs = Pipe()
+                pid = os.fork()
+                if pid == 0:  # the child: never returns
+                    mine.close()
+                    for other in self._children:
+                        other.close()
+                    _serve(fn, theirs)
+                theirs.close()
+                self._children[mine] = pid
+        except BaseException:
+            self.close()
+            raise
+
+    def map(self, n: int, done: Callable[[int], None] = lambda i: None) -> list:
+        from multiprocessing.connection import wait
+
+        results: list = [None] * n
+        errors: dict[int, BaseException] = {}
+        busy: dict = {}  # parent end -> index it is computing
+        todo = iter(range(n))
+
+        def hand_out(conn) -> None:
+            i = next(todo, None) if not errors else None
+            if i is not None:
+                conn.send(i)
+                busy[conn] = i
+
+        for conn in self._children:
+            hand_out(conn)
+        while busy:
+            for conn in wait(list(busy)):
+                i = busy.pop(conn)
+                try:
+                    kind, value = conn.recv()
+                except (EOFError, OSError):
+                    raise self._died(conn, i) from None
+                if kind == "done":
+                    results[i] = value
+                    done(i)
+                else:
+                    errors[i] = value
+                hand_out(conn)
+        if errors:
+            raise errors[min(errors)]
+        return results
+
+    def _died(self, conn, i: int) -> FFDebugError:
+        pid = self._children.pop(conn)
+        conn.close()
+        try:
+            _, status = os.waitpid(pid, 0)
+            how = _ending(status)
+        except ChildProcessError:
+            how = "ended"
+        return FFDebugError(
+            f"a compare worker process {how} while comparing {self._what(i)} (out of memory?); "
+            "re-run with --workers 1 to compare on one thread"
+        )
+
+    def close(self) -> None:
+        """Stop every child (a stop message, then SIGKILL after `_STOP_SECONDS`) and reap it."""
+        import time
+
+        for conn in self._children:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + _STOP_SECONDS
+        for conn, pid in list(self._children.items()):
+            conn.close()
+            while True:
+                try:
+                    got, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if got:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.005)
+        self._children.clear()
+
+    def __enter__(self) -> ForkPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _ending(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+def _serve(fn: Callable[[int], object], conn) -> None:
+    """The child's loop: an index in, ("done", fn(i)) or ("error", exception) out, until None."""
+    code = 0
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        while True:
+            i = conn.recv()
+            if i is None:
+                break
+            try:
+                reply = ("done", fn(i))
+            except BaseException as err:  # raised in the parent, in index order
+                reply = ("error", err)
+            try:
+                conn.send(reply)
+            except Exception as err:  # a result or an exception that does not pickle
+                conn.send(("error", RuntimeError(f"compare worker could not return its result: {err!r}")))
+    except BaseException:
+        code = 1
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
