@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 MAX_WORKERS = 8
+PARALLEL_MIN_BYTES = 64 << 20  # below this, one worker (about 30 ms of maths on one core)
 
 
 def free_cores() -> int:
@@ -47,10 +48,15 @@ def _running_now() -> int | None:
 
 
 def auto_workers(jobs: list[list], budget_bytes: int) -> int:
-    """One worker per free core, as many as the memory budget holds jobs of the largest size."""
+    """One worker per free core, as many as the memory budget holds jobs of the largest size; one
+    for less than `PARALLEL_MIN_BYTES` of payloads, which one worker compares in the time it takes
+    to start a pool (forking two workers costs about 20 ms)."""
     from ffdebug.io.prefetch import record_bytes
 
-    largest = max((sum(record_bytes(r) for r in job) for job in jobs), default=0)
+    sizes = [sum(record_bytes(r) for r in job) for job in jobs]
+    if sum(sizes) < PARALLEL_MIN_BYTES:
+        return 1
+    largest = max(sizes, default=0)
     by_memory = budget_bytes // largest if largest else MAX_WORKERS
     busy = sum(1 for job in jobs if job)
     return max(1, min(free_cores(), MAX_WORKERS, by_memory, busy))

@@ -70,7 +70,13 @@ def _alarm(signum, frame):
     raise Hung(f"a command ran past {CASE_TIMEOUT_S} s")
 
 
+# facts about the machine, not anyone's files: compare sizes its worker pool from the tasks runnable now
+_MACHINE_FACTS = ("/proc/loadavg",)
+
+
 def _inside(path: str, roots: list[str]) -> bool:
+    if path in _MACHINE_FACTS:
+        return True
     full = os.path.normpath(os.path.abspath(path))
     real = os.path.realpath(os.path.dirname(full))
     if full.startswith(_ALLOWED_PREFIXES) or real.startswith(_ALLOWED_PREFIXES):
