@@ -149,6 +149,7 @@ WEIGHTS = {
     "match_content": "off",
     "init": "m:init",
     "init_side": "ref",
+    "workers": 3,
 }
 
 
@@ -166,7 +167,7 @@ def _options(fn) -> set[str]:
         (
             "load_audit",
             "ffdebug.weights.audit.load_audit",
-            {k: v for k, v in WEIGHTS.items() if k not in ("auto_stack", "init_side")},
+            {k: v for k, v in WEIGHTS.items() if k not in ("auto_stack", "init_side", "workers")},
         ),
     ],
 )

@@ -215,6 +215,7 @@ def weights_diff(
     match_content: Literal["auto", "off"] = "auto",
     init: Weights | None = None,
     init_side: Literal["ref", "target"] = "target",
+    workers: int | None = None,
     schema_only: bool = False,
     progress: ProgressHook | None = None,
 ) -> WeightsDiffResult:
@@ -226,7 +227,7 @@ def weights_diff(
     ('[ref:|target:]GLOB=transpose|module:function'), `dequant`, `tp_merge` ('auto' or a dim),
     `thresholds`, `fail_on`, `allow_dtype`, `match_content`, `init` (the port built without
     loading: a tensor still equal to it is not_loaded) and the side it builds (`init_side`),
-    `schema_only`, a `progress` hook.
+    `workers` (None: one per free core), `schema_only`, a `progress` hook.
 
     Example::
 
@@ -258,6 +259,7 @@ def weights_diff(
         match_content=match_content,
         init=init,
         init_side=init_side,
+        workers=workers,
     )
     return diff.schema_result() if schema_only else diff.run(progress=progress)
 

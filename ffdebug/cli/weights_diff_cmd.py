@@ -165,6 +165,13 @@ def _register_weights_diff(app: typer.Typer, names: dict) -> None:
         schema_only: bool = typer.Option(False, "--schema-only", help="Stop after the schema diff."),
         show_all: bool = typer.Option(False, "--all", help="List byte-equal tensors too."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output with the stable keys."),
+        workers: int = typer.Option(
+            None,
+            "--workers",
+            min=1,
+            help="Workers comparing tensor pairs in parallel: forked processes on Linux, else one "
+            "(default: one per free core); the output is the same at any count.",
+        ),
     ) -> None:
         from ffdebug.weights.diff import WeightsDiff
 
@@ -187,6 +194,7 @@ def _register_weights_diff(app: typer.Typer, names: dict) -> None:
             allow_dtype=allow_dtype,
             match_content=match_content,
             init=init,
+            workers=workers,
         )
         _render_diff(diff, schema_only, show_all, json_out)
 

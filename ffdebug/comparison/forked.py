@@ -109,8 +109,8 @@ class ForkPool:
         except ChildProcessError:
             how = "ended"
         return FFDebugError(
-            f"a compare worker process {how} while comparing {self._what(i)} (out of memory?); "
-            "re-run with --workers 1 to compare on one thread"
+            f"a worker process {how} while comparing {self._what(i)} (out of memory?); "
+            "re-run with --workers 1 to compare in this process alone"
         )
 
     def close(self) -> None:
@@ -168,7 +168,7 @@ def _serve(fn: Callable[[int], object], conn) -> None:
             try:
                 conn.send(reply)
             except Exception as err:  # a result or an exception that does not pickle
-                conn.send(("error", RuntimeError(f"compare worker could not return its result: {err!r}")))
+                conn.send(("error", RuntimeError(f"a worker process could not return its result: {err!r}")))
     except BaseException:
         code = 1
     finally:

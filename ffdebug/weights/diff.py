@@ -17,6 +17,7 @@ numerics per tensor, one tensor pair in memory at a time (docs/weights-diff.md).
 from __future__ import annotations
 
 from ffdebug import verdict as V
+from ffdebug.comparison.forked import ForkPool, fork_usable
 from ffdebug.errors import FFDebugError
 from ffdebug.progress_hook import ProgressHook
 from ffdebug.results import TensorDiff, WeightsDiffResult
@@ -42,6 +43,8 @@ from ffdebug.weights.schema_diff import Schema, schema_of, shape_after
 from ffdebug.weights.sources import WeightSource, open_source
 from ffdebug.weights.tp import Logical
 from ffdebug.weights.transforms import parse_transform
+
+WORKER_BUDGET_BYTES = 512 << 20  # stored bytes the workers hold at once (peak RSS < 1 GiB at 2 x 2 GiB)
 
 STABLE_KEYS = (
     "verdict",
@@ -103,9 +106,13 @@ class WeightsDiff:
         match_content: str = "auto",
         init=None,
         init_side: str = "target",
+        workers: int | None = None,
     ) -> None:
         from ffdebug._env import parse_layers
 
+        if workers is not None and (type(workers) is not int or workers < 1):
+            raise FFDebugError(f"--workers {workers!r}: give a whole number of at least 1")
+        self.workers = workers
         self.match_content = _check_choice("--match-content", match_content, ("auto", "off"))
         self.init_side = _check_choice("init_side", init_side, ("ref", "target"))
         self.dequant = _check_choice("--dequant", dequant, ("auto", "always", "none"))
@@ -243,11 +250,14 @@ class WeightsDiff:
     # -- numerics -------------------------------------------------------------------------------
 
     def run(self, on_tensor=None, progress: ProgressHook | None = None) -> WeightsDiffResult:
-        """Numerics for every paired tensor, one pair in memory at a time; `progress` hears the
-        number of pairs and their stored bytes, then each pair as it is done.
+        """Numerics for every paired tensor, one pair in memory at a time per worker; `progress`
+        hears the number of pairs and their stored bytes, then each pair as it is done.
 
-        Runs single-threaded: the 64 Ki-element chunk ops gain nothing from torch's thread pool,
-        and with a busy core its spin-waits made a 2 × 2 GiB diff 8× slower on a 2-core machine.
+        Each worker runs on one intra-op thread: the 64 Ki-element chunk ops gain nothing from
+        torch's thread pool, and with a busy core its spin-waits made a 2 × 2 GiB diff 8× slower
+        on a 2-core machine. Workers are forked processes, as compare's (`workers`, else one per
+        free core from 64 MiB of tensors on; `ffdebug.comparison.forked`); the result is the same
+        at any worker count.
         """
         from ffdebug._chunks import single_thread
 
@@ -300,26 +310,87 @@ class WeightsDiff:
         tensors, replica = [], []
         names = self.order()
         sizes = {n: _stored_bytes(self.ref[n]) + _stored_bytes(self.tgt[n]) for n in names}
-        if progress is not None:
-            progress.begin(len(names), sum(sizes.values()))
-        for name in names:
-            r, t = self.ref[name], self.tgt[name]
-            if not self._comparable(name, r, t):
-                if progress is not None:
-                    progress.advance(0)
-                continue
-            entry = self._compare(name, r, t)
+        jobs = self._jobs(names)
+        n = self._worker_count(jobs, sizes)
+        forked = n > 1 and fork_usable()  # before progress starts its thread
+        pool = (
+            ForkPool(lambda j: [self._one(x) for x in jobs[j]], n, lambda j: repr(jobs[j][0]))
+            if forked
+            else None
+        )
+        try:
             if progress is not None:
-                progress.advance(sizes[name])
-            for side, lg in (("ref", r), ("target", t)):
-                if lg.replica_mismatch:
-                    replica.append({"name": name, "side": side, "ranks": list(lg.replica_mismatch)})
+                progress.begin(len(names), sum(sizes.values()))
+
+            def advance(j: int) -> None:
+                if progress is not None:
+                    for x in jobs[j]:
+                        progress.advance(sizes[x] if self._comparable(x, self.ref[x], self.tgt[x]) else 0)
+
+            if pool is not None:
+                done = pool.map(len(jobs), advance)
+            else:
+                done = []
+                for j, job in enumerate(jobs):
+                    done.append([self._one(x) for x in job])
+                    advance(j)
+        finally:
+            if pool is not None:
+                pool.close()
+        for entry, rows in (x for job in done for x in job):
+            replica.extend(rows)
             if entry is None:
                 continue
             tensors.append(entry)
             if on_tensor is not None:
                 on_tensor(entry)
         return self.result(tensors, replica)
+
+    def _one(self, name: str) -> tuple[TensorDiff | None, list[dict]]:
+        """The numerics of one paired name, and its sides' replicas that differ across ranks."""
+        r, t = self.ref[name], self.tgt[name]
+        if not self._comparable(name, r, t):
+            return None, []
+        entry = self._compare(name, r, t)
+        rows = [
+            {"name": name, "side": side, "ranks": list(lg.replica_mismatch)}
+            for side, lg in (("ref", r), ("target", t))
+            if lg.replica_mismatch
+        ]
+        return entry, rows
+
+    def _jobs(self, names: list[str]) -> list[list[str]]:
+        """`names` (in `order()`) cut into runs for the workers: a cut falls only between two plain
+        tensors, so the parts of one stacked, fused or content-matched tensor stay on the worker
+        that holds it in memory (`TensorLoader` keeps one of each)."""
+        jobs: list[list[str]] = []
+        for name in names:
+            if jobs and not (
+                _plain(self.ref[jobs[-1][-1]], self.tgt[jobs[-1][-1]])
+                and _plain(self.ref[name], self.tgt[name])
+            ):
+                jobs[-1].append(name)
+            else:
+                jobs.append([name])
+        return jobs
+
+    def _worker_count(self, jobs: list[list[str]], sizes: dict[str, int]) -> int:
+        """`workers`, else one per free core, as many as `WORKER_BUDGET_BYTES` holds jobs of the
+        largest size; one under `PARALLEL_MIN_BYTES` (`ffdebug.comparison.parallel`)."""
+        from ffdebug.comparison import parallel
+
+        if self.workers is not None:
+            return min(self.workers, max(1, len(jobs)))
+        job_bytes = [sum(sizes[x] for x in job) for job in jobs]
+        if sum(job_bytes) < parallel.PARALLEL_MIN_BYTES:
+            return 1
+        by_memory = WORKER_BUDGET_BYTES // max(max(job_bytes, default=1), 1)
+        return max(1, min(parallel.free_cores(), parallel.MAX_WORKERS, by_memory, len(jobs)))
+
+
+def _plain(r: Logical, t: Logical) -> bool:
+    """Neither side is built from a tensor another name shares (stacked, fused, content-matched)."""
+    return all(lg.build is None and lg.stacked_from is None and lg.relation is None for lg in (r, t))
 
 
 def _stored_bytes(t: Logical) -> int:
