@@ -7,7 +7,7 @@ Forked, not spawned: a child starts as a copy of the parent after `import torch`
 reading, so it pays neither again and needs nothing pickled but unit indices and results.
 
 `ForkPool(fn, workers)` forks `workers` children at once; `map(n, done)` hands indices 0..n-1 to
-whichever child is free and returns [fn(0), ..., fn(n-1)] in index order, calling `done(i)` in the
+whichever child is free (two queued per child, so none waits on the round trip) and returns [fn(0), ..., fn(n-1)] in index order, calling `done(i)` in the
 parent as each result arrives; the first error in index order is raised once the children in
 flight have answered. A child that dies (killed, out of memory) is reported in one line naming
 the unit it held, never waited for. `close()` ends every child, killing any that does not stop.
@@ -32,6 +32,7 @@ from ffdebug.errors import FFDebugError
 from ffdebug.progress_hook import FORK_SAFE
 
 _STOP_SECONDS = 2.0  # a child told to stop gets this long before it is killed
+QUEUED_PER_CHILD = 2  # indices sent to a child ahead of its results
 
 
 def fork_usable() -> bool:
@@ -68,24 +69,26 @@ class ForkPool:
             raise
 
     def map(self, n: int, done: Callable[[int], None] = lambda i: None) -> list:
+        from collections import deque
         from multiprocessing.connection import wait
 
         results: list = [None] * n
         errors: dict[int, BaseException] = {}
-        busy: dict = {}  # parent end -> index it is computing
+        queued: dict = {conn: deque() for conn in self._children}  # parent end -> its indices, in order
         todo = iter(range(n))
 
         def hand_out(conn) -> None:
             i = next(todo, None) if not errors else None
             if i is not None:
                 conn.send(i)
-                busy[conn] = i
+                queued[conn].append(i)
 
-        for conn in self._children:
-            hand_out(conn)
-        while busy:
-            for conn in wait(list(busy)):
-                i = busy.pop(conn)
+        for _ in range(QUEUED_PER_CHILD):  # the next index waits in the pipe: a child never idles
+            for conn in self._children:  # on the round trip, which is as long as a small unit
+                hand_out(conn)
+        while any(queued.values()):
+            for conn in wait([c for c, q in queued.items() if q]):
+                i = queued[conn].popleft()
                 try:
                     kind, value = conn.recv()
                 except (EOFError, OSError):
