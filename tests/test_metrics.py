@@ -230,3 +230,13 @@ def test_threshold_bounds_validated():
         parse_threshold("L*:cos>=2")
     with pytest.raises(FFDebugError, match=">= 0"):
         parse_threshold("L*:rel<=-0.1")
+
+
+def test_float16_goes_through_float32_to_the_same_values():
+    """float16 chunks are staged through a float32 row (torch's direct float16 -> float64 copy is
+    slow); both conversions are exact, so every metric equals that of the float32 upcast."""
+    g = torch.Generator().manual_seed(3)
+    r = torch.randn(2 * CHUNK + 11, generator=g).half()
+    t = (r.float() + 1e-2 * torch.randn(r.shape, generator=g)).half()
+    t[5] = r[5]
+    assert compare_tensors(r, t).to_json() == compare_tensors(r.float(), t.float()).to_json()
