@@ -46,7 +46,6 @@ def _work_rows():
     """The thread's two float64 work rows (`ffdebug._chunks.work_rows`: r, and t then t − r in
     place), with their numpy view and a bool row for the equal-bits test kept beside them."""
     import numpy as np
-
     import torch
 
     rows, view = work_rows()
