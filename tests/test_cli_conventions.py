@@ -539,3 +539,35 @@ def test_a_value_our_code_refuses_names_its_option(option, value, long_keys):
         error = json.loads(result.stdout)["error"]
         assert result.exit_code == 2 and error["where"] == f"ffdebug compare {option}", error
         assert error["message"].startswith(f"{option} ") and value in error["message"]
+
+
+def _no_layer_stores(root: Path) -> tuple[Path, Path]:
+    """Stores with only `embed.input_ids` and `final.logits` (the target's negated: a bug)."""
+    for side, sign in (("ref", 1.0), ("target", -1.0)):
+        with ffdebug.capture(None, dir=root, side=side):
+            ffdebug.tap("embed.input_ids", torch.tensor([[1, 2, 3]]), input_ids=True)
+            ffdebug.tap("final.logits", sign * torch.arange(30.0).reshape(3, 10))
+    return root / "ref", root / "target"
+
+
+@pytest.mark.parametrize("option", ["-q", "--quiet", "-v", "--verbose"])
+def test_a_global_option_after_the_command_says_where_it_goes(option, tmp_path):
+    """`ffdebug compare A B -q` is a usage error (exit 2) whose one line says -q goes before the
+    command, not only "No such option"."""
+    ref, tgt = _no_layer_stores(tmp_path)
+    result = runner.invoke(app, ["compare", str(ref), str(tgt), option], prog_name="ffdebug")
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert f"{option} is an option of ffdebug itself, not of compare: put it before the command" in line
+    assert f"'ffdebug {option} compare …'" in line
+    assert runner.invoke(app, [option, "compare", str(ref), str(tgt)]).exit_code == 1  # there it works
+
+
+def test_bisect_without_layer_stages_says_so_instead_of_an_empty_table(tmp_path):
+    ref, tgt = _no_layer_stores(tmp_path)
+    result = runner.invoke(app, ["bisect", str(ref), str(tgt), "--all"], env={"COLUMNS": "100"})
+    assert result.exit_code == 1
+    assert "No layer table: neither store holds a layer stage (L<n>.*)." in result.stdout
+    assert "layers (block output vs reference)" not in result.stdout
+    assert "final.logits" in result.stdout

@@ -18,6 +18,8 @@ import typer
 from typer._click import exceptions as click_errors  # the click typer parses with (vendored)
 from typer.core import TyperGroup
 
+from ffdebug.cli.conventions import GLOBAL_OPTIONS
+
 
 @dataclass(frozen=True)
 class Failure:
@@ -132,6 +134,14 @@ class OneLineErrors(TyperGroup):
         message = " ".join(err.format_message().split()).rstrip(".")  # click's ends in "." before our "; see"
         ctx = getattr(err, "ctx", None)
         where = ctx.command_path if ctx is not None else self.command_path(argv)
+        misplaced = getattr(err, "option_name", None)
+        if isinstance(err, click_errors.NoSuchOption) and misplaced in GLOBAL_OPTIONS and ctx.parent:
+            program, command = ctx.parent.command_path, ctx.info_name
+            message = (
+                f"{misplaced} is an option of {program} itself, not of {command}: put it before the "
+                f"command, as in '{program} {misplaced} {command} …'"
+            )
+            return Failure(err.exit_code, message, None, where)
         param = getattr(err, "param", None)
         if param is not None and getattr(param, "opts", None):
             where += f" {param.opts[0]}"

@@ -33,6 +33,9 @@ def plain_flags() -> None:
     TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
+GLOBAL_OPTIONS = ("--version", "--verbose", "-v", "--quiet", "-q")  # before the command, not after
+
+
 def add_global_options(app: typer.Typer, program: str) -> None:
     """`--version`, `-v` and `-q` on `app` (a callback run before any command)."""
 

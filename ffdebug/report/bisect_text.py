@@ -106,7 +106,10 @@ def print_bisect(
 ) -> None:
     """The layer table, the stages, the notes and the one-sentence conclusion; `html`: the report written."""
     console = console or Console()
-    console.print(layers_table(result))
+    if result.layers:
+        console.print(layers_table(result))
+    else:  # an empty table would look like a rendering fault
+        console.print("No layer table: neither store holds a layer stage (L<n>.*).")
     first = result.first_divergence
     if first is not None and first.layer is not None and not all_stages:
         rows = [e for e in result.stages if e.layer == first.layer]
