@@ -86,7 +86,11 @@ def test_malformed_manifest_line_exit_2(tmp_path):
     path = side / "rank000" / "manifest.jsonl"
     lines = path.read_text().splitlines()
     path.write_text(lines[0] + "\n" + "{not json\n" + lines[1] + "\n")
-    _one_line_error(runner.invoke(app, ["inspect", str(side)]), "manifest.jsonl:2", "malformed manifest line")
+    _one_line_error(
+        runner.invoke(app, ["inspect", str(side)]),
+        "manifest.jsonl:2",
+        "malformed manifest line (Expecting property name enclosed in double quotes at column 2)",
+    )
 
 
 @pytest.mark.integration
@@ -193,3 +197,18 @@ def test_garbage_run_json_and_missing_dir_exit_2(tmp_path):
     _one_line_error(runner.invoke(app, ["inspect", str(tmp_path / "ref")]), "run.json", "re-run the dump")
     r = runner.invoke(app, ["compare", "ref-vs-target", "--dir", str(tmp_path / "nope")])
     _one_line_error(r, "nope", "does not exist")
+
+
+def test_malformed_json_file_error_gives_line_and_column(tmp_path):
+    """A damaged multi-line JSON file (run.json, status.json) is placed by line and column."""
+    from ffdebug.errors import FFDebugError
+    from ffdebug.io.contained import read_json
+
+    path = tmp_path / "run.json"
+    path.write_text('{\n "side": "ref",\n "rank" 0\n}\n')
+    with pytest.raises(FFDebugError) as err:
+        read_json(str(path), "run.json")
+    assert str(err.value) == (
+        f"{path}: malformed run.json (Expecting ':' delimiter at line 3, column 9); "
+        "the store is damaged — re-run the dump"
+    )

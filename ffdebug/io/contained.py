@@ -151,10 +151,19 @@ def loads_bounded(text: str, where: str, what: str):
     try:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError) as err:
-        reason = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deep"
+        reason = _decode_reason(err) if isinstance(err, json.JSONDecodeError) else "nested too deep"
         raise FFDebugError(
             f"{where}: malformed {what} ({reason}); the store is damaged — re-run the dump"
         ) from None
+
+
+def _decode_reason(err: json.JSONDecodeError) -> str:
+    """json's message and where: "Expecting ',' delimiter at column 17" (a one-line document, a
+    manifest line) or "… at line 3, column 5"."""
+    one_line = "\n" not in err.doc.rstrip("\n")
+    return f"{err.msg} at " + (
+        f"column {err.colno}" if one_line else f"line {err.lineno}, column {err.colno}"
+    )
 
 
 def read_json(path: str, what: str, limit: int = MAX_JSON_FILE_BYTES, follow: bool = False):
