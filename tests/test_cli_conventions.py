@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import statistics
 from pathlib import Path
 
@@ -86,10 +87,16 @@ def test_completion_completes_commands_and_options():
 
 @pytest.mark.parametrize("path", [(), *(p for p, _ in COMMANDS)], ids=lambda p: " ".join(p) or "ffdebug")
 def test_help_shows_no_type_beside_a_flag(path):
-    """`--json`, not `--json <bool>` (typer prints a type beside every option, flags included)."""
+    """`--json`, not `--json <bool>` (typer prints a type beside every option, flags included), and
+    a repeatable option or variadic argument shows its element's type, not `<list[str]>`."""
     result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "<bool>" not in result.stdout and "--help" in result.stdout
+    assert "<list[" not in result.stdout
+    if path == ("compare",):
+        assert re.search(r"sides\.\.\. +<str> ", result.stdout) and re.search(
+            r"--stages +<str> ", result.stdout
+        )
 
 
 def _error_object(result) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from typer.core import TyperOption
+from typer.core import TyperArgument, TyperOption
 
 GLOBAL_HELP = (
     "\n\nGlobal options go before the command: [bold]{program} -q COMMAND ...[/bold] (errors only), "
@@ -19,18 +19,32 @@ GLOBAL_HELP = (
 
 def plain_flags() -> None:
     """Help shows no type beside a flag or a counter (`--json`, not `--json <bool>`; `-v`, not
-    `-v <int>`): typer's rich help prints every option's type, flags included."""
+    `-v <int>`): typer's rich help prints every option's type, flags included. A repeatable
+    option or a variadic argument shows its element's type (`--stages <str>`, `sides... <str>`),
+    not Python's `<list[str]>`: its help says "(repeatable)", its name ends in "..."."""
     if getattr(TyperOption.display_type_rich, "plain_flags", False):
         return
-    typed = TyperOption.display_type_rich
+    typed_option = TyperOption.display_type_rich
+    typed_argument = TyperArgument.display_type_rich
 
-    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+    def option_type(self: TyperOption, ctx: Any) -> str | None:
         if self.is_flag or self.count:
             return None
-        return typed(self, ctx)
+        return _element_type(typed_option(self, ctx))
 
-    display_type_rich.plain_flags = True  # type: ignore[attr-defined]
-    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+    def argument_type(self: TyperArgument, ctx: Any) -> str | None:
+        return _element_type(typed_argument(self, ctx))
+
+    option_type.plain_flags = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = option_type  # type: ignore[method-assign]
+    TyperArgument.display_type_rich = argument_type  # type: ignore[method-assign]
+
+
+def _element_type(shown: str | None) -> str | None:
+    """`<list[str]>` -> `<str>` (nested lists too); anything else as it is."""
+    while shown and shown.startswith("<list[") and shown.endswith("]>"):
+        shown = "<" + shown[len("<list[") : -len("]>")] + ">"
+    return shown
 
 
 GLOBAL_OPTIONS = ("--version", "--verbose", "-v", "--quiet", "-q")  # before the command, not after
