@@ -20,7 +20,7 @@ import time: the engines are imported by the functions that run them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ffdebug._env import LayerSelection
 from ffdebug.api.analysis import assert_match, bisect, compare, load_audit, weights_diff
@@ -41,10 +41,10 @@ from ffdebug.api.capture import (
 from ffdebug.errors import FFDebugError, InputIdsMismatch
 from ffdebug.progress_hook import ProgressHook
 from ffdebug.verdict import Severity, Threshold
-from ffdebug.version import __version__
 
-if TYPE_CHECKING:  # the result types are imported on first use (below)
+if TYPE_CHECKING:  # the result types and the version are imported on first use (below)
     from ffdebug.results import BisectResult, CompareResult, StageResult, TensorDiff, WeightsDiffResult
+    from ffdebug.version import __version__
     from ffdebug.weights.audit import LoadAuditResult
 
 __all__ = [
@@ -88,12 +88,14 @@ _RESULT_TYPES = {
     "TensorDiff": "ffdebug.results",
     "WeightsDiffResult": "ffdebug.results",
     "LoadAuditResult": "ffdebug.weights.audit",
+    "__version__": "ffdebug.version",  # installed metadata: importlib.metadata costs ~40 ms
 }
 
 
-def __getattr__(name: str) -> type:
-    """The result types, imported on first use: `import ffdebug` (and so every CLI start) stays
-    light, and `ffdebug.weights.audit` pulls in the weights engine."""
+def __getattr__(name: str) -> Any:
+    """The result types and `__version__`, imported on first use: `import ffdebug` (and so every
+    CLI start) stays light, `ffdebug.weights.audit` pulls in the weights engine and the version
+    reads the installed metadata."""
     module = _RESULT_TYPES.get(name)
     if module is None:
         raise AttributeError(f"module 'ffdebug' has no attribute {name!r}")
