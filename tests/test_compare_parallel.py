@@ -222,3 +222,62 @@ def test_auto_workers_stays_at_one_for_small_stores(monkeypatch):
     large = [[Rec(8), Rec(8)] for _ in range(20)]  # 320 MiB, 16 MiB per pair
     assert parallel.auto_workers(large, 256 << 20) == 4
     assert parallel.auto_workers([[Rec(100), Rec(100)]] * 3, 256 << 20) == 1  # one 200 MiB pair fits
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are used on Linux only")
+def test_a_shard_reading_found_in_a_worker_comes_back_as_the_parents_records(tmp_path, monkeypatch):
+    """Target ranks hold undeclared halves of the reference's last dim: a child reads them as a
+    concatenation and folds them. The folded record comes back as its plan over the parent's own
+    rank records — also when those records' sources cannot be pickled (a lambda)."""
+    import dataclasses
+
+    from ffdebug.io.sources import Loader
+    from ffdebug.store.reader import open_side
+
+    hidden = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    full = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2))
+    for side, pieces in (("ref", [full]), ("target", [full[..., :4], full[..., 4:]])):
+        for rank, piece in enumerate(pieces):
+            monkeypatch.setenv("WORLD_SIZE", str(len(pieces)))
+            monkeypatch.setenv("RANK", str(rank))
+            with ffdebug.capture(None, dir=tmp_path, side=side):
+                ffdebug.tap("L000.hidden_in", hidden, layer=0)
+                ffdebug.tap("L000.mlp.proj.out", piece, layer=0)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+
+    def unpicklable(store):
+        records = [
+            dataclasses.replace(r, source=Loader(lambda t=r.load(): t, "fn")) if r.source is not None else r
+            for r in store.records
+        ]
+        return dataclasses.replace(store, records=records)
+
+    a, b = unpicklable(open_side(tmp_path / "ref")), unpicklable(open_side(tmp_path / "target"))
+    monkeypatch.setattr(engine, "fork_usable", lambda: True)
+    one = compare(a, b, workers=1)
+    two = compare(a, b, workers=2)
+    assert json.dumps(two.to_json(), sort_keys=True) == json.dumps(one.to_json(), sort_keys=True)
+    assert "shard_reading" in [s.finding for s in two.stages]
+    own = {id(r) for r in (*a.records, *b.records)}
+    folded = [x for pair in two.records for x in pair if x.parts]
+    assert folded and all(id(p) in own for x in folded for p in x.parts)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are used on Linux only")
+def test_an_exception_that_does_not_unpickle_arrives_as_what_it_was():
+    """A worker's exception whose constructor takes other arguments than its `args` would unpickle
+    as a TypeError in the parent; it arrives as a RuntimeError naming the original instead."""
+    from ffdebug.comparison.forked import ForkPool
+
+    class TwoArgs(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}/{b}")
+
+    def fails(i):
+        if i == 1:
+            raise TwoArgs("x", "y")
+        return i
+
+    with ForkPool(fails, 2) as pool, pytest.raises(RuntimeError, match=r"^TwoArgs: x/y$"):
+        pool.map(4)

@@ -31,7 +31,7 @@ from ffdebug.comparison.pairing import (
 from ffdebug.comparison.shards import best_fold
 from ffdebug.coverage import CoverageInput, assess, filter_sentences
 from ffdebug.errors import FFDebugError
-from ffdebug.io.ranks import fold
+from ffdebug.io.ranks import Folded, fold
 from ffdebug.io.record import Record
 from ffdebug.io.side import SideStore
 from ffdebug.logs import get_logger
@@ -445,16 +445,42 @@ def _unit_records(unit: StageUnit) -> list[Record]:
     return [unit.ref, unit.target, *unit.replicas]
 
 
+@dataclasses.dataclass(frozen=True)
+class _FoldRef:
+    """A record a child folded from the unit's own records: the plan and the parts' indices."""
+
+    plan: object
+    parts: tuple[int, ...]
+
+
 def _record_refs(unit: StageUnit, pairs: list[tuple]) -> list[tuple]:
-    """The record pairs with each of the unit's own records replaced by its index (a child's copies
-    are not the parent's objects, which `CompareResult.records` must hold)."""
+    """The record pairs as a child sends them back: each of the unit's own records by its index,
+    a record folded from them as its plan and their indices (`CompareResult.records` must hold the
+    parent's own objects, and a part's source need not pickle); any other record whole."""
     index = {id(rec): k for k, rec in enumerate(_unit_records(unit))}
-    return [tuple(index.get(id(rec), rec) for rec in pair) for pair in pairs]
+
+    def ref(rec):
+        if id(rec) in index:
+            return index[id(rec)]
+        source = rec.source
+        if isinstance(source, Folded) and all(id(p) in index for p in source.parts):
+            return _FoldRef(source.plan, tuple(index[id(p)] for p in source.parts))
+        return rec
+
+    return [tuple(ref(rec) for rec in pair) for pair in pairs]
 
 
 def _resolve_refs(unit: StageUnit, refs: list[tuple]) -> list[tuple]:
     own = _unit_records(unit)
-    return [tuple(own[x] if isinstance(x, int) else x for x in pair) for pair in refs]
+
+    def record(x):
+        if isinstance(x, int):
+            return own[x]
+        if isinstance(x, _FoldRef):
+            return fold([own[k] for k in x.parts], x.plan)
+        return x
+
+    return [tuple(record(x) for x in pair) for pair in refs]
 
 
 def _payload_records(unit: StageUnit) -> list[Record]:

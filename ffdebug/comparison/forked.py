@@ -11,12 +11,14 @@ whichever child is free (two queued per child, so none waits on the round trip) 
 parent as each result arrives; the first error in index order is raised once the children in
 flight have answered. A child that dies (killed, out of memory) is reported in one line naming
 the unit it held, never waited for. `close()` ends every child, killing any that does not stop.
-Each child ignores SIGINT (the parent, told to stop, kills them) and leaves with `os._exit`, so
-no parent cleanup or buffered output runs twice.
+Each child ignores SIGINT (held back across the fork, so a Ctrl-C cannot unwind a new child into
+the caller's code; the parent, told to stop, kills them), is killed if the parent dies, and leaves
+with `os._exit` whatever happens, so no parent cleanup or buffered output runs twice. An
+exception that would not unpickle in the parent travels as a RuntimeError naming it.
 
 Used only where `fork_usable()`: Linux (fork after `import torch` is how its data loaders start
-workers there), and a parent with no other Python thread, whose locks a child could inherit held —
-except threads marked fork-safe (`FORK_SAFE` set on the thread: the CLI's progress ticker and bar,
+workers there), no CUDA context (a forked child cannot use it), and a parent with no other Python
+thread, whose locks a child could inherit held — except threads marked fork-safe (`FORK_SAFE` set on the thread: the CLI's progress ticker and bar,
 which a child never calls into; logging re-creates its locks in a child itself).
 """
 
@@ -39,6 +41,9 @@ def fork_usable() -> bool:
     """Forking is safe and cheap here: Linux, and no other Python thread but fork-safe ones."""
     if not (sys.platform.startswith("linux") and hasattr(os, "fork")):
         return False
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a forked child cannot use CUDA
+        return False
     me = threading.current_thread()
     return all(t is me or getattr(t, FORK_SAFE, False) for t in threading.enumerate())
 
@@ -53,15 +58,23 @@ class ForkPool:
         self._children: dict = {}  # parent end of the pipe -> child pid
         sys.stdout.flush()  # a child must not inherit (and later write) unflushed output
         sys.stderr.flush()
+        parent = os.getpid()
         try:
             for _ in range(workers):
                 mine, theirs = Pipe()
-                pid = os.fork()
-                if pid == 0:  # the child: never returns
+                # SIGINT is held back across the fork: a Ctrl-C landing in a child before it
+                # ignores SIGINT would unwind it into the caller's code as a second compare
+                held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+                try:
+                    pid = os.fork()
+                    if pid == 0:  # the child: never returns
+                        _child(fn, theirs, [mine, *self._children], parent, held)
+                except BaseException:  # fork refused (EAGAIN, ENOMEM): this pipe is nobody's
                     mine.close()
-                    for other in self._children:
-                        other.close()
-                    _serve(fn, theirs)
+                    theirs.close()
+                    raise
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
                 theirs.close()
                 self._children[mine] = pid
         except BaseException:
@@ -93,6 +106,8 @@ class ForkPool:
                     kind, value = conn.recv()
                 except (EOFError, OSError):
                     raise self._died(conn, i) from None
+                except Exception as err:  # a reply that does not unpickle here
+                    kind, value = "error", RuntimeError(f"a worker's reply could not be read: {err!r}")
                 if kind == "done":
                     results[i] = value
                     done(i)
@@ -155,25 +170,63 @@ def _ending(status: int) -> str:
     return f"exited with status {os.waitstatus_to_exitcode(status)}"
 
 
+def _child(fn: Callable[[int], object], conn, inherited: list, parent: int, mask) -> None:
+    """The child's whole life: nothing raised here can leave it (it ends in `os._exit`)."""
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent, told to stop, stops the children
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        _die_with(parent)
+        for other in inherited:
+            other.close()
+        _serve(fn, conn)
+        code = 0
+    except BaseException:  # never back into the caller's stack
+        pass
+    finally:
+        try:
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _die_with(parent: int) -> None:
+    """Linux: SIGKILL this child when its parent dies (a parent killed by SIGTERM would otherwise
+    leave it finishing a unit nobody reads)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request was in place
+        os._exit(1)
+
+
 def _serve(fn: Callable[[int], object], conn) -> None:
     """The child's loop: an index in, ("done", fn(i)) or ("error", exception) out, until None."""
-    code = 0
+    while True:
+        i = conn.recv()
+        if i is None:
+            return
+        try:
+            reply = ("done", fn(i))
+        except BaseException as err:  # raised in the parent, in index order
+            reply = ("error", _portable(err))
+        try:
+            conn.send(reply)
+        except Exception as err:  # a result that does not pickle
+            conn.send(("error", RuntimeError(f"a worker process could not return its result: {err!r}")))
+
+
+def _portable(err: BaseException) -> BaseException:
+    """`err` if it survives pickling both ways, else a RuntimeError saying what it was (an
+    exception whose constructor takes other arguments than its `args` unpickles as a TypeError)."""
+    import pickle
+
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        while True:
-            i = conn.recv()
-            if i is None:
-                break
-            try:
-                reply = ("done", fn(i))
-            except BaseException as err:  # raised in the parent, in index order
-                reply = ("error", err)
-            try:
-                conn.send(reply)
-            except Exception as err:  # a result or an exception that does not pickle
-                conn.send(("error", RuntimeError(f"a worker process could not return its result: {err!r}")))
-    except BaseException:
-        code = 1
-    finally:
-        sys.stderr.flush()
-        os._exit(code)
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress as RichProgress
 
 BAR_DELAY_S = 1.0  # work shorter than this shows no bar
+BAR_REFRESH_S = 0.1  # the bar is redrawn this often
 
 
 def size(nbytes: float) -> str:
@@ -130,13 +131,23 @@ class Progress:
                 TimeElapsedColumn(),
                 console=Console(stderr=True),
                 transient=True,
+                auto_refresh=False,  # redrawn by `_bar_loop`
             )
             self._bar_task = self._bar.add_task(self.task, total=self.total, detail="")
             self._update_bar()
-            before = set(threading.enumerate())
             self._bar.start()
-            for thread in set(threading.enumerate()) - before:  # rich's refresh thread
-                setattr(thread, FORK_SAFE, True)
+
+    def _bar_loop(self) -> None:
+        """On a terminal: the bar once the work has lasted `delay`, redrawn every `BAR_REFRESH_S`
+        by this thread — rich's own refresh thread is off, so the only thread beside the work is
+        this one, which compare's forked workers may fork beside (`FORK_SAFE`)."""
+        if self._stop.wait(self.delay):
+            return
+        self._show_bar()
+        while not self._stop.wait(BAR_REFRESH_S):
+            with self._lock:
+                if self._bar is not None:
+                    self._bar.refresh()
 
     def _tick(self) -> None:
         """Without a terminal: a line every `interval` seconds until the work ends."""
@@ -147,12 +158,12 @@ class Progress:
     # -- lifetime -----------------------------------------------------------------------------------
 
     def __enter__(self) -> Progress:
-        """Start the clock, and the bar's timer (terminal) or the line ticker (no terminal)."""
+        """Start the clock, and the bar's thread (terminal) or the line ticker (no terminal)."""
         self._started = self._begun = time.monotonic()
         if not self.enabled:
             return self
         if self.tty:
-            self._thread = threading.Timer(self.delay, self._show_bar)
+            self._thread = threading.Thread(target=self._bar_loop)
         elif self.interval > 0:
             self._thread = threading.Thread(target=self._tick)
         if self._thread is not None:
@@ -167,8 +178,6 @@ class Progress:
     ) -> None:
         """Stop the ticker and take the bar away (it is transient: the command's output follows)."""
         self._stop.set()
-        if isinstance(self._thread, threading.Timer):
-            self._thread.cancel()
         if self._thread is not None:
             self._thread.join()
         with self._lock:
