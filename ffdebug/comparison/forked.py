@@ -7,19 +7,21 @@ Forked, not spawned: a child starts as a copy of the parent after `import torch`
 reading, so it pays neither again and needs nothing pickled but unit indices and results.
 
 `ForkPool(fn, workers)` forks `workers` children at once; `map(n, done)` hands indices 0..n-1 to
-whichever child is free (two queued per child, so none waits on the round trip) and returns [fn(0), ..., fn(n-1)] in index order, calling `done(i)` in the
-parent as each result arrives; the first error in index order is raised once the children in
-flight have answered. A child that dies (killed, out of memory) is reported in one line naming
-the unit it held, never waited for. `close()` ends every child, killing any that does not stop.
-Each child ignores SIGINT (held back across the fork, so a Ctrl-C cannot unwind a new child into
-the caller's code; the parent, told to stop, kills them), is killed if the parent dies, and leaves
-with `os._exit` whatever happens, so no parent cleanup or buffered output runs twice. An
-exception that would not unpickle in the parent travels as a RuntimeError naming it.
+whichever child is free (two queued per child, so none waits on the round trip) and returns
+[fn(0), ..., fn(n-1)] in index order, calling `done(i)` in the parent as each result arrives; the
+first error in index order is raised once the children in flight have answered. A child that dies
+(killed, out of memory) is reported in one line naming the unit it held, never waited for.
+`close()` ends every child, killing any that does not stop. Each child ignores SIGINT (held back
+across the fork, so a Ctrl-C cannot unwind a new child into the caller's code; the parent, told to
+stop, kills them), is killed if the parent dies, and leaves with `os._exit` whatever happens, so
+no parent cleanup or buffered output runs twice. An exception that would not unpickle in the
+parent travels as a RuntimeError naming it.
 
 Used only where `fork_usable()`: Linux (fork after `import torch` is how its data loaders start
-workers there), no CUDA context (a forked child cannot use it), and a parent with no other Python
-thread, whose locks a child could inherit held — except threads marked fork-safe (`FORK_SAFE` set on the thread: the CLI's progress ticker and bar,
-which a child never calls into; logging re-creates its locks in a child itself).
+workers there), no CUDA context (a forked child cannot use it), and no other Python thread, whose
+locks a child could inherit held — except threads marked fork-safe (`FORK_SAFE` set on the
+thread: the CLI's progress ticker and bar, which a child never calls into; logging re-creates its
+locks in a child itself).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ QUEUED_PER_CHILD = 2  # indices sent to a child ahead of its results
 
 
 def fork_usable() -> bool:
-    """Forking is safe and cheap here: Linux, and no other Python thread but fork-safe ones."""
+    """Forking is safe and cheap here: Linux, no CUDA context, no Python thread but fork-safe ones."""
     if not (sys.platform.startswith("linux") and hasattr(os, "fork")):
         return False
     torch = sys.modules.get("torch")
