@@ -281,3 +281,48 @@ def test_an_exception_that_does_not_unpickle_arrives_as_what_it_was():
 
     with ForkPool(fails, 2) as pool, pytest.raises(RuntimeError, match=r"^TwoArgs: x/y$"):
         pool.map(4)
+
+
+PARENT_SCRIPT = """
+import sys, time
+from ffdebug.comparison.forked import ForkPool
+with ForkPool(lambda i: time.sleep(60), 2) as pool:
+    with open(sys.argv[1], "w") as f:
+        f.write(" ".join(str(pid) for pid in pool._children.values()))
+    pool.map(4)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie nobody has reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are used on Linux only")
+def test_workers_die_with_their_parent(tmp_path):
+    """A parent killed outright (SIGKILL, no cleanup) takes its busy workers with it: they do not
+    go on computing units nobody will read."""
+    import subprocess
+    import time
+
+    from helpers import subprocess_env
+
+    pids_file = tmp_path / "pids"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_SCRIPT, str(pids_file)], env=subprocess_env())
+    try:
+        deadline = time.monotonic() + 30
+        while not (pids_file.exists() and pids_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        children = [int(p) for p in pids_file.read_text().split()]
+        assert len(children) == 2 and not any(_gone(p) for p in children)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in children)
