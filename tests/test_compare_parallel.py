@@ -205,23 +205,18 @@ def test_free_cores_counts_what_runs_now_not_the_last_minute(monkeypatch):
     assert parallel.free_cores() == 1
 
 
-def test_auto_workers_stays_at_one_for_small_stores(monkeypatch):
+def test_worker_count_stays_at_one_for_small_stores(monkeypatch):
     """Starting workers costs about 20 ms: under 64 MiB of payloads one worker is faster; above,
     one per free core, as many as the memory budget holds pairs of the largest size."""
     from ffdebug.comparison import parallel
 
-    class Rec:
-        dtype = "float32"
-
-        def __init__(self, mib: int) -> None:
-            self.shape = (mib << 18,)  # MiB of float32
-
+    mib = 1 << 20
     monkeypatch.setattr(parallel, "free_cores", lambda: 4)
-    small = [[Rec(1), Rec(1)] for _ in range(20)]  # 40 MiB in all
-    assert parallel.auto_workers(small, 256 << 20) == 1
-    large = [[Rec(8), Rec(8)] for _ in range(20)]  # 320 MiB, 16 MiB per pair
-    assert parallel.auto_workers(large, 256 << 20) == 4
-    assert parallel.auto_workers([[Rec(100), Rec(100)]] * 3, 256 << 20) == 1  # one 200 MiB pair fits
+    assert parallel.worker_count([2 * mib] * 20, 256 * mib) == 1  # 40 MiB in all
+    assert parallel.worker_count([16 * mib] * 20, 256 * mib) == 4  # 320 MiB, 16 MiB per pair
+    assert parallel.worker_count([200 * mib] * 3, 256 * mib) == 1  # one 200 MiB pair fits
+    assert parallel.worker_count([16 * mib] * 2 + [0] * 30, 256 * mib) == 1  # < 64 MiB to read
+    assert parallel.worker_count([40 * mib] * 2 + [0] * 30, 256 * mib) == 2  # two jobs read anything
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are used on Linux only")

@@ -394,8 +394,8 @@ def _map_units(
     from ffdebug.io.prefetch import ReadAhead, record_bytes
 
     jobs = [_payload_records(u) for u in units]
-    n = workers if workers is not None else parallel.auto_workers(jobs, READ_AHEAD_BYTES)
     sizes = [sum(record_bytes(r) for r in job) for job in jobs]
+    n = workers if workers is not None else parallel.worker_count(sizes, READ_AHEAD_BYTES)
 
     def unit_mask(i: int) -> tuple[TokenLayout, TokenLayout]:
         return (masks or {}).get(id(units[i].group), (TokenLayout(), TokenLayout()))

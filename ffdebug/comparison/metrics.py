@@ -36,7 +36,7 @@ import math
 import threading
 from dataclasses import asdict, dataclass, field
 
-from ffdebug._chunks import CHUNK, iter_chunks, single_thread, work_rows  # noqa: F401 (CHUNK, iter_chunks re-exported)
+from ffdebug._chunks import CHUNK, copy_in, iter_chunks, single_thread, work_rows  # noqa: F401 (CHUNK, iter_chunks re-exported)
 
 _INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 _work = threading.local()  # per thread: views of the work rows, the bool row
@@ -44,28 +44,16 @@ _work = threading.local()  # per thread: views of the work rows, the bool row
 
 def _work_rows():
     """The thread's two float64 work rows (`ffdebug._chunks.work_rows`: r, and t then t − r in
-    place), with their numpy view and a bool row for the equal-bits test kept beside them."""
+    place), with their numpy view, their full-chunk views and a bool row for the equal-bits test
+    kept beside them."""
     import numpy as np
-    import torch
 
     rows, view = work_rows()
     if getattr(_work, "rows", None) is not rows:
         _work.rows, _work.np = rows, view  # the same memory: order-free reductions in numpy
         _work.same = np.empty(CHUNK, dtype=bool)
-        _work.f32 = torch.empty(CHUNK, dtype=torch.float32)  # float16 goes through it (`_copy_in`)
-        _work.f16 = torch.float16
-        _work.full = {}  # the full-chunk views of these rows (`_row_views`)
+        _work.full = (rows[0], rows[1], rows[:2])  # made once: a dozen views per chunk cost ~5% of it
     return rows
-
-
-def _copy_in(row, src) -> None:
-    """`row` (float64) ← `src`; float16 through a float32 row: torch's float16 → float64 copy is
-    not vectorised (49 µs per 64 Ki elements against 7.5 + 15 through float32; both exact)."""
-    if src.dtype is _work.f16:
-        stage = _work.f32[: src.shape[0]]
-        stage.copy_(src)
-        src = stage
-    row.copy_(src)
 
 
 @dataclass
@@ -168,14 +156,8 @@ def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
 
 
 def _row_views(x, m: int) -> tuple:
-    """(r row, t row, [r; t] block) of the first `m` columns of the work rows; the full-chunk
-    views are made once per thread (a dozen views per chunk cost about 5% of it)."""
-    if m != CHUNK:
-        return x[0, :m], x[1, :m], x[:2, :m]
-    views = _work.full.get("rows")
-    if views is None:
-        views = _work.full["rows"] = (x[0], x[1], x[:2])
-    return views
+    """(r row, t row, [r; t] block) of the first `m` columns of the work rows."""
+    return _work.full if m == CHUNK else (x[0, :m], x[1, :m], x[:2, :m])
 
 
 def _host_array(x):
@@ -200,7 +182,7 @@ def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
         rc, tc = r[i : i + m], t[i : i + m]
         rows = _row_views(x, m)
         xr = rows[0]
-        _copy_in(xr, rc)
+        copy_in(xr, rc)
         if scale != 1.0:
             xr.mul_(scale)
         ints = None
@@ -244,7 +226,7 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> N
 
     xr, xt, pair = rows
     m = tc.numel()
-    _copy_in(xt, tc)
+    copy_in(xt, tc)
     if scale != 1.0:
         xt.mul_(scale)
     # equal bits counted while both inputs are in cache (rows r, t and both inputs fit in L2)
@@ -256,7 +238,7 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> N
         xd = xt.sub_(xr)  # t − r in place: t is not read again on this path
         dd_ = float(torch.dot(xd, xd))
         if not math.isfinite(dd_):  # |t − r| past float64's range: the slow path needs t again
-            _copy_in(xt, tc)
+            copy_in(xt, tc)
             if scale != 1.0:
                 xt.mul_(scale)
     if not math.isfinite(dd_):
@@ -285,8 +267,8 @@ def _chunk_diff(r, t, i: int, scale: float, x, held: int):
     xr, xt = x[0, :m], x[1, :m]
     if held == i:
         return xr, xt
-    _copy_in(xr, r[i : i + m])
-    _copy_in(xt, t[i : i + m])
+    copy_in(xr, r[i : i + m])
+    copy_in(xt, t[i : i + m])
     if scale != 1.0:
         xr.mul_(scale)
         xt.mul_(scale)

@@ -47,18 +47,16 @@ def _running_now() -> int | None:
         return None
 
 
-def auto_workers(jobs: list[list], budget_bytes: int) -> int:
-    """One worker per free core, as many as the memory budget holds jobs of the largest size; one
-    for less than `PARALLEL_MIN_BYTES` of payloads, which one worker compares in the time it takes
-    to start a pool (forking two workers costs about 20 ms)."""
-    from ffdebug.io.prefetch import record_bytes
-
-    sizes = [sum(record_bytes(r) for r in job) for job in jobs]
+def worker_count(sizes: list[int], budget_bytes: int) -> int:
+    """The workers for jobs of these payload sizes (bytes): one per free core, as many as
+    `budget_bytes` holds jobs of the largest size, no more than jobs with bytes to read; one for
+    less than `PARALLEL_MIN_BYTES` in all, which one worker compares in the time it takes to start
+    a pool (forking two workers costs about 20 ms). compare and weights-diff both size theirs here."""
     if sum(sizes) < PARALLEL_MIN_BYTES:
         return 1
     largest = max(sizes, default=0)
     by_memory = budget_bytes // largest if largest else MAX_WORKERS
-    busy = sum(1 for job in jobs if job)
+    busy = sum(1 for size in sizes if size)
     return max(1, min(free_cores(), MAX_WORKERS, by_memory, busy))
 
 

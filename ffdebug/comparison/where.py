@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ffdebug._chunks import CHUNK, work_rows
+from ffdebug._chunks import CHUNK, copy_in, work_rows
 
 RISE = 10.0  # a token whose error is this many times every earlier token's starts a rise
 
@@ -70,7 +70,6 @@ def _rise(per_token: list[float | None]) -> int | None:
 def breakdown(key: str, ref, target) -> Where | None:
     """Per-token (and per-head) error of a layer stage; None when the layout is not known or the
     tensors hold non-finite values (or squares past float64's range)."""
-
     shape = tuple(ref.shape)
     axes = axes_of(key, list(shape))
     if axes is None or shape != tuple(target.shape) or 0 in shape:
@@ -118,8 +117,8 @@ def _whole_rows(r, t, width: int, d2, r2) -> None:
         k = min(per, n_rows - row)
         m = k * width
         xr, xt = x[0, :m], x[1, :m]
-        xr.copy_(r[row * width : row * width + m])
-        xt.copy_(t[row * width : row * width + m])
+        copy_in(xr, r[row * width : row * width + m])
+        copy_in(xt, t[row * width : row * width + m])
         xt.sub_(xr).mul_(xt)  # (t − r)²
         xr.mul_(xr)
         torch.sum(xt.view(k, width), dim=1, out=d2[row : row + k])
@@ -134,8 +133,8 @@ def _long_rows(r, t, width: int, d2, r2) -> None:
         for j in range(row * width, (row + 1) * width, CHUNK):
             m = min(CHUNK, (row + 1) * width - j)
             xr, xt = x[0, :m], x[1, :m]
-            xr.copy_(r[j : j + m])
-            xt.copy_(t[j : j + m])
+            copy_in(xr, r[j : j + m])
+            copy_in(xt, t[j : j + m])
             xt.sub_(xr)
             sd += float(xt.dot(xt))
             sr += float(xr.dot(xr))

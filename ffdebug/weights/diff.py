@@ -310,11 +310,12 @@ class WeightsDiff:
         tensors, replica = [], []
         names = self.order()
         sizes = {n: _stored_bytes(self.ref[n]) + _stored_bytes(self.tgt[n]) for n in names}
+        comparable = {n: self._comparable(n, self.ref[n], self.tgt[n]) for n in names}
         jobs = self._jobs(names)
         n = self._worker_count(jobs, sizes)
         forked = n > 1 and fork_usable()  # before progress starts its thread
         pool = (
-            ForkPool(lambda j: [self._one(x) for x in jobs[j]], n, lambda j: repr(jobs[j][0]))
+            ForkPool(lambda j: [self._one(x, comparable[x]) for x in jobs[j]], n, lambda j: repr(jobs[j][0]))
             if forked
             else None
         )
@@ -325,14 +326,14 @@ class WeightsDiff:
             def advance(j: int) -> None:
                 if progress is not None:
                     for x in jobs[j]:
-                        progress.advance(sizes[x] if self._comparable(x, self.ref[x], self.tgt[x]) else 0)
+                        progress.advance(sizes[x] if comparable[x] else 0)
 
             if pool is not None:
                 done = pool.map(len(jobs), advance)
             else:
                 done = []
                 for j, job in enumerate(jobs):
-                    done.append([self._one(x) for x in job])
+                    done.append([self._one(x, comparable[x]) for x in job])
                     advance(j)
         finally:
             if pool is not None:
@@ -346,10 +347,11 @@ class WeightsDiff:
                 on_tensor(entry)
         return self.result(tensors, replica)
 
-    def _one(self, name: str) -> tuple[TensorDiff | None, list[dict]]:
-        """The numerics of one paired name, and its sides' replicas that differ across ranks."""
+    def _one(self, name: str, comparable: bool) -> tuple[TensorDiff | None, list[dict]]:
+        """The numerics of one paired name (none when not `comparable`), and its sides' replicas
+        that differ across ranks."""
         r, t = self.ref[name], self.tgt[name]
-        if not self._comparable(name, r, t):
+        if not comparable:
             return None, []
         entry = self._compare(name, r, t)
         rows = [
@@ -375,17 +377,13 @@ class WeightsDiff:
         return jobs
 
     def _worker_count(self, jobs: list[list[str]], sizes: dict[str, int]) -> int:
-        """`workers`, else one per free core, as many as `WORKER_BUDGET_BYTES` holds jobs of the
-        largest size; one under `PARALLEL_MIN_BYTES` (`ffdebug.comparison.parallel`)."""
+        """`workers`, else compare's rule (`ffdebug.comparison.parallel.worker_count`) with
+        `WORKER_BUDGET_BYTES` of stored bytes held at once."""
         from ffdebug.comparison import parallel
 
         if self.workers is not None:
             return min(self.workers, max(1, len(jobs)))
-        job_bytes = [sum(sizes[x] for x in job) for job in jobs]
-        if sum(job_bytes) < parallel.PARALLEL_MIN_BYTES:
-            return 1
-        by_memory = WORKER_BUDGET_BYTES // max(max(job_bytes, default=1), 1)
-        return max(1, min(parallel.free_cores(), parallel.MAX_WORKERS, by_memory, len(jobs)))
+        return parallel.worker_count([sum(sizes[x] for x in job) for job in jobs], WORKER_BUDGET_BYTES)
 
 
 def _plain(r: Logical, t: Logical) -> bool:

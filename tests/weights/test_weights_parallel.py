@@ -32,10 +32,10 @@ def forking(monkeypatch, tmp_path):
     pids = tmp_path / "pids"
     inner = wdiff.WeightsDiff._one
 
-    def noted(self, name):
+    def noted(self, name, comparable):
         with open(pids, "a") as f:
             f.write(f"{os.getpid()}\n")
-        return inner(self, name)
+        return inner(self, name, comparable)
 
     monkeypatch.setattr(wdiff, "fork_usable", lambda: True)
     monkeypatch.setattr(wdiff.WeightsDiff, "_one", noted)
@@ -108,10 +108,10 @@ def test_a_dead_worker_is_one_line_with_the_way_round_it(hf_dir, tmp_path, forki
 
     inner = wdiff.WeightsDiff._one
 
-    def dies(self, name):
+    def dies(self, name, comparable):
         if name == "model.layers.1.mlp.down_proj.weight":
             os.kill(os.getpid(), signal.SIGKILL)
-        return inner(self, name)
+        return inner(self, name, comparable)
 
     monkeypatch.setattr(wdiff.WeightsDiff, "_one", dies)
     r = run_cli("weights-diff", hf_dir, hf_dir, "--workers", "2", "--json")
