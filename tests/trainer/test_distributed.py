@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO, TESTS, subprocess_env
-from helpers.trainer.trainer_utils import example, load, metrics
+from helpers.trainer.trainer_utils import assert_rank_layout_matches, example, load, metrics
 
 DRIVER = TESTS / "helpers" / "trainer" / "distributed_driver.py"
 TIMEOUT = 240
@@ -135,13 +135,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(two_rank, tmp_path)
     train(load(example(name), FAST_EVAL, *one_rank, max_steps=n), tmp_path / "one")
     single, double = metrics(tmp_path / "one"), metrics(out / "straight")
     assert len(single) == len(double) == n
-    for one, two in zip(single, double):
-        assert one.keys() == two.keys()
-        for key, value in one.items():
-            if isinstance(value, float):
-                assert abs(value - two[key]) <= 1e-7 + 1e-5 * abs(value), (one["optimizer_step"], key)
-            else:
-                assert value == two[key], key
+    assert_rank_layout_matches(single, double)
 
 
 @pytest.mark.integration

@@ -15,6 +15,7 @@ from helpers.trainer.trainer_utils import (
     REPO,
     assert_bit_identical,
     assert_every_parameter_changed,
+    assert_rank_layout_matches,
     frozen_state,
     load,
     metrics,
@@ -218,7 +219,12 @@ def test_two_identical_dumped_runs_compare_ok(tmp_path):
 def test_two_ranks_reduce_each_group_as_one_rank(tmp_path):
     """torchrun, two CPU ranks, one prompt per rank and two minibatches an iteration: every minibatch is
     one group of 4 split 2 + 2 over the ranks, so s_G needs the other rank's members. Its metrics equal
-    a one-process run with the same global batch (every float within 1e-7 + 1e-5·|value|)."""
+    a one-process run with the same global batch, every float within 3e-6 + 2e-4·|value|: 30 and 20 times
+    the defaults of ``assert_rank_layout_matches``, 10x what was measured at ATEN_CPU_CAPABILITY avx2 and
+    default. DGPO's loss sums advantage-weighted DSM errors of both signs (about 0.004 from terms near
+    0.1: |Δ| up to 2.8e-7 on step 3), and its group weight σ(s_G) takes the DSM errors times β_dpo
+    (relative 1.8e-5 on step 3's ``group_weight_mean``). A group reduced over one rank's half moves s_G,
+    and with it the weights and the loss, by their own order."""
     from test_distributed import torchrun
 
     from reference_trainer.run import train
@@ -229,10 +235,4 @@ def test_two_ranks_reduce_each_group_as_one_rank(tmp_path):
     train(load(REPO / CONFIG, *common, max_steps=n), tmp_path / "one")
     single, double = metrics(tmp_path / "one"), metrics(tmp_path / "two" / "straight")
     assert len(single) == len(double) == n
-    for one, two in zip(single, double):
-        assert one.keys() == two.keys()
-        for key, value in one.items():
-            if isinstance(value, float):
-                assert abs(value - two[key]) <= 1e-7 + 1e-5 * abs(value), (one["optimizer_step"], key)
-            else:
-                assert value == two[key], key
+    assert_rank_layout_matches(single, double, abs_tol=3e-6, rel_tol=2e-4)

@@ -50,7 +50,8 @@ def layout(trainer) -> dict:
 
 def adamw_steps(trainer, steps: int = 3) -> dict:
     """Three steps of a velocity MSE through ``optim.phase``, each rank on its 2 samples, against one
-    process stepping an unsharded copy on all 4 with the same optimizer configuration."""
+    process stepping an unsharded copy on all 4 with the same optimizer configuration (its forward and
+    backward run per rank part, so both sides use the same kernels; the loss is the mean of the parts)."""
     from reference_trainer.optim import build_optimizer
     from reference_trainer.sharding import full_tensors
 
@@ -74,8 +75,10 @@ def adamw_steps(trainer, steps: int = 3) -> dict:
         sigma = torch.rand(4, generator=generator)
         with trainer.optim.phase("policy") as phase:
             phase.backward(adapter.forward(x[mine], sigma[mine], condition.select(mine)).square().mean())
-        loss = adapter.forward(x, sigma, condition, module=reference).square().mean()
-        loss.backward()
+        for rank in range(backend.world_size):  # each rank's 2 samples as the ranks run them (same kernels)
+            part = slice(2 * rank, 2 * rank + 2)
+            velocity = adapter.forward(x[part], sigma[part], condition.select(part), module=reference)
+            (velocity.square().mean() / backend.world_size).backward()
         torch.nn.utils.clip_grad_norm_(list(reference.parameters()), trainer.args.max_grad_norm)
         optimizer.step("policy")
         optimizer.zero_grad()
