@@ -1,10 +1,11 @@
 """Honest patterns on ports: a from-scratch port of HF Llama (tests/helpers/llama_ports.py) and a tiny
 Qwen3-MoE, each with one planted bug, each found by one `bisect` (README "Bisecting").
 
-The noise run is the reference at another thread count: its down projections (1024 wide) round
-differently, so its bits differ from layer 0's MLP on (checked below). Targets with a one-layer
-bug are dumped at that other thread count too, so no exact prefix helps: the jump is decided by
-the error budget alone.
+The noise run is the reference with every linear layer's reduction split in two partial GEMMs
+(``helpers.bisect.noise.split_reduction``: what another thread count does where it changes any bit,
+which depends on the CPU), so its bits differ from layer 0's attention projections on, on every
+machine (checked below). Targets with a one-layer bug are dumped with the same split, so no exact
+prefix helps: the jump is decided by the error budget alone.
 
 Measured here (added error of the first introducing layer / the next introducing one): dropped
 residual 0.9 / none after saturation; unloaded down projection 0.35 / none; eps outside the sqrt
@@ -12,6 +13,8 @@ residual 0.9 / none after saturation; unloaded down projection 0.35 / none; eps 
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from helpers.bisect.bisect_models import (
     qwen3_moe,
     topk_not_renormalised,
 )
+from helpers.bisect.noise import split_reduction
 from helpers.llama_ports import (
     down_proj_not_loaded,
     dropped_residual,
@@ -34,18 +38,17 @@ from helpers.llama_ports import (
 import ffdebug
 from ffdebug.verdict import Severity
 
+pytestmark = pytest.mark.numeric  # CI runs these again at ATEN_CPU_CAPABILITY=default
+
 BAD = 2  # the layer of the one-layer bugs
 
 
-def _dump(model, directory, side, threads=1, rotary="helpers.llama_ports:rope"):
+def _dump(model, directory, side, split=False, rotary="helpers.llama_ports:rope"):
     ids = input_ids(seq=24)
-    torch.set_num_threads(threads)
-    try:
+    with split_reduction(model) if split else contextlib.nullcontext():
         with ffdebug.tap_function(rotary, ("attn.q_rot", "attn.k_rot")):
             with ffdebug.capture(model, dir=directory, side=side), torch.no_grad():
                 model(input_ids=ids)
-    finally:
-        torch.set_num_threads(1)
     return f"{directory}/{side}"
 
 
@@ -54,11 +57,11 @@ def ports(tmp_path_factory):
     d = tmp_path_factory.mktemp("ports")
     hf = hf_for_ports()
     port = make_port(hf)
-    out = {"ref": _dump(hf, d, "ref"), "noise": _dump(hf, d, "noise", threads=2)}
+    out = {"ref": _dump(hf, d, "ref"), "noise": _dump(hf, d, "noise", split=True)}
     out["port"] = _dump(port, d, "port")
     out["eps"] = _dump(eps_outside_sqrt(port), d, "eps")
-    out["resid"] = _dump(dropped_residual(port, BAD), d, "resid", threads=2)
-    out["down"] = _dump(down_proj_not_loaded(port, BAD), d, "down", threads=2)
+    out["resid"] = _dump(dropped_residual(port, BAD), d, "resid", split=True)
+    out["down"] = _dump(down_proj_not_loaded(port, BAD), d, "down", split=True)
     sharp = hf_for_ports(qk_scale=20.0)  # sharp attention: rotary positions matter
     out["ref_sharp"] = _dump(sharp, d, "ref_sharp")
     rot = "helpers.llama_ports:rope_interleaved"
@@ -70,6 +73,17 @@ def test_the_noise_run_differs_in_bits_but_not_in_value(ports):
     res = ffdebug.compare(ports["ref"], ports["noise"])
     assert min(s.bit_equal for s in res.stages) < 1.0
     assert max(s.rel for s in res.stages) < 1e-5 and res.verdict is Severity.OK
+
+
+def test_a_split_reduction_is_the_same_linear_in_another_order_and_is_undone():
+    layer = torch.nn.Linear(64, 8)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    plain = layer(x)
+    with split_reduction(layer, parts=3):
+        split = layer(x)
+    assert not torch.equal(split, plain)  # another summation order: other last bits
+    torch.testing.assert_close(split, plain, rtol=0, atol=8 * float(plain.abs().max()) * 2**-24)
+    assert "forward" not in vars(layer) and torch.equal(layer(x), plain)
 
 
 def test_the_correct_port_passes_with_and_without_the_noise_run(ports):
