@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from helpers import hang_timeout
 
 import ffdebug
 from ffdebug.comparison import engine
@@ -309,7 +310,7 @@ def test_workers_die_with_their_parent(tmp_path):
     pids_file = tmp_path / "pids"
     parent = subprocess.Popen([sys.executable, "-c", PARENT_SCRIPT, str(pids_file)], env=subprocess_env())
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + hang_timeout(300)
         while not (pids_file.exists() and pids_file.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)
         children = [int(p) for p in pids_file.read_text().split()]
@@ -317,7 +318,7 @@ def test_workers_die_with_their_parent(tmp_path):
     finally:
         parent.kill()
         parent.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + hang_timeout(60)
     while not all(_gone(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert all(_gone(p) for p in children)

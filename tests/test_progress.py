@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from helpers import hang_timeout
 from typer.testing import CliRunner
 
 from ffdebug._env import PROGRESS_INTERVAL_S, progress_interval
@@ -91,7 +92,9 @@ def test_periodic_lines_stop_with_the_work(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     with Progress("weights-diff", "tensors", interval=0.05, tty=False) as p:
         p.begin(2, 0)
-        time.sleep(0.3)
+        deadline = time.monotonic() + hang_timeout(60)  # two intervals, however busy the machine
+        while len(caplog.messages) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         p.advance()
     n = len(caplog.messages)
     time.sleep(0.15)
@@ -104,7 +107,7 @@ def test_bar_on_a_terminal_is_shown_then_removed(capsys, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     with Progress("inspect", "tensors", interval=0, tty=True, delay=0.0) as p:
         p.begin(2, 1024)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + hang_timeout(60)
         while p._bar is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert p._bar is not None

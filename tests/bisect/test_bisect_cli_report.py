@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 import torch
+from helpers import hang_timeout
 from helpers.bisect.bisect_models import (
     DS_CLASSES,
     deepseek,
@@ -92,7 +93,7 @@ def test_html_report_renders_in_headless_chromium(ds_dir, tmp_path):
     subprocess.run(
         [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}", "--window-size=1100,900",
          f"file://{out}"],
-        check=True, capture_output=True, timeout=120,
+        check=True, capture_output=True, timeout=hang_timeout(300),
     )  # fmt: skip
     from PIL import Image
 

@@ -12,6 +12,7 @@ import zlib
 
 import pytest
 import torch
+from helpers import hang_timeout
 from helpers.fuzz.audit import recording
 from helpers.fuzz.cases import cli_cases, prepare_outside, store_cases
 from typer.testing import CliRunner
@@ -23,7 +24,7 @@ pytestmark = (
     pytest.mark.integration
 )  # every test here: a whole CLI command per generated case, with SIGALRM timeouts
 
-CASE_TIMEOUT_S = 20
+CASE_TIMEOUT_S = hang_timeout(120)  # in process: one CLI command, no interpreter start-up
 STORE_CASES = store_cases()
 CLI_CASES = cli_cases()
 # Files Python and its libraries may open while a command runs (imports, locale data).

@@ -16,6 +16,29 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
+TIMEOUT_SCALE_ENV = "FFDEBUG_TEST_TIMEOUT_SCALE"
+
+
+def _timeout_scale() -> float:
+    text = os.environ.get(TIMEOUT_SCALE_ENV, "").strip()
+    try:
+        scale = float(text) if text else 1.0
+    except ValueError:
+        scale = -1.0
+    if not (0 < scale < float("inf")):
+        raise ValueError(f"{TIMEOUT_SCALE_ENV}={text!r} is invalid: use a positive factor, e.g. 3")
+    return scale
+
+
+TIMEOUT_SCALE = _timeout_scale()  # read when the suite is collected (the autouse fixture clears FFDEBUG_*)
+
+
+def hang_timeout(seconds: float) -> float:
+    """How long a test waits before it calls something hung: ``seconds`` x ``FFDEBUG_TEST_TIMEOUT_SCALE``
+    (default 1; README "Tests"). A deadline detects a hang, never a slow machine: each ``seconds`` is set
+    so that a 2-core machine at load 10 (interpreter start-up and ``import torch`` alone take 20-40 s
+    there) stays well inside it; raise the factor on a slower one."""
+    return seconds * TIMEOUT_SCALE
 
 
 def subprocess_env(env: dict[str, str] | None = None) -> dict[str, str]:

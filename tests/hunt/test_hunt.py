@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from helpers import subprocess_env
+from helpers import hang_timeout, subprocess_env
 from helpers.hunt.hunt_scripts import in_process, runs, write_script
 
 from ffdebug.errors import FFDebugError
@@ -205,7 +205,7 @@ def test_hunt_killed_between_rounds_resumes(tmp_path):
     proc = subprocess.Popen(
         args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
-    deadline = time.time() + 120
+    deadline = time.time() + hang_timeout(300)
     while time.time() < deadline and proc.poll() is None:
         if (d / "hunt.json").exists() and json.loads((d / "hunt.json").read_text())["rounds"]:
             break

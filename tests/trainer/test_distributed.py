@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, TESTS, subprocess_env
+from helpers import REPO, TESTS, hang_timeout, subprocess_env
 from helpers.trainer.trainer_utils import assert_rank_layout_matches, example, load, metrics
 
 DRIVER = TESTS / "helpers" / "trainer" / "distributed_driver.py"
-TIMEOUT = 240
+TIMEOUT = hang_timeout(900)  # a two-rank run: 20-40 s idle, several minutes at load 10
 FAST_EVAL = "eval.num_inference_steps=2"
 COMPOSITIONS = {
     # trainer: (N, M, two-rank overrides, one-rank overrides with the same global batch)

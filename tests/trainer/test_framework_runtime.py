@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, hang_timeout
 from helpers.trainer.trainer_utils import GRPO_CONFIG, load, metrics
 
 SFT_CONFIG = REPO / "examples/sft/full/sd3_tiny/default.yaml"
@@ -300,12 +300,12 @@ def test_sigterm_stops_at_a_boundary_and_checkpoints(tmp_path):
     process = subprocess.Popen(
         [sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + hang_timeout(300)
     while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()):
         assert time.monotonic() < deadline and process.poll() is None, "training did not start"
         time.sleep(0.1)
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=60)
+    _, err = process.communicate(timeout=hang_timeout(300))
     assert process.returncode == 0, err.decode()
     assert f"stopped (signal {int(signal.SIGTERM)})" in err.decode()
     assert "Loading weights" not in err.decode()  # transformers' per-component tqdm bars are silenced
