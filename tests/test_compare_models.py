@@ -52,6 +52,7 @@ def _llama8():
     return tiny_llama(num_layers=8, hidden=64)
 
 
+@pytest.mark.numeric
 def test_bf16_target_is_drift_not_bug(tmp_path, input_ids):
     """bf16 rounding (~0.4% per element) accumulates over 8 layers into the drift band."""
     model = _llama8()
@@ -159,6 +160,7 @@ def test_stats_only_compared_on_stats(tmp_path, tiny_llama, input_ids):
     assert "on statistics only" in compare_conclusion(res)  # the verdict sentence says so
 
 
+@pytest.mark.numeric
 def test_noise_calibration(tmp_path, input_ids):
     model = _llama8()
     ref = _dump(model, input_ids, tmp_path, "ref")

@@ -78,6 +78,7 @@ def runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.numeric
 def test_own_rng_and_names_compare_ok_for_three_steps_with_inputs_from(runs):
     import json
 
@@ -98,6 +99,7 @@ def test_own_rng_and_names_compare_ok_for_three_steps_with_inputs_from(runs):
     assert any(e.key == "grad_norm.policy.transformer_blocks.0" for e in result.stages)
 
 
+@pytest.mark.numeric
 def test_batched_prompt_encoding_is_a_harmless_difference(runs):
     dumps = runs / "dumps"
     result = ffdebug.compare(dumps / "ref", dumps / "batched", alias_file=TAPS)
@@ -184,6 +186,7 @@ def test_injected_bug_is_located_at_its_optimizer_step_and_stage(runs, tmp_path,
 GROUP_GRADS = ("grad.policy.*", "grad_norm.policy.*")  # the sampled taps, for a run without them
 
 
+@pytest.mark.numeric
 def test_batched_encoding_passes_bisect_with_a_noise_run(runs):
     """Without a noise run, the first stage that is not bit-equal after bit-equal ones is a bug
     signal; with one (the reference with its prompts encoded in one batch: the same kind of harmless
@@ -200,6 +203,7 @@ def test_batched_encoding_passes_bisect_with_a_noise_run(runs):
     assert result.first_divergence is None and not any(e.beyond_noise for e in result.stages)
 
 
+@pytest.mark.numeric
 def test_kl_under_no_grad_with_batched_encoding_is_located_beyond_noise(runs, tmp_path, monkeypatch):
     """The KL bug and the harmless batched encoding together: every stage differs from the
     reference, but only the gradient of step 1 by far more than the noise run does."""

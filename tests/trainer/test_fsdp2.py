@@ -62,6 +62,7 @@ def test_every_trainable_parameter_is_a_dtensor_held_by_the_optimizer(probe, tra
     assert found["placements"] == ["(Shard(dim=0),)"]
 
 
+@pytest.mark.numeric
 @pytest.mark.integration
 def test_three_adamw_steps_match_one_process(probe):
     assert probe["adamw"]["max_abs_difference"] <= 1e-6

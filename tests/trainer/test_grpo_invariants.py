@@ -18,7 +18,10 @@ from helpers.trainer.trainer_utils import GRPO_CONFIG, load, metrics
 
 from reference_trainer.errors import ConfigError
 
-pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.numeric,
+]  # every test here spawns a process, runs a trainer or kills one
 
 
 def one_step(out, *overrides: str, monkeypatch) -> dict:

@@ -34,6 +34,10 @@ from safetensors.torch import load_file
 
 from reference_trainer.registry import resolve_trainer, trainer_names
 
+pytestmark = (
+    pytest.mark.numeric
+)  # bit-exact resume on every CPU; CI runs it again at ATEN_CPU_CAPABILITY=default
+
 N = 6
 """Optimizer steps of every uninterrupted run."""
 SIGNAL_STEP = N // 2

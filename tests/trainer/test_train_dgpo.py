@@ -185,6 +185,7 @@ def test_minibatches_hold_whole_groups_with_shared_noise(learning_run):
     assert torch.equal(noise[0], noise[K - 1]) and not torch.equal(noise[0], noise[K])
 
 
+@pytest.mark.numeric
 @pytest.mark.integration
 def test_dgpo_goldens(learning_run):
     check_golden("dgpo", metrics(learning_run["out"]), config=CONFIG, overrides=OVERRIDES)
@@ -215,6 +216,7 @@ def test_two_identical_dumped_runs_compare_ok(tmp_path):
     assert expected <= keys, sorted(expected - keys)
 
 
+@pytest.mark.numeric
 @pytest.mark.integration
 def test_two_ranks_reduce_each_group_as_one_rank(tmp_path):
     """torchrun, two CPU ranks, one prompt per rank and two minibatches an iteration: every minibatch is

@@ -141,6 +141,7 @@ def test_opd_distils_the_teacher_and_keeps_it_frozen(learning_run, capsys):
     )
 
 
+@pytest.mark.numeric
 @pytest.mark.integration
 def test_opd_goldens(learning_run):
     """The learning run's first 3 steps are the golden's (its evaluation overrides do not touch training)."""

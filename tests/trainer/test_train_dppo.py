@@ -198,6 +198,7 @@ def test_rollout_velocities_reproduce_the_stored_log_probs(learning_run):
     assert_rollout_velocities_replay(learning_run["trainer"])
 
 
+@pytest.mark.numeric
 @pytest.mark.integration
 def test_dppo_goldens(learning_run):
     check_golden("dppo", metrics(learning_run["out"]), config=CONFIG, overrides=OVERRIDES)

@@ -204,6 +204,7 @@ def test_grpo_guard_raises_reward_and_keeps_frozen_roles(learning_run, capsys):
     assert_every_parameter_changed(trainer, run["initial"]["policy"], policy, "policy")
 
 
+@pytest.mark.numeric
 @pytest.mark.integration
 def test_grpo_guard_goldens(learning_run):
     check_golden("grpo_guard", metrics(learning_run["out"]), config=CONFIG, overrides=OVERRIDES)

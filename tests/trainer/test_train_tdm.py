@@ -187,6 +187,7 @@ def test_tdm_arguments_are_validated_with_the_field_named():
 # --- the trainer -----------------------------------------------------------------------------------
 
 
+@pytest.mark.numeric
 @pytest.mark.integration
 def test_tdm_trains_fake_then_generator_and_keeps_the_teacher(tmp_path):
     """12 steps = 6 rollout iterations of (fake, generator): the phase order, a frozen teacher and

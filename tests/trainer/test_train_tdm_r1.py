@@ -136,6 +136,7 @@ def test_tdm_r1_arguments_are_validated_with_the_field_named():
             load(REPO / CONFIG, override)
 
 
+@pytest.mark.numeric
 @pytest.mark.integration
 def test_tdm_r1_surrogate_learns_the_preference_and_every_role_moves(tmp_path, capsys):
     """18 steps = 6 cycles of (fake, surrogate, generator): teacher and frozen components bit-identical;

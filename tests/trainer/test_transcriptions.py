@@ -27,6 +27,8 @@ from reference_trainer.losses.grpo import grpo_loss
 from reference_trainer.sde import flow_sde_step
 from reference_trainer.trainers.grpo import trained_steps
 
+pytestmark = pytest.mark.numeric  # CI runs these again at ATEN_CPU_CAPABILITY=default
+
 FLOW_GRPO = "yifan123/flow_grpo@ac4c86e8cae021841f1fde853d340e0db67690dd"
 DIFFUSION_DPO = "SalesforceAIResearch/DiffusionDPO@5233e75919f912f3f631958ee4ebb5b5204382d9"
 DMD2 = "tianweiy/DMD2@8d8fa55633d47cfb81bbc7a892e7248f9518763f"
