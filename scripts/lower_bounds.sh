@@ -36,7 +36,7 @@ case "$where" in
 esac
 set +e
 # two workers (pytest-xdist, in [test]) where the machine has the cores: the tier's tests are independent
-workers=$(( $(nproc) > 1 ? 2 : 1 ))
+workers=$(( $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) > 1 ? 2 : 1 ))  # nproc alone counts OMP_NUM_THREADS
 "$work/venv/bin/pytest" -q -p no:cacheprovider -n "$workers" -m "not integration" "$@"
 rc=$?
 set -e

@@ -12,7 +12,8 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error OMP_NUM_THREADS=1
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-workers=${FFDEBUG_TEST_WORKERS:-$((2 * $(nproc)))}
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc counts OMP_NUM_THREADS otherwise
+workers=${FFDEBUG_TEST_WORKERS:-$((2 * cores))}
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers")
 check() {  # pytest's exit code; collecting no test is a failure too
   local rc=0

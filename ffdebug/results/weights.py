@@ -18,7 +18,7 @@ class TensorDiff:
     dtype_ref: str
     dtype_target: str
     severity: Severity = Severity.OK
-    finding: str = "equal"  # equal | rounding | dtype_only | transposed | sign_flip | scaled | mismatch
+    finding: str = "equal"  # weights/findings.py FINDINGS: equal | rounding | dtype_only | ... | dtype_kind
     byte_equal: bool = False
     cos: float | None = None
     rel: float | None = None

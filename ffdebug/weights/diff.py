@@ -298,6 +298,9 @@ class WeightsDiff:
         del rt, tt
         if entry is None:
             return None
+        if entry.finding == "dtype_kind":  # complex vs real: nothing to explain by content
+            entry.layer = r.layer
+            return entry
         explain(entry, r, t, self.loader, self.init, self.init_side)
         entry.transformed = any(tr.matches(name) for tr in self.transforms)
         entry.layer = r.layer

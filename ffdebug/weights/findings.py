@@ -13,6 +13,9 @@ The rules are tried in this order; the first that holds names the pair:
 | `rounding`   | same dtype, within one ulp of bf16 / fp16 (a round trip through it)  | ≥ drift       |
 | `mismatch`   | anything else; same dtype: the loader changed the values             | bands; same dtype: ≥ bug |
 
+Before the rules: a complex tensor against a real one is `dtype_kind` (bug), never measured: there
+is no elementwise pairing of a complex value with a real one (`compare_pair`).
+
 "bands" = `classify(cos, rel)` of the comparison as loaded (README "Comparing"), with --threshold
 overrides; `sign_flip`, `transposed` and `scaled` are looked for only where the bands are not ok.
 A tensor stored with its two dims swapped is compared after `.T` and is at least scramble
@@ -45,6 +48,7 @@ FINDINGS = (
     "permuted",
     "not_loaded",
     "mismatch",
+    "dtype_kind",
 )
 LOADED = ("equal", "dtype_only", "rounding")
 
@@ -209,6 +213,13 @@ def compare_pair(
         dtype_ref=dtype_ref,
         dtype_target=dtype_tgt,
     )
+    if ref.is_complex() != tgt.is_complex():
+        entry.finding, entry.severity = "dtype_kind", Severity.BUG
+        entry.notes = [
+            f"dtype kinds differ: {dtype_ref} (ref) vs {dtype_tgt} (target), one complex and one real; "
+            "not compared (store both as complex or both as real)"
+        ]
+        return entry
     if not dequantized and bytes_equal(ref, tgt):
         entry.byte_equal, entry.cos, entry.rel, entry.max_abs = True, 1.0, 0.0, 0.0
         return entry
