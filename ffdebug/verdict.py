@@ -283,6 +283,12 @@ def shape_mismatch() -> Severity:
     return Severity.BUG
 
 
+def dtype_kind_mismatch() -> Severity:
+    """Dtype-kind rule: a complex tensor against a real one is a bug (never compared: there is no
+    elementwise pairing of a complex value with a real one)."""
+    return Severity.BUG
+
+
 def stats_only(rel: float | None) -> Severity:
     """Statistics rule: stats-only records are graded by the rel band of their l2 / mean / std
     (no cos exists); no statistics to compare is a bug."""

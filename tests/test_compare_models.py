@@ -147,6 +147,21 @@ def test_shape_mismatch_reported(tmp_path):
     assert s.finding == "shape_mismatch" and s.severity == "bug" and s.cos is None
 
 
+@pytest.mark.parametrize("complex_side", ["ref", "target"])
+def test_complex_against_real_is_a_dtype_kind_bug_not_a_traceback(tmp_path, complex_side):
+    values = torch.linspace(-1, 1, 6)
+    for side in ("ref", "target"):
+        with ffdebug.capture(None, dir=tmp_path, side=side):
+            ffdebug.tap("x", values.to(torch.complex64) if side == complex_side else values)
+            ffdebug.tap("y", values)
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    x, y = res.stages
+    assert (x.finding, x.severity, x.cos) == ("dtype_kind", "bug", None) and res.failed()
+    dtypes = ("complex64", "float32") if complex_side == "ref" else ("float32", "complex64")
+    assert f"dtype kinds differ: ref {dtypes[0]} vs target {dtypes[1]}" in x.notes[0]
+    assert y.severity == "ok" and res.first_divergence.key == "x"
+
+
 def test_stats_only_compared_on_stats(tmp_path, tiny_llama, input_ids):
     _dump(tiny_llama, input_ids, tmp_path, "ref", mode="stats")
     target = copy.deepcopy(tiny_llama)

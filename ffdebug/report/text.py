@@ -51,6 +51,8 @@ def stage_note(e: StageResult) -> str:
     """Why a row's numbers are special: shape mismatch, NaN/Inf positions, statistics only."""
     if e.finding == "shape_mismatch":
         return f"[red]shape {e.ref.shape} vs {e.target.shape}[/red]"
+    if e.finding == "dtype_kind":
+        return f"[red]dtype {e.ref.dtype} vs {e.target.dtype}[/red]"
     flags = []
     if e.nan_mismatch:
         flags.append(f"NaN differs at {e.nan_mismatch}")
@@ -122,6 +124,8 @@ def describe_stage(e: StageResult) -> str:
     nums = [numbers(e)] if numbers(e) else []
     if e.finding == "shape_mismatch":
         nums.append(f"shape {e.ref.shape} vs {e.target.shape}")
+    if e.finding == "dtype_kind":
+        nums.append(f"dtype {e.ref.dtype} vs {e.target.dtype}")
     where = f"layer {e.layer}{cls}, {e.stage}" if e.layer is not None else e.key
     if e.per_rank:
         where += f" on target rank {e.rank}"

@@ -58,7 +58,7 @@ class StageResult:
     bit_equal: float | None = None
     severity: Severity = Severity.OK
     notes: list[str] = field(default_factory=list)
-    finding: str | None = None  # shape_mismatch | shard_reading
+    finding: str | None = None  # shape_mismatch | dtype_kind | shard_reading
     stats_only: bool = False
     nan_mismatch: int | None = None
     inf_mismatch: int | None = None
