@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -74,6 +75,15 @@ def test_second_writer_refused_first_store_intact(tmp_path):
         out, err = second.communicate(timeout=hang_timeout(300))
         assert second.returncode != 0 and "done" not in out
         assert "is being written by live writer" in err and "two writers on one side" in err, err
+        # the end-of-run report names the holder, never "captured nothing"
+        (report,) = [line for line in err.splitlines() if line.startswith("ffdebug: warning: side 'target'")]
+        assert report.startswith(
+            "ffdebug: warning: side 'target' wrote nothing: its store refused this run: "
+        )
+        assert (
+            f"(host {socket.gethostname()}, pid {first.pid}, since " in report
+            and "captured nothing" not in err
+        )
     first.stdin.write("\n")
     first.stdin.flush()
     assert first.wait(hang_timeout(300)) == 0, first.stderr.read()
@@ -87,6 +97,37 @@ def test_second_writer_refused_first_store_intact(tmp_path):
     assert [{k: v for k, v in s.items() if k not in strip} for s in got["stages"]] == [
         {k: v for k, v in s.items() if k not in strip} for s in want["stages"]
     ]
+
+
+ENV_DUMP = "import torch, ffdebug; ffdebug.tap('x', torch.ones(3))"
+
+
+def test_a_refused_env_dump_ends_naming_the_writer_that_holds_the_side(tmp_path):
+    """FFDEBUG_FWD_DUMP_* set, the side held by a live writer: the run's last message (at exit) says
+    the store refused it and who holds it, not that the model captured nothing."""
+    first = _dump(tmp_path, "target", hold=True)
+    assert first.stdout.readline().strip() == "holding"
+    env = dict(os.environ, FFDEBUG_FWD_DUMP_DIR=str(tmp_path), FFDEBUG_FWD_DUMP_SIDE="target")
+    try:
+        second = subprocess.run(
+            [sys.executable, "-c", ENV_DUMP],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=hang_timeout(300),
+        )
+    finally:
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert first.wait(hang_timeout(300)) == 0
+    last = second.stderr.strip().splitlines()[-1]
+    assert second.returncode != 0 and "captured nothing" not in second.stderr, second.stderr
+    assert last.startswith("ffdebug: warning: side 'target' wrote nothing: its store refused this run: "), (
+        last
+    )
+    assert (
+        f"live writer {socket.gethostname()}:{first.pid}:" in last and "another FFDEBUG_FWD_DUMP_SIDE" in last
+    )
 
 
 def test_two_writers_in_one_process_and_release(tmp_path):

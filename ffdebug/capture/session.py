@@ -251,6 +251,12 @@ class Session:
         """At the end of a run, say on stderr when it captured nothing or found no blocks, and why."""
         if not self.enabled_rank:
             return
+        refused = getattr(self.sink, "refused", None)
+        if refused:  # not "captured nothing": the captures ran, the store would not take them
+            get_logger("capture").warning(
+                "side '%s' wrote nothing: its store refused this run: %s", self.config.side, refused
+            )
+            return
         no_blocks = self.installs and not self.blocks_found
         if self.captured and not no_blocks:
             return

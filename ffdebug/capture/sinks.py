@@ -15,6 +15,7 @@ import os
 from typing import Protocol
 
 from ffdebug._env import DumpConfig
+from ffdebug.errors import FFDebugError
 
 
 class CaptureSink(Protocol):
@@ -42,6 +43,7 @@ class StoreSink:
         self._writer = None
         self._background = None  # ffdebug.store.background.BackgroundWriter, at the first capture
         self._run_info: dict = {}  # run.json fields given before the writer started
+        self.refused: str | None = None  # why the store refused this writer (a live lock, an old dump)
 
     @property
     def side_dir(self) -> str:
@@ -52,15 +54,19 @@ class StoreSink:
             from ffdebug.store.writer import StoreWriter
 
             c = self.config
-            self._writer = StoreWriter(
-                self.side_dir,
-                side=c.side,
-                rank=self.rank,
-                world_size=self.world_size,
-                mode=c.mode,
-                max_bytes=c.max_bytes,
-                overwrite=c.overwrite,
-            )
+            try:
+                self._writer = StoreWriter(
+                    self.side_dir,
+                    side=c.side,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    mode=c.mode,
+                    max_bytes=c.max_bytes,
+                    overwrite=c.overwrite,
+                )
+            except FFDebugError as e:  # raised to the capture; the end-of-run report says it again
+                self.refused = str(e)
+                raise
             if self._run_info:
                 self._writer.update_run_info(**self._run_info)
         return self._writer

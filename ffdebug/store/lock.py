@@ -72,7 +72,8 @@ class WriterIdentity:
         return start is None or self.process_start is None or start == self.process_start
 
     def describe(self) -> str:
-        return f"writer {self.writer_id} (host {self.host}, pid {self.pid})"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.claimed_ns / 1e9))
+        return f"writer {self.writer_id} (host {self.host}, pid {self.pid}, since {since})"
 
 
 def _read_lock(path: str) -> WriterIdentity | None:
