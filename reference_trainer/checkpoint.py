@@ -537,6 +537,37 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(old)
 
 
+def _logged_steps(output_dir: Path) -> str:
+    """``metrics.jsonl (1 record)``-style words for the run's non-empty logs ('' when none)."""
+    from reference_trainer.jsonl import read_jsonl
+
+    parts = []
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        try:
+            count = len(read_jsonl(output_dir / name, quiet=True).records)
+        except ValueError:  # a damaged log still counts as a log
+            count = -1
+        if count:
+            parts.append(
+                f"{name} ({count} record{'s' if count != 1 else ''})" if count > 0 else f"{name} (damaged)"
+            )
+    return " and ".join(parts)
+
+
+def check_fresh_start(output_dir: Path) -> list[str]:
+    """Before a run without ``--resume``: refuse a directory holding an earlier run's published
+    checkpoints (a fresh start would mix two runs), and return the logs a fresh start replaces (an
+    earlier run killed before its first checkpoint leaves rows no checkpoint belongs to)."""
+    found = list_checkpoints(output_dir)
+    if found:
+        raise CheckpointError(
+            f"--output-dir {output_dir} holds {len(found)} checkpoint(s) of an earlier run (newest "
+            f"{found[-1].name}): continue it with --resume latest, or give another --output-dir; a fresh "
+            "start here would mix two runs' logs and checkpoints"
+        )
+    return [name for name in ("metrics.jsonl", "eval.jsonl") if (Path(output_dir) / name).is_file()]
+
+
 def list_checkpoints(output_dir: Path) -> list[Path]:
     """Published checkpoints of ``output_dir`` (directories named ``step-<digits>``), oldest first.
 
@@ -564,8 +595,17 @@ def resolve_resume(resume: str, output_dir: Path) -> Path:
         return path
     found = list_checkpoints(output_dir)
     if not found:
+        logged = _logged_steps(Path(output_dir))
+        where = Path(output_dir) / CHECKPOINTS
+        if logged:
+            raise CheckpointError(
+                f"--resume latest: no complete checkpoint under {where}; its {logged} "
+                f"{'are' if ' and ' in logged else 'is'} all that is left "
+                "of a run killed before its first checkpoint was published: start the run again without "
+                "--resume (the fresh start replaces metrics.jsonl and eval.jsonl)"
+            )
         raise CheckpointError(
-            f"--resume latest: no complete checkpoint under {Path(output_dir) / CHECKPOINTS}"
+            f"--resume latest: no complete checkpoint under {where}: nothing to resume from; start the run without --resume"
         )
     damaged: list[DamagedCheckpointError] = []
     for path in reversed(found):

@@ -14,7 +14,9 @@
 5. the run identity's config part (``config_identity``: config, fixture weights, and the content
    hashes of the input files, ``input_digest``); on resume, validate the checkpoint (content hashes
    and layout; ``--resume latest`` falls back past damaged ones, ``checkpoint.resolve_resume``),
-   compare the identities and check the JSONL logs (``jsonl.read_jsonl``) — before loading;
+   compare the identities and check the JSONL logs (``jsonl.read_jsonl``) — before loading; a fresh
+   start into a directory holding an earlier run's checkpoints is refused (``checkpoint.check_fresh_start``;
+   an earlier run's logs without a checkpoint are replaced when the run starts);
 6. load the adapter's pipeline from its fixture, build the trainer (roles, optimizer) and prepare
    its variants with the optimizer on the backend (``BaseTrainer.prepare_backend``);
 7. on resume, check the full identity (incl. parameter / optimizer layout) and restore the state.
@@ -102,6 +104,8 @@ def build_trainer(config: RunConfig, output_dir: str | Path, *, resume: str | No
         inputs=input_digest(config, trainer_cls),
     )
     checkpoint = ckpt.resolve_resume(resume, output_dir) if resume else None
+    if checkpoint is None:
+        ckpt.check_fresh_start(output_dir)  # an earlier run's checkpoints: refused, never mixed
     if checkpoint is not None:
         stored = ckpt.read_trainer_state(checkpoint)["identity"]
         if stored.get("world_size") != world_size:

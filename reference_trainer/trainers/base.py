@@ -74,7 +74,8 @@ from reference_trainer.config import DatasetTrainingArguments, RunConfig
 from reference_trainer.contracts import ExecutionContract
 from reference_trainer.data import ConditionCache, DatasetAcquisition, PromptSource
 from reference_trainer.distributed import Backend
-from reference_trainer.jsonl import truncate_jsonl
+from reference_trainer.errors import warn
+from reference_trainer.jsonl import truncate_jsonl, write_jsonl_atomic
 from reference_trainer.optim import RoleOptimizer, StepResult, build_optimizer
 from reference_trainer.roles import (
     ComponentVariantRegistry,
@@ -151,6 +152,7 @@ class BaseTrainer(ABC):
         self._epoch_batches: Iterator[dict[str, Any]] | None = None
         self._last_saved_step = -1
         self._last_eval_step = -1
+        self._resumed = False
         self._progress = None
         self._step_log: StepLog | None = None
 
@@ -359,6 +361,8 @@ class BaseTrainer(ABC):
     # ---------------------------------------------------------------- the loop
     def start(self) -> None:
         """Run until ``max_steps`` (or the epoch budget, or SIGINT/SIGTERM); always checkpoint at the end."""
+        if not self._resumed:
+            self._replace_earlier_logs()
         self._write_run_json()
         handle = ffdebug.install(self.variants.variants[next(iter(self.variants.variants))])
         try:
@@ -548,6 +552,20 @@ class BaseTrainer(ABC):
             finally:
                 self._progress = None
 
+    def _replace_earlier_logs(self) -> None:
+        """A fresh run starts its logs empty: rows left by an earlier run in this directory that
+        published no checkpoint (``run.build_trainer`` refused one that did) are replaced, never
+        appended to."""
+        if not self.backend.is_main:
+            return
+        for name in (METRICS_FILE, EVAL_FILE):
+            path = self.output_dir / name
+            if path.is_file():
+                warn(
+                    f"{path}: replaced by this fresh run (it held the logs of an earlier run with no checkpoint)"
+                )
+                write_jsonl_atomic(path, [])
+
     def _write_run_json(self) -> None:
         import diffusers
         import transformers
@@ -672,6 +690,7 @@ class BaseTrainer(ABC):
         self._cycle_start = ckpt.read_cycle_start(checkpoint) if self.cycle_step else None
         self._last_saved_step = self.optimizer_step
         self._last_eval_step = self.optimizer_step  # evaluated when the checkpointed run ended
+        self._resumed = True
         # records past the resumed step were written after the checkpoint (a killed run, or a newer
         # checkpoint that --resume latest skipped as damaged): the resumed run writes them again
         if self.backend.is_main:

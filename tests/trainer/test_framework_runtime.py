@@ -173,7 +173,7 @@ from reference_trainer import checkpoint
 original = checkpoint.write_model_export
 def write_then_die(directory, *args):
     original(directory, *args)
-    if "step-000002" in str(directory):
+    if os.environ.get("KILL_AT_SAVE", "step-000002") in str(directory):
         os.kill(os.getpid(), signal.SIGKILL)  # mid-save: model written, state not yet
 checkpoint.write_model_export = write_then_die
 from reference_trainer.cli import main
@@ -210,6 +210,54 @@ def test_sigkill_during_checkpoint_save_keeps_the_previous_checkpoint(tmp_path):
     assert trainer.optimizer_step == 3
     assert [r["optimizer_step"] for r in metrics(run)] == [1, 2, 3]  # record 2 re-done after resume
     assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.integration
+def test_a_run_killed_in_its_first_save_is_started_again_fresh_not_resumed(tmp_path):
+    """Killed while publishing its first checkpoint: `--resume latest` says there is nothing to resume
+    and what to do (exit 2); the fresh start replaces the killed run's metrics.jsonl row instead of
+    appending to it; a later fresh start over the published checkpoints is refused."""
+    run = tmp_path / "run"
+    args = [
+        "train",
+        str(GRPO_CONFIG),
+        "--output-dir",
+        str(run),
+        "--max-steps",
+        "2",
+        "--set",
+        "checkpoint.every=1",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFDEBUG_")}
+    driver = tmp_path / "driver.py"
+    driver.write_text(KILL_DRIVER)
+    killed = subprocess.run(
+        [sys.executable, str(driver), *args],
+        cwd=REPO,
+        env={**env, "KILL_AT_SAVE": "step-000001"},
+        capture_output=True,
+    )
+    assert killed.returncode == -signal.SIGKILL and [r["optimizer_step"] for r in metrics(run)] == [1]
+    cli = [sys.executable, "-m", "reference_trainer"]
+    resumed = subprocess.run(
+        [*cli, *args, "--resume", "latest"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    line = resumed.stderr.strip().splitlines()[0]  # then the FFDEBUG_DEBUG hint
+    assert resumed.returncode == 2, resumed.stderr
+    assert (
+        "no complete checkpoint under" in line and "its metrics.jsonl (1 record) is all that is left" in line
+    )
+    assert "start the run again without --resume" in line and "replaces metrics.jsonl and eval.jsonl" in line
+    fresh = subprocess.run([*cli, *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert fresh.returncode == 0, fresh.stderr
+    assert f"warning: {run / 'metrics.jsonl'}: replaced by this fresh run" in fresh.stderr
+    assert [r["optimizer_step"] for r in metrics(run)] == [1, 2]  # not [1, 1, 2]
+    again = subprocess.run([*cli, *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert (
+        again.returncode == 2
+        and "holds 2 checkpoint(s) of an earlier run (newest step-000002)" in again.stderr
+    )
+    assert "--resume latest" in again.stderr and [r["optimizer_step"] for r in metrics(run)] == [1, 2]
 
 
 def test_split_join_round_trip_keeps_int_keys_and_tensors():
