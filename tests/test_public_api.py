@@ -57,6 +57,52 @@ def test_import_stays_torch_free():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+LAZY_IMPORT = """
+import sys, ffdebug
+loaded = sorted(m for m in sys.modules if m.startswith("ffdebug"))
+assert loaded == ["ffdebug"], loaded  # every public name waits for its first use
+import ffdebug.capture.hooks  # the capture/ subpackage loads first: the name keeps the function
+assert callable(ffdebug.capture) and ffdebug.capture.__module__ == "ffdebug.api.capture"
+from ffdebug.capture import hooks  # the subpackage is still importable by name
+assert hooks is sys.modules["ffdebug.capture.hooks"]
+missing = [n for n in ffdebug.__all__ if getattr(ffdebug, n, None) is None]
+assert not missing and set(ffdebug.__all__) <= set(dir(ffdebug)), missing
+"""
+
+
+def test_import_ffdebug_loads_nothing_until_a_name_is_used():
+    subprocess.run([sys.executable, "-c", LAZY_IMPORT], check=True)
+
+
+HELP_WITHOUT_RICH_EXTRAS = """
+import contextlib, io, sys
+sys.argv = ["ffdebug", "--help"]
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    try:
+        from ffdebug.cli.app import main
+        main()
+    except SystemExit:
+        pass
+assert "Usage" in out.getvalue()
+heavy = sorted(m for m in ("markdown_it", "pygments", "rich.syntax") if m in sys.modules)
+assert not heavy, heavy  # typer's imports of rich.markdown / rich.traceback are stand-ins
+from rich.markdown import Markdown
+from rich.traceback import Traceback
+import rich.console, rich.markdown
+console = rich.console.Console(file=io.StringIO(), width=40)
+console.print(Markdown("# Title"))  # a stand-in builds the real thing on first use
+try:
+    1 / 0
+except ZeroDivisionError:
+    console.print(Traceback())
+assert type(rich.markdown).__name__ == "module" and "Title" in console.file.getvalue()
+"""
+
+
+def test_help_skips_the_rich_modules_it_never_uses_and_they_still_work():
+    subprocess.run([sys.executable, "-c", HELP_WITHOUT_RICH_EXTRAS], check=True)
+
+
 def _keywords(fn) -> dict[str, object]:
     return {
         p.name: p.default

@@ -5,9 +5,13 @@ results go to one sink (`ffdebug.report.sink.Output`)."""
 
 from __future__ import annotations
 
-import typer
+from ffdebug.cli import deferred_rich
 
-from ffdebug.cli import (
+deferred_rich.install()  # before typer's help formatter imports rich.markdown and rich.traceback (~95 ms)
+
+import typer  # noqa: E402
+
+from ffdebug.cli import (  # noqa: E402
     bisect_cmd,
     compare_cmd,
     demo_cmd,
@@ -21,8 +25,8 @@ from ffdebug.cli import (
     trace_cmd,
     weights_diff_cmd,
 )
-from ffdebug.cli.boundary import OneLineErrors  # every error, usage or FFDebugError, ends there
-from ffdebug.cli.conventions import GLOBAL_HELP, add_global_options
+from ffdebug.cli.boundary import OneLineErrors  # noqa: E402  (every error, usage or FFDebugError, ends there)
+from ffdebug.cli.conventions import GLOBAL_HELP, add_global_options  # noqa: E402
 
 app = typer.Typer(
     cls=OneLineErrors,
