@@ -238,23 +238,25 @@ def test_a_run_killed_in_its_first_save_is_started_again_fresh_not_resumed(tmp_p
         capture_output=True,
     )
     assert killed.returncode == -signal.SIGKILL and [r["optimizer_step"] for r in metrics(run)] == [1]
-    cli = [sys.executable, "-m", "reference_trainer"]
-    resumed = subprocess.run(
-        [*cli, *args, "--resume", "latest"], cwd=REPO, env=env, capture_output=True, text=True
-    )
+    from typer.testing import CliRunner
+
+    from reference_trainer.cli import app
+
+    runner = CliRunner()  # in process from here: the kill needed its own process, these do not
+    resumed = runner.invoke(app, [*args, "--resume", "latest"])
     line = resumed.stderr.strip().splitlines()[0]  # then the FFDEBUG_DEBUG hint
-    assert resumed.returncode == 2, resumed.stderr
+    assert resumed.exit_code == 2, resumed.stderr
     assert (
         "no complete checkpoint under" in line and "its metrics.jsonl (1 record) is all that is left" in line
     )
     assert "start the run again without --resume" in line and "replaces metrics.jsonl and eval.jsonl" in line
-    fresh = subprocess.run([*cli, *args], cwd=REPO, env=env, capture_output=True, text=True)
-    assert fresh.returncode == 0, fresh.stderr
+    fresh = runner.invoke(app, args)
+    assert fresh.exit_code == 0, fresh.stderr
     assert f"warning: {run / 'metrics.jsonl'}: replaced by this fresh run" in fresh.stderr
     assert [r["optimizer_step"] for r in metrics(run)] == [1, 2]  # not [1, 1, 2]
-    again = subprocess.run([*cli, *args], cwd=REPO, env=env, capture_output=True, text=True)
+    again = runner.invoke(app, args)
     assert (
-        again.returncode == 2
+        again.exit_code == 2
         and "holds 2 checkpoint(s) of an earlier run (newest step-000002)" in again.stderr
     )
     assert "--resume latest" in again.stderr and [r["optimizer_step"] for r in metrics(run)] == [1, 2]
