@@ -22,6 +22,7 @@ from ffdebug.cli import (  # noqa: E402
     isolate_cmd,
     playbook_cmd,
     review_cmd,
+    selftest_cmd,
     trace_cmd,
     weights_diff_cmd,
 )
@@ -58,6 +59,7 @@ for _module in (
     review_cmd,
     trace_cmd,
     import_cmd,
+    selftest_cmd,
 ):
     _module.register(app)
 

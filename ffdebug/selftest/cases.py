@@ -1,0 +1,357 @@
+"""The selftest cases of one model, run through the public dump and analysis path.
+
+Every case dumps the reference (the tiny model, float32, eager attention) and a target into one
+store with `ffdebug.capture(..., substages=True)` on the same input ids, then runs `ffdebug.bisect`
+(compare included), exactly what a user's two runs and `ffdebug bisect` do:
+
+- **copy** (a): a bit-identical deep copy → exit 0 with complete coverage;
+- **precision** (b): the model in bfloat16, in float16 (where the CPU kernels support it) and with
+  another attention implementation (`sdpa`) → exit 0, judgement at most `drift`, pattern `match`
+  or `drift`;
+- **mutations** (c): each of `mutations.Planner` → the expected layer, stage, sub-stage and pattern,
+  and a failing result. A mutation whose target is bit-identical to the reference on the tiny model
+  (top-k normalisation at k = 1, a window longer than the input) is `no effect`, left out of the rates.
+
+A case that does not hold is `fails` with what bisect said; one that cannot run here (fp16 kernels
+missing, no sdpa support) is `skipped` with why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ffdebug.errors import short_reason
+from ffdebug.selftest.models import ModelSpec, SelftestError, build, resolve
+from ffdebug.selftest.mutations import Dumped, Expected, Mutation, Planner
+from ffdebug.selftest.shrink import Sizes
+
+CASE_GROUPS = ("copy", "precision", "mutations")
+HOLDS, FAILS, NO_EFFECT, SKIPPED = "holds", "fails", "no effect", "skipped"
+PRECISION_PATTERNS = ("match", "drift")
+
+
+@dataclass(frozen=True)
+class SelftestOptions:
+    """What to run: the case groups, the input (batch x seq token ids), the seed, the sizes."""
+
+    groups: tuple[str, ...] = CASE_GROUPS
+    batch: int = 2
+    seq: int = 16
+    seed: int = 0
+    sizes: Sizes = field(default_factory=Sizes)
+    keep: str | None = None  # a directory to keep the dumps in (else a temporary one)
+
+    def __post_init__(self) -> None:
+        unknown = [g for g in self.groups if g not in CASE_GROUPS]
+        if unknown:
+            raise SelftestError(
+                f"--cases: {', '.join(unknown)} unknown; choose from {', '.join(CASE_GROUPS)}"
+            )
+        if self.seq <= self.sizes.window:
+            raise SelftestError(
+                f"--seq {self.seq}: must exceed the shrunk sliding window ({self.sizes.window})"
+            )
+
+
+@dataclass
+class CaseResult:
+    """One case: what was expected, what bisect said, and whether it holds."""
+
+    group: str
+    name: str
+    expected: str
+    status: str
+    got: str = ""
+    where: str = ""
+    exit_code: int | None = None
+    pattern: str | None = None
+    judgement: str | None = None
+    layer: int | None = None
+    stage: str | None = None
+    sub_stage: str | None = None
+    head: int | None = None  # the sub-stage's worst head (per-head error), where it has heads
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ModelReport:
+    """One model's cases (or why it could not be built)."""
+
+    spec: str
+    model_class: str = ""
+    model_type: str = ""
+    error: str | None = None
+    parameters: int = 0
+    layers: int = 0
+    shrunk: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # ffdebug's warnings while dumping / comparing
+    cases: list[CaseResult] = field(default_factory=list)
+
+    @property
+    def built(self) -> bool:
+        return self.error is None
+
+    def holds(self) -> bool:
+        return self.built and all(c.status in (HOLDS, NO_EFFECT, SKIPPED) for c in self.cases)
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "cases"}
+        out["built"] = self.built
+        out["holds"] = self.holds()
+        out["cases"] = [c.to_json() for c in self.cases]
+        return out
+
+
+def _ids(model: Any, options: SelftestOptions):
+    import torch
+
+    vocab = int(getattr(model.config, "vocab_size", 0) or options.sizes.vocab)
+    generator = torch.Generator().manual_seed(options.seed + 7)
+    return torch.randint(3, max(4, vocab - 1), (options.batch, options.seq), generator=generator)
+
+
+def _dump(model: Any, ids, directory: Path, side: str) -> str:
+    import torch
+
+    import ffdebug
+
+    with ffdebug.capture(model, dir=str(directory), side=side, substages=True), torch.no_grad():
+        model(input_ids=ids)
+    return str(directory / side)
+
+
+def _records(side_dir: str) -> list[Dumped]:
+    from ffdebug.store.reader import open_side
+
+    return [Dumped(r.key, r.layer, r.module_path, dict(r.extra or {})) for r in open_side(side_dir).records]
+
+
+def _sub_name(result) -> str | None:
+    sub = result.sub_stage
+    if sub is None:
+        return None
+    stage = sub.stage
+    for suffix in (".out", ".in"):
+        if stage.endswith(suffix):
+            return stage[: -len(suffix)]
+    return stage
+
+
+def _said(result) -> dict:
+    first = result.first_divergence
+    return dict(
+        exit_code=result.exit_code(),
+        pattern=str(result.pattern),
+        judgement=str(result.judgement),
+        layer=first.layer if first else None,
+        stage=first.stage if first else None,
+        sub_stage=_sub_name(result),
+        head=_worst_head(result.sub_stage),
+    )
+
+
+def _worst_head(stage) -> int | None:
+    rels = getattr(stage, "per_head_rel", None) or []
+    known = [(r, h) for h, r in enumerate(rels) if r is not None]
+    return max(known)[1] if known else None
+
+
+def _got(said: dict, head: bool = False) -> str:
+    if said["layer"] is None and said["stage"] is None:
+        where = "no divergence"
+    else:
+        where = f"layer {said['layer']} {said['stage']}" if said["layer"] is not None else str(said["stage"])
+    sub = f", {said['sub_stage']}" if said["sub_stage"] else ""
+    sub += f" (worst head {said['head']})" if head and said["head"] is not None else ""
+    return f"{where}{sub}, {said['pattern']}, judgement {said['judgement']}, exit {said['exit_code']}"
+
+
+def _matches(expected: Expected, said: dict, failed: bool) -> bool:
+    if not failed or said["layer"] != expected.layer:
+        return False
+    if expected.stage is not None and said["stage"] != expected.stage:
+        return False
+    if expected.sub_stage is not None:
+        sub = said["sub_stage"] or ""
+        prefix = expected.sub_stage
+        if not (sub == prefix or sub.startswith(prefix if prefix.endswith(".") else prefix + ".")):
+            return False
+    if expected.head is not None and said["head"] != expected.head:
+        return False
+    if expected.pattern is None:
+        return said["pattern"] != "match"
+    return said["pattern"] == expected.pattern
+
+
+class Runner:
+    """The cases of one built model, dumped under one directory."""
+
+    def __init__(self, spec: ModelSpec, model: Any, options: SelftestOptions, root: Path) -> None:
+        self.spec, self.model, self.options, self.root = spec, model, options, root
+        self.ids = _ids(model, options)
+        self.ref = _dump(model, self.ids, root, "ref")
+        self.records = _records(self.ref)
+
+    def _bisect(self, target: Any, side: str):
+        import ffdebug
+
+        return ffdebug.bisect(self.ref, _dump(target, self.ids, self.root, side))
+
+    def copy_case(self) -> CaseResult:
+        import ffdebug
+
+        target = copy.deepcopy(self.model)
+        result = self._bisect(target, "copy")
+        said = _said(result)
+        compared = ffdebug.compare(self.ref, str(self.root / "copy"))
+        holds = said["exit_code"] == 0 and compared.exit_code() == 0 and compared.complete
+        return CaseResult(
+            "copy", "copy", "exit 0, coverage complete", HOLDS if holds else FAILS, _got(said), **said
+        )
+
+    def precision_cases(self) -> list[CaseResult]:
+        import torch
+
+        out = []
+        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            try:
+                target = copy.deepcopy(self.model).to(dtype)
+                result = self._bisect(target, name)
+            except (RuntimeError, NotImplementedError) as e:
+                out.append(CaseResult("precision", name, "", SKIPPED, f"not supported here: {str(e)[:100]}"))
+                continue
+            out.append(self._precision(name, result))
+        try:
+            other = build(self.spec, self.options.sizes, self.options.seed, attn="sdpa")
+            other.load_state_dict(self.model.state_dict())
+            result = self._bisect(other, "sdpa")
+        except (SelftestError, ValueError, RuntimeError) as e:
+            out.append(CaseResult("precision", "sdpa", "", SKIPPED, f"not supported: {str(e)[:100]}"))
+        else:
+            out.append(self._precision("sdpa", result))
+        return out
+
+    def _precision(self, name: str, result) -> CaseResult:
+        said = _said(result)
+        judged = str(result.judgement) in ("ok", "drift")
+        holds = said["exit_code"] == 0 and judged and said["pattern"] in PRECISION_PATTERNS
+        expected = "exit 0, judgement <= drift, pattern match or drift"
+        return CaseResult("precision", name, expected, HOLDS if holds else FAILS, _got(said), **said)
+
+    def mutation_cases(self) -> list[CaseResult]:
+        return [self._mutation(m) for m in Planner(self.model, self.records).all()]
+
+    def _mutation(self, mutation: Mutation) -> CaseResult:
+        import ffdebug
+
+        side = "m_" + "".join(ch if ch.isalnum() else "_" for ch in mutation.kind)
+        result = self._bisect(mutation.target(self.model), side)
+        compared = ffdebug.compare(self.ref, str(self.root / side))
+        expected = mutation.expected.describe()
+        if compared.stages and all((s.bit_equal or 0.0) == 1.0 for s in compared.stages):
+            return CaseResult(
+                "mutations",
+                mutation.kind,
+                expected,
+                NO_EFFECT,
+                "bit-identical to the reference",
+                mutation.where,
+            )
+        said = _said(result)
+        holds = _matches(mutation.expected, said, result.failed())
+        return CaseResult(
+            "mutations",
+            mutation.kind,
+            expected,
+            HOLDS if holds else FAILS,
+            _got(said),
+            mutation.where,
+            **said,
+        )
+
+
+@contextlib.contextmanager
+def _warnings_into(notes: list[str]) -> Iterator[None]:
+    """ffdebug's warnings during the cases become the report's notes (once each), not stderr lines:
+    they describe this model (a branch without role sub-stages, ...), and the report shows them."""
+    from ffdebug import logs
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if record.levelno >= logging.WARNING and message not in notes:
+                notes.append(message)
+
+    root, ours, collect = logging.getLogger(logs.ROOT), logs.handler(), Collect()
+    level = ours.level
+    root.addHandler(collect)
+    ours.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.removeHandler(collect)
+        ours.setLevel(level)
+
+
+def run_model(name: str, options: SelftestOptions | None = None) -> ModelReport:
+    """Every case of `options.groups` for the model `name` names (`models.resolve`). A spec that
+    resolves to nothing raises `SelftestError`; a model that does not build is a report with `error`."""
+    from ffdebug.selftest.shrink import shrink
+
+    options = options or SelftestOptions()
+    spec = resolve(name)
+    report = ModelReport(name, spec.model_class.__name__, spec.model_type)
+    report.shrunk = shrink(spec.config, options.sizes).changes
+    try:
+        model = build(spec, options.sizes, options.seed)
+    except SelftestError as e:
+        report.error = str(e)
+        return report
+    report.parameters = sum(p.numel() for p in model.parameters())
+    root = (
+        Path(options.keep) / _safe(name)
+        if options.keep
+        else Path(tempfile.mkdtemp(prefix="ffdebug-selftest-"))
+    )
+    if options.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    try:
+        with _warnings_into(report.notes):
+            _run_cases(report, spec, model, options, root)
+    finally:
+        if not options.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return report
+
+
+def _run_cases(
+    report: ModelReport, spec: ModelSpec, model: Any, options: SelftestOptions, root: Path
+) -> None:
+    try:
+        runner = Runner(spec, model, options, root)
+    except Exception as e:  # noqa: BLE001 - a foreign forward that fails is this model's finding
+        report.error = (
+            f"{report.spec}: the tiny model's forward failed ({type(e).__name__}: {short_reason(e, 160)})"
+        )
+        return
+    report.layers = len({r.layer for r in runner.records if r.layer is not None})
+    if "copy" in options.groups:
+        report.cases.append(runner.copy_case())
+    if "precision" in options.groups:
+        report.cases.extend(runner.precision_cases())
+    if "mutations" in options.groups:
+        report.cases.extend(runner.mutation_cases())
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)

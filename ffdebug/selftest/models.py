@@ -1,0 +1,144 @@
+"""Which model a selftest spec names, and the tiny seeded copy of it that the cases run.
+
+A spec is one of (tried in this order):
+
+- a path to a `config.json`, or to a directory holding one (a checkpoint folder: only its config is read);
+- a transformers class name: a config class (`Qwen2Config`) or a model class (`Qwen2ForCausalLM`);
+- a transformers `model_type` (`qwen2`, `gemma3_text`);
+- a model id in the local Hugging Face cache (`Qwen/Qwen2-0.5B`; never downloaded: `HF_HUB_OFFLINE`).
+
+The model built is the causal LM class transformers maps the config to (a multimodal config's text
+model when it has one), shrunk by `shrink.shrink`, seeded, in eval mode, float32, eager attention.
+Anything that cannot be resolved or built is a `SelftestError` naming the spec and why (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ffdebug.errors import FFDebugError, short_reason
+from ffdebug.selftest.shrink import Sizes, shrink
+
+
+class SelftestError(FFDebugError):
+    """A spec that names no model, or a model the shrinker cannot build (exit 2)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved spec: the name to report, its config (full size) and the model class to build."""
+
+    name: str
+    config: Any = field(repr=False)
+    model_class: Any = field(repr=False)
+
+    @property
+    def model_type(self) -> str:
+        return str(getattr(self.config, "model_type", "") or "")
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", module="transformers")
+
+
+def _causal_lm_class(config: Any, name: str) -> tuple[Any, Any]:
+    """(config, class) of the causal LM for `config`; a multimodal config falls back to its text model."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return config, AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        pass
+    text = getattr(config, "text_config", None)
+    if text is not None:
+        try:
+            return text, AutoModelForCausalLM._model_mapping[type(text)]
+        except KeyError:
+            pass
+    raise SelftestError(
+        f"{name}: {type(config).__name__} maps to no causal LM class in transformers; selftest builds "
+        "decoder-only causal LMs (give the config of one)"
+    )
+
+
+def _from_class_name(spec: str) -> Any | None:
+    import transformers
+
+    obj = getattr(transformers, spec, None) if spec.isidentifier() else None
+    if obj is None:
+        return None
+    from transformers import PretrainedConfig
+
+    if isinstance(obj, type) and issubclass(obj, PretrainedConfig):
+        return obj()
+    config_class = getattr(obj, "config_class", None)
+    if isinstance(config_class, type) and issubclass(config_class, PretrainedConfig):
+        return config_class()
+    raise SelftestError(f"{spec}: a transformers name, but neither a config nor a model class")
+
+
+def resolve(spec: str) -> ModelSpec:
+    """The `ModelSpec` of `spec` (module docstring), else `SelftestError`."""
+    _quiet_transformers()
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = Path(spec)
+    config: PretrainedConfig | None = None
+    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+        file = path if path.is_file() else path / "config.json"
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise SelftestError(f"{file}: not a readable JSON config ({e})") from None
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        if model_type not in CONFIG_MAPPING:
+            raise SelftestError(f"{file}: model_type {model_type!r} is not one transformers knows")
+        config = CONFIG_MAPPING[model_type].from_dict(raw)
+    elif path.exists():
+        raise SelftestError(f"{spec}: no config.json there; give a config file or a checkpoint directory")
+    if config is None:
+        config = _from_class_name(spec)
+    if config is None and spec in CONFIG_MAPPING:
+        config = CONFIG_MAPPING[spec]()
+    if config is None and "/" in spec:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            config = AutoConfig.from_pretrained(spec, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - the hub's errors vary; one line says what was tried
+            raise SelftestError(
+                f"{spec}: not in the local Hugging Face cache (selftest never downloads; {type(e).__name__})"
+            ) from None
+    if config is None:
+        raise SelftestError(
+            f"{spec}: not a config file, a transformers class name, a model_type or a cached model id "
+            "(e.g. qwen2, LlamaForCausalLM, path/to/config.json)"
+        )
+    config, model_class = _causal_lm_class(config, spec)
+    return ModelSpec(spec, config, model_class)
+
+
+def build(spec: ModelSpec, sizes: Sizes | None = None, seed: int = 0, attn: str = "eager") -> Any:
+    """The tiny seeded model of `spec` (float32, eval, `attn` attention), else `SelftestError` naming
+    why the shrunk config does not build."""
+    import torch
+
+    shrunk = shrink(spec.config, sizes).config
+    torch.manual_seed(seed)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = spec.model_class._from_config(shrunk, attn_implementation=attn)
+    except Exception as e:  # noqa: BLE001 - any failure of a foreign constructor is "cannot build"
+        raise SelftestError(
+            f"{spec.name}: the shrunk config does not build ({type(e).__name__}: {short_reason(e, 160)})"
+        ) from None
+    return model.float().eval()

@@ -1,0 +1,427 @@
+"""Planted mutations: one per role the model has, each with the result bisect should give.
+
+A mutation is planted in a deep copy of the reference model, found from the reference's own dump
+(its role sub-stage records name the module of each projection and, for a fused one, its columns):
+nothing here reads an attribute name of a model family, except the two config switches transformers
+itself defines for the behaviour mutated (`norm_topk_prob`, `sliding_window`).
+
+| kind | planted | expected: layer, stage, sub-stage, pattern |
+|---|---|---|
+| `attn.q` / `attn.k` / `attn.v` / `attn.o` scaled | that projection's weight rows (its columns of a fused one) and bias × 1.5 in layer `ONE_LAYER` | that layer, its attention stage, the sub-stage, `jump` |
+| `head zeroed` | head 1 of the attention context set to 0 where the output projection reads it, in layer `ONE_LAYER` | that layer, its attention stage, `attn.context` with head 1 its worst head, `jump` |
+| `rope base` | every rotary table built from base^0.75 (its `inv_freq` ^ 0.75) | layer 0, `attn.q_rot`, any pattern |
+| `norm eps` | every norm inside the blocks with eps 0.1 | layer 0, its first norm stage, any pattern |
+| `mlp.act` swapped | the MLP activation of layer `ONE_LAYER` replaced (one computing SiLU by GELU, any other by SiLU) | that layer, its MLP stage, `mlp.act`, `jump` |
+| `experts swapped` | experts 0 and 1 of the first MoE layer exchanged | that layer, its MoE stage, a `moe.` sub-stage, `jump` |
+| `top-k unnormalised` | `norm_topk_prob` off in every MoE layer | the first MoE layer, its MoE stage, `layer_class` |
+| `window ignored` | `sliding_window` past the input length | the first sliding layer, `layer_class` when the model also has full layers |
+
+"Any pattern" still requires a failing result: only `match` is wrong there (an error planted in
+every layer saturates after the first, so `jump` and `drift` are both honest readings).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+ONE_LAYER = 1  # one-layer mutations go here: layer 0 is then an exactly equal prefix
+SCALE = 1.5
+EPS = 0.1
+ROPE_EXPONENT = 0.75
+_BLOCK_STAGE = re.compile(r"^L(\d{3})\.([a-z_]+)$")  # a block stage (attn_out), not a sub-stage
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What bisect should name; None fields are not checked (`pattern` None: anything but match)."""
+
+    layer: int
+    stage: str | None
+    sub_stage: str | None
+    pattern: str | None
+    head: int | None = None  # the head the sub-stage's per-head error must name worst
+
+    def describe(self) -> str:
+        parts = [f"layer {self.layer}"]
+        parts += [self.stage] if self.stage else []
+        parts += [self.sub_stage] if self.sub_stage else []
+        parts += [f"head {self.head}"] if self.head is not None else []
+        parts.append(self.pattern or "any pattern but match")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One planted mutation: `plant(model)` changes `model` (a deep copy of the reference) in place."""
+
+    kind: str
+    where: str
+    expected: Expected
+    plant: Callable[[Any], None]
+
+    def target(self, reference: Any) -> Any:
+        model = copy.deepcopy(reference)
+        self.plant(model)
+        return model
+
+
+@dataclass(frozen=True)
+class Dumped:
+    """What the reference dump says about one record: the part the planting reads."""
+
+    key: str
+    layer: int | None
+    module_path: str | None
+    extra: dict
+
+
+def _columns(extra: dict) -> list[tuple[int, int]] | None:
+    if "split" in extra:
+        return [tuple(extra["split"])]
+    if "split_cols" in extra:
+        return [tuple(run) for run in extra["split_cols"]]
+    return None
+
+
+def _feature_axes(module: Any) -> tuple[int, int] | None:
+    """(output axis, input axis) of a projection's 2-D weight: `nn.Linear` stores `[out, in]`,
+    GPT-2's `Conv1D` (`nf` outputs) `[in, out]`; None for anything else."""
+    import torch
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    if isinstance(module, torch.nn.Linear):
+        return 0, 1
+    if isinstance(getattr(module, "nf", None), int) and weight.shape[1] == module.nf:
+        return 1, 0
+    return None
+
+
+def _scale_output(path: str, cols: list[tuple[int, int]] | None, factor: float) -> Callable[[Any], None]:
+    """The projection's output columns `cols` (all when None) x `factor`, in its weights (and bias):
+    what a loader that scales a tensor does; the forward itself is untouched."""
+
+    def plant(model: Any) -> None:
+        import torch
+
+        module = model.get_submodule(path)
+        out_axis, _ = _feature_axes(module)  # type: ignore[misc]
+        runs = cols or [(0, module.weight.shape[out_axis])]
+        with torch.no_grad():
+            for lo, hi in runs:
+                module.weight.narrow(out_axis, lo, hi - lo).mul_(factor)
+                if getattr(module, "bias", None) is not None:
+                    module.bias[lo:hi].mul_(factor)
+
+    return plant
+
+
+def _zero_input_head(path: str, head: int, head_dim: int) -> Callable[[Any], None]:
+    """One head of the attention context is zeros where the output projection reads it (its input,
+    through a pre-hook: the heads that attention computed, minus one)."""
+
+    def plant(model: Any) -> None:
+        def pre(module, args):
+            x = args[0].clone()
+            x[..., head * head_dim : (head + 1) * head_dim] = 0
+            return (x, *args[1:])
+
+        model.get_submodule(path).register_forward_pre_hook(pre)
+
+    return plant
+
+
+class Planner:
+    """The mutations of one model, from the records of its reference dump."""
+
+    def __init__(self, model: Any, records: list[Dumped]) -> None:
+        self.model = model
+        self.records = records
+        self.by_key = {r.key: r for r in records}
+        self.layers = sorted({r.layer for r in records if r.layer is not None})
+
+    def block_stage(self, layer: int, module_path: str | None) -> str | None:
+        """The block stage (attn_out, ffn_out, ...) whose module holds `module_path`."""
+        best = None
+        for r in self.records:
+            m = _BLOCK_STAGE.match(r.key)
+            if r.layer != layer or not m or not r.module_path or module_path is None:
+                continue
+            if (module_path == r.module_path or module_path.startswith(r.module_path + ".")) and (
+                best is None or len(r.module_path) > len(best[1])
+            ):
+                best = (m.group(2), r.module_path)
+        return best[0] if best else None
+
+    def sub(self, layer: int, kind: str) -> Dumped | None:
+        return self.by_key.get(f"L{layer:03d}.{kind}.out")
+
+    def all(self) -> list[Mutation]:
+        return [
+            *self.projections(),
+            *self.head_zeroed(),
+            *self.rope_base(),
+            *self.norm_eps(),
+            *self.activation(),
+            *self.experts_swapped(),
+            *self.topk_unnormalised(),
+            *self.window_ignored(),
+        ]
+
+    def projections(self) -> list[Mutation]:
+        out = []
+        for kind in ("attn.q", "attn.k", "attn.v", "attn.o"):
+            r = self.sub(ONE_LAYER, kind)
+            if (
+                r is None
+                or not r.module_path
+                or _feature_axes(self.model.get_submodule(r.module_path)) is None
+            ):
+                continue
+            stage = self.block_stage(ONE_LAYER, r.module_path)
+            out.append(
+                Mutation(
+                    f"{kind} scaled",
+                    f"layer {ONE_LAYER}: {r.module_path} x {SCALE}",
+                    Expected(ONE_LAYER, stage, kind, "jump"),
+                    _scale_output(r.module_path, _columns(r.extra), SCALE),
+                )
+            )
+        return out
+
+    def head_zeroed(self) -> list[Mutation]:
+        r = self.sub(ONE_LAYER, "attn.context")
+        heads = (r.extra or {}).get("heads") if r else None
+        if r is None or not r.module_path or not isinstance(heads, int) or heads < 2:
+            return []
+        module = self.model.get_submodule(r.module_path)
+        axes = _feature_axes(module)
+        width = module.weight.shape[axes[1]] if axes else None
+        if not isinstance(width, int) or width % heads:
+            return []
+        stage = self.block_stage(ONE_LAYER, r.module_path)
+        return [
+            Mutation(
+                "head zeroed",
+                f"layer {ONE_LAYER}: head 1 of {r.module_path}'s input",
+                Expected(ONE_LAYER, stage, "attn.context", "jump", head=1),
+                _zero_input_head(r.module_path, 1, width // heads),
+            )
+        ]
+
+    def rope_base(self) -> list[Mutation]:
+        tables = [name for name, buf in self.model.named_buffers() if name.endswith("inv_freq")]
+        first = self.sub(0, "attn.q_rot") or self.by_key.get("L000.attn.q_rot")
+        if not tables or first is None:
+            return []
+
+        def plant(model: Any) -> None:
+            for name in tables:
+                owner, _, attr = name.rpartition(".")
+                module = model.get_submodule(owner) if owner else model
+                setattr(module, attr, getattr(module, attr) ** ROPE_EXPONENT)
+
+        return [
+            Mutation(
+                "rope base",
+                f"{len(tables)} rotary table(s), inv_freq ^ {ROPE_EXPONENT}",
+                Expected(0, None, "attn.q_rot", None),
+                plant,
+            )
+        ]
+
+    def norm_eps(self) -> list[Mutation]:
+        from ffdebug.models.roles import is_norm_type, norm_shaped
+
+        blocks = {
+            r.module_path for r in self.records if _BLOCK_STAGE.match(r.key) and r.key.endswith(".hidden_out")
+        }
+        names = []
+        for name, module in self.model.named_modules():
+            if not any(name.startswith(b + ".") for b in blocks if b) or not (
+                is_norm_type(module) or norm_shaped(module)
+            ):
+                continue
+            attr = next(
+                (
+                    a
+                    for a in ("eps", "variance_epsilon", "epsilon")
+                    if isinstance(getattr(module, a, None), float)
+                ),
+                None,
+            )
+            if attr:
+                names.append((name, attr))
+        if not names:
+            return []
+        first_norm = next(
+            (
+                m.group(2)
+                for r in self.records
+                if (m := _BLOCK_STAGE.match(r.key)) and r.layer == 0 and m.group(2).endswith("norm_out")
+            ),
+            None,
+        )
+
+        def plant(model: Any) -> None:
+            for name, attr in names:
+                setattr(model.get_submodule(name), attr, EPS)
+
+        return [
+            Mutation(
+                "norm eps",
+                f"{len(names)} norm(s) in the blocks, eps {EPS}",
+                Expected(0, first_norm, None, None),
+                plant,
+            )
+        ]
+
+    def activation(self) -> list[Mutation]:
+        import torch
+
+        r = self.sub(ONE_LAYER, "mlp.act")
+        down = self.sub(ONE_LAYER, "mlp.down")
+        if r is None or down is None or not down.module_path:
+            return []
+        branch = down.module_path.rpartition(".")[0]
+        found = [
+            (name, module)
+            for name, module in self.model.get_submodule(branch).named_modules()
+            if name
+            and not list(module.parameters())
+            and type(module).__module__.startswith(
+                ("torch.nn.modules.activation", "transformers.activations")
+            )
+        ]
+        if not found:
+            return []
+        name, module = found[0]
+        probe = torch.linspace(-3, 3, 13)
+        with torch.no_grad():  # by what it computes: transformers' SiLUActivation is nn.SiLU's function
+            silu_like = torch.allclose(module(probe), torch.nn.functional.silu(probe))
+        other = torch.nn.GELU if silu_like else torch.nn.SiLU
+        path = f"{branch}.{name}"
+
+        def plant(model: Any) -> None:
+            owner, _, attr = path.rpartition(".")
+            setattr(model.get_submodule(owner), attr, other())
+
+        stage = self.block_stage(ONE_LAYER, down.module_path)
+        return [
+            Mutation(
+                "mlp.act swapped",
+                f"layer {ONE_LAYER}: {path} {type(module).__name__} -> {other.__name__}",
+                Expected(ONE_LAYER, stage, "mlp.act", "jump"),
+                plant,
+            )
+        ]
+
+    def _blocks(self) -> dict[int, str]:
+        """Layer -> the block's module path (from its `hidden_out` record)."""
+        return {
+            r.layer: r.module_path
+            for r in self.records
+            if r.layer is not None and r.module_path and r.key == f"L{r.layer:03d}.hidden_out"
+        }
+
+    def _experts(self) -> list[tuple[int, str]]:
+        """(layer, path) of each block's expert container, found by structure: parameters stacked
+        over E >= 2 experts (`[E, ...]`, 3-D or more, sharing E), or a list of two or more modules of
+        one class that each hold a projection."""
+        import torch
+
+        found = []
+        for layer, block in sorted(self._blocks().items()):
+            for name, module in self.model.get_submodule(block).named_modules():
+                own = [p for p in module.parameters(recurse=False) if p.dim() >= 3]
+                stacked = own and len({p.shape[0] for p in own}) == 1 and own[0].shape[0] >= 2
+                listed = (
+                    isinstance(module, torch.nn.ModuleList)
+                    and len(module) >= 2
+                    and len({type(m) for m in module}) == 1
+                    and any(isinstance(c, torch.nn.Linear) for c in module[0].modules())
+                )
+                if stacked or listed:
+                    found.append((layer, f"{block}.{name}" if name else block))
+                    break
+        return found
+
+    def experts_swapped(self) -> list[Mutation]:
+        import torch
+
+        experts = self._experts()
+        if not experts:
+            return []
+        layer, path = experts[0]
+
+        def plant(model: Any) -> None:
+            target = model.get_submodule(path)
+            with torch.no_grad():
+                if isinstance(target, torch.nn.ModuleList):
+                    first, second = target[0].state_dict(), target[1].state_dict()
+                    target[0].load_state_dict(second)
+                    target[1].load_state_dict(first)
+                    return
+                for p in target.parameters(recurse=False):
+                    if p.dim() >= 3:
+                        p[[0, 1]] = p[[1, 0]].clone()
+
+        stage = self.block_stage(layer, path)
+        return [
+            Mutation(
+                "experts swapped",
+                f"layer {layer}: experts 0 and 1 of {path}",
+                Expected(layer, stage, "moe.", "jump"),
+                plant,
+            )
+        ]
+
+    def topk_unnormalised(self) -> list[Mutation]:
+        experts = self._experts()
+        layers = [layer for layer, _ in experts]
+        owners = [n for n, m in self.model.named_modules() if getattr(m, "norm_topk_prob", None) is True]
+        config = getattr(self.model, "config", None)
+        if not layers or not (owners or getattr(config, "norm_topk_prob", None) is True):
+            return []
+
+        def plant(model: Any) -> None:
+            if getattr(model.config, "norm_topk_prob", None) is True:
+                model.config.norm_topk_prob = False
+            for n in owners:
+                model.get_submodule(n).norm_topk_prob = False
+
+        stage = self.block_stage(layers[0], experts[0][1])
+        return [
+            Mutation(
+                "top-k unnormalised",
+                f"norm_topk_prob off in {len(layers)} MoE layer(s)",
+                Expected(layers[0], stage, None, "layer_class"),
+                plant,
+            )
+        ]
+
+    def window_ignored(self) -> list[Mutation]:
+        config = getattr(self.model, "config", None)
+        window = getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None)
+        if not isinstance(window, int) or not types or "sliding_attention" not in types:
+            return []
+        first = types.index("sliding_attention")
+        mixed = any(t != "sliding_attention" for t in types)
+
+        def plant(model: Any) -> None:
+            model.config.sliding_window = 10**6
+
+        return [
+            Mutation(
+                "window ignored",
+                f"sliding_window {window} -> past the input",
+                Expected(first, None, None, "layer_class" if mixed else None),
+                plant,
+            )
+        ]
