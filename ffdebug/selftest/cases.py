@@ -32,10 +32,11 @@ from ffdebug.errors import short_reason
 from ffdebug.selftest.models import ModelSpec, SelftestError, build, resolve
 from ffdebug.selftest.mutations import Dumped, Expected, Mutation, Planner
 from ffdebug.selftest.shrink import Sizes
+from ffdebug.verdict import PatternName, Severity
 
 CASE_GROUPS = ("copy", "precision", "mutations")
 HOLDS, FAILS, NO_EFFECT, SKIPPED = "holds", "fails", "no effect", "skipped"
-PRECISION_PATTERNS = ("match", "drift")
+PRECISION_PATTERNS = (PatternName.MATCH, PatternName.DRIFT)
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,8 @@ def _matches(expected: Expected, said: dict, failed: bool) -> bool:
     if expected.head is not None and said["head"] != expected.head:
         return False
     if expected.pattern is None:
-        return said["pattern"] != "match"
-    return said["pattern"] == expected.pattern
+        return said["pattern"] != PatternName.MATCH
+    return said["pattern"] == PatternName(expected.pattern).value
 
 
 class Runner:
@@ -243,8 +244,8 @@ class Runner:
 
     def _precision(self, name: str, result) -> CaseResult:
         said = _said(result)
-        judged = str(result.judgement) in ("ok", "drift")
-        holds = said["exit_code"] == 0 and judged and said["pattern"] in PRECISION_PATTERNS
+        judged = not Severity(result.judgement).at_least(Severity.DIVERGE)
+        holds = said["exit_code"] == 0 and judged and said["pattern"] in [p.value for p in PRECISION_PATTERNS]
         expected = "exit 0, judgement <= drift, pattern match or drift"
         return CaseResult("precision", name, expected, HOLDS if holds else FAILS, _got(said), **said)
 

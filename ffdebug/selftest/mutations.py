@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ffdebug.verdict import PatternName
+
 ONE_LAYER = 1  # one-layer mutations go here: layer 0 is then an exactly equal prefix
 SCALE = 1.5
 EPS = 0.1
@@ -42,7 +44,7 @@ class Expected:
     layer: int
     stage: str | None
     sub_stage: str | None
-    pattern: str | None
+    pattern: PatternName | None
     head: int | None = None  # the head the sub-stage's per-head error must name worst
 
     def describe(self) -> str:
@@ -50,7 +52,7 @@ class Expected:
         parts += [self.stage] if self.stage else []
         parts += [self.sub_stage] if self.sub_stage else []
         parts += [f"head {self.head}"] if self.head is not None else []
-        parts.append(self.pattern or "any pattern but match")
+        parts.append(self.pattern.value if self.pattern else "any pattern but match")
         return ", ".join(parts)
 
 
@@ -188,7 +190,7 @@ class Planner:
                 Mutation(
                     f"{kind} scaled",
                     f"layer {ONE_LAYER}: {r.module_path} x {SCALE}",
-                    Expected(ONE_LAYER, stage, kind, "jump"),
+                    Expected(ONE_LAYER, stage, kind, PatternName.JUMP),
                     _scale_output(r.module_path, _columns(r.extra), SCALE),
                 )
             )
@@ -209,7 +211,7 @@ class Planner:
             Mutation(
                 "head zeroed",
                 f"layer {ONE_LAYER}: head 1 of {r.module_path}'s input",
-                Expected(ONE_LAYER, stage, "attn.context", "jump", head=1),
+                Expected(ONE_LAYER, stage, "attn.context", PatternName.JUMP, head=1),
                 _zero_input_head(r.module_path, 1, width // heads),
             )
         ]
@@ -316,7 +318,7 @@ class Planner:
             Mutation(
                 "mlp.act swapped",
                 f"layer {ONE_LAYER}: {path} {type(module).__name__} -> {other.__name__}",
-                Expected(ONE_LAYER, stage, "mlp.act", "jump"),
+                Expected(ONE_LAYER, stage, "mlp.act", PatternName.JUMP),
                 plant,
             )
         ]
@@ -376,7 +378,7 @@ class Planner:
             Mutation(
                 "experts swapped",
                 f"layer {layer}: experts 0 and 1 of {path}",
-                Expected(layer, stage, "moe.", "jump"),
+                Expected(layer, stage, "moe.", PatternName.JUMP),
                 plant,
             )
         ]
@@ -400,7 +402,7 @@ class Planner:
             Mutation(
                 "top-k unnormalised",
                 f"norm_topk_prob off in {len(layers)} MoE layer(s)",
-                Expected(layers[0], stage, None, "layer_class"),
+                Expected(layers[0], stage, None, PatternName.LAYER_CLASS),
                 plant,
             )
         ]
@@ -421,7 +423,7 @@ class Planner:
             Mutation(
                 "window ignored",
                 f"sliding_window {window} -> past the input",
-                Expected(first, None, None, "layer_class" if mixed else None),
+                Expected(first, None, None, PatternName.LAYER_CLASS if mixed else None),
                 plant,
             )
         ]
