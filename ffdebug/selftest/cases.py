@@ -249,9 +249,6 @@ class Runner:
         expected = "exit 0, judgement <= drift, pattern match or drift"
         return CaseResult("precision", name, expected, HOLDS if holds else FAILS, _got(said), **said)
 
-    def mutation_cases(self) -> list[CaseResult]:
-        return [self._mutation(m) for m in Planner(self.model, self.records).all()]
-
     def _mutation(self, mutation: Mutation) -> CaseResult:
         import ffdebug
 
@@ -312,8 +309,8 @@ def run_model(name: str, options: SelftestOptions | None = None) -> ModelReport:
     options = options or SelftestOptions()
     spec = resolve(name)
     report = ModelReport(name, spec.model_class.__name__, spec.model_type)
-    report.shrunk = shrink(spec.config, options.sizes).changes
     try:
+        report.shrunk = shrink(spec.config, options.sizes).changes
         model = build(spec, options.sizes, options.seed)
     except SelftestError as e:
         report.error = str(e)
@@ -335,23 +332,50 @@ def run_model(name: str, options: SelftestOptions | None = None) -> ModelReport:
     return report
 
 
+def _raised(group: str, name: str, e: BaseException) -> CaseResult:
+    """A case in which ffdebug raised on a model whose plain forward runs: a defect, so it fails."""
+    return CaseResult(
+        group, name, "no exception", FAILS, f"raised {type(e).__name__}: {short_reason(e, 160)}"
+    )
+
+
 def _run_cases(
     report: ModelReport, spec: ModelSpec, model: Any, options: SelftestOptions, root: Path
 ) -> None:
+    import torch
+
     try:
-        runner = Runner(spec, model, options, root)
+        with torch.no_grad():
+            model(input_ids=_ids(model, options))
     except Exception as e:  # noqa: BLE001 - a foreign forward that fails is this model's finding
         report.error = (
             f"{report.spec}: the tiny model's forward failed ({type(e).__name__}: {short_reason(e, 160)})"
         )
         return
+    try:
+        runner = Runner(spec, model, options, root)
+    except Exception as e:  # noqa: BLE001 - the forward runs, so the dump's failure is ffdebug's
+        report.cases.append(_raised("copy", "reference dump", e))
+        return
     report.layers = len({r.layer for r in runner.records if r.layer is not None})
-    if "copy" in options.groups:
-        report.cases.append(runner.copy_case())
-    if "precision" in options.groups:
-        report.cases.extend(runner.precision_cases())
+    groups = {"copy": lambda: [runner.copy_case()], "precision": runner.precision_cases}
+    for group, run in groups.items():
+        if group in options.groups:
+            try:
+                report.cases.extend(run())
+            except Exception as e:  # noqa: BLE001 - recorded as the group's failing case
+                report.cases.append(_raised(group, group, e))
     if "mutations" in options.groups:
-        report.cases.extend(runner.mutation_cases())
+        try:
+            planted = Planner(model, runner.records).all()
+        except Exception as e:  # noqa: BLE001
+            report.cases.append(_raised("mutations", "planning", e))
+            return
+        for mutation in planted:
+            try:
+                report.cases.append(runner._mutation(mutation))
+            except Exception as e:  # noqa: BLE001
+                report.cases.append(_raised("mutations", mutation.kind, e))
 
 
 def _safe(name: str) -> str:

@@ -24,6 +24,8 @@ from typing import Any
 from ffdebug.errors import FFDebugError, short_reason
 from ffdebug.selftest.shrink import Sizes, shrink
 
+MAX_PARAMETERS = 20_000_000  # a shrunk model is about 0.2-1 M; more means a size field was missed
+
 
 class SelftestError(FFDebugError):
     """A spec that names no model, or a model the shrinker cannot build (exit 2)."""
@@ -77,11 +79,18 @@ def _from_class_name(spec: str) -> Any | None:
         return None
     from transformers import PretrainedConfig
 
-    if isinstance(obj, type) and issubclass(obj, PretrainedConfig):
-        return obj()
-    config_class = getattr(obj, "config_class", None)
+    config_class = (
+        obj
+        if isinstance(obj, type) and issubclass(obj, PretrainedConfig)
+        else getattr(obj, "config_class", None)
+    )
     if isinstance(config_class, type) and issubclass(config_class, PretrainedConfig):
-        return config_class()
+        try:
+            return config_class()
+        except Exception as e:  # noqa: BLE001 - a foreign constructor: its reason, in one line
+            raise SelftestError(
+                f"{spec}: its default config does not build ({short_reason(e, 160)})"
+            ) from None
     raise SelftestError(f"{spec}: a transformers name, but neither a config nor a model class")
 
 
@@ -108,7 +117,12 @@ def resolve(spec: str) -> ModelSpec:
     if config is None:
         config = _from_class_name(spec)
     if config is None and spec in CONFIG_MAPPING:
-        config = CONFIG_MAPPING[spec]()
+        try:
+            config = CONFIG_MAPPING[spec]()
+        except Exception as e:  # noqa: BLE001 - a foreign constructor: its reason, in one line
+            raise SelftestError(
+                f"{spec}: transformers' default config does not build ({short_reason(e, 160)})"
+            ) from None
     if config is None and "/" in spec:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
@@ -131,9 +145,9 @@ def build(spec: ModelSpec, sizes: Sizes | None = None, seed: int = 0, attn: str 
     why the shrunk config does not build."""
     import torch
 
-    shrunk = shrink(spec.config, sizes).config
     torch.manual_seed(seed)
     try:
+        shrunk = shrink(spec.config, sizes).config
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = spec.model_class._from_config(shrunk, attn_implementation=attn)
@@ -141,4 +155,10 @@ def build(spec: ModelSpec, sizes: Sizes | None = None, seed: int = 0, attn: str 
         raise SelftestError(
             f"{spec.name}: the shrunk config does not build ({type(e).__name__}: {short_reason(e, 160)})"
         ) from None
+    parameters = sum(p.numel() for p in model.parameters())
+    if parameters > MAX_PARAMETERS:
+        raise SelftestError(
+            f"{spec.name}: not tiny after shrinking ({parameters:,} parameters, the cap is {MAX_PARAMETERS:,}): "
+            "a size field the shrinker does not know"
+        )
     return model.float().eval()

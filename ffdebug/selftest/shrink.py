@@ -222,37 +222,46 @@ def compress_types(types: list, layers: int) -> list:
     return runs[:layers]
 
 
+def _get(cfg: Any, name: str) -> Any:
+    """`cfg.name`, or None when it is absent or the config refuses to give one global value (a
+    per-layer heterogeneous config raises its own error for that)."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer configs raise their own error type
+        return None
+
+
 def _layer_count(cfg: Any) -> int | None:
-    return next((getattr(cfg, n) for n in LAYER_COUNTS if isinstance(getattr(cfg, n, None), int)), None)
+    return next((_get(cfg, n) for n in LAYER_COUNTS if isinstance(_get(cfg, n), int)), None)
 
 
 def _shrink_one(cfg: Any, sizes: Sizes, prefix: str, changes: list[str]) -> None:
     original = copy.deepcopy(cfg)
 
     def put(name: str, value: Any) -> None:
-        old = getattr(cfg, name)
+        old = _get(cfg, name)
         if old != value:
             setattr(cfg, name, value)
             changes.append(f"{prefix}{name}: {old!r} -> {value!r}")
 
     for name, rule in SIZES.items():
-        value = getattr(cfg, name, None)
+        value = _get(cfg, name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             put(name, rule(value, sizes))
     layers = _layer_count(cfg)
     for name in LAYER_COUNTS:
-        value = getattr(cfg, name, None)
+        value = _get(cfg, name)
         if isinstance(value, int) and not isinstance(value, bool) and value > sizes.layers:
             put(name, sizes.layers)
     for name in LAYER_LISTS:
-        value = getattr(cfg, name, None)
+        value = _get(cfg, name)
         if isinstance(value, list) and value and (layers is None or len(value) == layers):
             put(name, compress_types(value, sizes.layers))
     _consistent(cfg, original, put)
-    vocab = getattr(cfg, "vocab_size", None)
+    vocab = _get(cfg, "vocab_size")
     if isinstance(vocab, int):
         for name in TOKEN_IDS:
-            value = getattr(cfg, name, None)
+            value = _get(cfg, name)
             if isinstance(value, int) and value >= vocab:
                 put(name, vocab - 1)
             elif isinstance(value, list) and any(isinstance(v, int) and v >= vocab for v in value):
@@ -261,7 +270,7 @@ def _shrink_one(cfg: Any, sizes: Sizes, prefix: str, changes: list[str]) -> None
 
 def _consistent(cfg: Any, original: Any, put) -> None:
     """The relations between sizes that the per-field rules cannot see, restored."""
-    get = lambda name, of=cfg: getattr(of, name, None)  # noqa: E731
+    get = lambda name, of=cfg: _get(of, name)  # noqa: E731
     for kv, q in (("num_key_value_heads", "num_attention_heads"), ("num_kv_heads", "num_attention_heads")):
         if isinstance(get(kv), int) and get(kv, original) == get(q, original):  # MHA stays MHA
             put(kv, get(q))
@@ -311,7 +320,7 @@ def shrink(config: Any, sizes: Sizes | None = None) -> Shrunk:
     changes: list[str] = []
     _shrink_one(cfg, sizes, "", changes)
     for name in SUB_CONFIGS:
-        sub = getattr(cfg, name, None)
+        sub = _get(cfg, name)
         if sub is not None and hasattr(sub, "to_dict"):
             _shrink_one(sub, sizes, f"{name}.", changes)
     return Shrunk(cfg, changes)
