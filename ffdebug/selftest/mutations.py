@@ -10,9 +10,9 @@ itself defines for the behaviour mutated (`norm_topk_prob`, `sliding_window`).
 | `attn.q` / `attn.k` / `attn.v` / `attn.o` scaled | that projection's weight rows (its columns of a fused one) and bias × 1.5 in layer `ONE_LAYER` | that layer, its attention stage, the sub-stage, `jump` |
 | `head zeroed` | head 1 of the attention context set to 0 where the output projection reads it, in layer `ONE_LAYER` | that layer, its attention stage, `attn.context` with head 1 its worst head, `jump` |
 | `rope base` | every rotary table built from base^0.75 (its `inv_freq` ^ 0.75) | layer 0, `attn.q_rot`, any pattern |
-| `norm eps` | every norm inside the blocks with eps 0.1 | layer 0, its first norm stage, any pattern |
+| `norm eps` | every norm inside the blocks with eps 0.1 | layer 0, the first of its stages that holds such a norm, any pattern |
 | `mlp.act` swapped | the MLP activation of layer `ONE_LAYER` replaced (one computing SiLU by GELU, any other by SiLU) | that layer, its MLP stage, `mlp.act`, `jump` |
-| `experts swapped` | experts 0 and 1 of the first MoE layer exchanged | that layer, its MoE stage, a `moe.` sub-stage, `jump` |
+| `experts swapped` | experts 0 and 1 of the first MoE layer exchanged (the container: parameters stacked over the config's E, or a list of E modules) | that layer, its MoE stage, a `moe.` sub-stage, `jump` |
 | `top-k unnormalised` | `norm_topk_prob` off in every MoE layer | the first MoE layer, its MoE stage, `layer_class` |
 | `window ignored` | `sliding_window` past the input length | the first sliding layer, `layer_class` when the model also has full layers |
 
@@ -34,6 +34,7 @@ ONE_LAYER = 1  # one-layer mutations go here: layer 0 is then an exactly equal p
 SCALE = 1.5
 EPS = 0.1
 ROPE_EXPONENT = 0.75
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _BLOCK_STAGE = re.compile(r"^L(\d{3})\.([a-z_]+)$")  # a block stage (attn_out), not a sub-stage
 
 
@@ -261,14 +262,10 @@ class Planner:
                 names.append((name, attr))
         if not names:
             return []
-        first_norm = next(
-            (
-                m.group(2)
-                for r in self.records
-                if (m := _BLOCK_STAGE.match(r.key)) and r.layer == 0 and m.group(2).endswith("norm_out")
-            ),
-            None,
-        )
+        blocks0 = self._blocks().get(0)
+        stages = {self.block_stage(0, n) for n, _ in names if blocks0 and n.startswith(blocks0 + ".")}
+        order = [m.group(2) for r in self.records if (m := _BLOCK_STAGE.match(r.key)) and r.layer == 0]
+        first_norm = next((st for st in order if st in stages), None)  # in execution order
 
         def plant(model: Any) -> None:
             for name, attr in names:
@@ -331,20 +328,30 @@ class Planner:
             if r.layer is not None and r.module_path and r.key == f"L{r.layer:03d}.hidden_out"
         }
 
+    def _expert_count(self) -> int | None:
+        """E from the config (the field the shrinker sized: `num_experts`, `n_routed_experts`, ...)."""
+        config = getattr(self.model, "config", None)
+        return next(
+            (v for n in EXPERT_FIELDS if isinstance(v := getattr(config, n, None), int) and v >= 2), None
+        )
+
     def _experts(self) -> list[tuple[int, str]]:
-        """(layer, path) of each block's expert container, found by structure: parameters stacked
-        over E >= 2 experts (`[E, ...]`, 3-D or more, sharing E), or a list of two or more modules of
-        one class that each hold a projection."""
+        """(layer, path) of each block's expert container: parameters stacked over the config's E
+        experts (`[E, ...]`, 3-D or more), or a list of E modules of one class that hold a projection.
+        A model whose config names no expert count has none."""
         import torch
 
+        count = self._expert_count()
+        if count is None:
+            return []
         found = []
         for layer, block in sorted(self._blocks().items()):
             for name, module in self.model.get_submodule(block).named_modules():
                 own = [p for p in module.parameters(recurse=False) if p.dim() >= 3]
-                stacked = own and len({p.shape[0] for p in own}) == 1 and own[0].shape[0] >= 2
+                stacked = bool(own) and all(p.shape[0] == count for p in own)
                 listed = (
                     isinstance(module, torch.nn.ModuleList)
-                    and len(module) >= 2
+                    and len(module) == count
                     and len({type(m) for m in module}) == 1
                     and any(isinstance(c, torch.nn.Linear) for c in module[0].modules())
                 )
