@@ -144,3 +144,21 @@ def test_gpt2_selftest_through_the_cli(tmp_path):
     assert cases["attn.k scaled"]["layer"] == 1 and cases["attn.k scaled"]["sub_stage"] == "attn.k"
     assert r.exit_code == (0 if all(c["status"] != "fails" for c in cases.values()) else 1)
     assert (tmp_path / "gpt2" / "ref" / "rank000" / "manifest.jsonl").is_file()  # --keep kept the dumps
+
+
+def test_a_config_that_refuses_a_global_field_reads_as_unknown():
+    """transformers' per-layer configs raise their own error for a global `head_dim` (found by the
+    sweep on gemma4_unified_text, whose reference dump raised): the field is unknown, not fatal."""
+    from ffdebug.models.config_fields import config_field
+    from ffdebug.models.subroles import Dims
+
+    class PerLayer:
+        num_attention_heads = 4
+        hidden_size = 64
+
+        @property
+        def head_dim(self):
+            raise RuntimeError("'head_dim' is a per-layer attribute and may vary across layers")
+
+    assert config_field(PerLayer(), "head_dim") is None and config_field({"a": 1}, "a") == 1
+    assert Dims.of_config(PerLayer()).head_dim == 16  # from hidden / heads, as when absent

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ffdebug.capture.inputs import LATENTS_KEY, root_inputs
 from ffdebug.capture.order import ExecutionOrder
 from ffdebug.capture.outputs import tensors_of
+from ffdebug.models.config_fields import config_field
 from ffdebug.models.roles import is_norm, is_norm_type, norm_shaped
 
 if TYPE_CHECKING:
@@ -193,7 +194,7 @@ def _same_ids(x, ids) -> bool:
 def vocab_size(model) -> int | None:
     """The vocabulary size: config `vocab_size`, else the input embedding's `num_embeddings`."""
     config = getattr(model, "config", None)
-    size = getattr(config, "vocab_size", None) if config is not None else None
+    size = config_field(config, "vocab_size")
     if isinstance(size, int) and size > 1:
         return size
     emb = input_embedding(model)

@@ -16,6 +16,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from ffdebug.errors import FFDebugError
+from ffdebug.models.config_fields import config_field
 
 
 @dataclass
@@ -146,7 +147,10 @@ def config_layer_classes(config, num_layers: int) -> list[str] | None:
     """
     if config is None:
         return None
-    get = (lambda k: config.get(k)) if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+
+    def get(k):
+        return config_field(config, k)
+
     attn = _attention_kinds(get, num_layers)
     mlp = _mlp_kinds(get, num_layers)
     if attn and mlp and len(set(attn)) > 1 and len(set(mlp)) > 1:

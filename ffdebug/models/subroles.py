@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ffdebug.models.config_fields import config_field
+
 
 @dataclass(frozen=True)
 class Dims:
@@ -48,7 +50,9 @@ class Dims:
     def of_config(cls, config, experts: int | None = None) -> Dims:
         if config is None:
             return cls(experts=experts)
-        get = (lambda k: config.get(k)) if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+
+        def get(k):
+            return config_field(config, k)
 
         def first_int(*names):
             for n in names:

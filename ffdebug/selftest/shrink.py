@@ -240,9 +240,14 @@ def _shrink_one(cfg: Any, sizes: Sizes, prefix: str, changes: list[str]) -> None
 
     def put(name: str, value: Any) -> None:
         old = _get(cfg, name)
-        if old != value:
+        if old == value:
+            return
+        try:
             setattr(cfg, name, value)
-            changes.append(f"{prefix}{name}: {old!r} -> {value!r}")
+        except Exception as e:  # noqa: BLE001 - a config that refuses a field: left as it was, said
+            changes.append(f"{prefix}{name}: kept {old!r} (the config refused {value!r}: {type(e).__name__})")
+            return
+        changes.append(f"{prefix}{name}: {old!r} -> {value!r}")
 
     for name, rule in SIZES.items():
         value = _get(cfg, name)
