@@ -8,7 +8,8 @@ comparison in this order:
 | bands             | `band`              | worse of the cos band and the rel band (table below)        |
 | threshold         | `apply_threshold`   | a matching `--threshold GLOB:...` redefines the ok band     |
 | element-wise      | `elementwise`       | elem >= 0.25: at least `diverge`; elem >= 1: `bug` (unless  |
-|                   |                     | the matching threshold has elem / max_abs / atol terms)     |
+|                   |                     | the matching threshold has elem / max_abs / atol terms);    |
+|                   |                     | a low-precision side scales both by `elem_scale` (depth)    |
 | zero side         | `zero_side`         | one side all zeros, the other not: `bug`                    |
 | NaN / Inf         | `nonfinite`         | NaN or Inf at different positions: at least `bug`           |
 | shape             | `shape_mismatch`    | shapes differ beyond size-1 dims: `bug` (never broadcast)   |
@@ -17,8 +18,10 @@ comparison in this order:
 | noise             | `within_noise`      | error <= k x the noise run's: back to `ok` (below `bug`)    |
 | beyond noise      | `noise_sensitive`   | error >= k x the noise run's (> 0): at least `diverge`      |
 | exact prefix      | `exact_prefix_break`| noise run bit-identical: first inexact stage, `diverge`     |
-|                   |                     | (the stage: `exact_prefix_end`, also bisect's signal)       |
-| judgement         | `judge`             | a bug signal (bisect) raises the verdict to `bug`           |
+|                   |                     | (the stage: `exact_prefix_end`, also bisect's signal), when |
+|                   |                     | its error is above rounding (`above_rounding`: 16 ulps)     |
+| judgement         | `judge`             | a bug signal (bisect) raises the verdict to `bug`; bisect's |
+|                   |                     | `verdict` and `judgement` are that one grade                |
 
 Bands (the worse of the two wins; rel is the more sensitive one, so a large-magnitude tensor with
 cos 0.9998 and rel 57% is a bug):
@@ -34,6 +37,16 @@ cos 0.9998 and rel 57% is a bug):
 Element-wise error (README "Comparing"): elem = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)), so one element
 off by 50% is seen in a tensor whose norm hides it, while an element near zero is measured against
 the tensor's scale, not its own (a near-zero sign flip is small).
+
+Precision (calibrated on the zoo: docs/bisect.md, "Calibration"). Errors are measured in units of
+the machine epsilon of a dtype (`MACHINE_EPS`, 2^-mantissa bits; an ulp of a value of magnitude 1):
+
+| quantity                                   | precision alone (zoo, max)   | rule                        |
+|--------------------------------------------|------------------------------|-----------------------------|
+| first inexact stage after an exact prefix  | rel 0.91 eps (fp32, sdpa)    | a signal from 16 eps on     |
+| elem of a low-precision side at depth d    | 5.8 eps x (d + 1)            | scaled from 16 eps x (d + 1)|
+| error one block adds, low-precision side   | 1.1 eps of that dtype        | beyond precision from 4 eps |
+| error one block adds, same dtype (fp32)    | 2.8 eps                      | beyond rounding from 16 eps |
 
 `Severity` is a `str` Enum: its value is the JSON string, and it compares equal to it.
 """
@@ -78,6 +91,64 @@ COS_BANDS = ((0.9999, Severity.OK), (0.99, Severity.DRIFT), (0.9, Severity.DIVER
 REL_BANDS = ((0.01, Severity.OK), (0.10, Severity.DRIFT), (0.30, Severity.DIVERGE))
 
 LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+# Machine epsilon (2^-mantissa bits) by dtype name, as dumps spell dtypes (no torch needed).
+MACHINE_EPS = {
+    "float64": 2.0**-52,
+    "complex128": 2.0**-52,
+    "float32": 2.0**-23,
+    "complex64": 2.0**-23,
+    "bfloat16": 2.0**-7,
+    "float16": 2.0**-10,
+    "float8_e4m3fn": 2.0**-3,
+    "float8_e4m3fnuz": 2.0**-3,
+    "float8_e5m2": 2.0**-2,
+    "float8_e5m2fnuz": 2.0**-2,
+}
+FP32_EPS = MACHINE_EPS["float32"]
+
+ROUNDING_ULPS = 16.0  # an error below this many eps of the stage's dtype can be one rounding
+PRECISION_ULPS = 4.0  # one block of a low-precision side adds up to this many eps of its dtype
+ELEM_ULPS = 16.0  # a low-precision side's elem grows by up to this many eps per block of depth
+
+
+def machine_eps(dtype: str | None) -> float | None:
+    """The machine epsilon of a floating dtype named as dumps name it (`torch.` prefix or not);
+    None for others."""
+    return MACHINE_EPS.get((dtype or "").removeprefix("torch."))
+
+
+def precise_eps(*dtypes: str | None) -> float:
+    """The epsilon of the most precise floating dtype given (fp32 when none is known)."""
+    known = [e for e in map(machine_eps, dtypes) if e is not None]
+    return min(known) if known else FP32_EPS
+
+
+def coarse_eps(*dtypes: str | None) -> float:
+    """The epsilon of the least precise floating dtype given (fp32 when none is known)."""
+    known = [e for e in map(machine_eps, dtypes) if e is not None]
+    return max(known) if known else FP32_EPS
+
+
+def above_rounding(rel: float | None, *dtypes: str | None) -> bool:
+    """The error is more than a few roundings: rel >= `ROUNDING_ULPS` x the epsilon of the most
+    precise dtype given. Below that, a port that sums in another order differs by this much after
+    a bit-equal prefix (the zoo's eager against sdpa: at most 0.91 eps at the first inexact stage),
+    so it is no evidence of a computation of its own."""
+    return rel is not None and rel >= ROUNDING_ULPS * precise_eps(*dtypes)
+
+
+def elem_scale(depth: int | None, *dtypes: str | None) -> float:
+    """How much the element-wise rule's bounds widen for a stage `depth` blocks deep (0: the
+    embedding; a stage after the last block: the block count + 1) when a side runs in a
+    low-precision dtype: to `ELEM_ULPS` x its epsilon x (depth + 1) when that exceeds 0.25. One
+    rounding of a bf16 element is up to 0.4% of it, and the largest element's error over a tensor
+    grows with every block (the zoo: up to 5.8 eps x (depth + 1)), so a bf16 stage six blocks deep
+    has single elements 25% off with nothing wrong. 1 for fp32 and wider."""
+    if not any(d in LOW_PRECISION for d in dtypes):
+        return 1.0
+    return max(1.0, ELEM_ULPS * coarse_eps(*dtypes) * ((depth or 0) + 1) / ELEM_DIVERGE)
 
 
 def worst(*severities: Severity | str) -> Severity:
@@ -130,14 +201,15 @@ ELEM_DIVERGE = 0.25  # one element off by a quarter of its magnitude (or of the 
 ELEM_BUG = 1.0  # one element off by its whole magnitude: a sign flip, a dropped or doubled term
 
 
-def elementwise(severity: Severity, elem: float | None) -> Severity:
-    """Element-wise rule: elem >= 0.25 makes the stage at least diverge, elem >= 1 at least bug
-    (elem = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)); None, nothing to measure, leaves the grade)."""
+def elementwise(severity: Severity, elem: float | None, scale: float = 1.0) -> Severity:
+    """Element-wise rule: elem >= 0.25 x scale makes the stage at least diverge, elem >= 1 x scale
+    at least bug (elem = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)); None, nothing to measure, leaves the
+    grade; `scale`: `elem_scale` of the stage's depth and dtypes)."""
     if elem is None:
         return severity
-    if elem >= ELEM_BUG:
+    if elem >= ELEM_BUG * scale:
         return worst(severity, Severity.BUG)
-    if elem >= ELEM_DIVERGE:
+    if elem >= ELEM_DIVERGE * scale:
         return worst(severity, Severity.DIVERGE)
     return severity
 
@@ -248,12 +320,16 @@ def classify(
     thresholds: tuple[Threshold, ...] = (),
     elem: float | None = None,
     max_abs: float | None = None,
+    elem_bound_scale: float = 1.0,
 ) -> Severity:
     """Bands, then the threshold rule, then the element-wise rule (unless the matching threshold
-    bounds elements itself with `elem`, `max_abs` or `atol`)."""
+    bounds elements itself with `elem`, `max_abs` or `atol`) with its bounds x `elem_bound_scale`
+    (`elem_scale`)."""
     severity = apply_threshold(band(cos, rel), cos, rel, key, thresholds, elem, max_abs)
     th = matching_threshold(key, thresholds)
-    return severity if th is not None and th.element_terms else elementwise(severity, elem)
+    if th is not None and th.element_terms:
+        return severity
+    return elementwise(severity, elem, elem_bound_scale)
 
 
 def zero_side(severity: Severity, ref_norm: float, target_norm: float, numel: int) -> Severity:
@@ -355,6 +431,8 @@ class _Paired(Protocol):
     def folded(self) -> bool: ...
 
     rel: float | None
+    dtype_ref: str | None
+    dtype_target: str | None
 
 
 _S = TypeVar("_S", bound=_Paired)
@@ -366,32 +444,41 @@ def exact_prefix_end(stages: Iterable[_S]) -> _S | None:
     while every earlier one is, when it can carry the rule's signal: the same dtype on both sides,
     an error measured, and bits ffdebug did not fold itself from per-rank pieces (folded bits are not
     the engine's). Nothing upstream differs, so its own computation does: a bug signal however small
-    its error. None when every stage is exact or the first one that is not cannot carry the signal.
+    its error, once it is above rounding (`above_rounding`: a difference of a few roundings is what
+    another summation order gives). None when every stage is exact or the first one that is not
+    cannot carry the signal.
     Callers add their own context: bisect leaves out a stage within the noise run's error, compare
     raises a stage where a noise run is bit-identical to the reference (`exact_prefix_break`)."""
     for e in stages:
         if e.exact:
             continue
-        return e if e.same_dtype and e.rel is not None and not e.folded else None
+        carries = e.same_dtype and e.rel is not None and not e.folded
+        return e if carries and above_rounding(e.rel, e.dtype_ref, e.dtype_target) else None
     return None
 
 
 def judge(verdict: Severity, signal: str | None) -> Severity:
-    """Judgement rule (bisect): a bug signal (error after an exact prefix, beyond the noise run,
-    or found local by attribution) makes the judgement at least bug, however small the error."""
+    """Judgement rule (bisect): a bug signal (error above rounding after an exact prefix, beyond
+    the noise run, beyond the precision of a low-precision side, or found local by attribution)
+    makes the grade at least bug, however small the error. Bisect reports that one grade as both
+    `verdict` and `judgement`: there is one rule, so the two never disagree."""
     return worst(verdict, Severity.BUG) if signal else verdict
 
 
 class PatternName(str, Enum):
-    """The pattern of a divergence over the layers (bisect), decided in this order: `match` (no
-    layer introduces error beyond noise), `layer_class` (the introducing layers are all of one
-    class), `jump` (one layer introduces far more than the rest), else `drift`. `drift` shares its
+    """The pattern of a divergence over the layers (bisect; `ffdebug.bisection.pattern`): `match`
+    (no layer introduces error beyond noise), `drift` (every layer's added error is within the
+    precision of the dtypes: accumulated rounding, never a bug), `layer_class` (the layers beyond
+    precision are of one class), `jump` (one layer adds far more than the rest), `undetermined`
+    (error beyond precision that the layer budget cannot pin on a layer or a class: the reason
+    names the layer after which it could not judge and the run that decides). `drift` shares its
     word with the severity `drift`; they are different things."""
 
     MATCH = "match"
     LAYER_CLASS = "layer_class"
     JUMP = "jump"
     DRIFT = "drift"
+    UNDETERMINED = "undetermined"
 
     def __str__(self) -> str:
         return self.value

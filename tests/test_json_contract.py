@@ -164,6 +164,10 @@ LAYER_ROW = {
     "noise_rel_out": OPT_NUM,
     "local": OPT_STR,
     "introduces": bool,
+    "beyond_precision": bool,
+    "precision_budget": OPT_NUM,
+    "max_step": OPT_NUM,
+    "max_step_key": OPT_STR,
     "notes": list,
 }
 WEIGHTS_TOP = {
@@ -308,7 +312,8 @@ def test_bisect_json_contract(demo_dir):
     code, data = run_json("bisect", "--dir", str(demo_dir), "--json")
     assert code == 1
     check(data, BISECT_TOP, optional={"generation_diverged"}, where="bisect")
-    assert data["pattern"] in {"match", "drift", "jump", "layer_class"}
+    assert data["pattern"] in {"match", "drift", "jump", "layer_class", "undetermined"}
+    assert data["verdict"] == data["judgement"]  # one rule: a bug signal raises both
     assert data["verdict"] in SEVERITIES and data["judgement"] in SEVERITIES
     check(data["first_divergence"], FIRST_DIVERGENCE, where="bisect.first_divergence")
     check(data["sub_stage"], SUB_STAGE, where="bisect.sub_stage")

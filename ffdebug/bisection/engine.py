@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ffdebug import verdict as V
 from ffdebug.bisection import pattern as pat
 from ffdebug.bisection import training
-from ffdebug.bisection.substage import first_lossy
+from ffdebug.bisection.substage import first_lossy, largest_step
 from ffdebug.models.blocks import declared_class, parse_layer_class_spec
 from ffdebug.progress_hook import ProgressHook
 from ffdebug.results import (
@@ -57,6 +57,15 @@ def break_in_exact_prefix(stages: list[StageResult]) -> StageResult | None:
     return e if e is not None and not pat.within_noise(e) else None
 
 
+def _not_drift_with(p: pat.Pattern, signal: str | None, first: StageResult | None) -> pat.Pattern:
+    """`drift` says precision alone; a bug signal says otherwise, so the pattern becomes
+    `undetermined` with the signal in its reason."""
+    if signal is None or p.name is not PatternName.DRIFT:
+        return p
+    why = f"{p.reason}; but {first.key if first is not None else 'a stage'}: {signal}"
+    return pat.Pattern(PatternName.UNDETERMINED, p.focus, p.introducing, why, signal, p.saturated_after)
+
+
 def _in_layer(stages: list[StageResult], layer) -> list[StageResult]:
     return [e for e in stages if layer is not None and e.layer == layer]
 
@@ -80,14 +89,17 @@ class CallAnalysis:
 def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> CallAnalysis:
     rows = pat.layer_rows(stages)
     by_key = {e.key: e for e in stages}
+    for row in rows:
+        step_at, row.max_step = largest_step(_in_layer(stages, row.layer))
+        row.max_step_key = step_at.key if step_at is not None else None
     for a in attribution or []:
         row = next((r for r in rows if r.layer == a["layer"]), None)
         if row is not None:
             row.local = a["verdict"]
     pat.mark_introducing(rows, by_key)
-    p = pat.decide(rows)
+    p = pat.decide(rows, by_key)
     signal = p.signal
-    if p.focus is not None and p.name is not PatternName.DRIFT:
+    if p.focus is not None and p.name not in (PatternName.DRIFT, PatternName.UNDETERMINED):
         in_layer = _in_layer(stages, p.focus.layer)
         first = first_lossy(in_layer, block_only=True)[0] or by_key.get(f"L{p.focus.layer:03d}.hidden_out")
     else:  # no single layer to blame: the first stage outside the ok band
@@ -97,6 +109,7 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
             signal = EXACT_PREFIX_SIGNAL if first is not None else None
     if signal is None and first is not None and first.beyond_noise:
         signal = BEYOND_NOISE_SIGNAL
+    p = _not_drift_with(p, signal, first)
     sub, why_sub = first_lossy(_in_layer(stages, first.layer if first is not None else None))
     return CallAnalysis(rows, p, first, sub, why_sub, signal)
 
@@ -244,11 +257,11 @@ def bisect(
 def _bisect_result(result, analyses, reported, attribution, notes, fail_on, allow_partial) -> BisectResult:
     """The BisectResult of the reported call `(call, its stages, its analysis)`."""
     chosen, st, analysis = reported
-    verdict = worst_of(result.stages)
-    p = analysis.pattern
+    judged = V.judge(worst_of(result.stages), analysis.signal)  # one grade: verdict and judgement
+    p = _not_drift_with(analysis.pattern, analysis.signal, analysis.first)
     return BisectResult(
-        verdict=verdict,
-        judgement=V.judge(verdict, analysis.signal),
+        verdict=judged,
+        judgement=judged,
         pattern=p.name,
         reason=p.reason,
         first_divergence=analysis.first,

@@ -6,35 +6,54 @@ For every layer L with a block input and output dumped on both sides (rel agains
     rel_out(L) = rel of L's hidden_out         (error it passes on)
     added(L)   = rel_out(L) - rel_in(L)        (error it adds; README: error out − error in)
 
-A layer *introduces* error when `added` is beyond noise: above k x the noise run's added error
-for that layer (k = 2 for fp32, 3 for bf16/fp16) when a noise run is given, else above a rounding
-estimate for the dtype (`ROUNDING_EPS` x the machine epsilon of the dtype both sides run in: 9.5e-7
-for fp32, 6.3e-2 for bf16; of the more precise side when the dtypes differ, so a bf16 target of an
-fp32 reference, whose layers each add ~1e-3, is the `drift` of a dtype difference), and in both cases above `INHERIT_SHARE` (10%) of what the layer inherits
-(a healthy layer fed a wrong input passes the error on amplified a little: the layer after a
-one-layer bug added 12-14% of what it inherited on the cases we measured, a layer with its own bug
-17% and more; the jump ratio, not this share, tells the two apart). When attribution re-ran the layers on the reference's inputs, its verdict (local /
-inherited) replaces this estimate.
+Two allowances decide what a layer's `added` means (eps: the machine epsilon of a dtype,
+`verdict.MACHINE_EPS`; calibrated on the zoo, docs/bisect.md "Calibration"):
+
+- the *rounding floor*: `ROUNDING_ULPS` (16) x eps of the more precise dtype, or, when both sides
+  run in one low-precision dtype, `PRECISION_ULPS` (4) x its eps. A layer *introduces* error when
+  it adds more than the floor and more than `INHERIT_SHARE` (10%) of what it inherits (a healthy
+  layer fed a wrong input passes the error on amplified a little: 12-14% on the cases we measured,
+  a layer with its own bug 17% and more; the jump ratio, not this share, tells the two apart);
+- the *precision budget*: what one block may add from precision alone, `PRECISION_ULPS` x eps of
+  the less precise dtype when the sides differ in dtype (the zoo's bf16 and fp16 sides add at most
+  1.1 eps per block), else the floor. A layer that introduces more than the budget (and more than
+  10% of what it inherits) is *beyond precision*; with a dtype's budget, so is a layer one of whose
+  stages adds more than the budget over its own input (`substage.largest_step`: a q projection
+  scaled by 1.1 moves q by 10% and the block's output by 0.02%).
+
+With a noise run, both are k x the error the noise run adds at that layer (k = 2 for fp32, 3 for
+bf16/fp16). When attribution re-ran the layers on the reference's inputs, its verdict (local /
+inherited) replaces the estimate.
 
 Saturation: once a layer's output has decorrelated from the reference (cos <= 0.5, the scramble
-band, or rel >= 50%), the error cannot grow much further and what later layers add says nothing about them:
-`saturated_after` is that layer, and the layers after it are not judged (never "the only layer").
+band, or rel >= 50%), the error cannot grow much further and what later layers add says little
+about them: `saturated_after` is that layer, and the layers after it do not introduce. They still
+carry one piece of evidence: when every later layer of one class adds error beyond precision and
+every later layer of the other classes does not, the class is still told apart.
 
-Pattern, over the judged layers, in this order:
-  match       no layer introduces error;
-  layer_class two or more layers introduce error, all of one class, while the layers of the other
-              classes stay at noise (needs two classes or more);
-  jump        the first to show any error after an exactly equal prefix in the same dtype (past
-              layer 0), or one layer that adds at least `JUMP_RATIO` (4) x every other introducing
-              layer (measured on the ports in tests/bisect/test_patterns.py: one-layer bugs add 7.6x
-              to 1e6x the next layer; an error spread over many layers 1x-2x);
-  drift       otherwise, over the layers that add comparable error (within `JUMP_RATIO` of the
-              largest); layers that add less are named, not blamed.
+Pattern, in this order:
+  match        no layer introduces error;
+  drift        every introducing layer stays within the precision budget: accumulated rounding
+               of a less precise dtype, never a bug;
+  layer_class  two or more layers beyond precision, all of one class, while the layers of the
+               other classes stay within precision (or, past saturation, the class evidence
+               above);
+  jump         the first layer beyond precision after an exactly equal prefix in the same dtype
+               (past layer 0), or one that adds at least `JUMP_RATIO` (4) x every other layer
+               beyond precision (measured on the ports in tests/bisect/test_patterns.py: one-layer
+               bugs add 7.6x to 1e6x the next layer; an error spread over many layers 1x-2x);
+  layer_class  (again) the layers beyond precision, of comparable size, are all of one class;
+  undetermined the layers beyond precision are of several classes and comparable in size, or the
+               target decorrelated before the evidence could separate them: the reason names the
+               layer after which it could not judge and the run that decides (attribution,
+               `--model-ref` / `--model-target`, which re-runs each target block on the
+               reference's input).
 
-A localised pattern (jump, layer_class) carries a bug *signal* when its focus layer got an exactly
-equal input in the same dtype (nothing but that layer can explain the error, however small), when
-attribution found the error local to it, or when a noise run was given and the layer adds more than
-k x the noise run's error.
+A localised pattern (jump, layer_class, undetermined) carries a bug *signal* when its focus layer
+got an exactly equal input in the same dtype (nothing but that layer can explain the error),
+when attribution found the error local to it, when a noise run was given and the layer adds more
+than k x the noise run's error, or when the sides differ in dtype and the layer adds more than
+the less precise dtype's budget.
 """
 
 from __future__ import annotations
@@ -48,7 +67,6 @@ from ffdebug.verdict import PatternName
 
 INHERIT_SHARE = 0.1  # a layer must add more than this share of the error it inherits
 JUMP_RATIO = 4.0  # one layer adds this many times more than any other introducing layer: a jump
-ROUNDING_EPS = 8.0  # without a noise run, a layer must add more than this many machine epsilons
 SATURATED_COS = 0.5  # a block output at or below this cos has decorrelated (the scramble band)
 SATURATED_REL = 0.5  # or whose error is half its norm: later layers' own error is lost in it
 
@@ -105,18 +123,38 @@ def layer_rows(stages: list[StageResult]) -> list[LayerRow]:
     return rows
 
 
-def rounding_floor(stage: StageResult | None) -> float:
-    """The rounding estimate without a noise run: ROUNDING_EPS x the machine epsilon of the dtype
-    both sides run in (of the more precise one when they differ: a dtype difference is itself the
-    error `drift` describes, not noise to hide); fp32 when unknown."""
-    import torch
+def _dtypes(stage: StageResult | None) -> tuple[str | None, str | None]:
+    return (stage.dtype_ref, stage.dtype_target) if stage is not None else (None, None)
 
-    eps = [
-        torch.finfo(dtype).eps
-        for d in ((stage.dtype_ref, stage.dtype_target) if stage is not None else ())
-        if d and isinstance(dtype := getattr(torch, d, None), torch.dtype) and dtype.is_floating_point
-    ]
-    return ROUNDING_EPS * (min(eps) if eps else torch.finfo(torch.float32).eps)
+
+def _low_precision(stage: StageResult | None) -> bool:
+    return any(d in V.LOW_PRECISION for d in _dtypes(stage))
+
+
+def rounding_floor(stage: StageResult | None) -> float:
+    """What a block adds by rounding alone, without a noise run: `ROUNDING_ULPS` x the epsilon of
+    the more precise dtype (a dtype difference is itself the error `drift` describes, not noise to
+    hide), or `PRECISION_ULPS` x the epsilon of the one low-precision dtype both sides run in."""
+    dtypes = _dtypes(stage)
+    if _low_precision(stage) and dtypes[0] == dtypes[1]:
+        return V.PRECISION_ULPS * V.coarse_eps(*dtypes)
+    return V.ROUNDING_ULPS * V.precise_eps(*dtypes)
+
+
+def precision_budget(stage: StageResult | None) -> float:
+    """What a block may add from precision alone: `PRECISION_ULPS` x the epsilon of the less
+    precise dtype when a low-precision side meets another dtype, else the rounding floor."""
+    dtypes = _dtypes(stage)
+    floor = rounding_floor(stage)
+    if _low_precision(stage) and dtypes[0] != dtypes[1]:
+        return max(floor, V.PRECISION_ULPS * V.coarse_eps(*dtypes))
+    return floor
+
+
+def budget_is_precision(stage: StageResult | None) -> bool:
+    """The precision budget is a less precise dtype's (its excess is a bug signal), not rounding."""
+    dtypes = _dtypes(stage)
+    return _low_precision(stage) and dtypes[0] != dtypes[1]
 
 
 def saturated_after(rows: list[LayerRow]) -> int | None:
@@ -131,25 +169,48 @@ def saturated_after(rows: list[LayerRow]) -> int | None:
 
 
 def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]) -> None:
-    """Set `row.introduces` from attribution where it ran, else from the error budget; layers after
-    saturation are not judged (they never introduce)."""
+    """Set `row.introduces` and `row.beyond_precision` from attribution where it ran, else from
+    the error budget; layers after saturation do not introduce (they are not judged one by one)."""
     sat = saturated_after(rows)
     for row in rows:
+        out = stages_by_key.get(f"L{row.layer:03d}.hidden_out")
         if sat is not None and row.layer > sat:
             row.introduces = False
             row.notes.append(f"not judged: the target decorrelated at layer {sat}")
+            if row.added is not None:
+                row.precision_budget = _budget(row, out)
             continue
         if row.local is not None:
-            row.introduces = row.local == "local"
+            row.introduces = row.beyond_precision = row.local == "local"
             continue
         if row.added is None:
-            row.introduces = not V.is_ok(row.severity)
+            row.introduces = row.beyond_precision = not V.is_ok(row.severity)
             continue
-        row.introduces = row.added > max(noise_floor(row, stages_by_key), INHERIT_SHARE * (row.rel_in or 0.0))
+        inherited = INHERIT_SHARE * (row.rel_in or 0.0)
+        row.precision_budget = _budget(row, out)
+        row.introduces = row.added > max(noise_floor(row, stages_by_key), inherited)
+        row.beyond_precision = row.introduces and row.added > max(row.precision_budget, inherited)
+        if (
+            budget_is_precision(out)
+            and row.noise_added is None
+            and (row.max_step or 0.0) > row.precision_budget
+        ):
+            row.introduces = row.beyond_precision = True  # one stage's own step is beyond precision
+            row.notes.append(
+                f"{row.max_step_key}'s own step adds rel {row.max_step:.3g}, more than one block may add "
+                f"in the less precise dtype ({row.precision_budget:.3g})"
+            )
+
+
+def _budget(row: LayerRow, out: StageResult | None) -> float:
+    if row.noise_added is not None:
+        k = noise_factor(out) if out is not None else V.noise_factor()
+        return k * max(row.noise_added, 0.0)
+    return precision_budget(out)
 
 
 def noise_floor(row: LayerRow, stages_by_key: dict[str, StageResult]) -> float:
-    """k x the error the noise run adds at this layer; without a noise run, the rounding estimate.
+    """k x the error the noise run adds at this layer; without a noise run, the rounding floor.
 
     Judged on the error *added*, not on the error carried: a layer that adds 10x the noise is
     introducing error even while its output, carrying less inherited error than k x the noise
@@ -182,20 +243,38 @@ def _saturation(sat: int | None) -> str:
     return f"; the target has decorrelated by layer {sat}, so later layers cannot be judged"
 
 
-def _signal(focus: LayerRow) -> str | None:
+def _signal(focus: LayerRow, precision_signal: bool) -> str | None:
     if focus.exact_in:
         return "error appears from exactly equal inputs in the same dtype"
     if focus.local == "local":
         return "the target block re-run on the reference's input reproduces the error"
     if focus.noise_added is not None:
         return "the layer adds more error than the noise run allows"
+    if precision_signal and focus.beyond_precision and focus.precision_budget is not None:
+        added = max(focus.added or 0.0, focus.max_step or 0.0)
+        return (
+            f"the layer adds rel {added:.3g}, more than the less precise dtype allows one block "
+            f"({focus.precision_budget:.3g})"
+        )
     return None
 
 
 def _localised(
-    name: PatternName, focus: LayerRow, intro: list[LayerRow], reason: str, sat: int | None
+    name: PatternName,
+    focus: LayerRow,
+    intro: list[LayerRow],
+    reason: str,
+    sat: int | None,
+    precision_signal: bool,
 ) -> Pattern:
-    return Pattern(name, focus, [r.layer for r in intro], reason + _saturation(sat), _signal(focus), sat)
+    return Pattern(
+        name,
+        focus,
+        [r.layer for r in intro],
+        reason + _saturation(sat),
+        _signal(focus, precision_signal),
+        sat,
+    )
 
 
 def _jump_ratio(top: LayerRow, intro: list[LayerRow]) -> float:
@@ -204,41 +283,121 @@ def _jump_ratio(top: LayerRow, intro: list[LayerRow]) -> float:
     return (top.added or 0.0) / max(others) if others and max(others) > 0 else float("inf")
 
 
-def decide(rows: list[LayerRow]) -> Pattern:
-    """The pattern of the error budget, in README order: match, layer_class, jump, drift."""
+def _pct(x: float | None) -> str:
+    return f"{100 * x:+.2g}%" if x is not None else "?"
+
+
+def class_after_saturation(rows: list[LayerRow], sat: int | None, cls: str | None) -> str | None:
+    """Past saturation, the evidence that still tells class `cls` apart (module doc): every later
+    layer of `cls` adds error beyond its precision budget and every later layer of the other
+    classes does not, with two or more later layers of `cls` and one of another class. Returns the
+    sentence saying so, or None."""
+    if sat is None:
+        return None
+    later = [r for r in rows if r.layer > sat and r.added is not None and r.precision_budget is not None]
+    mine = [r for r in later if r.layer_class == cls]
+    others = [r for r in later if r.layer_class != cls]
+    if len(mine) < 2 or not others:
+        return None
+    if not all(r.added > r.precision_budget for r in mine) or any(
+        r.added > r.precision_budget for r in others
+    ):
+        return None
+    adds = ", ".join(f"{r.layer} {_pct(r.added)}" for r in mine)
+    rest = ", ".join(f"{r.layer} {_pct(r.added)}" for r in others)
+    return f"past layer {sat} the {cls} layers still add error ({adds}) and the others do not ({rest})"
+
+
+DECIDING_RUN = (
+    "attribution decides: re-run each target block on the reference's input "
+    "(bisect --model-ref ... --model-target ..., or ffdebug hunt)"
+)
+
+
+def decide(rows: list[LayerRow], by_key: dict[str, StageResult] | None = None) -> Pattern:
+    """The pattern of the error budget, in the module doc's order (`by_key`: the call's stages by
+    key, whose dtypes say whether a precision budget is a dtype's)."""
     sat = saturated_after(rows)
     intro = [r for r in rows if r.introduces]
     if not intro:
         return Pattern(
             PatternName.MATCH, None, [], "no layer introduces error beyond noise", saturated_after=sat
         )
-    first = intro[0]
+    beyond = [r for r in intro if r.beyond_precision]
+    if not beyond:
+        top = max(intro, key=lambda r: r.added or 0.0)
+        budget = max((r.precision_budget or 0.0) for r in intro)
+        why = (
+            f"{len(intro)} layers add error within the precision of the dtypes (at most rel "
+            f"{top.added:.3g}, at layer {top.layer}; one block may add {budget:.3g})"
+        )
+        return Pattern(
+            PatternName.DRIFT, intro[0], [r.layer for r in intro], why + _saturation(sat), saturated_after=sat
+        )
+    return _localise(rows, beyond, sat, by_key or {})
+
+
+def _localise(
+    rows: list[LayerRow], beyond: list[LayerRow], sat: int | None, by_key: dict[str, StageResult]
+) -> Pattern:
+    first = beyond[0]
+
+    def precision_signal(focus: LayerRow) -> bool:
+        return budget_is_precision(by_key.get(f"L{focus.layer:03d}.hidden_out"))
+
     judged = [r for r in rows if sat is None or r.layer <= sat]
     classes = {r.layer_class for r in judged}
-    if len(intro) >= 2 and len(classes) >= 2 and len({r.layer_class for r in intro}) == 1:
+    beyond_classes = {r.layer_class for r in beyond}
+
+    def done(name: PatternName, focus: LayerRow, why: str) -> Pattern:
+        return _localised(name, focus, beyond, why, sat, precision_signal(focus))
+
+    if len(beyond) >= 2 and len(classes) >= 2 and len(beyond_classes) == 1:
         n_cls = sum(1 for r in judged if r.layer_class == first.layer_class)
-        why = f"{len(intro)} of the {n_cls} {first.layer_class} layers introduce error while the other classes stay at noise"
-        return _localised(PatternName.LAYER_CLASS, first, intro, why, sat)
+        why = (
+            f"{len(beyond)} of the {n_cls} {first.layer_class} layers add error beyond precision "
+            "while the other classes stay within it"
+        )
+        return done(PatternName.LAYER_CLASS, first, why)
     if first.exact_in and first is not rows[0]:
         why = "the first layer to show any error, after exactly equal layers"
-        return _localised(PatternName.JUMP, first, intro, why + _also(intro, first), sat)
-    top = max(intro, key=lambda r: r.added or 0.0)
-    ratio = _jump_ratio(top, intro)
-    if ratio >= JUMP_RATIO:
-        if len(intro) == 1:
-            why = (
-                "the only layer that introduces error"
-                if sat is None
-                else "the first layer that introduces error"
+        return done(PatternName.JUMP, first, why + _also(beyond, first))
+    if len(beyond_classes) == 1:
+        later = class_after_saturation(rows, sat, first.layer_class)
+        if later is not None:
+            why = f"the {first.layer_class} layers introduce error before the target decorrelates; {later}"
+            return Pattern(
+                PatternName.LAYER_CLASS,
+                first,
+                [r.layer for r in beyond],
+                why,
+                _signal(first, precision_signal(first)),
+                sat,
             )
+    top = max(beyond, key=lambda r: r.added or 0.0)
+    ratio = _jump_ratio(top, beyond)
+    if ratio >= JUMP_RATIO:
+        if len(beyond) == 1:
+            alone = all(r.beyond_precision for r in rows if r.introduces)
+            which = "introduces error" if alone else "is beyond precision"
+            why = f"the only layer that {which}" if sat is None else f"the first layer that {which}"
         else:
             why = f"adds {ratio:.3g}x the next"
-        return _localised(PatternName.JUMP, top, intro, why + _also(intro, top), sat)
-    big = [r for r in intro if (r.added or 0.0) * JUMP_RATIO > (top.added or 0.0)]
-    small = [str(r.layer) for r in intro if r not in big]
-    why = f"{len(big)} layers add comparable error from layer {big[0].layer} on"
-    if small:
-        why += f"; smaller error added by layer {', '.join(small)}"
-    return Pattern(
-        PatternName.DRIFT, big[0], [r.layer for r in intro], why + _saturation(sat), saturated_after=sat
+        return done(PatternName.JUMP, top, why + _also(beyond, top))
+    big = [r for r in beyond if (r.added or 0.0) * JUMP_RATIO > (top.added or 0.0)]
+    small = [str(r.layer) for r in beyond if r not in big]
+    smaller = f"; smaller error added by layer {', '.join(small)}" if small else ""
+    if len(beyond_classes) == 1:
+        n_cls = sum(1 for r in judged if r.layer_class == first.layer_class)
+        why = (
+            f"{len(beyond)} of the {n_cls} {first.layer_class} layers add comparable error beyond "
+            f"precision from layer {big[0].layer} on{smaller}"
+        )
+        return done(PatternName.LAYER_CLASS, big[0], why)
+    names = ", ".join(sorted(str(c) for c in beyond_classes))
+    after = f"layer {sat}" if sat is not None else f"layer {big[-1].layer}"
+    why = (
+        f"layers of several classes ({names}) add comparable error beyond precision from layer "
+        f"{big[0].layer} on{smaller}: the budget cannot judge past {after}; {DECIDING_RUN}"
     )
+    return done(PatternName.UNDETERMINED, big[0], why)

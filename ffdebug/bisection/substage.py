@@ -7,14 +7,17 @@ else the block's `hidden_in`. A step is lossy when
 
     cos(input) - cos(stage) > 0.001,  or
     rel(stage) - rel(input) > max(1%, 50% of rel(input)),  or
-    the input is exactly equal (same dtype) and the stage is not: any error appearing from an
-    exact input is a signal, however small (unless a noise run says this stage is noisy).
+    the input is exactly equal (same dtype) and the stage is not, by more than rounding
+    (`verdict.above_rounding`: 16 eps of the dtype): any such error appearing from an exact input
+    is a signal, however small (unless a noise run says this stage is noisy); a difference of a
+    few roundings is what another summation order gives.
 """
 
 from __future__ import annotations
 
 import re
 
+from ffdebug import verdict as V
 from ffdebug.bisection.pattern import is_exact, within_noise
 from ffdebug.results import StageResult
 
@@ -68,8 +71,14 @@ def lossy_step(e: StageResult, base: StageResult | None) -> tuple[bool, str]:
         return True, "rel undefined (reference all zeros)"
     if rel - b_rel > max(REL_STEP, REL_STEP_SHARE * b_rel):
         return True, f"rel grows {b_rel * 100:.3g}% -> {rel * 100:.3g}%"
-    if (base is None or is_exact(base)) and not is_exact(e) and e.same_dtype:
-        return True, "first inexact stage after an exactly equal input (same dtype)"
+    exact_base = base is None or is_exact(base)
+    if (
+        exact_base
+        and not is_exact(e)
+        and e.same_dtype
+        and V.above_rounding(e.rel, e.dtype_ref, e.dtype_target)
+    ):
+        return True, "first inexact stage after an exactly equal input (same dtype), above rounding"
     return False, ""
 
 
@@ -97,3 +106,24 @@ def input_and_readers(entries: list[StageResult], key: str) -> tuple[StageResult
         return None, []
     readers = [e for j, e in enumerate(pool) if j > at and _input_of(j, pool, hidden_in) is pool[at]]
     return _input_of(at, pool, hidden_in), readers
+
+
+def largest_step(entries: list[StageResult]) -> tuple[StageResult | None, float | None]:
+    """The stage of one layer (execution order) whose own step adds the most error, and that
+    error: rel(stage) - rel(its input) - `INHERIT_SHARE` x rel(its input) (the input as
+    `first_lossy` takes it). A bug inside a sub-stage whose effect on the block's output is small
+    (q scaled: the attention output barely moves) still shows here."""
+    from ffdebug.bisection.pattern import INHERIT_SHARE
+
+    hidden_in = next((e for e in entries if e.stage == "hidden_in"), None)
+    pool = [e for e in entries if e.stage != "hidden_in"]
+    best, worst_step = None, None
+    for i, e in enumerate(pool):
+        if e.rel is None or e.near_zero:
+            continue
+        base = _input_of(i, pool, hidden_in)
+        b_rel = base.rel if base is not None and base.rel is not None else 0.0
+        step = e.rel - (1.0 + INHERIT_SHARE) * b_rel
+        if worst_step is None or step > worst_step:
+            best, worst_step = e, step
+    return best, worst_step

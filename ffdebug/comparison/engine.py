@@ -83,10 +83,12 @@ def compare_records(
     exact: bool = False,
     masks: tuple[TokenLayout, TokenLayout] = (TokenLayout(), TokenLayout()),
     load=Record.load,
+    depth: int | None = None,
 ) -> StageResult:
     """Compare one pair of records into a StageResult, graded by the verdict rules. `masks` are the
     two sides' token layouts: a packed side meets a padded one through them (`align`). `load(record)`
-    reads a tensor (the compare loop passes its read-ahead, `ffdebug.io.prefetch`)."""
+    reads a tensor (the compare loop passes its read-ahead, `ffdebug.io.prefetch`). `depth`: blocks
+    at and before the stage (`CallGroup.depths`), for the element-wise rule of a low-precision side."""
     key = r.key
     e = stage_result(key, r, t)
     aligned = None
@@ -128,7 +130,10 @@ def compare_records(
     e.notes.extend(m.notes)
     if m.nan_mismatch or m.inf_mismatch:
         e.nan_mismatch, e.inf_mismatch = m.nan_mismatch, m.inf_mismatch
-    severity = V.classify(m.cos, m.rel, key, thresholds, m.elem, m.max_abs)
+    if depth is None:
+        depth = r.layer + 1 if r.layer is not None else 0
+    scale = V.elem_scale(depth, r.dtype, t.dtype)
+    severity = V.classify(m.cos, m.rel, key, thresholds, m.elem, m.max_abs, scale)
     severity = V.zero_side(severity, m.ref_norm, m.target_norm, m.numel)
     if not (m.nan_mismatch or m.inf_mismatch):
         severity = near_zero.grade(severity, r, t, m.max_abs, e.notes)  # declared `scale`: absolute atol
@@ -329,8 +334,9 @@ def _compare_unit(
 ) -> tuple[list[StageResult], list[tuple], dict | None]:
     """The stage results of one unit, their record pairs, and the shard reading (multi-rank)."""
     r = unit.ref
+    depth = unit.group.depths.get(unit.sk)
     if not unit.replicas:
-        e = compare_records(r, unit.target, thresholds, exact, masks=masks, load=load)
+        e = compare_records(r, unit.target, thresholds, exact, masks=masks, load=load, depth=depth)
         e.unsharded_ref, e.unsharded_target = _unsharded(r), _unsharded(unit.target)
         reading = None
         if e.unsharded_target is not None and e.unsharded_target["how"] != "replicated":
@@ -340,7 +346,7 @@ def _compare_unit(
         return [e], [(r, unit.target)], reading
     per_rank = []
     for part in unit.replicas:
-        e = compare_records(r, part, thresholds, exact, masks=masks, load=load)
+        e = compare_records(r, part, thresholds, exact, masks=masks, load=load, depth=depth)
         e.rank, e.per_rank = part.rank, True
         per_rank.append(e)
     if all(e.ok for e in per_rank) or not (r.has_payload and all(p.has_payload for p in unit.replicas)):
@@ -356,7 +362,7 @@ def _compare_unit(
     if best is None:
         return per_rank, [(r, p) for p in unit.replicas], reading
     folded = fold(unit.replicas, best.plan)
-    e = compare_records(r, folded, thresholds, exact, masks=masks)
+    e = compare_records(r, folded, thresholds, exact, masks=masks, depth=depth)
     e.finding = "shard_reading"
     e.unsharded_target = {"how": best.how, "ranks": len(unit.replicas), "inferred": True}
     e.notes.append(f"target ranks match as the {best.reading}; declare it in the dump")

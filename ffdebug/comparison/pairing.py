@@ -15,6 +15,7 @@ rank is compared: folded when the manifest says `reduction="partial"` (summed) o
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -44,6 +45,19 @@ class CallGroup:
     @property
     def warmup(self) -> bool:
         return self.phase in WARMUP_PHASES
+
+    @functools.cached_property
+    def depths(self) -> dict:
+        """Stage key -> blocks of this call at and before it: layer + 1 inside block L, 0 for what
+        runs before the first block (the embedding), the block count + 1 after the last one (the
+        element-wise rule's depth, `verdict.elem_scale`)."""
+        count = max((r.layer + 1 for r in self.records.values() if r.layer is not None), default=0)
+        out, seen_block = {}, False
+        for sk in self.order:
+            layer = self.records[sk].layer
+            seen_block = seen_block or layer is not None
+            out[sk] = layer + 1 if layer is not None else (count + 1 if seen_block else 0)
+        return out
 
     def ids_digest(self) -> str | None:
         if self.input_ids is None:

@@ -22,7 +22,8 @@ PATTERN_WORDS = {
     PatternName.MATCH: "no layer introduces error beyond noise",
     PatternName.JUMP: "a jump (one layer introduces the error)",
     PatternName.LAYER_CLASS: "a layer-class pattern",
-    PatternName.DRIFT: "drift (small per-layer losses compounding)",
+    PatternName.DRIFT: "drift (rounding of the dtypes compounding, within precision)",
+    PatternName.UNDETERMINED: "undetermined (error beyond precision the layer budget cannot place)",
 }
 
 
@@ -58,6 +59,8 @@ def bisect_sentence(result: BisectResult) -> str:
         pattern = f"pattern jump: {result.reason}"
     elif p is PatternName.DRIFT:
         pattern = f"pattern drift: {result.reason}"
+    elif p is PatternName.UNDETERMINED:
+        pattern = f"pattern undetermined: {result.reason}"
     else:
         pattern = "pattern match: no layer introduces error, the difference is outside the layers"
     signal = f" (bug signal: {result.signal})" if result.signal else ""
@@ -77,8 +80,12 @@ def conclude(result: BisectResult | InvarianceResult) -> BisectResult | Invarian
 
 
 def _verdict(result: BisectResult) -> str:
-    judged = result.judgement
-    return f"verdict {result.verdict}" + (f", judged {judged}" if judged != result.verdict else "")
+    raised = (
+        result.signal
+        and result.first_divergence is not None
+        and result.first_divergence.severity != result.verdict
+    )
+    return f"verdict {result.verdict}" + (" (raised by the bug signal)" if raised else "")
 
 
 def layers_table(result) -> Table:

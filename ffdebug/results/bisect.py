@@ -27,6 +27,10 @@ class LayerRow:
     noise_rel_out: float | None = None
     local: str | None = None  # attribution verdict: "local" | "inherited" | None (not run)
     introduces: bool = False
+    beyond_precision: bool = False  # adds more than the dtypes' precision allows one block
+    precision_budget: float | None = None  # that allowance (rel), when the layer was judged
+    max_step: float | None = None  # the most error one stage of the layer adds over its own input
+    max_step_key: str | None = None  # that stage
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -66,10 +70,15 @@ FIRST_DIVERGENCE_FIELDS = ("layer", "layer_class", "stage", "key", "severity", "
 SUB_STAGE_FIELDS = ("stage", "key", "severity", "cos", "rel")
 
 
+class VerdictContradiction(RuntimeError):
+    """A bisect result whose verdict, judgement, signal and pattern disagree: a defect of ffdebug."""
+
+
 @dataclass
 class BisectResult(CoveredVerdict):
     """Where the target first parts from the reference. Truthy when the judgement is below
-    `fail_on`. `verdict` is the worst band; `judgement` is the verdict raised to bug by a signal."""
+    `fail_on`. `verdict` is the worst band raised to bug by a bug signal; `judgement` is the same
+    grade (kept as its own key for readers of older results); `contradictions` is checked here."""
 
     verdict: Severity
     judgement: Severity
@@ -96,6 +105,32 @@ class BisectResult(CoveredVerdict):
     coverage: Coverage = field(default_factory=Coverage)
     allow_partial: bool = False
     generation: GenerationDivergence | None = None  # token ids that differ after the first call
+
+    def __post_init__(self) -> None:
+        broken = self.contradictions()
+        if broken:
+            raise VerdictContradiction(f"{self.ref_path} vs {self.target_path}: " + "; ".join(broken))
+
+    def contradictions(self) -> list[str]:
+        """Where verdict, judgement, signal and pattern disagree (none, by construction; checked on
+        every result: README "Bisecting", one rule for verdict and judgement)."""
+        out = []
+        if self.verdict is not self.judgement:
+            out.append(f"verdict {self.verdict.value} but judgement {self.judgement.value}")
+        if self.signal and not self.judgement.at_least(Severity.BUG):
+            out.append(f"a bug signal ({self.signal}) but judgement {self.judgement.value}")
+        if self.pattern is PatternName.MATCH and any(r.introduces for r in self.layers):
+            out.append("pattern match but a layer introduces error")
+        if self.pattern is PatternName.DRIFT and (
+            self.signal or any(r.beyond_precision for r in self.layers)
+        ):
+            out.append(
+                "pattern drift (precision only) but a layer is beyond precision or a bug signal is set"
+            )
+        localised = (PatternName.JUMP, PatternName.LAYER_CLASS, PatternName.UNDETERMINED)
+        if self.pattern in localised and not any(r.introduces for r in self.layers):
+            out.append(f"pattern {self.pattern.value} but no layer introduces error")
+        return out
 
     def failed(self, fail_on: Severity | str | None = None) -> bool:
         return fails(self.generation, at_least(self.judgement, fail_on or self.fail_on))

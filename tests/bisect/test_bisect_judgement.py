@@ -1,7 +1,8 @@
 """Bisect's judgement on harder cases: where the bands alone would mislead (README "Bisecting").
 
 Same dtype and an exactly equal prefix: any error that then appears is a bug signal, however small,
-and bisect fails (judgement `bug`) although the worst band may be `ok` or `drift`."""
+and bisect fails (verdict and judgement `bug`, one grade) although the worst band may be `ok` or
+`drift`."""
 
 from __future__ import annotations
 
@@ -58,16 +59,16 @@ BLOCK_STAGES = ("embed.*", "final.*", "L*_in", "L*_out")
 def test_rotary_base_jump_fails_although_its_worst_band_is_drift(d):
     r = _bisect(d, "rope", stages=BLOCK_STAGES)
     assert (r.pattern, r.first_divergence.layer, r.first_divergence.stage) == ("jump", 2, "attn_out")
-    # The bands alone call it drift (rel a few %): the judgement comes from the exact prefix.
-    assert r.verdict == "drift" and r.first_divergence.severity == "drift"
+    # The bands alone call it drift (rel a few %): the bug grade comes from the exact prefix.
+    assert r.first_divergence.severity == "drift" and r.verdict == "bug"
     assert "exactly equal" in r.signal
     assert r.judgement == "bug" and r.failed() and not r
-    assert r.conclusion.endswith("judged bug. FAILED")
+    assert r.conclusion.endswith("verdict bug (raised by the bug signal). FAILED")
     globs = [arg for g in BLOCK_STAGES for arg in ("--stages", g)]
     res = runner.invoke(app, ["bisect", f"{d}/ref", f"{d}/rope", "--json", *globs])
     assert res.exit_code == 1, res.output
     data = json.loads(res.stdout)
-    assert (data["verdict"], data["judgement"], data["passed"]) == ("drift", "bug", False)
+    assert (data["verdict"], data["judgement"], data["passed"]) == ("bug", "bug", False)
     # --fail-on still decides: a signal counts as `bug`, below `scramble`.
     assert (
         runner.invoke(app, ["bisect", f"{d}/ref", f"{d}/rope", "--fail-on", "scramble", *globs]).exit_code
@@ -87,7 +88,7 @@ def test_bug_in_the_first_layer_is_a_jump_with_a_signal(d):
 
 def test_tiny_error_only_in_lm_head_after_exact_layers_is_localised(d):
     r = _bisect(d, "lm_head")
-    assert r.verdict == "ok"  # rel 0.1%: every band is ok
+    assert r.first_divergence.severity == "ok"  # rel 0.1%: every band is ok; the signal raises it
     assert r.pattern == "match" and not any(row.introduces for row in r.layers)
     assert r.first_divergence.key == "final.logits" and r.first_divergence.layer is None
     assert r.first_divergence.rel == pytest.approx(0.001, rel=0.05)
