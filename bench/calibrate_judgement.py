@@ -46,7 +46,10 @@ def side_rows(ref: str, side: str) -> dict:
     result = ffdebug.compare(ref, side)
     stages = [e for e in result.stages if e.rel is not None and (e.invocation or 0) == 0]
     low = max((_eps(e.dtype_target) for e in stages), default=_eps(None))
+    from ffdebug.bisection.substage import largest_step
+
     rows = pat.layer_rows(stages)
+    steps = [largest_step([e for e in stages if e.layer == r.layer]) for r in rows]
     added = [r.added for r in rows if r.added is not None]
     pos = sorted(added, reverse=True)
     ratio = pos[0] / pos[1] if len(pos) > 1 and pos[1] > 0 else None
@@ -68,6 +71,7 @@ def side_rows(ref: str, side: str) -> dict:
             for e in stages
         ],
         "added": [(r.layer, r.layer_class, r.added, r.rel_in) for r in rows],
+        "steps": [(r.layer, st.key if st is not None else None, v) for r, (st, v) in zip(rows, steps)],
         "jump_ratio": ratio,
         "first_inexact": None
         if first_inexact is None
@@ -133,6 +137,8 @@ def report(out: dict) -> None:
                 f"   {_q(r, .5):8.3g} {_q(r, .95):8.3g} {max(r):8.3g}"
             )
         added = [a[2] / v["eps"] for v in runs for a in v["added"] if a[2] is not None]
+        steps = [x[2] / v["eps"] for v in runs for x in v.get("steps", []) if x[2] is not None]
+        print(f"largest stage step/eps per layer: p50 {_q(steps, .5):.3g} p95 {_q(steps, .95):.3g} max {max(steps, default=0):.3g}")
         ratios = [v["jump_ratio"] for v in runs if v["jump_ratio"] is not None]
         print(f"added/eps per layer: p50 {_q(added, .5):.3g} p95 {_q(added, .95):.3g} max {max(added, default=0):.3g}")
         if ratios:

@@ -123,38 +123,51 @@ def layer_rows(stages: list[StageResult]) -> list[LayerRow]:
     return rows
 
 
-def _dtypes(stage: StageResult | None) -> tuple[str | None, str | None]:
-    return (stage.dtype_ref, stage.dtype_target) if stage is not None else (None, None)
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes the stages of one layer run in on the two sides: what rounding alone may do there."""
+
+    pairs: frozenset
+
+    @classmethod
+    def of(cls, stages) -> Precision:
+        return cls(frozenset((e.dtype_ref, e.dtype_target) for e in stages if e is not None))
+
+    @property
+    def dtypes(self) -> tuple:
+        return tuple(d for pair in self.pairs for d in pair)
+
+    @property
+    def mixed(self) -> bool:
+        """A low-precision side meets another dtype somewhere in the layer (a bf16 model against an
+        fp32 one, whatever dtype its residual stream keeps)."""
+        return any(a != b and (a in V.LOW_PRECISION or b in V.LOW_PRECISION) for a, b in self.pairs)
+
+    def floor(self) -> float:
+        """What a block adds by rounding alone, without a noise run: `ROUNDING_ULPS` x the epsilon
+        of the most precise dtype (a dtype difference is itself the error `drift` describes, not
+        noise to hide), or `PRECISION_ULPS` x the epsilon of the one low-precision dtype both sides
+        run in."""
+        low = any(d in V.LOW_PRECISION for d in self.dtypes)
+        if low and not self.mixed:
+            return V.PRECISION_ULPS * V.coarse_eps(*self.dtypes)
+        return V.ROUNDING_ULPS * V.precise_eps(*self.dtypes)
+
+    def budget(self) -> float:
+        """What a block may add from precision alone: `PRECISION_ULPS` x the epsilon of the least
+        precise dtype when a low-precision side meets another dtype, else the rounding floor."""
+        if self.mixed:
+            return max(self.floor(), V.PRECISION_ULPS * V.coarse_eps(*self.dtypes))
+        return self.floor()
 
 
-def _low_precision(stage: StageResult | None) -> bool:
-    return any(d in V.LOW_PRECISION for d in _dtypes(stage))
+def layer_precision(layer: int, stages_by_key: dict[str, StageResult]) -> Precision:
+    return Precision.of(e for e in stages_by_key.values() if e.layer == layer)
 
 
 def rounding_floor(stage: StageResult | None) -> float:
-    """What a block adds by rounding alone, without a noise run: `ROUNDING_ULPS` x the epsilon of
-    the more precise dtype (a dtype difference is itself the error `drift` describes, not noise to
-    hide), or `PRECISION_ULPS` x the epsilon of the one low-precision dtype both sides run in."""
-    dtypes = _dtypes(stage)
-    if _low_precision(stage) and dtypes[0] == dtypes[1]:
-        return V.PRECISION_ULPS * V.coarse_eps(*dtypes)
-    return V.ROUNDING_ULPS * V.precise_eps(*dtypes)
-
-
-def precision_budget(stage: StageResult | None) -> float:
-    """What a block may add from precision alone: `PRECISION_ULPS` x the epsilon of the less
-    precise dtype when a low-precision side meets another dtype, else the rounding floor."""
-    dtypes = _dtypes(stage)
-    floor = rounding_floor(stage)
-    if _low_precision(stage) and dtypes[0] != dtypes[1]:
-        return max(floor, V.PRECISION_ULPS * V.coarse_eps(*dtypes))
-    return floor
-
-
-def budget_is_precision(stage: StageResult | None) -> bool:
-    """The precision budget is a less precise dtype's (its excess is a bug signal), not rounding."""
-    dtypes = _dtypes(stage)
-    return _low_precision(stage) and dtypes[0] != dtypes[1]
+    """The rounding floor of one stage's dtypes (`Precision.floor`)."""
+    return Precision.of([stage]).floor()
 
 
 def saturated_after(rows: list[LayerRow]) -> int | None:
@@ -168,17 +181,34 @@ def saturated_after(rows: list[LayerRow]) -> int | None:
     return None
 
 
+def flipped_after(stages_by_key: dict[str, StageResult]) -> int | None:
+    """The first layer where tokens took another expert on the two sides (`comparison.routing`)."""
+    return min(
+        (e.layer for e in stages_by_key.values() if e.flipped_tokens is not None and e.layer is not None),
+        default=None,
+    )
+
+
 def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]) -> None:
     """Set `row.introduces` and `row.beyond_precision` from attribution where it ran, else from
     the error budget; layers after saturation do not introduce (they are not judged one by one)."""
     sat = saturated_after(rows)
+    flip = flipped_after(stages_by_key)
     for row in rows:
         out = stages_by_key.get(f"L{row.layer:03d}.hidden_out")
+        prec = layer_precision(row.layer, stages_by_key)
+        if flip is not None and row.layer > flip:
+            row.introduces = False
+            row.notes.append(
+                f"not judged: token rows that took another expert at layer {flip} (routing flip) reach "
+                "the other tokens through attention, so what this layer adds is not its own"
+            )
+            continue
         if sat is not None and row.layer > sat:
             row.introduces = False
             row.notes.append(f"not judged: the target decorrelated at layer {sat}")
             if row.added is not None:
-                row.precision_budget = _budget(row, out)
+                row.precision_budget = _scaled(row, out, prec.budget())
             continue
         if row.local is not None:
             row.introduces = row.beyond_precision = row.local == "local"
@@ -187,14 +217,10 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]
             row.introduces = row.beyond_precision = not V.is_ok(row.severity)
             continue
         inherited = INHERIT_SHARE * (row.rel_in or 0.0)
-        row.precision_budget = _budget(row, out)
-        row.introduces = row.added > max(noise_floor(row, stages_by_key), inherited)
+        row.precision_budget = _scaled(row, out, prec.budget())
+        row.introduces = row.added > max(_scaled(row, out, prec.floor()), inherited)
         row.beyond_precision = row.introduces and row.added > max(row.precision_budget, inherited)
-        if (
-            budget_is_precision(out)
-            and row.noise_added is None
-            and (row.max_step or 0.0) > row.precision_budget
-        ):
+        if prec.mixed and row.noise_added is None and (row.max_step or 0.0) > row.precision_budget:
             row.introduces = row.beyond_precision = True  # one stage's own step is beyond precision
             row.notes.append(
                 f"{row.max_step_key}'s own step adds rel {row.max_step:.3g}, more than one block may add "
@@ -202,22 +228,14 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]
             )
 
 
-def _budget(row: LayerRow, out: StageResult | None) -> float:
-    if row.noise_added is not None:
-        k = noise_factor(out) if out is not None else V.noise_factor()
-        return k * max(row.noise_added, 0.0)
-    return precision_budget(out)
-
-
-def noise_floor(row: LayerRow, stages_by_key: dict[str, StageResult]) -> float:
-    """k x the error the noise run adds at this layer; without a noise run, the rounding floor.
+def _scaled(row: LayerRow, out: StageResult | None, without_noise: float) -> float:
+    """k x the error the noise run adds at this layer; without a noise run, `without_noise`.
 
     Judged on the error *added*, not on the error carried: a layer that adds 10x the noise is
     introducing error even while its output, carrying less inherited error than k x the noise
     run's, still reads "within noise"."""
-    out = stages_by_key.get(f"L{row.layer:03d}.hidden_out")
     if row.noise_added is None:
-        return rounding_floor(out)
+        return without_noise
     k = noise_factor(out) if out is not None else V.noise_factor()
     return k * max(row.noise_added, 0.0)
 
@@ -343,7 +361,7 @@ def _localise(
     first = beyond[0]
 
     def precision_signal(focus: LayerRow) -> bool:
-        return budget_is_precision(by_key.get(f"L{focus.layer:03d}.hidden_out"))
+        return layer_precision(focus.layer, by_key).mixed
 
     judged = [r for r in rows if sat is None or r.layer <= sat]
     classes = {r.layer_class for r in judged}

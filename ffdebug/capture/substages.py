@@ -59,6 +59,14 @@ def _views() -> tuple:
     return (torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten)
 
 
+def _casts() -> tuple:
+    """Calls that copy a tensor into another dtype (a router reading the branch input in fp32)."""
+    import torch
+
+    T = torch.Tensor
+    return (T.to, T.float, T.double, T.half, T.bfloat16, T.type, T.type_as)
+
+
 _SPLITS: tuple = ()
 
 
@@ -246,7 +254,8 @@ class BranchRecorder:
         if x is None or not x.is_floating_point() or not self._selected():
             return
         self.trace = BranchTrace(lead=tuple(x.shape[:-1]), hidden=x.shape[-1])
-        self._input = (x.data_ptr(), x.numel())
+        self._inputs = {(x.data_ptr(), x.numel())}  # the branch input and its dtype casts
+        self._cast_weights: dict[int, tuple] = {}  # id -> (a dtype cast of a weight, its owner)
         self._input_copy = x.detach().clone()  # the `.in` of the projections reading the branch input
         self._outputs: dict[int, _Output] = {}  # storage -> projection output (fused ones are split)
         self._rows = None
@@ -270,7 +279,7 @@ class BranchRecorder:
             return
         mode, self.mode = self.mode, None
         mode.__exit__(None, None, None)
-        self._outputs, self._input_copy = {}, None
+        self._outputs, self._input_copy, self._cast_weights = {}, None, {}
         for replay in self.session.end_hold():
             replay()
 
@@ -282,6 +291,17 @@ class BranchRecorder:
         trace = self.trace
         if args and func in _splits() and isinstance(args[0], torch.Tensor):
             self._pieces(args[0], out)
+        if (
+            func in _casts()
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and isinstance(out, torch.Tensor)
+            and out.shape == args[0].shape
+            and (args[0].data_ptr(), args[0].numel()) in self._inputs
+        ):
+            self._inputs.add((out.data_ptr(), out.numel()))
+        if func in _casts() and args and isinstance(out, torch.Tensor) and id(args[0]) in self.owners:
+            self._cast_weights[id(out)] = (out, self.owners[id(args[0])])  # kept alive: ids stay unique
         if func is F.linear:
             x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
             self._linear(x, w, out, w.shape[-1], w.shape[0])
@@ -318,6 +338,8 @@ class BranchRecorder:
             return self.members[id(w)]
         if id(w) in self.owners:
             return self.owners[id(w)], None
+        if id(w) in self._cast_weights:
+            return self._cast_weights[id(w)][1], None
         hit = self._stacked_ptrs.get(w.untyped_storage().data_ptr()) if w.dim() == 2 else None
         if hit is not None:
             p, owner = hit
@@ -328,7 +350,7 @@ class BranchRecorder:
     def _linear(self, x, w, out, fan_in: int, fan_out: int) -> None:
         trace = self.trace
         owner, expert = self._owner(w)
-        from_input = (x.data_ptr(), x.numel()) == self._input
+        from_input = (x.data_ptr(), x.numel()) in self._inputs
         index = trace.events
         trace.events += 1
         call = LinearCall(

@@ -6,7 +6,7 @@ import dataclasses
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
-from ffdebug.comparison import near_zero, parallel
+from ffdebug.comparison import near_zero, parallel, routing
 from ffdebug.comparison.align import TokenLayout, align, layouts
 from ffdebug.comparison.estimates import sketch_compare, sketch_of, stats_compare
 from ffdebug.comparison.forked import ForkPool, fork_usable
@@ -324,6 +324,7 @@ def _run_units(
         run.records.extend(records)
         if reading is not None:
             run.readings.append(reading)
+    routing.explain(run.stages, run.records, thresholds, Record.load)
     if noise_idx is not None:
         exact_prefix_with_noise(run.stages)
     return run

@@ -78,6 +78,7 @@ class StageResult:
     unsharded_target: dict | None = None
     severity_rank0: Severity | None = None  # before a shard reading explained the ranks
     per_rank: bool = False  # one of several target ranks, each compared with the reference
+    flipped_tokens: list[int] | None = None  # token rows left out: they took another expert (routing)
 
     @property
     def ok(self) -> bool:
@@ -155,6 +156,7 @@ class StageResult:
             "per_head_rel": self.per_head_rel,
             "rise_from": self.rise_from,
             "severity_rank0": self.severity_rank0.value if self.severity_rank0 else None,
+            "flipped_tokens": self.flipped_tokens,
         }
         out.update({k: v for k, v in optional.items() if v is not None})
         if self.noise_given:

@@ -1,0 +1,237 @@
+"""Routing flips: rounding that sends a token to another expert is precision, not a bug.
+
+In a mixture-of-experts layer a token whose router scores hold two nearly equal values takes a
+different expert on the two sides as soon as rounding moves the scores by more than their gap.
+That token's branch output then differs by tens of percent, and everything downstream carries the
+difference, while nothing is wrong: the zoo's MoE architectures in bf16 against fp32 all show it
+(docs/bisect.md, "Calibration"). What tells a flip from a routing bug is in the scores themselves,
+so the rule reads them; no stage or module name is consulted.
+
+Per paired call, in execution order:
+
+- a *score stage* is a stage inside a layer with one row of E values per token (2 <= E <=
+  `MAX_SCORES`, E smaller than the width of the layer's hidden stages, rows = the layer's tokens);
+- a token *flips* at it when the two sides order its scores differently within the top half of
+  the ranking at a pair whose gap on the reference is no larger than the largest difference
+  between the sides in that token's row (the difference the sides show there sufficed to swap
+  them), while the score stage itself agrees on the tokens that did not flip (rel within the drift
+  band) and at most `MAX_FLIPPED` of the tokens flip (a router that is wrong moves many);
+- from the first flip on, every later stage of the call with one row per token is measured on the
+  rows of tokens that never flipped: cos / rel / elem / max_abs are those of the kept rows, the
+  whole-tensor numbers go into a note, `flipped_tokens` lists the rows left out, and the stage is
+  graded again by the bands and the element-wise rule (the noise rules of `--noise` are not
+  applied again to these numbers).
+
+A bug in an expert (the scores agree, no token flips) or in the router (its scores disagree
+beyond the drift band, or many tokens flip) is left as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ffdebug import verdict as V
+from ffdebug.results import StageResult
+
+MAX_SCORES = 1024  # a score stage has at most this many values per token (the expert count)
+MAX_FLIPPED = 0.25  # and no more than this share of the tokens flips at it
+HOT = 10.0  # a token row whose error is this many times the median row's carries a flip
+
+
+@dataclass(frozen=True)
+class Flip:
+    """The tokens (rows) that took another expert at one score stage."""
+
+    stage: str
+    tokens: tuple[int, ...]
+
+
+def _rows(shape, n_tokens: int) -> bool:
+    """The tensor holds one row per token: some of its leading dims multiply to `n_tokens`
+    (`[B, S, H]`, `[B, S, heads, head_dim]`, `[B·S, H]`)."""
+    return bool(shape) and any(math.prod(shape[:k]) == n_tokens for k in range(1, len(shape)))
+
+
+def flipped_rows(ref, target, skip: set[int]) -> tuple[list[int], float | None]:
+    """Tokens (rows of `[N, E]` scores) ordered differently at a near tie, and the rel of the
+    scores over the rows neither flipped nor in `skip`."""
+    import torch
+
+    r, t = ref.double(), target.double()
+    n, e = r.shape
+    top = max(1, e // 2)
+    ro = r.argsort(dim=-1, descending=True, stable=True)[:, :top]
+    to = t.argsort(dim=-1, descending=True, stable=True)[:, :top]
+    differs = ro != to
+    moved = (r - t).abs().amax(-1)
+    out = []
+    for row in torch.nonzero(differs.any(-1)).flatten().tolist():
+        if row in skip:
+            continue
+        p = int(torch.nonzero(differs[row]).flatten()[0])
+        gap = float((r[row, ro[row, p]] - r[row, to[row, p]]).abs())
+        if gap <= float(moved[row]):
+            out.append(row)
+    keep = [i for i in range(n) if i not in skip and i not in out]
+    if not keep:
+        return out, None
+    kr, kt = r[keep], t[keep]
+    norm = float(kr.norm())
+    return out, (float((kt - kr).norm()) / norm if norm > 0 else None)
+
+
+def explain(
+    stages: list[StageResult],
+    records: list[tuple],
+    thresholds: tuple[V.Threshold, ...],
+    load: Callable,
+) -> list[Flip]:
+    """Apply the rule (module doc) to the stages of every call, in place; the flips found."""
+    calls: dict[tuple, list[int]] = {}
+    for i, e in enumerate(stages):
+        step = tuple(sorted((str(k), str(v)) for k, v in e.step.items()))
+        calls.setdefault((step, e.phase, e.call, e.rank), []).append(i)
+    found: list[Flip] = []
+    for idx in calls.values():
+        found.extend(_explain_call([stages[i] for i in idx], [records[i] for i in idx], thresholds, load))
+    return found
+
+
+def _hidden_width(stages: list[StageResult]) -> dict[int, tuple[int, int]]:
+    """Per layer: (tokens, width) of its hidden stages (`hidden_in` / `hidden_out`)."""
+    out = {}
+    for e in stages:
+        if e.layer is not None and e.stage in ("hidden_in", "hidden_out") and e.ref.shape:
+            shape = e.ref.shape
+            out.setdefault(e.layer, (math.prod(shape[:-1]), shape[-1]))
+    return out
+
+
+def _usable(e: StageResult, pair: tuple) -> bool:
+    r, t = pair
+    return (
+        not e.per_rank
+        and e.ref.shape is not None
+        and e.ref.shape == e.target.shape
+        and r.has_payload
+        and t.has_payload
+        and e.rel is not None
+    )
+
+
+def hot_rows(ref, target, n_tokens: int, skip: set[int]) -> set[int]:
+    """Token rows whose error stands out: more than `HOT` x the median row's (rows in `skip` left
+    out), measured against the rms row norm of the reference."""
+    import torch
+
+    r, t = ref.double().reshape(n_tokens, -1), target.double().reshape(n_tokens, -1)
+    rows = [i for i in range(n_tokens) if i not in skip]
+    if len(rows) < 2:
+        return set()
+    scale = float(r[rows].norm()) / math.sqrt(len(rows))
+    if scale == 0.0:
+        return set()
+    err = (t - r).norm(dim=-1) / scale
+    median = float(torch.median(err[rows]))
+    return {i for i in rows if float(err[i]) > HOT * median and float(err[i]) > 0.0}
+
+
+def _explain_call(stages, records, thresholds, load) -> list[Flip]:
+    widths = _hidden_width(stages)
+    if not widths:
+        return []
+    n_tokens = next(iter(widths.values()))[0]
+    depth_after = max(widths) + 2
+    confirmed: set[int] = set()
+    pending: dict[int, dict[int, str]] = {}  # layer -> {token row: the score stage it flipped at}
+    flips: list[Flip] = []
+    for e, pair in zip(stages, records):
+        if not _usable(e, pair) or not _rows(e.ref.shape, n_tokens):
+            continue
+        if confirmed:
+            _regrade(e, pair, sorted(confirmed), n_tokens, thresholds, load, depth_after)
+        candidates = pending.get(e.layer, {}) if e.layer is not None else {}
+        if candidates and not e.ok:
+            hot = hot_rows(load(pair[0]), load(pair[1]), n_tokens, confirmed) & set(candidates)
+            trial = sorted(confirmed | hot)
+            fits = hot and len(trial) <= MAX_FLIPPED * n_tokens
+            graded = _measure(e, pair, trial, n_tokens, thresholds, load, depth_after) if fits else None
+            if graded is not None and not graded[1].at_least(V.Severity.DIVERGE):
+                confirmed |= hot
+                for stage in sorted({candidates[i] for i in hot}):
+                    mine = {i for i in hot if candidates[i] == stage}
+                    before = next((f for f in flips if f.stage == stage), None)
+                    if before is not None:
+                        flips.remove(before)
+                        mine |= set(before.tokens)
+                    flips.append(Flip(stage, tuple(sorted(mine))))
+                _regrade(e, pair, sorted(confirmed), n_tokens, thresholds, load, depth_after)
+        if _score_stage(e, widths, n_tokens):
+            r, t = (load(x).reshape(n_tokens, e.ref.shape[-1]) for x in pair)
+            rows, kept_rel = flipped_rows(r, t, confirmed)
+            if rows and kept_rel is not None and not V.rel_band(kept_rel).at_least(V.Severity.DIVERGE):
+                pending.setdefault(e.layer, {}).update({i: e.key for i in rows})
+    by_stage = {f.stage: f for f in flips}
+    for e in stages:
+        if e.key in by_stage:
+            rows = ", ".join(map(str, by_stage[e.key].tokens))
+            e.notes.append(
+                f"routing flip: token row(s) {rows} order near-tied scores differently on the two "
+                "sides (their gap is within the sides' difference) and carry the error after it: "
+                "later stages are measured on the other tokens"
+            )
+    return flips
+
+
+def _score_stage(e: StageResult, widths: dict[int, tuple[int, int]], n_tokens: int) -> bool:
+    """One row of E scores per token, E from 2 to `MAX_SCORES` and under a quarter of the layer's
+    hidden width (a router's expert scores, not a projection's output)."""
+    if e.layer is None or e.layer not in widths or math.prod(e.ref.shape[:-1]) != n_tokens:
+        return False
+    scores = e.ref.shape[-1]
+    return 2 <= scores <= MAX_SCORES and 4 * scores < widths[e.layer][1]
+
+
+def _measure(e: StageResult, pair, flipped: list[int], n_tokens: int, thresholds, load, depth_after: int):
+    """`e`'s metrics over the token rows outside `flipped` and the grade they give (bands and the
+    element-wise rule), or None when there is nothing left to measure."""
+    import torch
+
+    from ffdebug.comparison.metrics import compare_tensors
+
+    r, t = (load(x) for x in pair)
+    if not (r.is_floating_point() and t.is_floating_point()):
+        return None
+    r2, t2 = r.reshape(n_tokens, -1), t.reshape(n_tokens, -1)
+    keep = torch.ones(n_tokens, dtype=torch.bool)
+    keep[flipped] = False
+    if not bool(keep.any()):
+        return None
+    m = compare_tensors(r2[keep], t2[keep])
+    if m.rel is None:
+        return None
+    depth = e.layer + 1 if e.layer is not None else (0 if e.key.startswith("embed.") else depth_after)
+    scale = V.elem_scale(depth, e.dtype_ref, e.dtype_target)
+    severity = V.classify(m.cos, m.rel, e.key, thresholds, m.elem, m.max_abs, scale)
+    return m, V.nonfinite(severity, m.nan_mismatch, m.inf_mismatch)
+
+
+def _regrade(
+    e: StageResult, pair, flipped: list[int], n_tokens: int, thresholds, load, depth_after: int
+) -> None:
+    """Measure `e` on the token rows outside `flipped` and grade it again (module doc)."""
+    graded = _measure(e, pair, flipped, n_tokens, thresholds, load, depth_after)
+    if graded is None:
+        return
+    m, severity = graded
+    if e.flipped_tokens is None:
+        whole = f"rel {e.rel:.3g}" + (f", cos {e.cos:.6g}" if e.cos is not None else "")
+        e.notes.append(
+            "measured without the token row(s) that took another expert (routing flip); "
+            f"whole tensor: {whole}"
+        )
+    e.cos, e.rel, e.rel_diff, e.max_abs, e.elem = m.cos, m.rel, m.rel_diff, m.max_abs, m.elem
+    e.severity = severity
+    e.flipped_tokens = list(flipped)
