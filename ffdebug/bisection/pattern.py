@@ -28,8 +28,8 @@ inherited) replaces the estimate.
 Saturation: once a layer's output has decorrelated from the reference (cos <= 0.5, the scramble
 band, or rel >= 50%), the error cannot grow much further and what later layers add says little
 about them: `saturated_after` is that layer, and the layers after it do not introduce. They still
-carry one piece of evidence: when every later layer of one class adds error beyond precision and
-every later layer of the other classes does not, the class is still told apart.
+carry one piece of evidence: when the later layers of one class add error beyond precision on
+average and no later layer of the other classes does, the class is still told apart.
 
 Pattern, in this order:
   match        no layer introduces error;
@@ -44,7 +44,9 @@ Pattern, in this order:
                bugs add 7.6x to 1e6x the next layer; an error spread over many layers 1x-2x);
   layer_class  (again) the layers beyond precision, of comparable size, are all of one class;
   undetermined the layers beyond precision are of several classes and comparable in size, or the
-               target decorrelated before the evidence could separate them: the reason names the
+               target, with layers of several classes, decorrelated at the first layer beyond
+               precision (not after an exact prefix) before the evidence could tell a one-layer
+               bug from a class's (one class only: `jump` at that layer): the reason names the
                layer after which it could not judge and the run that decides (attribution,
                `--model-ref` / `--model-target`, which re-runs each target block on the
                reference's input).
@@ -306,10 +308,10 @@ def _pct(x: float | None) -> str:
 
 
 def class_after_saturation(rows: list[LayerRow], sat: int | None, cls: str | None) -> str | None:
-    """Past saturation, the evidence that still tells class `cls` apart (module doc): every later
-    layer of `cls` adds error beyond its precision budget and every later layer of the other
-    classes does not, with two or more later layers of `cls` and one of another class. Returns the
-    sentence saying so, or None."""
+    """Past saturation, the evidence that still tells class `cls` apart (module doc): the later
+    layers of `cls` add error beyond their precision budget on average and no later layer of the
+    other classes does (they hold or shrink the error), with two or more later layers of `cls` and
+    one of another class. Returns the sentence saying so, or None."""
     if sat is None:
         return None
     later = [r for r in rows if r.layer > sat and r.added is not None and r.precision_budget is not None]
@@ -317,9 +319,8 @@ def class_after_saturation(rows: list[LayerRow], sat: int | None, cls: str | Non
     others = [r for r in later if r.layer_class != cls]
     if len(mine) < 2 or not others:
         return None
-    if not all(r.added > r.precision_budget for r in mine) or any(
-        r.added > r.precision_budget for r in others
-    ):
+    mean = sum(r.added for r in mine) / len(mine)
+    if mean <= max(r.precision_budget for r in mine) or any(r.added > r.precision_budget for r in others):
         return None
     adds = ", ".join(f"{r.layer} {_pct(r.added)}" for r in mine)
     rest = ", ".join(f"{r.layer} {_pct(r.added)}" for r in others)
@@ -387,13 +388,27 @@ def _localise(
             return Pattern(
                 PatternName.LAYER_CLASS,
                 first,
-                [r.layer for r in beyond],
+                [r.layer for r in beyond]
+                + [
+                    r.layer
+                    for r in rows
+                    if sat is not None and r.layer > sat and r.layer_class == first.layer_class
+                ],
                 why,
                 _signal(first, precision_signal(first)),
                 sat,
             )
     top = max(beyond, key=lambda r: r.added or 0.0)
     ratio = _jump_ratio(top, beyond)
+    several_classes = len({r.layer_class for r in rows}) >= 2
+    if len(beyond) == 1 and sat == top.layer and several_classes and any(r.layer > sat for r in rows):
+        why = (
+            f"layer {top.layer} introduces error and the target decorrelates there (rel {_pct(top.rel_out)}): "
+            f"whether the later layers add error of their own cannot be judged past layer {sat}; {DECIDING_RUN}"
+        )
+        return Pattern(
+            PatternName.UNDETERMINED, top, [top.layer], why, _signal(top, precision_signal(top)), sat
+        )
     if ratio >= JUMP_RATIO:
         if len(beyond) == 1:
             alone = all(r.beyond_precision for r in rows if r.introduces)
