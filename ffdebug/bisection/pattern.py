@@ -22,7 +22,8 @@ Two allowances decide what a layer's `added` means (eps: the machine epsilon of 
   scaled by 1.1 moves q by 10% and the block's output by 0.02%).
 
 With a noise run, both are k x the error the noise run adds at that layer (k = 2 for fp32, 3 for
-bf16/fp16). When attribution re-ran the layers on the reference's inputs, its verdict (local /
+bf16/fp16), never below the rounding floor (a noise run bit-identical to the reference gives no
+scale: the exact-prefix rule decides there). When attribution re-ran the layers on the reference's inputs, its verdict (local /
 inherited) replaces the estimate.
 
 Saturation: once a layer's output has decorrelated from the reference (cos <= 0.5, the scramble
@@ -210,7 +211,7 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]
             row.introduces = False
             row.notes.append(f"not judged: the target decorrelated at layer {sat}")
             if row.added is not None:
-                row.precision_budget = _scaled(row, out, prec.budget())
+                row.precision_budget = _scaled(row, out, prec.budget(), prec.floor())
             continue
         if row.local is not None:
             row.introduces = row.beyond_precision = row.local == "local"
@@ -219,8 +220,8 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]
             row.introduces = row.beyond_precision = not V.is_ok(row.severity)
             continue
         inherited = INHERIT_SHARE * (row.rel_in or 0.0)
-        row.precision_budget = _scaled(row, out, prec.budget())
-        row.introduces = row.added > max(_scaled(row, out, prec.floor()), inherited)
+        row.precision_budget = _scaled(row, out, prec.budget(), prec.floor())
+        row.introduces = row.added > max(_scaled(row, out, prec.floor(), prec.floor()), inherited)
         row.beyond_precision = row.introduces and row.added > max(row.precision_budget, inherited)
         if prec.mixed and row.noise_added is None and (row.max_step or 0.0) > row.precision_budget:
             row.introduces = row.beyond_precision = True  # one stage's own step is beyond precision
@@ -230,8 +231,9 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]
             )
 
 
-def _scaled(row: LayerRow, out: StageResult | None, without_noise: float) -> float:
-    """k x the error the noise run adds at this layer; without a noise run, `without_noise`.
+def _scaled(row: LayerRow, out: StageResult | None, without_noise: float, floor: float) -> float:
+    """k x the error the noise run adds at this layer, never below the rounding floor (a noise
+    run bit-identical to the reference gives no scale); without a noise run, `without_noise`.
 
     Judged on the error *added*, not on the error carried: a layer that adds 10x the noise is
     introducing error even while its output, carrying less inherited error than k x the noise
@@ -239,7 +241,7 @@ def _scaled(row: LayerRow, out: StageResult | None, without_noise: float) -> flo
     if row.noise_added is None:
         return without_noise
     k = noise_factor(out) if out is not None else V.noise_factor()
-    return k * max(row.noise_added, 0.0)
+    return max(k * max(row.noise_added, 0.0), floor)
 
 
 @dataclass

@@ -10,12 +10,16 @@ so the rule reads them; no stage or module name is consulted.
 Per paired call, in execution order:
 
 - a *score stage* is a stage inside a layer with one row of E values per token (2 <= E <=
-  `MAX_SCORES`, E smaller than the width of the layer's hidden stages, rows = the layer's tokens);
+  `MAX_SCORES`, E at most a quarter of the width of the layer's hidden stages);
 - a token *flips* at it when the two sides order its scores differently within the top half of
   the ranking at a pair whose gap on the reference is no larger than the largest difference
   between the sides in that token's row (the difference the sides show there sufficed to swap
   them), while the score stage itself agrees on the tokens that did not flip (rel within the drift
-  band) and at most `MAX_FLIPPED` of the tokens flip (a router that is wrong moves many);
+  band);
+- a flip is *confirmed* by a later stage of the same layer outside the ok band: the token rows
+  whose error stands out there (`HOT` x the median row's) that flipped are left out, and that must
+  bring the stage below diverge, with at most `MAX_FLIPPED` of the tokens left out in all (a router
+  that is wrong moves many tokens, an expert that is wrong leaves tokens that did not flip);
 - from the first flip on, every later stage of the call with one row per token is measured on the
   rows of tokens that never flipped: cos / rel / elem / max_abs are those of the kept rows, the
   whole-tensor numbers go into a note, `flipped_tokens` lists the rows left out, and the stage is
@@ -145,8 +149,9 @@ def _explain_call(stages, records, thresholds, load) -> list[Flip]:
     n_tokens = next(iter(widths.values()))[0]
     depth_after = max(widths) + 2
     confirmed: set[int] = set()
-    pending: dict[int, dict[int, str]] = {}  # layer -> {token row: the score stage it flipped at}
+    pending: dict[int, dict[int, StageResult]] = {}  # layer -> {token row: the score stage it flipped at}
     flips: list[Flip] = []
+    flipped_at: dict[int, tuple[StageResult, set[int]]] = {}  # the score stages tokens flipped at
     for e, pair in zip(stages, records):
         if not _usable(e, pair) or not _rows(e.ref.shape, n_tokens):
             continue
@@ -160,38 +165,33 @@ def _explain_call(stages, records, thresholds, load) -> list[Flip]:
             graded = _measure(e, pair, trial, n_tokens, thresholds, load, depth_after) if fits else None
             if graded is not None and not graded[1].at_least(V.Severity.DIVERGE):
                 confirmed |= hot
-                for stage in sorted({candidates[i] for i in hot}):
-                    mine = {i for i in hot if candidates[i] == stage}
-                    before = next((f for f in flips if f.stage == stage), None)
-                    if before is not None:
-                        flips.remove(before)
-                        mine |= set(before.tokens)
-                    flips.append(Flip(stage, tuple(sorted(mine))))
+                for at in {id(candidates[i]): candidates[i] for i in hot}.values():
+                    mine = {i for i in hot if candidates[i] is at} | flipped_at.get(id(at), (None, set()))[1]
+                    flipped_at[id(at)] = (at, mine)
                 _regrade(e, pair, sorted(confirmed), n_tokens, thresholds, load, depth_after)
         if _score_stage(e, widths, n_tokens):
             r, t = (load(x).reshape(n_tokens, e.ref.shape[-1]) for x in pair)
             rows, kept_rel = flipped_rows(r, t, confirmed)
             if rows and kept_rel is not None and not V.rel_band(kept_rel).at_least(V.Severity.DIVERGE):
-                pending.setdefault(e.layer, {}).update({i: e.key for i in rows})
-    by_stage = {f.stage: f for f in flips}
-    for e in stages:
-        if e.key in by_stage:
-            rows = ", ".join(map(str, by_stage[e.key].tokens))
-            e.notes.append(
-                f"routing flip: token row(s) {rows} order near-tied scores differently on the two "
-                "sides (their gap is within the sides' difference) and carry the error after it: "
-                "later stages are measured on the other tokens"
-            )
+                pending.setdefault(e.layer, {}).update({i: e for i in rows})
+    for at, tokens in flipped_at.values():
+        flips.append(Flip(at.key, tuple(sorted(tokens))))
+        rows = ", ".join(map(str, sorted(tokens)))
+        at.notes.append(
+            f"routing flip: token row(s) {rows} order near-tied scores differently on the two "
+            "sides (their gap is within the sides' difference) and carry the error after it: "
+            "later stages are measured on the other tokens"
+        )
     return flips
 
 
 def _score_stage(e: StageResult, widths: dict[int, tuple[int, int]], n_tokens: int) -> bool:
-    """One row of E scores per token, E from 2 to `MAX_SCORES` and under a quarter of the layer's
+    """One row of E scores per token, E from 2 to `MAX_SCORES` and at most a quarter of the layer's
     hidden width (a router's expert scores, not a projection's output)."""
     if e.layer is None or e.layer not in widths or math.prod(e.ref.shape[:-1]) != n_tokens:
         return False
     scores = e.ref.shape[-1]
-    return 2 <= scores <= MAX_SCORES and 4 * scores < widths[e.layer][1]
+    return 2 <= scores <= MAX_SCORES and 4 * scores <= widths[e.layer][1]
 
 
 def _measure(e: StageResult, pair, flipped: list[int], n_tokens: int, thresholds, load, depth_after: int):

@@ -193,6 +193,21 @@ def test_hunt_port_against_hf(tmp_path):
     assert state.sub_stage == "attn.q.out"
 
 
+def test_hunt_port_with_an_unloaded_down_projection_ends_on_it_not_one_rounding_away(tmp_path):
+    """HF against a port whose layer 2 down projection was never loaded: the port's layer inputs
+    differ from HF's by rounding, so round 3 feeds layer 2 the reference's input; there its
+    attention matches HF's to a few ulps (another summation order), which is no signal, and the
+    hunt still ends on the down projection (verdict.above_rounding)."""
+    state = hunt(
+        HuntConfig(
+            ref=in_process(hf=True), target=in_process("port_down", 2, port=True), dir=str(tmp_path / "h")
+        )
+    )
+    assert [r.round for r in state.rounds] == [1, 2, 3], [r.decision for r in state.rounds]
+    assert state.complete and state.layer == 2 and state.local is True, state.rounds[-1].evidence
+    assert state.sub_stage == "mlp.down.out", state.rounds[-1].evidence
+
+
 @pytest.mark.integration
 def test_hunt_killed_between_rounds_resumes(tmp_path):
     """The real CLI and shell commands (a python process per side and round): SIGKILL once round 1

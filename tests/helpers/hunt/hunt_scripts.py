@@ -40,6 +40,21 @@ PLANTS = {
     ),
     # the port's fused q/k/v weight: its first rows are q's
     "port_q": "getattr(net, 'blocks')[L].attn.wqkv.weight.data[:16] *= 2.0",
+    # the port's down projection of layer L never loaded (seeded random weights instead), and
+    # its norms taking the mean square in float64 (the same value to a rounding), so no layer
+    # input after the first norm is bit-equal to HF's
+    "port_down": (
+        "getattr(net, 'blocks')[L].ff.w2.weight.data.normal_(0.0, 0.02, "
+        "generator=torch.Generator().manual_seed(3))\n"
+        "def _resummed(self, x):\n"
+        "    h = x.float()\n"
+        "    h = h * (h.double().pow(2).mean(-1, keepdim=True) + self.eps).rsqrt().float()\n"
+        "    return self.scale * h.to(x.dtype)\n"
+        "import types\n"
+        "for _mod in net.modules():\n"
+        "    if hasattr(_mod, 'eps') and hasattr(_mod, 'scale'):\n"
+        "        _mod.forward = types.MethodType(_resummed, _mod)"
+    ),
 }
 
 _SCRIPT = """import os, sys
