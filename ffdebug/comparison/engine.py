@@ -9,7 +9,7 @@ from ffdebug.capture.stage_map import StageMap
 from ffdebug.comparison import near_zero, parallel, routing
 from ffdebug.comparison.align import TokenLayout, align, layouts
 from ffdebug.comparison.estimates import sketch_compare, sketch_of, stats_compare
-from ffdebug.comparison.forked import ForkPool, fork_usable
+from ffdebug.comparison.forked import ForkPool, fork_usable, record_refs, resolve_refs
 from ffdebug.comparison.inputs_gate import check_trainer_inputs
 from ffdebug.comparison.metrics import compare_tensors, logits_metrics
 from ffdebug.comparison.noise import apply_noise, exact_prefix_with_noise, noise_index
@@ -31,7 +31,7 @@ from ffdebug.comparison.pairing import (
 from ffdebug.comparison.shards import best_fold
 from ffdebug.coverage import CoverageInput, assess, filter_sentences
 from ffdebug.errors import FFDebugError
-from ffdebug.io.ranks import Folded, fold
+from ffdebug.io.ranks import fold
 from ffdebug.io.record import Record
 from ffdebug.io.side import SideStore
 from ffdebug.logs import get_logger
@@ -438,7 +438,7 @@ def _map_units_forked(units, thresholds, exact, unit_mask, n: int, sizes, progre
     def one(i: int) -> tuple:
         with single_thread():
             results, records, reading = _compare_unit(units[i], thresholds, exact, Record.load, unit_mask(i))
-        return results, _record_refs(units[i], records), reading
+        return results, record_refs(_unit_records(units[i]), records), reading
 
     def what(i: int) -> str:
         return f"stage {units[i].ref.key!r} (rank {units[i].ref.rank or 0})"
@@ -449,49 +449,14 @@ def _map_units_forked(units, thresholds, exact, unit_mask, n: int, sizes, progre
         done = pool.map(
             len(units), (lambda i: progress.advance(sizes[i])) if progress is not None else (lambda i: None)
         )
-    return [(results, _resolve_refs(u, refs), reading) for u, (results, refs, reading) in zip(units, done)]
+    return [
+        (results, resolve_refs(_unit_records(u), refs), reading)
+        for u, (results, refs, reading) in zip(units, done)
+    ]
 
 
 def _unit_records(unit: StageUnit) -> list[Record]:
     return [unit.ref, unit.target, *unit.replicas]
-
-
-@dataclasses.dataclass(frozen=True)
-class _FoldRef:
-    """A record a child folded from the unit's own records: the plan and the parts' indices."""
-
-    plan: object
-    parts: tuple[int, ...]
-
-
-def _record_refs(unit: StageUnit, pairs: list[tuple]) -> list[tuple]:
-    """The record pairs as a child sends them back: each of the unit's own records by its index,
-    a record folded from them as its plan and their indices (`CompareResult.records` must hold the
-    parent's own objects, and a part's source need not pickle); any other record whole."""
-    index = {id(rec): k for k, rec in enumerate(_unit_records(unit))}
-
-    def ref(rec):
-        if id(rec) in index:
-            return index[id(rec)]
-        source = rec.source
-        if isinstance(source, Folded) and all(id(p) in index for p in source.parts):
-            return _FoldRef(source.plan, tuple(index[id(p)] for p in source.parts))
-        return rec
-
-    return [tuple(ref(rec) for rec in pair) for pair in pairs]
-
-
-def _resolve_refs(unit: StageUnit, refs: list[tuple]) -> list[tuple]:
-    own = _unit_records(unit)
-
-    def record(x):
-        if isinstance(x, int):
-            return own[x]
-        if isinstance(x, _FoldRef):
-            return fold([own[k] for k in x.parts], x.plan)
-        return x
-
-    return [tuple(record(x) for x in pair) for pair in refs]
 
 
 def _payload_records(unit: StageUnit) -> list[Record]:

@@ -26,6 +26,7 @@ locks in a child itself).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -232,3 +233,44 @@ def _portable(err: BaseException) -> BaseException:
         return err
     except Exception:
         return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldRef:
+    """A record a child folded from the unit's own records: the plan and the parts' indices."""
+
+    plan: object
+    parts: tuple[int, ...]
+
+
+def record_refs(own: list, pairs: list[tuple]) -> list[tuple]:
+    """The record pairs as a child sends them back: each of the unit's own records (`own`) by its
+    index, a record folded from them as its plan and their indices (`CompareResult.records` must
+    hold the parent's own objects, and a part's source need not pickle); any other record whole."""
+    from ffdebug.io.ranks import Folded
+
+    index = {id(rec): k for k, rec in enumerate(own)}
+
+    def ref(rec):
+        if id(rec) in index:
+            return index[id(rec)]
+        source = rec.source
+        if isinstance(source, Folded) and all(id(p) in index for p in source.parts):
+            return FoldRef(source.plan, tuple(index[id(p)] for p in source.parts))
+        return rec
+
+    return [tuple(ref(rec) for rec in pair) for pair in pairs]
+
+
+def resolve_refs(own: list, refs: list[tuple]) -> list[tuple]:
+    """`record_refs` undone in the parent, against the unit's own records `own`."""
+    from ffdebug.io.ranks import fold
+
+    def record(x):
+        if isinstance(x, int):
+            return own[x]
+        if isinstance(x, FoldRef):
+            return fold([own[k] for k in x.parts], x.plan)
+        return x
+
+    return [tuple(record(x) for x in pair) for pair in refs]
