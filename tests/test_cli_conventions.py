@@ -72,13 +72,18 @@ def test_version_of_both_programs():
     assert (result.exit_code, result.stdout) == (0, f"reference-trainer {ffdebug.__version__}\n")
 
 
-def test_completion_completes_commands_and_options():
-    """Typer's completion protocol: `ffdebug comp<TAB>` offers compare, `compare --fa<TAB>` --fail-on."""
+def test_completion_completes_commands_and_options(monkeypatch):
+    """Typer's completion protocol: `ffdebug comp<TAB>` offers compare, `compare --fa<TAB>` --fail-on.
+    `--show-completion` finds the shell from the process tree, which a detached run (nohup, some CI
+    runners) does not have: the test names bash for it."""
+    import typer.completion
+
+    monkeypatch.setattr(typer.completion, "_get_shell_name", lambda: "bash")
     env = {"_FFDEBUG_COMPLETE": "complete_bash", "COMP_WORDS": "ffdebug comp", "COMP_CWORD": "1"}
     assert runner.invoke(app, [], env=env).stdout.split() == ["compare"]
     env.update(COMP_WORDS="ffdebug compare --fa", COMP_CWORD="2")
     assert runner.invoke(app, [], env=env).stdout.split() == ["--fail-on"]
-    shown = runner.invoke(app, ["--show-completion", "bash"])
+    shown = runner.invoke(app, ["--show-completion"])
     assert shown.exit_code == 0 and "_FFDEBUG_COMPLETE=complete_bash" in shown.stdout, (
         shown.output,
         shown.exception,

@@ -177,7 +177,7 @@ def _only_extra_outputs_missing(result) -> bool:
     implementation does not return (eager attention returns its probabilities, sdpa None): every
     stage kind with no target record is a module's second-or-later output, and nothing else is
     missing. The stages both sides produce were all compared."""
-    gaps = [k for k in result.coverage.kinds if k.target != k.ref or k.paired != k.ref]
+    gaps = [k for k in result.coverage.kinds if k.ref and not k.target]
     return (
         bool(gaps)
         and all(k.target == 0 and _EXTRA_OUTPUT.search(k.kind) for k in gaps)
