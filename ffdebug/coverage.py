@@ -240,6 +240,7 @@ class CoverageInput:
     filters: list[str]  # compare's own selection, as sentences
     stage_filter: bool = False
     rank_filter: int | None = None
+    aliases: dict = field(default_factory=dict)  # (target key, invocation) -> the ref key it paired as
 
 
 def _kind_counts(inp: CoverageInput) -> list[KindCount]:
@@ -251,8 +252,8 @@ def _kind_counts(inp: CoverageInput) -> list[KindCount]:
 
     for rg, tg in inp.pairs:
         for group, attr in ((rg, "ref"), (tg, "target")):
-            for key, _inv in {(sk[0], sk[1]) for sk in group.order}:
-                count(key, attr)
+            for key, inv in {(sk[0], sk[1]) for sk in group.order}:
+                count(inp.aliases.get((key, inv), key) if attr == "target" else key, attr)
     paired = {
         (e.key, str(e.invocation), e.call, tuple(sorted((str(k), str(v)) for k, v in e.step.items())))
         for e in inp.results

@@ -111,7 +111,30 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
         signal = BEYOND_NOISE_SIGNAL
     p = _not_drift_with(p, signal, first)
     sub, why_sub = first_lossy(_in_layer(stages, first.layer if first is not None else None))
+    entered = _entered_between(stages, first.layer) if first is not None and first.layer is not None else None
+    if entered is not None:  # the block's input already differs from what fed it: not the block's own
+        first, sub = entered, entered
+        why_sub = (
+            "the block's input differs from the exactly equal output before it (error enters between them)"
+        )
+        signal = signal or EXACT_PREFIX_SIGNAL
     return CallAnalysis(rows, p, first, sub, why_sub, signal)
+
+
+def _entered_between(stages: list[StageResult], layer: int) -> StageResult | None:
+    """Layer `layer`'s `hidden_in` when it is not exactly equal, by more than rounding, while the
+    stage that feeds it (the previous block's `hidden_out`, or `embed.out` before layer 0) is:
+    something between them (an embedding norm, a scale) introduced the error."""
+    by_key = {e.key: e for e in stages if (e.invocation or 0) == 0}
+    hidden_in = by_key.get(f"L{layer:03d}.hidden_in")
+    before = by_key.get(f"L{layer - 1:03d}.hidden_out") if layer > 0 else by_key.get("embed.out")
+    if hidden_in is None or before is None or not pat.is_exact(before) or pat.is_exact(hidden_in):
+        return None
+    if not hidden_in.same_dtype or not V.above_rounding(
+        hidden_in.rel, hidden_in.dtype_ref, hidden_in.dtype_target
+    ):
+        return None
+    return None if pat.within_noise(hidden_in) else hidden_in
 
 
 def _per_class(rows: list[LayerRow], p: pat.Pattern) -> list[ClassSummary]:

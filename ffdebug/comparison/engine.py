@@ -287,6 +287,7 @@ def _coverage(ref_store, tgt_store, pairing, run: UnitsRun, only: tuple, units, 
             filters=selection,
             stage_filter=bool(filters.stages or filters.exclude),
             rank_filter=filters.rank,
+            aliases={(u.target.key, u.target.invocation): u.ref.key for u in units if u.note},
         ),
     )
 
@@ -338,6 +339,8 @@ def _compare_unit(
     depth = unit.group.depths.get(unit.sk)
     if not unit.replicas:
         e = compare_records(r, unit.target, thresholds, exact, masks=masks, load=load, depth=depth)
+        if unit.note:
+            e.notes.append(unit.note)
         e.unsharded_ref, e.unsharded_target = _unsharded(r), _unsharded(unit.target)
         reading = None
         if e.unsharded_target is not None and e.unsharded_target["how"] != "replicated":

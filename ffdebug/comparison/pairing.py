@@ -266,6 +266,7 @@ class StageUnit:
     ref: Record
     target: Record
     replicas: tuple[Record, ...] = ()
+    note: str | None = None  # how the pair was made when not by key (`by_module_path`)
 
     @property
     def target_ranks(self) -> set[int]:
@@ -306,12 +307,54 @@ def pair_stages(rg: CallGroup, tg: CallGroup) -> StagePairing:
     reference — never a target rank left out."""
     ref_ranks, tgt_ranks = rg.ranks(), tg.ranks()
     if ref_ranks == tgt_ranks:
-        return _pair_exact(rg, tg)
+        return by_module_path(rg, _pair_exact(rg, tg))
     if len(ref_ranks) > 1:  # the reference folded to one rank by its manifest (replicated: rank 0)
         rg = fold_all(rg)
     if len(tgt_ranks) > 1:  # every target rank compared: declared folds, else each as a replica
         return _pair_replicas(rg, tg)
-    return _pair_by_stage(rg, tg)
+    return by_module_path(rg, _pair_by_stage(rg, tg))
+
+
+def by_module_path(rg: CallGroup, sp: StagePairing) -> StagePairing:
+    """Records left on one side each that one module wrote on both (the same module path, layer,
+    invocation, rank and shape, one record per side) are one stage under two names: role naming
+    read the module's behaviour, and a target whose norm is broken (eps 0.1: rows no longer unit
+    RMS) keeps its module path (`L000.input_layernorm.out`) where the reference says
+    `L000.attn_norm_out`. They are paired, in the reference's order, and the pair's note says so;
+    a module path written more than once on either side stays unpaired."""
+
+    def ident(r: Record) -> tuple | None:
+        if not r.module_path:
+            return None
+        return (r.module_path, r.layer, r.invocation or 0, r.rank or 0, tuple(r.shape or ()), r.io)
+
+    def unique(records: list[Record]) -> dict[tuple, Record]:
+        seen: dict[tuple, list[Record]] = {}
+        for r in records:
+            if (k := ident(r)) is not None:
+                seen.setdefault(k, []).append(r)
+        return {k: v[0] for k, v in seen.items() if len(v) == 1}
+
+    refs, tgts = unique(sp.only_ref), unique(sp.only_target)
+    both = set(refs) & set(tgts)
+    if not both:
+        return sp
+    at = {id(rec): sk for sk, rec in rg.records.items()}
+    paired = {id(refs[k]): tgts[k] for k in both}
+    units = list(sp.units)
+    for k in both:
+        r, t = refs[k], tgts[k]
+        units.append(
+            StageUnit(rg, at[id(r)], r, t, note=f"paired by module path {r.module_path}: target {t.key}")
+        )
+    position = {sk: i for i, sk in enumerate(rg.order)}
+    units.sort(key=lambda u: position.get(u.sk, len(position)))
+    taken = {id(t) for t in paired.values()}
+    return StagePairing(
+        units,
+        [r for r in sp.only_ref if id(r) not in paired],
+        [t for t in sp.only_target if id(t) not in taken],
+    )
 
 
 def fold_all(group: CallGroup) -> CallGroup:

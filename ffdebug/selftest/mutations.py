@@ -149,11 +149,14 @@ class Planner:
         self.layers = sorted({r.layer for r in records if r.layer is not None})
 
     def block_stage(self, layer: int, module_path: str | None) -> str | None:
-        """The block stage (attn_out, ffn_out, ...) whose module holds `module_path`."""
+        """The block stage (attn_out, ffn_out, ...) whose module holds `module_path` (an output
+        stage: the block's `hidden_in` is what feeds the block, not what one of its modules made)."""
         best = None
         for r in self.records:
             m = _BLOCK_STAGE.match(r.key)
             if r.layer != layer or not m or not r.module_path or module_path is None:
+                continue
+            if m.group(2) == "hidden_in":
                 continue
             if (module_path == r.module_path or module_path.startswith(r.module_path + ".")) and (
                 best is None or len(r.module_path) > len(best[1])

@@ -230,3 +230,25 @@ def test_a_contradictory_result_is_refused_where_it_is_built(moe):
     rows[0].beyond_precision = True
     with pytest.raises(VerdictContradiction, match="pattern drift"):
         type(r)(**dict(fields, pattern=PatternName.DRIFT, layers=rows))
+
+
+def test_a_norm_broken_past_recognition_is_paired_by_its_module_path(tmp_path):
+    """eps 0.1 in every norm of the blocks of a tiny Apertus (the zoo's case): its rows are no longer unit RMS,
+    so the target's role naming does not see norms and keeps module paths
+    (`L000.attention_layernorm.out`); one module on both sides is one stage, so it pairs with
+    `L000.attn_norm_out`, the coverage is complete and the first divergence is the norm itself."""
+    model = build(resolve("apertus"), Sizes(), 0)
+    target = copy.deepcopy(model)
+    for module in target.model.layers.modules():  # the blocks' norms, as the selftest plants it
+        for attr in ("eps", "variance_epsilon"):
+            if isinstance(getattr(module, attr, None), float):
+                setattr(module, attr, 0.1)
+    ids = _ids()
+    ref, tgt = _dump(model, ids, tmp_path, "ref"), _dump(target, ids, tmp_path, "eps")
+    from ffdebug.store.reader import open_side
+
+    assert "L000.attn_norm_out" not in {r.key for r in open_side(tgt).records}  # the premise
+    r = ffdebug.bisect(ref, tgt)
+    assert r.complete and r.exit_code() == 1, r.coverage.missing
+    assert r.first_divergence.key == "L000.attn_norm_out"
+    assert any(n.startswith("paired by module path") for n in r.first_divergence.notes)
