@@ -11,11 +11,10 @@ Per paired call, in execution order:
 
 - a *score stage* is a stage inside a layer with one row of E values per token (2 <= E <=
   `MAX_SCORES`, E at most a quarter of the width of the layer's hidden stages);
-- a token *flips* at it when the two sides order its scores differently within the top half of
-  the ranking at a pair whose gap on the reference is no larger than the largest difference
-  between the sides in that token's row (the difference the sides show there sufficed to swap
-  them), while the score stage itself agrees on the tokens that did not flip (rel within the drift
-  band);
+- a token *can flip* at it when two of its scores next to each other in the reference's ranking,
+  within the top half, are closer than the two sides' movements of them together: the sides may
+  order them either way, or tie them (`topk` breaks ties as it likes), while the score stage
+  itself agrees on the other tokens (rel within the drift band);
 - a flip is *confirmed* by a later stage of the same layer outside the ok band: the token rows
   whose error stands out there (`HOT` x the median row's) that flipped are left out, and that must
   bring the stage below diverge, with at most `MAX_FLIPPED` of the tokens left out in all (a router
@@ -59,25 +58,25 @@ def _rows(shape, n_tokens: int) -> bool:
 
 
 def flipped_rows(ref, target, skip: set[int]) -> tuple[list[int], float | None]:
-    """Tokens (rows of `[N, E]` scores) ordered differently at a near tie, and the rel of the
-    scores over the rows neither flipped nor in `skip`."""
+    """Tokens (rows of `[N, E]` scores) whose choice of experts the two sides' difference can
+    change, and the rel of the scores over the rows neither flipped nor in `skip`.
+
+    A token can flip when two scores next to each other in the reference's ranking, within its
+    top half, are closer than the two sides' movements of them together (r_a - r_b <=
+    |t_a - r_a| + |t_b - r_b|): the sides may order them either way, or tie them, which `topk`
+    breaks as it likes."""
     import torch
 
     r, t = ref.double(), target.double()
     n, e = r.shape
-    top = max(1, e // 2)
-    ro = r.argsort(dim=-1, descending=True, stable=True)[:, :top]
-    to = t.argsort(dim=-1, descending=True, stable=True)[:, :top]
-    differs = ro != to
-    moved = (r - t).abs().amax(-1)
-    out = []
-    for row in torch.nonzero(differs.any(-1)).flatten().tolist():
-        if row in skip:
-            continue
-        p = int(torch.nonzero(differs[row]).flatten()[0])
-        gap = float((r[row, ro[row, p]] - r[row, to[row, p]]).abs())
-        if gap <= float(moved[row]):
-            out.append(row)
+    top = min(max(1, e // 2), e - 1)
+    order = r.argsort(dim=-1, descending=True, stable=True)
+    moved = (t - r).abs()
+    above, below = order[:, :top], order[:, 1 : top + 1]
+    gap = r.gather(1, above) - r.gather(1, below)
+    reach = moved.gather(1, above) + moved.gather(1, below)
+    near = (gap <= reach).any(-1)
+    out = [row for row in torch.nonzero(near).flatten().tolist() if row not in skip]
     keep = [i for i in range(n) if i not in skip and i not in out]
     if not keep:
         return out, None
