@@ -57,12 +57,16 @@ def break_in_exact_prefix(stages: list[StageResult]) -> StageResult | None:
     return e if e is not None and not pat.within_noise(e) else None
 
 
-def _not_drift_with(p: pat.Pattern, signal: str | None, first: StageResult | None) -> pat.Pattern:
-    """`drift` says precision alone; a bug signal says otherwise, so the pattern becomes
-    `undetermined` with the signal in its reason."""
-    if signal is None or p.name is not PatternName.DRIFT:
+def _not_drift_with(
+    p: pat.Pattern, signal: str | None, first: StageResult | None, worst: Severity = Severity.OK
+) -> pat.Pattern:
+    """`drift` says precision alone; a bug signal, or a stage at `diverge` or worse, says
+    otherwise, so the pattern becomes `undetermined` with what contradicts it in its reason."""
+    if p.name is not PatternName.DRIFT or (signal is None and not worst.at_least(Severity.DIVERGE)):
         return p
-    why = f"{p.reason}; but {first.key if first is not None else 'a stage'}: {signal}"
+    where = first.key if first is not None else "a stage"
+    said = signal if signal is not None else f"{worst.value} by its bands, beyond what precision does"
+    why = f"{p.reason}; but {where}: {said}"
     return pat.Pattern(PatternName.UNDETERMINED, p.focus, p.introducing, why, signal, p.saturated_after)
 
 
@@ -281,7 +285,7 @@ def _bisect_result(result, analyses, reported, attribution, notes, fail_on, allo
     """The BisectResult of the reported call `(call, its stages, its analysis)`."""
     chosen, st, analysis = reported
     judged = V.judge(worst_of(result.stages), analysis.signal)  # one grade: verdict and judgement
-    p = _not_drift_with(analysis.pattern, analysis.signal, analysis.first)
+    p = _not_drift_with(analysis.pattern, analysis.signal, analysis.first, judged)
     return BisectResult(
         verdict=judged,
         judgement=judged,

@@ -122,10 +122,13 @@ class BisectResult(CoveredVerdict):
         if self.pattern is PatternName.MATCH and any(r.introduces for r in self.layers):
             out.append("pattern match but a layer introduces error")
         if self.pattern is PatternName.DRIFT and (
-            self.signal or any(r.beyond_precision for r in self.layers)
+            self.signal
+            or any(r.beyond_precision for r in self.layers)
+            or self.verdict.at_least(Severity.DIVERGE)
         ):
             out.append(
-                "pattern drift (precision only) but a layer is beyond precision or a bug signal is set"
+                "pattern drift (precision only) but a layer is beyond precision, a bug signal is set "
+                f"or the verdict is {self.verdict.value}"
             )
         localised = (PatternName.JUMP, PatternName.LAYER_CLASS, PatternName.UNDETERMINED)
         if self.pattern in localised and not any(r.introduces for r in self.layers):
