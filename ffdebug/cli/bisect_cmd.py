@@ -27,7 +27,7 @@ from ffdebug.cli.common import (
 from ffdebug.verdict import Severity
 
 HELP = """Localise where a target first parts from its reference: the first layer that introduces
-error (per layer class), the pattern (match, layer_class, jump, drift) and the sub-stage inside that
+error (per layer class), the pattern (match, drift, layer_class, jump, undetermined) and the sub-stage inside that
 layer whose own step loses accuracy. Ends with one sentence naming layer, class, stage and pattern.
 
 [bold]Examples[/bold]
@@ -51,9 +51,9 @@ Dump sub-stages by naming more classes: FFDEBUG_FWD_DUMP_BLOCK_CLASS=DecoderLaye
 Per-rank target dumps are folded as their manifest says (reduction='partial': summed; shard: concatenated);
 undeclared ones are tested as partial sums and shards. Warm-up calls are set aside.
 
-Judgement: error localised after an exactly equal prefix in the same dtype (or beyond a --noise run, or found local by --model-target) is a bug signal however small its band: the judgement is raised to bug ('signal' in --json; 'verdict' stays the worst band).
+Judgement: error above rounding after an exactly equal prefix in the same dtype (or beyond a --noise run, beyond a less precise dtype's budget, or found local by --model-target) is a bug signal however small its band: the verdict is raised to bug ('signal' in --json; 'judgement' is the same grade). Precision is never a bug: bf16 / fp16 against fp32 is judged against its dtype (drift), and tokens that take another expert at a near tie are left out of later stages (routing flip).
 
-Exit codes: 0 judgement below --fail-on and everything compared; 1 at or above it; 2 bad input; 3
+Exit codes: 0 verdict below --fail-on and everything compared; 1 at or above it; 2 bad input; 3
 input ids differ; 4 incomplete (what was left out is named; --allow-partial makes it 0).
 
 Progress goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds
