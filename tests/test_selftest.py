@@ -104,6 +104,9 @@ def test_the_expected_result_rule():
     assert not _matches(q, _said(layer=2), failed=True)
     assert not _matches(q, _said(sub_stage="attn.q_rot"), failed=True)  # a role, not a name prefix
     assert not _matches(q, _said(pattern="drift"), failed=True)
+    # a q norm cancels the scale: attn_out is bit-equal and the first divergence is q itself
+    assert _matches(q, _said(stage="attn.q.out"), failed=True)
+    assert not _matches(q, _said(stage="attn.k.out", sub_stage="attn.k"), failed=True)
     moe = Expected(1, "ffn_out", "moe.", PatternName.JUMP)
     assert _matches(moe, _said(stage="ffn_out", sub_stage="moe.expert001"), failed=True)
     anywhere = Expected(0, None, None, None)

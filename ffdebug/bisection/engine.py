@@ -101,11 +101,16 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
         if row is not None:
             row.local = a["verdict"]
     pat.mark_introducing(rows, by_key)
+    _inside_an_exact_layer(stages, rows)
     p = pat.decide(rows, by_key)
     signal = p.signal
     if p.focus is not None and p.name not in (PatternName.DRIFT, PatternName.UNDETERMINED):
         in_layer = _in_layer(stages, p.focus.layer)
-        first = first_lossy(in_layer, block_only=True)[0] or by_key.get(f"L{p.focus.layer:03d}.hidden_out")
+        first = (
+            first_lossy(in_layer, block_only=True)[0]
+            or first_lossy(in_layer)[0]
+            or by_key.get(f"L{p.focus.layer:03d}.hidden_out")
+        )
     else:  # no single layer to blame: the first stage outside the ok band
         first = next((e for e in stages if not e.ok), None)
         if p.name is PatternName.MATCH and first is None:
@@ -123,6 +128,26 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
         )
         signal = signal or EXACT_PREFIX_SIGNAL
     return CallAnalysis(rows, p, first, sub, why_sub, signal)
+
+
+def _inside_an_exact_layer(stages: list[StageResult], rows: list[LayerRow]) -> None:
+    """The exact prefix broken, above rounding, by a stage inside a layer whose own input is exact
+    while no layer introduces error by the budget: that layer computes something of its own
+    (a q projection scaled where a q norm after it cancels the scale: the block's output is
+    bit-equal, q is not). The layer introduces error; its note names the stage."""
+    if any(r.introduces for r in rows):
+        return
+    broken = break_in_exact_prefix(stages)
+    if broken is None or broken.layer is None:
+        return
+    row = next((r for r in rows if r.layer == broken.layer), None)
+    if row is None or not row.exact_in:
+        return
+    row.introduces = row.beyond_precision = True
+    row.notes.append(
+        f"{broken.key} differs after exactly equal stages (rel {broken.rel:.3g}) though the block's "
+        "output does not: the layer computes something of its own"
+    )
 
 
 def _entered_between(stages: list[StageResult], layer: int) -> StageResult | None:

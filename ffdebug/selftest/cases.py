@@ -199,8 +199,9 @@ def _got(said: dict, head: bool = False) -> str:
 def _matches(expected: Expected, said: dict, failed: bool) -> bool:
     if not failed or said["layer"] != expected.layer:
         return False
-    if expected.stage is not None and said["stage"] != expected.stage:
-        return False
+    at_planted = expected.sub_stage is not None and (said["stage"] or "").startswith(expected.sub_stage + ".")
+    if expected.stage is not None and said["stage"] != expected.stage and not at_planted:
+        return False  # the planted sub-stage itself is a first divergence finer than its block stage
     if expected.sub_stage is not None:
         sub = said["sub_stage"] or ""
         prefix = expected.sub_stage

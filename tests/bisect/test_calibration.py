@@ -252,3 +252,18 @@ def test_a_norm_broken_past_recognition_is_paired_by_its_module_path(tmp_path):
     assert r.complete and r.exit_code() == 1, r.coverage.missing
     assert r.first_divergence.key == "L000.attn_norm_out"
     assert any(n.startswith("paired by module path") for n in r.first_divergence.notes)
+
+
+def test_a_scale_a_q_norm_cancels_is_still_a_jump_at_its_layer(tmp_path):
+    """Gemma-3 normalises q after its projection: q x 1.5 in layer 1 leaves the block's output
+    within rounding, q itself is 50% off after exactly equal stages. No layer adds error by the budget,
+    yet the layer computes something of its own: a jump at layer 1, named at the q sub-stage."""
+    model = build(resolve("gemma3_text"), Sizes(), 0)
+    ids = _ids()
+    r = ffdebug.bisect(
+        _dump(model, ids, tmp_path, "ref"), _dump(_scaled_q(model, 1, 1.5), ids, tmp_path, "q")
+    )
+    out = next(e for e in r.stages if e.key == "L001.hidden_out")
+    assert out.rel < V.ROUNDING_ULPS * V.FP32_EPS  # the premise: the block's output within rounding
+    assert (r.pattern, r.first_divergence.key) == ("jump", "L001.attn.q.out"), r.reason
+    assert r.exit_code() == 1 and "exactly equal" in r.signal
