@@ -61,7 +61,9 @@ def side_rows(ref: str, side: str) -> dict:
             {
                 "key": e.key,
                 "layer": e.layer,
-                "depth": (e.layer + 1) if e.layer is not None else (0 if e.key.startswith("embed") else len(rows)),
+                "depth": (e.layer + 1)
+                if e.layer is not None
+                else (0 if e.key.startswith("embed") else len(rows)),
                 "dtype": e.dtype_target,
                 "elem": e.elem,
                 "rel": e.rel,
@@ -133,21 +135,29 @@ def report(out: dict) -> None:
         for d in sorted(by_depth):
             e, r = by_depth[d], rel_depth[d]
             print(
-                f"{d:5d} {len(e):4d}   {_q(e, .5):8.3g} {_q(e, .95):8.3g} {max(e):8.3g}"
-                f"   {_q(r, .5):8.3g} {_q(r, .95):8.3g} {max(r):8.3g}"
+                f"{d:5d} {len(e):4d}   {_q(e, 0.5):8.3g} {_q(e, 0.95):8.3g} {max(e):8.3g}"
+                f"   {_q(r, 0.5):8.3g} {_q(r, 0.95):8.3g} {max(r):8.3g}"
             )
         added = [a[2] / v["eps"] for v in runs for a in v["added"] if a[2] is not None]
         steps = [x[2] / v["eps"] for v in runs for x in v.get("steps", []) if x[2] is not None]
-        print(f"largest stage step/eps per layer: p50 {_q(steps, .5):.3g} p95 {_q(steps, .95):.3g} max {max(steps, default=0):.3g}")
+        print(
+            f"largest stage step/eps per layer: p50 {_q(steps, 0.5):.3g} p95 {_q(steps, 0.95):.3g} max {max(steps, default=0):.3g}"
+        )
         ratios = [v["jump_ratio"] for v in runs if v["jump_ratio"] is not None]
-        print(f"added/eps per layer: p50 {_q(added, .5):.3g} p95 {_q(added, .95):.3g} max {max(added, default=0):.3g}")
+        print(
+            f"added/eps per layer: p50 {_q(added, 0.5):.3g} p95 {_q(added, 0.95):.3g} max {max(added, default=0):.3g}"
+        )
         if ratios:
-            print(f"largest/second added: p50 {_q(ratios, .5):.3g} p95 {_q(ratios, .95):.3g} max {max(ratios):.3g}")
+            print(
+                f"largest/second added: p50 {_q(ratios, 0.5):.3g} p95 {_q(ratios, 0.95):.3g} max {max(ratios):.3g}"
+            )
         fi = [v["first_inexact"] for v in runs if v["first_inexact"] and v["first_inexact"]["same_dtype"]]
         if fi:
             rels = [f["rel"] / f["eps"] for f in fi]
             elems = [(f["elem"] or 0) / f["eps"] for f in fi]
-            print(f"first inexact (same dtype) n={len(fi)}: rel/eps max {max(rels):.3g} p95 {_q(rels, .95):.3g}; elem/eps max {max(elems):.3g} p95 {_q(elems, .95):.3g}")
+            print(
+                f"first inexact (same dtype) n={len(fi)}: rel/eps max {max(rels):.3g} p95 {_q(rels, 0.95):.3g}; elem/eps max {max(elems):.3g} p95 {_q(elems, 0.95):.3g}"
+            )
         sev = [s["severity"] for v in runs for s in v["stages"]]
         print("stage severities:", {k: sev.count(k) for k in sorted(set(sev))})
     muts = {k: v for k, v in out.items() if "/m_" in k and "error" not in v}
@@ -156,7 +166,11 @@ def report(out: dict) -> None:
         for k, v in sorted(muts.items()):
             fi = v["first_inexact"]
             top = max((a for a in v["added"] if a[2] is not None), key=lambda a: a[2], default=None)
-            fi_s = f"{fi['key']} rel/eps {fi['rel'] / fi['eps']:.3g} elem/eps {(fi['elem'] or 0) / fi['eps']:.3g}" if fi else "-"
+            fi_s = (
+                f"{fi['key']} rel/eps {fi['rel'] / fi['eps']:.3g} elem/eps {(fi['elem'] or 0) / fi['eps']:.3g}"
+                if fi
+                else "-"
+            )
             top_s = f"L{top[0]} added {top[2]:.3g}" if top else "-"
             ratio = f"{v['jump_ratio']:.3g}" if v["jump_ratio"] else "-"
             print(f"{k:55s} first inexact {fi_s:60s} top {top_s:22s} ratio {ratio}")

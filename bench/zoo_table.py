@@ -1,8 +1,8 @@
 """The zoo tables of docs/bisect.md ("The zoo") from `ffdebug selftest --zoo --json` output.
 
-    ffdebug selftest --zoo --json > zoo.json
-    python bench/zoo_table.py zoo.json            # per case, pooled, per architecture
-    python bench/zoo_table.py zoo.json --failing  # also the failing cases, one line each
+ffdebug selftest --zoo --json > zoo.json
+python bench/zoo_table.py zoo.json            # per case, pooled, per architecture
+python bench/zoo_table.py zoo.json --failing  # also the failing cases, one line each
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def main() -> None:
         print(f"| {name} | {_rate(h, n)} | {no_effect[name]} |")
     for name, (h, n) in groups.items():
         print(f"| **{name}** (pooled) | {_rate(h, n)} | |")
-    print("\n| architecture | class | copy | precision | mutations | failing |\n|---|---|---|---|---|---|")
+    print("\nPer architecture (holds / counted; the failing cases named):\n")
+    print("| architecture | class | copy | precision | mutations | failing |\n|---|---|---|---|---|---|")
     for m in built:
         per = {}
         for c in m["cases"]:
@@ -54,6 +55,11 @@ def main() -> None:
         failing = ", ".join(c["name"] for c in m["cases"] if c["status"] == "fails")
         cells = " | ".join(_rate(*per.get(g, [0, 0])) for g in ("copy", "precision", "mutations"))
         print(f"| {m['spec']} | {m['model_class']} | {cells} | {failing} |")
+    not_built = [m for m in models if not m["built"]]
+    if not_built:
+        print(f"\nNot built ({len(not_built)}), with the reason:\n")
+        for m in not_built:
+            print(f"- `{m['spec']}`: {m['error']}")
     if args.failing:
         print()
         for m in built:
