@@ -140,9 +140,8 @@ def above_rounding(rel: float | None, *dtypes: str | None) -> bool:
     difference after a bit-equal prefix is no evidence of a computation of its own."""
     if rel is None:
         return False
-    eps = precise_eps(*dtypes)
-    low = bool(dtypes) and all(d in LOW_PRECISION for d in dtypes if machine_eps(d) is not None)
-    return rel >= (PRECISION_ULPS if low and eps > FP32_EPS else ROUNDING_ULPS) * eps
+    eps = precise_eps(*dtypes)  # coarser than fp32's only when every known dtype is low-precision
+    return rel >= (PRECISION_ULPS if eps > FP32_EPS else ROUNDING_ULPS) * eps
 
 
 def elem_scale(depth: int | None, *dtypes: str | None) -> float:

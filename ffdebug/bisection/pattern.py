@@ -168,11 +168,6 @@ def layer_precision(layer: int, stages_by_key: dict[str, StageResult]) -> Precis
     return Precision.of(e for e in stages_by_key.values() if e.layer == layer)
 
 
-def rounding_floor(stage: StageResult | None) -> float:
-    """The rounding floor of one stage's dtypes (`Precision.floor`)."""
-    return Precision.of([stage]).floor()
-
-
 def saturated_after(rows: list[LayerRow]) -> int | None:
     """The first layer whose block output has decorrelated from the reference (cos <= 0.5 or
     rel >= 50%)."""

@@ -59,12 +59,18 @@ def _views() -> tuple:
     return (torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten)
 
 
+_CASTS: tuple = ()
+
+
 def _casts() -> tuple:
     """Calls that copy a tensor into another dtype (a router reading the branch input in fp32)."""
-    import torch
+    global _CASTS
+    if not _CASTS:
+        import torch
 
-    T = torch.Tensor
-    return (T.to, T.float, T.double, T.half, T.bfloat16, T.type, T.type_as)
+        T = torch.Tensor
+        _CASTS = (T.to, T.float, T.double, T.half, T.bfloat16, T.type, T.type_as)
+    return _CASTS
 
 
 _SPLITS: tuple = ()

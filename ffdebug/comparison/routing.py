@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ffdebug import verdict as V
 from ffdebug.results import StageResult
@@ -41,14 +40,6 @@ from ffdebug.results import StageResult
 MAX_SCORES = 1024  # a score stage has at most this many values per token (the expert count)
 MAX_FLIPPED = 0.25  # and no more than this share of the tokens flips at it
 HOT = 10.0  # a token row whose error is this many times the median row's carries a flip
-
-
-@dataclass(frozen=True)
-class Flip:
-    """The tokens (rows) that took another expert at one score stage."""
-
-    stage: str
-    tokens: tuple[int, ...]
 
 
 def _rows(shape, n_tokens: int) -> bool:
@@ -90,16 +81,14 @@ def explain(
     records: list[tuple],
     thresholds: tuple[V.Threshold, ...],
     load: Callable,
-) -> list[Flip]:
-    """Apply the rule (module doc) to the stages of every call, in place; the flips found."""
+) -> None:
+    """Apply the rule (module doc) to the stages of every call, in place."""
     calls: dict[tuple, list[int]] = {}
     for i, e in enumerate(stages):
         step = tuple(sorted((str(k), str(v)) for k, v in e.step.items()))
         calls.setdefault((step, e.phase, e.call, e.rank), []).append(i)
-    found: list[Flip] = []
     for idx in calls.values():
-        found.extend(_explain_call([stages[i] for i in idx], [records[i] for i in idx], thresholds, load))
-    return found
+        _explain_call([stages[i] for i in idx], [records[i] for i in idx], thresholds, load)
 
 
 def _hidden_width(stages: list[StageResult]) -> dict[int, tuple[int, int]]:
@@ -141,47 +130,52 @@ def hot_rows(ref, target, n_tokens: int, skip: set[int]) -> set[int]:
     return {i for i in rows if float(err[i]) > HOT * median and float(err[i]) > 0.0}
 
 
-def _explain_call(stages, records, thresholds, load) -> list[Flip]:
+def _explain_call(stages, records, thresholds, load) -> None:
     widths = _hidden_width(stages)
     if not widths:
-        return []
+        return
     n_tokens = next(iter(widths.values()))[0]
     depth_after = max(widths) + 2
     confirmed: set[int] = set()
     pending: dict[int, dict[int, StageResult]] = {}  # layer -> {token row: the score stage it flipped at}
-    flips: list[Flip] = []
     flipped_at: dict[int, tuple[StageResult, set[int]]] = {}  # the score stages tokens flipped at
     for e, pair in zip(stages, records):
         if not _usable(e, pair) or not _rows(e.ref.shape, n_tokens):
             continue
-        if confirmed:
-            _regrade(e, pair, sorted(confirmed), n_tokens, thresholds, load, depth_after)
         candidates = pending.get(e.layer, {}) if e.layer is not None else {}
-        if candidates and not e.ok:
-            hot = hot_rows(load(pair[0]), load(pair[1]), n_tokens, confirmed) & set(candidates)
+        if not (confirmed or candidates or _score_stage(e, widths, n_tokens)):
+            continue
+        r, t = (load(x) for x in pair)  # read once: every measure below is of this pair
+        graded = (
+            _measure(e, r, t, sorted(confirmed), n_tokens, thresholds, depth_after) if confirmed else None
+        )
+        if candidates and (graded[1] if graded is not None else e.severity) is not V.Severity.OK:
+            hot = hot_rows(r, t, n_tokens, confirmed) & set(candidates)
             trial = sorted(confirmed | hot)
-            fits = hot and len(trial) <= MAX_FLIPPED * n_tokens
-            graded = _measure(e, pair, trial, n_tokens, thresholds, load, depth_after) if fits else None
-            if graded is not None and not graded[1].at_least(V.Severity.DIVERGE):
-                confirmed |= hot
-                for at in {id(candidates[i]): candidates[i] for i in hot}.values():
-                    mine = {i for i in hot if candidates[i] is at} | flipped_at.get(id(at), (None, set()))[1]
-                    flipped_at[id(at)] = (at, mine)
-                _regrade(e, pair, sorted(confirmed), n_tokens, thresholds, load, depth_after)
+            if hot and len(trial) <= MAX_FLIPPED * n_tokens:
+                tried = _measure(e, r, t, trial, n_tokens, thresholds, depth_after)
+                if tried is not None and not tried[1].at_least(V.Severity.DIVERGE):
+                    confirmed |= hot
+                    graded = tried
+                    for at in {id(candidates[i]): candidates[i] for i in hot}.values():
+                        mine = {i for i in hot if candidates[i] is at} | flipped_at.get(
+                            id(at), (None, set())
+                        )[1]
+                        flipped_at[id(at)] = (at, mine)
+        if graded is not None:
+            _regrade(e, graded, sorted(confirmed))
         if _score_stage(e, widths, n_tokens):
-            r, t = (load(x).reshape(n_tokens, e.ref.shape[-1]) for x in pair)
-            rows, kept_rel = flipped_rows(r, t, confirmed)
+            scores = e.ref.shape[-1]
+            rows, kept_rel = flipped_rows(r.reshape(n_tokens, scores), t.reshape(n_tokens, scores), confirmed)
             if rows and kept_rel is not None and not V.rel_band(kept_rel).at_least(V.Severity.DIVERGE):
                 pending.setdefault(e.layer, {}).update({i: e for i in rows})
     for at, tokens in flipped_at.values():
-        flips.append(Flip(at.key, tuple(sorted(tokens))))
         rows = ", ".join(map(str, sorted(tokens)))
         at.notes.append(
             f"routing flip: token row(s) {rows} order near-tied scores differently on the two "
             "sides (their gap is within the sides' difference) and carry the error after it: "
             "later stages are measured on the other tokens"
         )
-    return flips
 
 
 def _score_stage(e: StageResult, widths: dict[int, tuple[int, int]], n_tokens: int) -> bool:
@@ -193,14 +187,13 @@ def _score_stage(e: StageResult, widths: dict[int, tuple[int, int]], n_tokens: i
     return 2 <= scores <= MAX_SCORES and 4 * scores <= widths[e.layer][1]
 
 
-def _measure(e: StageResult, pair, flipped: list[int], n_tokens: int, thresholds, load, depth_after: int):
-    """`e`'s metrics over the token rows outside `flipped` and the grade they give (bands and the
-    element-wise rule), or None when there is nothing left to measure."""
+def _measure(e: StageResult, r, t, flipped: list[int], n_tokens: int, thresholds, depth_after: int):
+    """`e`'s metrics (tensors `r`, `t`) over the token rows outside `flipped` and the grade they
+    give (bands and the element-wise rule), or None when there is nothing left to measure."""
     import torch
 
     from ffdebug.comparison.metrics import compare_tensors
 
-    r, t = (load(x) for x in pair)
     if not (r.is_floating_point() and t.is_floating_point()):
         return None
     r2, t2 = r.reshape(n_tokens, -1), t.reshape(n_tokens, -1)
@@ -217,13 +210,8 @@ def _measure(e: StageResult, pair, flipped: list[int], n_tokens: int, thresholds
     return m, V.nonfinite(severity, m.nan_mismatch, m.inf_mismatch)
 
 
-def _regrade(
-    e: StageResult, pair, flipped: list[int], n_tokens: int, thresholds, load, depth_after: int
-) -> None:
-    """Measure `e` on the token rows outside `flipped` and grade it again (module doc)."""
-    graded = _measure(e, pair, flipped, n_tokens, thresholds, load, depth_after)
-    if graded is None:
-        return
+def _regrade(e: StageResult, graded: tuple, flipped: list[int]) -> None:
+    """`e` measured on the token rows outside `flipped` (`_measure`), and graded again (module doc)."""
     m, severity = graded
     if e.flipped_tokens is None:
         whole = f"rel {e.rel:.3g}" + (f", cos {e.cos:.6g}" if e.cos is not None else "")
