@@ -18,7 +18,8 @@ One rollout iteration:
 
 1. ``sample``: P prompts, one Flow-SDE (``noise_level`` > 0) or ODE (0) trajectory each from the
    student, without gradient;
-2. ``gradient_steps_per_iteration`` optimizer steps, each on a minibatch of the shuffled samples: for
+2. ``gradient_steps_per_iteration`` optimizer steps, each on a minibatch of the shuffled samples of
+   every rank (gathered; one shuffle of the global batch, each rank trains its equal share): for
    every trained step j, the student's transition mean μ_S at x_j (with gradient) and the routed
    teacher's μ_T (classifier-free guided when its ``guidance_scale`` > 1) under ``no_grad``;
    L = mean_{i, j} ½·(μ_S − μ_T)²/s_j² (s_j the step's transition std; 1 for the ODE).
@@ -204,16 +205,44 @@ class DiffusionOPDTrainer(BaseTrainer):
         """
         args: DiffusionOPDArguments = self.args  # type: ignore[assignment]
         steps = args.trained_steps()
+        samples = self.gather_samples(samples)
         order = torch.randperm(
             len(samples.prompts), generator=self.generator("shuffle", self.rollout_iteration)
         )
         for minibatch in self.cycle_steps(order.chunk(args.gradient_steps_per_iteration)):
+            minibatch = self.backend.local_part(minibatch)  # this rank's share of the global minibatch
             with ffdebug.step(**self.step_tags("student")), self.optim.phase("student") as phase:
                 for j in range(steps):
                     with ffdebug.step(timestep=j):
                         loss, metrics = self.step_loss(samples, minibatch, j)
                     metrics.pop("loss")
                     phase.backward(loss / steps, metrics)
+
+    def gather_samples(self, samples: OPDSamples) -> OPDSamples:
+        """Every rank's samples in rank order (= global sample order), so that the one shuffle of the
+        iteration makes the same global minibatches whatever the rank layout (as GRPO's).
+
+        Args:
+            samples: this rank's samples.
+
+        Returns:
+            The samples of every rank.
+        """
+        backend = self.backend
+        if backend.world_size == 1:
+            return samples
+        rows, trajectory, condition = backend.gather_rows, samples.trajectory, samples.condition
+        return OPDSamples(
+            backend.gather_objects(samples.prompts),
+            Condition(rows(condition.prompt_embeds), rows(condition.pooled)),
+            Trajectory(
+                rows(trajectory.latents),
+                rows(trajectory.log_probs) if trajectory.log_probs is not None else None,
+                trajectory.sigmas,
+                rows(trajectory.velocities) if trajectory.velocities is not None else None,
+            ),
+            rows(samples.teachers),
+        )
 
     def transition_mean(
         self, samples: OPDSamples, index: torch.Tensor, j: int, v: torch.Tensor

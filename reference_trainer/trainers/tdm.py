@@ -174,17 +174,19 @@ class TDMTrainer(BaseTrainer):
             condition: the prompts' conditions.
 
         Returns:
-            The ``Trajectory`` (latents [P, K + 1, C, H, W], the boundaries).
+            The ``Trajectory`` (latents [P, K + 1, C, H, W], the boundaries, the velocities
+            [P, K, C, H, W]).
         """
         sigmas = self.boundaries()
         generator = self.variants.variant("generator")
-        x, latents = z, [z]
+        x, latents, velocities = z, [z], []
         for k in range(len(sigmas) - 1):
             sigma = torch.full((x.shape[0],), float(sigmas[k]))
             v = self.adapter.forward(x, sigma, condition, module=generator)
             x = x + float(sigmas[k + 1] - sigmas[k]) * v
             latents.append(x)
-        return Trajectory(torch.stack(latents, dim=1), None, sigmas)
+            velocities.append(v.float())
+        return Trajectory(torch.stack(latents, dim=1), None, sigmas, torch.stack(velocities, dim=1))
 
     def draw_stage(self, rollout: TDMRollout, phase: int) -> StageDraw:
         """Stage k, σ_t and n per sample for phase ``phase`` (module docstring, step 2).

@@ -1,10 +1,23 @@
 """TDM-R1: TDM plus a learned surrogate reward (generation + runtime reward, multi-role).
 
 Paper: "TDM-R1: Reinforcing Few-Step Diffusion Models with Non-Differentiable Reward" (arXiv
-2603.07700; no public training code). Transcription source: Flow-Factory's ``tdm-r1``
-(X-GenGroup/Flow-Factory ``src/flow_factory/trainers/distillation/tdm_r1.py``, arguments and default
-optimizers in ``hparams/training_args/tdm_r1.py``). A subclass of ``TDMTrainer``
-(``reference_trainer.trainers.tdm``); losses: ``reference_trainer.losses.tdm_r1``.
+2603.07700). ``train.variant`` selects one of two readings as a whole:
+
+* ``authors`` (default): the authors' training script, Luo-Yihong/TDM-R1 @
+  cc55d8975345e565b09d9c02c2800b69ca26fe90 ``scripts/train_tdmr1_pub.py`` (defaults of its
+  ``config/tdmr1_clean.py``): ``reference_trainer.trainers.tdm_r1_authors``, losses
+  ``reference_trainer.losses.tdm_r1``;
+* ``flow_factory``: Flow-Factory's re-interpretation (X-GenGroup/Flow-Factory
+  ``src/flow_factory/trainers/distillation/tdm_r1.py``, arguments and default optimizers in
+  ``hparams/training_args/tdm_r1.py``), below; losses ``reference_trainer.losses.tdm_r1_flow_factory``.
+  It differs from the authors in the surrogate's input (a forward-noised boundary x_t = (1 − σ)·x_b + σ·ε,
+  σ and ε per sample, v* = ε − x_b), the reference penalty ((d_s − d_ref)² instead of the velocity
+  MSE), the runaway clip (per sample instead of the batch's velocity MSE), the time weight ((b + 1)/K,
+  b uniform), the fake score (TDM's importance- and SNR-weighted x̂_0 loss instead of velocity DSM +
+  0.02·teacher pull), the generator's re-noise range, no ``trunc_steps`` gating, a guided KL teacher
+  and a guidance reward only when ``real_guidance_scale`` > 1.
+
+A subclass of ``TDMTrainer`` (``reference_trainer.trainers.tdm``).
 
 Roles:
     generator       trainable variant (the base): TDM's K-step generator
@@ -15,7 +28,10 @@ Roles:
     slow_surrogate  snapshot of the surrogate, moved after every surrogate step by an EMA with decay
                     min(``surrogate_slow_decay_max``, ``surrogate_slow_decay_min`` + 0.001·step)
 
-One rollout iteration, a three-phase cycle:
+Every random draw is keyed by the rollout iteration, the phase and the global sample or group index
+(never the rank): a run's numbers do not depend on the rank layout.
+
+One rollout iteration under ``flow_factory``, a three-phase cycle:
 
 1. ``sample``: P prompts × K (``group_size``) generator trajectories; the final samples are decoded and
    scored, rewards → group-relative advantages (``feedback``), clipped to ±``advantage_clip_range``;
@@ -32,8 +48,8 @@ One rollout iteration, a three-phase cycle:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Literal
 
 import torch
 
@@ -48,16 +64,41 @@ from reference_trainer.feedback import RewardFeedback
 from reference_trainer.flow_matching import predicted_x0, randn_rows
 from reference_trainer.losses.dgpo import dsm_error
 from reference_trainer.losses.tdm import conditional_renoise
-from reference_trainer.losses.tdm_r1 import generator_reward_loss, surrogate_loss
+from reference_trainer.losses.tdm_r1_flow_factory import generator_reward_loss, surrogate_loss
 from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.tdm import StageDraw, TDMArguments, TDMRollout, TDMTrainer
+from reference_trainer.trainers.tdm_r1_authors import AuthorsPhases
 
 
 @dataclass(frozen=True, kw_only=True)
 class TDMR1Arguments(TDMArguments):
-    """``train:`` section of a TDM-R1 run (TDM's fields, plus the reward and the surrogate's)."""
+    """``train:`` section of a TDM-R1 run (TDM's fields, plus the reward and the surrogate's).
+
+    Fields read by one variant only (``VARIANT_FIELDS``) are refused at another value than their default
+    under the other variant, naming the field."""
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
+    VARIANT_FIELDS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "authors": (
+            "stages_per_iteration",
+            "trunc_steps",
+            "surrogate_sigma_min",
+            "reward_sigma_min",
+            "renoise_shift",
+            "renoise_gap",
+            "surrogate_guidance_scale",
+            "time_weight",
+        ),
+        "flow_factory": (
+            "fake_updates_per_generator_update",
+            "sigma_min",
+            "stage_margin",
+            "snr_cap",
+            "importance_clip",
+        ),
+    }
+    variant: Literal["authors", "flow_factory"] = "authors"
+    """Which reading of TDM-R1 (module docstring): the authors' script, or Flow-Factory's as a whole."""
     prompts_per_iteration: int = 2
     """P: distinct prompts per rollout iteration; B = P·K trajectories."""
     group_size: int = 4
@@ -83,7 +124,26 @@ class TDMR1Arguments(TDMArguments):
     tdm_weight: float = 0.3
     """w: guidance reward w, surrogate reward 1 − w (in (0, 1))."""
     cfg_reward_scale: float = 3.5
-    """c_r of the guidance reward (used when ``real_guidance_scale`` > 1)."""
+    """c_r of the guidance (CFG) reward (``flow_factory``: used when ``real_guidance_scale`` > 1)."""
+    # ------------------------------------------------------------ the authors' variant only
+    stages_per_iteration: int = 2
+    """M: generator stages j trained per rollout iteration, drawn without replacement from 0..K−1, the
+    same on every rank (the authors' ``num_train_timesteps``)."""
+    trunc_steps: int | None = None
+    """Stages j < trunc_steps carry the reward terms, later ones the TDM term only (the authors'
+    ``trunc_steps``); None: every stage."""
+    surrogate_sigma_min: float = 0.3
+    """Lower bound of the surrogate's training time σ_τ (the authors' ``t_min_dgpo_reward`` / 1000)."""
+    reward_sigma_min: float = 0.3
+    """Lower bound of the time σ_τ' the generator queries the surrogate at (``t_min_dgpo`` / 1000)."""
+    renoise_shift: float = 3.0
+    """s of the re-noise times' shift s(u) = s·u/(1 + (s − 1)·u) (``convert(..., s=3)``)."""
+    renoise_gap: float = 0.02
+    """Unshifted gap above the lower bound of every re-noise time (the authors' ``+ 20`` of 1000)."""
+    surrogate_guidance_scale: float = 4.5
+    """CFG scale of the surrogate when the generator queries it (the authors' ``rl_cfg``)."""
+    time_weight: bool = True
+    """Weight the surrogate loss by (j_s + 1)/K (the authors' ``use_tweight``)."""
 
     def rollout_size(self) -> RolloutSize:
         """P·K trajectories of K_steps + 1 boundaries."""
@@ -114,6 +174,44 @@ class TDMR1Arguments(TDMArguments):
         for name in ("surrogate_clip_range", "surrogate_reference_beta", "cfg_reward_scale"):
             require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         require(0.0 < self.tdm_weight < 1.0, "tdm_weight", f"must be in (0, 1), got {self.tdm_weight}")
+        defaults = {f.name: f.default for f in fields(self)}
+        for variant, names in self.VARIANT_FIELDS.items():
+            if variant == self.variant:
+                continue
+            for name in names:
+                require(
+                    getattr(self, name) == defaults[name],
+                    name,
+                    f"is read by variant {variant} only; this run has variant {self.variant} "
+                    f"(leave it at {defaults[name]!r} or set train.variant={variant})",
+                )
+        if self.variant == "authors":
+            k = self.num_generator_steps
+            require(
+                1 <= self.stages_per_iteration <= k,
+                "stages_per_iteration",
+                f"must be in 1..num_generator_steps={k}, got {self.stages_per_iteration}",
+            )
+            if self.trunc_steps is not None:
+                require(
+                    self.stages_per_iteration <= self.trunc_steps <= k,
+                    "trunc_steps",
+                    f"must be in stages_per_iteration..num_generator_steps "
+                    f"({self.stages_per_iteration}..{k}, the authors' assert), got {self.trunc_steps}",
+                )
+            for name in ("surrogate_sigma_min", "reward_sigma_min"):
+                require(
+                    0.0 <= getattr(self, name) < 1.0, name, f"must be in [0, 1), got {getattr(self, name)}"
+                )
+            require(self.renoise_shift > 0, "renoise_shift", f"must be > 0, got {self.renoise_shift}")
+            require(
+                0.0 <= self.renoise_gap < 1.0, "renoise_gap", f"must be in [0, 1), got {self.renoise_gap}"
+            )
+            require(
+                self.surrogate_guidance_scale >= 1.0,
+                "surrogate_guidance_scale",
+                f"must be >= 1, got {self.surrogate_guidance_scale}",
+            )
         require(
             0.0 <= self.surrogate_slow_decay_min <= self.surrogate_slow_decay_max <= 1.0,
             "surrogate_slow_decay_min",
@@ -123,14 +221,16 @@ class TDMR1Arguments(TDMArguments):
 
 @dataclass(frozen=True)
 class TDMR1Rollout(TDMRollout):
-    """A TDM rollout of P·K trajectories with their group ids [B] (dense, local) and advantages [B]."""
+    """A TDM rollout of P·K trajectories with their group index [B] (dense, local), global group ids [B]
+    and advantages [B]."""
 
     group_index: torch.Tensor
+    group_ids: torch.Tensor
     advantages: torch.Tensor
 
 
 @register_trainer("tdm_r1", arguments=TDMR1Arguments)
-class TDMR1Trainer(TDMTrainer):
+class TDMR1Trainer(AuthorsPhases, TDMTrainer):
     """TDM-R1 (module docstring)."""
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
@@ -152,7 +252,10 @@ class TDMR1Trainer(TDMTrainer):
         return {**roles, "surrogate": "surrogate"}
 
     def phase_roles(self) -> list[str]:
-        """F ``fake``, one ``surrogate``, one ``generator`` optimizer step."""
+        """``flow_factory``: F ``fake``, one ``surrogate``, one ``generator`` optimizer step;
+        ``authors``: ``AuthorsPhases.phase_roles``."""
+        if self.args.variant == "authors":
+            return AuthorsPhases.phase_roles(self)
         return ["fake"] * self.args.fake_updates_per_generator_update + ["surrogate", "generator"]
 
     @torch.no_grad()
@@ -176,7 +279,7 @@ class TDMR1Trainer(TDMTrainer):
         )
         advantages = advantages.clamp(-args.advantage_clip_range, args.advantage_clip_range)
         group_index = group_ids - group_ids.min()
-        return TDMR1Rollout(condition, trajectory, group_index, advantages)
+        return TDMR1Rollout(condition, trajectory, group_index, group_ids, advantages)
 
     def optimize(self, rollout: TDMR1Rollout) -> None:  # type: ignore[override]
         """One optimizer step of its role per phase, the slow update after the surrogate's (module doc).
@@ -184,6 +287,9 @@ class TDMR1Trainer(TDMTrainer):
         Args:
             rollout: what ``sample`` returned.
         """
+        if self.args.variant == "authors":
+            self.optimize_authors(rollout)
+            return
         for index, role in self.cycle_steps(list(enumerate(self.phase_roles()))):
             with ffdebug.step(**self.step_tags(role)), self.optim.phase(role) as step:
                 if role == "fake":
@@ -217,9 +323,15 @@ class TDMR1Trainer(TDMTrainer):
         args: TDMR1Arguments = self.args  # type: ignore[assignment]
         latents = rollout.trajectory.latents
         count, steps = latents.shape[0], latents.shape[1] - 1
-        groups = int(rollout.group_index.max()) + 1
-        group_gen = self.generator("tdm_r1", self.rollout_iteration, phase, "boundary", self.backend.rank)
-        boundary = torch.randint(1, steps + 1, (groups,), generator=group_gen)[rollout.group_index]
+        boundary = torch.tensor(  # one boundary per group, keyed by the global group id
+            [
+                int(torch.randint(1, steps + 1, (1,), generator=g))
+                for g in (
+                    self.generator("tdm_r1", self.rollout_iteration, phase, "boundary", int(group))
+                    for group in rollout.group_ids
+                )
+            ]
+        )
         generators = self.sample_generators("tdm_r1", self.rollout_iteration, phase, "noise", count=count)
         sigma = torch.cat([torch.rand(1, generator=g) for g in generators])
         sigma = args.sigma_min + sigma * (1.0 - args.stage_margin - args.sigma_min)

@@ -1,5 +1,6 @@
-"""TDM-R1: the surrogate's clips and loss and the generator's reward terms against hand values and
-Flow-Factory's formulas; the arguments are validated with the field named; on the tiny SD3 model the
+"""TDM-R1: the authors' losses and draws restated from their script's lines (``scripts/train_tdmr1_pub.py``
+of Luo-Yihong/TDM-R1 @ cc55d89; each restatement quotes the lines), Flow-Factory's variant against hand
+values and Flow-Factory's formulas; the arguments are validated with the field named; on the tiny SD3 model the
 trainer learns end to end (the generator's held-out reward rises, a reversed reward lowers it, the paired
 gap to the teacher stays bounded) and the surrogate objective learns the reward's preference on a fixed
 batch (its DSM advantage-weighted gap to the reference turns negative), the teacher and frozen components stay bit-identical, every trainable role changes, the
@@ -27,12 +28,12 @@ from helpers.trainer.trainer_utils import (
 from reference_trainer import evaluation
 from reference_trainer.errors import ConfigError
 from reference_trainer.losses.tdm import revised_x0_loss
-from reference_trainer.losses.tdm_r1 import generator_reward_loss, runaway_clip, surrogate_loss
+from reference_trainer.losses.tdm_r1_flow_factory import generator_reward_loss, runaway_clip, surrogate_loss
 
 CONFIG = "examples/tdm_r1/full/sd3_tiny/default.yaml"
 
 
-def test_runaway_clip_and_surrogate_loss_hand_values():
+def test_flow_factory_runaway_clip_and_surrogate_loss_hand_values():
     """One group of K = 2, Â = (1, −1), d_s = (0.5, 1.5), d_ref = (1, 1), τ = 0.1, β = 1, no trust clip:
     both improved in their advantage's direction with (d_s − d_ref)² = 0.25 > τ → both detached;
     s_G = (1·(−0.5) + (−1)·0.5)/2 = −0.5; L = w·[mean σ(−0.5)·Â·d + β_ref·mean (d_s − d_ref)²]
@@ -56,8 +57,8 @@ def test_runaway_clip_and_surrogate_loss_hand_values():
     torch.testing.assert_close(d.grad, torch.tensor([-0.005, 0.005]))
 
 
-def test_generator_reward_loss_hand_values():
-    """Squared error: x̂_0 = 0, real = 1, fake = 0.5, surrogate = 2 (one element each):
+def test_flow_factory_generator_reward_loss_hand_values():
+    """Flow-Factory's variant. Squared error: x̂_0 = 0, real = 1, fake = 0.5, surrogate = 2 (one element each):
     TDM term (0 − 0.5)²/|0 − 1| = 0.25; surrogate reward (0 − (2 − 1))²/|0 − 2| = 0.5; guidance reward
     with direction 3: 9/1 = 9. w = 0.3: L = 0.25 + 0.3·9 + 0.7·0.5 = 3.3 (0.6 without guidance)."""
     z, real, fake, sur = torch.zeros(1, 1), torch.ones(1, 1), torch.full((1, 1), 0.5), torch.full((1, 1), 2.0)

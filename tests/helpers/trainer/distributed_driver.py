@@ -7,6 +7,9 @@ distributed_driver.py probe OUT
 distributed_driver.py resume OUT TRAINER N M [key=value ...]
     a straight N-step run into OUT/straight, then an M-step run into OUT/cut resumed to N (all with
     backend.kind=ddp); the test compares the two directories.
+distributed_driver.py parity OUT KIND N [key=value ...]
+    every registered trainer in turn, N steps each with its example config and backend.kind=KIND, each
+    rank on its share of the one-process global batch (``trainer_utils.rank_split``), into OUT/<trainer>.
 distributed_driver.py straight OUT TRAINER N [key=value ...]
     one N-step run into OUT/straight (backend.kind=ddp), e.g. for a one-rank comparison.
 """
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.trainer.trainer_utils import example, load
+from helpers.trainer.trainer_utils import example, load, rank_split
 
 
 def probe(out: Path) -> None:
@@ -99,11 +102,23 @@ def resume(out: Path, trainer: str, n: int, m: int, overrides: list[str]) -> Non
     train(load(*config, max_steps=n), out / "cut", resume="latest")
 
 
+def parity(out: Path, kind: str, n: int, overrides: list[str]) -> None:
+    from reference_trainer.registry import load_builtins, trainer_names
+    from reference_trainer.run import train
+
+    load_builtins()
+    for name in trainer_names():
+        config = (example(name), f"backend.kind={kind}", *overrides)
+        train(load(*config, *rank_split(example(name), 2, *overrides), max_steps=n), out / name)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     mode, out = sys.argv[1], Path(sys.argv[2])
     if mode == "probe":
         probe(out)
+    elif mode == "parity":
+        parity(out, sys.argv[3], int(sys.argv[4]), sys.argv[5:])
     elif mode == "straight":
         from reference_trainer.run import train
 

@@ -160,6 +160,23 @@ def assert_rollout_velocities_replay(trainer: Any) -> None:
             assert torch.equal(old.log_prob, samples.trajectory.log_probs[:, j]), f"step {j}"
 
 
+def rank_split(config_path: Path, world_size: int, *overrides: str) -> list[str]:
+    """The overrides that give each of ``world_size`` ranks its equal share of the global batch that
+    one process runs with ``config_path`` (and ``overrides``): the first factor of the trainer's rollout
+    size (prompts per iteration, per rank) or, for dataset trainers, ``data.batch_size``, divided by
+    ``world_size``. Read from the config, so a newly registered trainer is covered without a table.
+
+    Raises:
+        ValueError: the per-rank size does not divide by ``world_size``.
+    """
+    config = load(config_path, *overrides)
+    size = config.train.rollout_size()
+    field, value = size.factors[0] if size is not None else ("data.batch_size", config.data.batch_size)
+    if value % world_size:
+        raise ValueError(f"{config_path}: {field} = {value} does not split over {world_size} ranks")
+    return [f"{field}={value // world_size}"]
+
+
 RANK_LAYOUT_ABS = 1e-7
 RANK_LAYOUT_REL = 1e-5
 
