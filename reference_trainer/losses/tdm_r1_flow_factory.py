@@ -1,7 +1,9 @@
-"""TDM-R1 losses: the surrogate reward model's clipped group preference, and the generator's reward terms.
+"""TDM-R1 losses as Flow-Factory reads them (``train.variant: flow_factory``): the surrogate reward
+model's clipped group preference, and the generator's reward terms.
 
 Paper: "TDM-R1: Reinforcing Few-Step Diffusion Models with Non-Differentiable Reward" (arXiv
-2603.07700; the authors published no training code). Transcribed from Flow-Factory's ``tdm-r1``
+2603.07700). The authors' own algorithm (their ``scripts/train_tdmr1_pub.py``) is
+``reference_trainer.losses.tdm_r1``, the default; this module is Flow-Factory's re-interpretation
 (X-GenGroup/Flow-Factory @ 15932582d7f0eec90c77406b9dda5cd4da7fd9b5,
 ``src/flow_factory/trainers/distillation/tdm_r1.py``: ``_surrogate_boundary_loss``,
 ``_clip_outside_trust_region``, ``_clip_runaway_surrogate``, ``_time_weight``,

@@ -31,6 +31,7 @@ from reference_trainer.losses.tdm import revised_x0_loss
 from reference_trainer.losses.tdm_r1_flow_factory import generator_reward_loss, runaway_clip, surrogate_loss
 
 CONFIG = "examples/tdm_r1/full/sd3_tiny/default.yaml"
+FLOW_FACTORY = "examples/tdm_r1/full/sd3_tiny/flow_factory.yaml"
 
 
 def test_flow_factory_runaway_clip_and_surrogate_loss_hand_values():
@@ -140,7 +141,7 @@ def test_tdm_r1_arguments_are_validated_with_the_field_named():
 @pytest.mark.numeric
 @pytest.mark.integration
 def test_tdm_r1_surrogate_learns_the_preference_and_every_role_moves(tmp_path, capsys):
-    """18 steps = 6 cycles of (fake, surrogate, generator): teacher and frozen components bit-identical;
+    """18 steps = 6 cycles of (generator, fake, surrogate): teacher and frozen components bit-identical;
     every parameter of the three trainable roles changed; the slow surrogate moved; the golden's first
     steps. Then the surrogate objective itself, from the teacher's weights on a fixed batch, learns the
     reward's preference (the advantage-weighted DSM gap to the reference falls from 0 below 0)."""
@@ -150,7 +151,7 @@ def test_tdm_r1_surrogate_learns_the_preference_and_every_role_moves(tmp_path, c
     initial = variant_state(trainer)
     trainer.start()
     records = metrics(tmp_path)
-    assert [r["role"] for r in records] == ["fake", "surrogate", "generator"] * 6
+    assert [r["role"] for r in records] == ["generator", "fake", "surrogate"] * 6
     after = {k: v for k, v in frozen_state(trainer).items() if "slow_surrogate" not in k}
     assert_bit_identical(frozen, after)
     for role in ("generator", "fake", "surrogate"):
@@ -165,17 +166,21 @@ def test_tdm_r1_surrogate_learns_the_preference_and_every_role_moves(tmp_path, c
     # prefer that rollout's high-advantage samples (mean Â·(d_s − d_ref) from 0 to < 0)
     trainer.rollout_iteration += 1
     rollout = trainer.sample()
+    draws = trainer.shared_draws()
+    j = draws.stages[0]
     surrogate = trainer.variants.variant("surrogate")
     with torch.no_grad():
         for key, p in surrogate.named_parameters():
             p.copy_(trainer.variants.snapshot("teacher")[key])
+        for key, t in trainer.variants.snapshot("slow_surrogate").items():
+            t.copy_(trainer.variants.snapshot("teacher")[key])
     optimizer = torch.optim.Adam(surrogate.parameters(), lr=1e-3)
-    start = trainer.surrogate_phase_loss(rollout, 1)[1]["preference_gap"]
+    start = trainer.authors_surrogate_loss(rollout, draws, j)[1]["preference_gap"]
     for _ in range(8):
         optimizer.zero_grad()
-        trainer.surrogate_phase_loss(rollout, 1)[0].backward()
+        trainer.authors_surrogate_loss(rollout, draws, j)[0].backward()
         optimizer.step()
-    end = trainer.surrogate_phase_loss(rollout, 1)[1]["preference_gap"]
+    end = trainer.authors_surrogate_loss(rollout, draws, j)[1]["preference_gap"]
     with capsys.disabled():
         print(f"\nTDM-R1 surrogate mean Â·(d_s − d_ref) on a fixed batch: {start:.6f} -> {end:.6f}")
     assert start == 0.0 and end < 0
@@ -261,12 +266,13 @@ def test_two_identical_dumped_runs_compare_ok_with_every_stage_tapped(tmp_path):
         "rollout.latents",
         "reward",
         "advantage",
+        "train.stages",
         "train.x0",
         "train.x_t",
-        "train.importance",
+        "train.fake_velocity",
         "train.surrogate_x_t",
-        "train.surrogate_dsm",
-        "train.reference_dsm",
+        "train.surrogate_velocity",
+        "train.reference_velocity",
         "train.x0_real",
         "train.x0_fake",
         "train.x0_surrogate",
@@ -276,3 +282,16 @@ def test_two_identical_dumped_runs_compare_ok_with_every_stage_tapped(tmp_path):
         "grad_norm.surrogate",
     }
     assert expected <= keys, sorted(expected - keys)
+
+
+@pytest.mark.integration
+def test_flow_factory_variant_runs_its_phases_and_dumps_its_stages(tmp_path):
+    from helpers.trainer.dump_utils import dumped_runs_compare
+
+    result = dumped_runs_compare(tmp_path, REPO / FLOW_FACTORY, "eval.every=0", max_steps=3)
+    keys = {stage["key"] for stage in result["stages"]}
+    assert result["verdict"] == "ok" and result["first_divergence"] is None
+    expected = {"train.importance", "train.surrogate_dsm", "train.reference_dsm", "train.x0_surrogate"}
+    assert expected <= keys, sorted(expected - keys)
+    roles = [r["role"] for r in metrics(tmp_path / "run_ref")]
+    assert roles == ["fake", "surrogate", "generator"]

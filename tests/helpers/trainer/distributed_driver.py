@@ -9,7 +9,9 @@ distributed_driver.py resume OUT TRAINER N M [key=value ...]
     backend.kind=ddp); the test compares the two directories.
 distributed_driver.py parity OUT KIND N [key=value ...]
     every registered trainer in turn, N steps each with its example config and backend.kind=KIND, each
-    rank on its share of the one-process global batch (``trainer_utils.rank_split``), into OUT/<trainer>.
+    rank on its share of the one-process global batch (``trainer_utils.rank_split``), once per mode of
+    ``trainer_utils.PARITY_MODES`` (the example learning rates; every learning rate at 1e-12), into
+    OUT/<mode>/<trainer>.
 distributed_driver.py straight OUT TRAINER N [key=value ...]
     one N-step run into OUT/straight (backend.kind=ddp), e.g. for a one-rank comparison.
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.trainer.trainer_utils import example, load, rank_split
+from helpers.trainer.trainer_utils import PARITY_MODES, example, load, rank_split, still_overrides
 
 
 def probe(out: Path) -> None:
@@ -108,8 +110,10 @@ def parity(out: Path, kind: str, n: int, overrides: list[str]) -> None:
 
     load_builtins()
     for name in trainer_names():
-        config = (example(name), f"backend.kind={kind}", *overrides)
-        train(load(*config, *rank_split(example(name), 2, *overrides), max_steps=n), out / name)
+        for mode in PARITY_MODES:
+            extra = [*overrides, *still_overrides(example(name), mode)]
+            config = (example(name), f"backend.kind={kind}", *extra, *rank_split(example(name), 2, *extra))
+            train(load(*config, max_steps=n), out / mode / name)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,18 @@ def rank_split(config_path: Path, world_size: int, *overrides: str) -> list[str]
     return [f"{field}={value // world_size}"]
 
 
+PARITY_MODES = ("trained", "still")
+"""The rank-parity runs: with the example learning rates, and with every learning rate at 1e-12."""
+
+
+def still_overrides(config_path: Path, mode: str) -> list[str]:
+    """``mode`` "still": every optimizer's ``lr`` at 1e-12 (the weights do not move, every step reads the
+    initial weights); "trained": none."""
+    if mode == "trained":
+        return []
+    return [f"optimizers.{i}.lr=1e-12" for i in range(len(load(config_path).optimizers))]
+
+
 RANK_LAYOUT_ABS = 1e-7
 RANK_LAYOUT_REL = 1e-5
 
