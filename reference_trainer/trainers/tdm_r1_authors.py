@@ -37,12 +37,17 @@ batch, which equals the authors' on one GPU and keeps results independent of the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 import ffdebug
 from reference_trainer.adapters.base import Condition
 from reference_trainer.flow_matching import predicted_x0
+
+if TYPE_CHECKING:  # the rollout type lives with the trainer that mixes these phases in
+    from reference_trainer.trainers.tdm_r1 import TDMR1Rollout
+
 from reference_trainer.losses.tdm_r1 import (
     fake_score_loss,
     forward_renoise,
@@ -96,7 +101,7 @@ class AuthorsPhases:
             tuple(stages), tuple(surrogate_stage), tuple(u_fake), tuple(u_reward), tuple(u_surrogate)
         )
 
-    def optimize_authors(self, rollout) -> None:
+    def optimize_authors(self, rollout: TDMR1Rollout) -> None:
         """The three phases, each the mean of its M stage losses (module docstring).
 
         Args:
@@ -131,7 +136,7 @@ class AuthorsPhases:
                 self.variants.update_snapshot("slow_surrogate", "surrogate", decay)
 
     # ------------------------------------------------------------------ draws per sample / group
-    def _sample_noise(self, rollout, purpose: str, j: int) -> torch.Tensor:
+    def _sample_noise(self, rollout: TDMR1Rollout, purpose: str, j: int) -> torch.Tensor:
         """Fresh ε per sample (keyed by the global sample index), [B, C, H, W]."""
         latents = rollout.trajectory.latents
         generators = self.sample_generators(
@@ -139,7 +144,7 @@ class AuthorsPhases:
         )
         return torch.stack([torch.randn(latents.shape[2:], generator=g) for g in generators])
 
-    def _group_noise(self, rollout, purpose: str, j: int) -> torch.Tensor:
+    def _group_noise(self, rollout: TDMR1Rollout, purpose: str, j: int) -> torch.Tensor:
         """ε shared by a group's samples (keyed by the global group id), [B, C, H, W]."""
         shape = rollout.trajectory.latents.shape[2:]
         noise = {}
@@ -149,7 +154,7 @@ class AuthorsPhases:
                 noise[group] = torch.randn(shape, generator=g)
         return torch.stack([noise[group] for group in rollout.group_ids.tolist()])
 
-    def _stage(self, rollout, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _stage(self, rollout: TDMR1Rollout, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x_j [B, C, H, W], σ_j [B], σ_{j+1} [B]) of the rollout's stage j."""
         latents, sigmas = rollout.trajectory.latents, rollout.trajectory.sigmas
         count = latents.shape[0]
@@ -167,7 +172,9 @@ class AuthorsPhases:
         return v_cond, v_uncond
 
     # ------------------------------------------------------------------ the three losses
-    def authors_fake_loss(self, rollout, draws: SharedDraws, j: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def authors_fake_loss(
+        self, rollout: TDMR1Rollout, draws: SharedDraws, j: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """L_F at stage j (``reference_trainer.losses.tdm_r1``), from the rollout's velocity at x_j."""
         x_j, sigma_j, sigma_next = self._stage(rollout, j)
         v = rollout.trajectory.velocities[:, j]
@@ -189,7 +196,7 @@ class AuthorsPhases:
         return fake_score_loss(v_fake, target, v_real)
 
     def authors_surrogate_loss(
-        self, rollout, draws: SharedDraws, j: int
+        self, rollout: TDMR1Rollout, draws: SharedDraws, j: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L_S for stage index j: the rollout's x_{j_s + 1} re-noised with the group's shared ε."""
         args = self.args
@@ -231,7 +238,7 @@ class AuthorsPhases:
         )
 
     def authors_generator_loss(
-        self, rollout, draws: SharedDraws, j: int
+        self, rollout: TDMR1Rollout, draws: SharedDraws, j: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L_G at stage j: x̂_0 with gradient; teacher, fake score and surrogate under ``no_grad``."""
         args = self.args

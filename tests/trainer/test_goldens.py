@@ -1,8 +1,9 @@
-"""Goldens of every registered trainer: the first 3 optimizer steps' ``loss`` and ``grad_norm.<role>``.
+"""Goldens of every registered trainer: the first 3 optimizer steps' ``loss`` and ``grad_norm.<role>``
+(more where ``golden_utils.GOLDEN_STEPS`` says why).
 
 The parametrisation is the registry (``registry.trainer_names()``): each trainer runs its example config
 ``examples/<trainer>/full/sd3_tiny/default.yaml`` with the overrides of ``golden_utils.GOLDEN_OVERRIDES``
-(none for a trainer not listed) for 3 steps at one thread, and ``golden_utils.check_golden`` compares
+(none for a trainer not listed) for 3 steps (``golden_steps``) at one thread, and ``golden_utils.check_golden`` compares
 the values with ``tests/trainer/goldens/<trainer>.json``, each within the tolerance its file records (10x
 the spread measured across CPU dispatch levels, at least 8 float32 ulp), skipping with a message on
 another torch version. A new trainer without a recorded golden fails with "no golden <trainer>.json;
@@ -19,7 +20,7 @@ from __future__ import annotations
 import pytest
 import yaml
 from helpers import REPO
-from helpers.trainer.golden_utils import GOLDEN_OVERRIDES, STEPS, check_golden
+from helpers.trainer.golden_utils import GOLDEN_OVERRIDES, check_golden, golden_steps
 from helpers.trainer.trainer_utils import load, metrics
 
 from reference_trainer.registry import trainer_names
@@ -36,7 +37,7 @@ def _run(name, tmp_path, *extra):
     config = f"examples/{name}/full/sd3_tiny/default.yaml"
     assert (REPO / config).is_file(), f"registered trainer {name!r} has no example config {config}"
     overrides = GOLDEN_OVERRIDES.get(name, [])
-    train(load(REPO / config, *overrides, *extra, max_steps=STEPS), tmp_path)
+    train(load(REPO / config, *overrides, *extra, max_steps=golden_steps(name)), tmp_path)
     return config, overrides
 
 

@@ -177,6 +177,19 @@ def rank_split(config_path: Path, world_size: int, *overrides: str) -> list[str]
     return [f"{field}={value // world_size}"]
 
 
+def parity_cases() -> dict[str, Path]:
+    """Every example config of every registered trainer on the tiny SD3 fixtures, by case name:
+    ``<trainer>`` for ``default.yaml``, ``<trainer>-<variant>`` for ``<variant>.yaml``."""
+    from reference_trainer.registry import load_builtins, trainer_names
+
+    load_builtins()
+    cases = {}
+    for name in trainer_names():
+        for path in sorted(example(name).parent.glob("*.yaml")):
+            cases[name if path.stem == "default" else f"{name}-{path.stem}"] = path
+    return cases
+
+
 PARITY_MODES = ("trained", "still")
 """The rank-parity runs: with the example learning rates, and with every learning rate at 1e-12."""
 
