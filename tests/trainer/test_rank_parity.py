@@ -90,8 +90,6 @@ def one_rank(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("mode", PARITY_MODES)
-@pytest.mark.parametrize("name", sorted(CASES))
 def _refused(two_ranks, name: str) -> None:
     """A case this backend refuses by a documented plan rule (only DeepSpeed has such for an example:
     Muon) is skipped naming the rule; under DDP and FSDP2 a refusal fails."""
@@ -102,6 +100,8 @@ def _refused(two_ranks, name: str) -> None:
         pytest.skip(f"DeepSpeed refuses {name}: {message}")
 
 
+@pytest.mark.parametrize("mode", PARITY_MODES)
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_two_ranks_log_the_numbers_of_one(two_ranks, one_rank, name, mode):
     _refused(two_ranks, name)
     single, double = one_rank(name, mode), metrics(two_ranks / mode / name)
