@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=er
 .venv/bin/ruff format --check .
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc counts OMP_NUM_THREADS otherwise
 workers=${FFDEBUG_TEST_WORKERS:-$((2 * cores))}
-pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup)  # xdist_group: one worker per group
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers")
 check() {  # pytest's exit code; collecting no test is a failure too
   local rc=0
   "$@" || rc=$?

@@ -60,6 +60,15 @@ def awm_log_prob(
     return log_prob
 
 
+def elbo_kl_weight(sigma: torch.Tensor) -> torch.Tensor:
+    """1/(2·s²), s = √(σ/(1 − min(σ, 0.99)))·0.7: the original's ``ELBO`` KL weight per row (scxue/
+    advantage_weighted_matching @ be513723 ``train_sd3_awm.py``: ``std_dev_t = torch.sqrt(sigma / (1 -
+    torch.clamp(sigma, 0, 0.99)))*0.7``, ``kl_loss = ((model_output - model_output_ref) ** 2).mean(...) /
+    (2 * std_dev_t ** 2)``). σ: [R]; returns [R]."""
+    std = (sigma / (1.0 - sigma.clamp(0.0, 0.99))).sqrt() * 0.7
+    return 1.0 / (2.0 * std**2)
+
+
 def awm_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -73,8 +82,10 @@ def awm_loss(
     ref_velocity: torch.Tensor | None = None,
     ema_kl_beta: float = 0.0,
     ema_velocity: torch.Tensor | None = None,
+    kl_row_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """L of the module docstring. log_prob, old_log_prob: [S, B]; advantages: [B]; velocities [S, B, ...].
+    """L of the module docstring. log_prob, old_log_prob: [S, B]; advantages: [B]; velocities [S, B, ...]
+    (rows term-major, [S·B, ...]); ``kl_row_weight``: a weight per row of the KL terms, [S·B] (None: 1).
 
     Returns the loss and metrics ``policy_loss``, ``ratio_mean``, ``clip_frac``, ``kl`` / ``ema_kl``
     (with their β > 0), ``loss``.
@@ -106,7 +117,8 @@ def awm_loss(
         if beta > 0:
             if velocity is None or other is None:
                 raise ValueError(f"{name} with beta > 0 needs velocity and its partner velocity")
-            kl = ((velocity.double() - other.detach().double()) ** 2).mean()
+            rows = ((velocity.double() - other.detach().double()) ** 2).reshape(len(velocity), -1).mean(dim=1)
+            kl = rows.mean() if kl_row_weight is None else (kl_row_weight.double() * rows).mean()
             loss = loss + beta * kl
             metrics[name] = kl.item()
     metrics["loss"] = loss.item()

@@ -13,16 +13,20 @@ For samples i of the (global) minibatch at one σ, v* = ε − x_0:
     w_θ, w_old = max(mean_d |v − v*|, 1e-5)  (fp64, no gradient; 1 without ``adaptive_logp``)
     r_θ,i  = −mean_d[(v_θ − v*)²/w_θ − (v_old − v*)²/w_old]       (implicit reward vs the old snapshot)
     a_i    = clip(clip(A_i, ±A_max)/A_max/2 + ½, 0, 1)              (normalised advantage in [0, 1])
-    p      = uniform (τ < 0) | softmax over the a > 0 samples (τ = 0) | softmax(a/τ) (τ > 0)
-    R^c    = a − Σ p·a,   R^c_θ = r_θ − stopgrad(Σ p·r_θ)
+    p      = uniform (τ < 0) | softmax over the a > ½ samples (τ = 0) | softmax(a/τ) (τ > 0), within
+             the sample's prompt group G(i)
+    R^c    = a − Σ_{G(i)} p·a,   R^c_θ = r_θ − stopgrad(Σ_{G(i)} p·r_θ)
     ℓ      = mean (β·R^c_θ − R^c)²   or   BCE-with-logits(β·R^c_θ, σ(R^c))
-    τ ≥ 0: ℓ = ½ ℓ(p) + ½ ℓ(p⁻), p⁻ the same with −a (τ > 0) or the a < 0 samples (τ = 0)
+    τ ≥ 0: ℓ = ½ ℓ(p) + ½ ℓ(p⁻), p⁻ the same with −a (τ > 0) or the a < ½ samples (τ = 0)
     L      = ℓ·A_max/max(β, 1e-8) + KL
     KL     = β_KL·mean kl_i,  or reward-adaptive β_KL·mean((c + a_i(1 − c))·kl_i), c = 1e-4/max(β_KL, 1e-8)
     kl_i   = mean_d (v_θ − v_ref)²   (v_ref: the frozen reference, classifier-free guided at ``kl_cfg``)
 
-The sums over the minibatch use every rank's a and r_θ (gathered, detached); the loss is the mean over
-this rank's samples. Verified against Flow-Factory line by line (the transcription test): the fp64 weights
+The sums over a group use every rank's a and r_θ (gathered, detached); the loss is the mean over this
+rank's samples. Two departures from Flow-Factory, both for the paper's within-prompt premise: its code
+centres over the whole gathered minibatch, which holds several prompt groups whenever there are two
+ranks or one minibatch per iteration; and its τ = 0 pools test a > 0 / a < 0 on a ∈ [0, 1], so that the
+negative pool is always empty; here they split at a = ½ (A = 0). Verified against Flow-Factory line by line (the transcription test): the fp64 weights
 (the r_θ is fp64 through the promotion), the uniform softmax at τ = ∞, the empty-pool fallback to uniform
 at τ = 0, the ½/½ dual-direction average, and KL always added (0 when β_KL = 0).
 """
@@ -77,9 +81,24 @@ def normalised_advantage(advantages: torch.Tensor, adv_clip_max: float) -> torch
 
 
 def _pool(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(a) over the masked samples, or uniform when the mask is empty (Flow-Factory's fallback)."""
     if mask.sum() == 0:
         return torch.ones_like(adv) / adv.shape[0]
     return torch.softmax(adv.where(mask, torch.tensor(float("-inf"), dtype=adv.dtype)), dim=0)
+
+
+def group_weights(a: torch.Tensor, weight_temp: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(p, p⁻) of one prompt group's normalised advantages a [K] (module docstring); p⁻ None for τ < 0.
+
+    τ = 0 splits at a = ½, the sign of the advantage A (Flow-Factory's docs: "positive pool (adv > 0) vs
+    negative pool (adv < 0)"; its code tests a > 0 / a < 0 on a ∈ [0, 1], which leaves the negative pool
+    always empty: that is not kept).
+    """
+    if weight_temp < 0:
+        return torch.ones_like(a) / a.shape[0], None  # softmax(a/∞)
+    if weight_temp == 0:
+        return _pool(a, a > 0.5), _pool(a, a < 0.5)
+    return torch.softmax(a / weight_temp, dim=0), torch.softmax(-a / weight_temp, dim=0)
 
 
 def _matching(r_local, r_avg, a_local, a_avg, beta: float, loss_type: str) -> torch.Tensor:
@@ -102,8 +121,14 @@ def crd_loss(
     adv_clip_max: float,
     weight_temp: float = -1.0,
     loss_type: str = "mse",
+    groups_local: torch.Tensor | None = None,
+    groups_all: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(L_policy, ℓ): ℓ of the module docstring and L_policy = ℓ·A_max/max(β, 1e-8).
+
+    The averages Σ p·a and Σ p·r_θ are taken within each sample's prompt group (the paper's centring;
+    the samples of a group must all be in ``*_all``); without group ids, over all the samples as one
+    group (Flow-Factory's centring over the gathered minibatch).
 
     Args:
         r_local: r_θ of this rank's samples, [b] (with gradient).
@@ -112,28 +137,38 @@ def crd_loss(
         a_all: a of every rank's samples, [N].
         beta: β (``crd_beta``).
         adv_clip_max: A_max.
-        weight_temp: τ (< 0 uniform, 0 hard pools, > 0 softmax temperature).
+        weight_temp: τ (< 0 uniform, 0 hard pools split at a = ½, > 0 softmax temperature).
         loss_type: "mse" or "bce".
+        groups_local: the prompt group of each of this rank's samples, [b].
+        groups_all: the prompt group of every rank's samples, [N].
     """
     if loss_type not in ("mse", "bce"):
         raise ValueError(f"loss_type must be 'mse' or 'bce', got {loss_type!r}")
+    if (groups_local is None) != (groups_all is None):
+        raise ValueError("groups_local and groups_all go together")
+    if groups_all is None:
+        groups_all = torch.zeros(len(a_all), dtype=torch.long)
+        groups_local = torch.zeros(len(a_local), dtype=torch.long)
     r_all = r_all.detach()
-    if weight_temp < 0:
-        p = torch.ones_like(a_all) / a_all.shape[0]  # softmax(a/∞)
-        ori = _matching(r_local, (r_all * p).sum(0, keepdim=True), a_local, (a_all * p).sum(0, keepdim=True),
-                        beta, loss_type)  # fmt: skip
-    else:
-        if weight_temp == 0:
-            p, p_minus = _pool(a_all, a_all > 0.0), _pool(a_all, a_all < 0.0)
-        else:
-            p, p_minus = torch.softmax(a_all / weight_temp, dim=0), torch.softmax(-a_all / weight_temp, dim=0)
-        plus = _matching(r_local, (r_all * p).sum(0, keepdim=True), a_local, (a_all * p).sum(0, keepdim=True),
-                         beta, loss_type)  # fmt: skip
-        minus = _matching(
-            r_local, (r_all * p_minus).sum(0, keepdim=True), a_local, (a_all * p_minus).sum(0, keepdim=True),
-            beta, loss_type,
-        )  # fmt: skip
-        ori = 0.5 * plus + 0.5 * minus
+    a_avg, r_avg = {}, {}  # per group: (plus, minus) averages
+    for group in groups_all.unique().tolist():
+        rows = groups_all == group
+        p, p_minus = group_weights(a_all[rows], weight_temp)
+        pools = (p,) if p_minus is None else (p, p_minus)
+        a_avg[group] = [(a_all[rows] * q).sum() for q in pools]
+        r_avg[group] = [(r_all[rows] * q).sum() for q in pools]
+    missing = set(groups_local.tolist()) - set(a_avg)
+    if missing:
+        raise ValueError(
+            f"groups {sorted(missing)} of this rank's samples are not among every rank's samples"
+        )
+    pools = len(next(iter(a_avg.values())))
+    parts = []
+    for k in range(pools):
+        a_mean = torch.stack([a_avg[g][k] for g in groups_local.tolist()])
+        r_mean = torch.stack([r_avg[g][k] for g in groups_local.tolist()])
+        parts.append(_matching(r_local, r_mean, a_local, a_mean, beta, loss_type))
+    ori = parts[0] if pools == 1 else 0.5 * parts[0] + 0.5 * parts[1]
     return (ori * adv_clip_max / max(beta, 1e-8)).mean(), ori
 
 

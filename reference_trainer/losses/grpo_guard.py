@@ -126,11 +126,14 @@ def grpo_guard_loss(
     mean: torch.Tensor | None = None,
     ref_mean: torch.Tensor | None = None,
     kl_std: torch.Tensor | None = None,
+    step_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """L = mean max(−Â·r̃, −Â·clip(r̃, 1 ± ε)) + β·KL, r̃ = exp(``log_ratio``) (``normalised_log_ratio``).
+    """L = w·mean max(−Â·r̃, −Â·clip(r̃, 1 ± ε)) + β·KL, r̃ = exp(``log_ratio``) (``normalised_log_ratio``).
 
     log_ratio, advantages: [B]. With ``kl_beta > 0``, ``mean``, ``ref_mean`` and ``kl_std`` are
-    required (GRPO's KL, ``losses.grpo.sde_kl``). Metrics as ``losses.grpo.ppo_clip_loss`` (on r̃).
+    required (GRPO's KL, ``losses.grpo.sde_kl``). Metrics as ``losses.grpo.ppo_clip_loss`` (on r̃, before
+    w). w is the paper's gradient reweighting 1/|Δt_j| of the step (the official script,
+    ``policy_loss = policy_loss / (sqrt_dt.mean()**2)``), 1 for Flow-Factory's form.
 
     Args:
         log_ratio: log r̃ per sample, [B].
@@ -141,19 +144,21 @@ def grpo_guard_loss(
         mean: the policy's transition mean, [B, ...].
         ref_mean: the reference's transition mean, [B, ...].
         kl_std: the KL's std, broadcastable to ``mean``.
+        step_weight: w, the policy term's weight.
 
     Returns:
         The scalar loss and its metrics.
     """
     # GRPO's clip applied to log r̃: ppo_clip_loss forms exp(log_prob − old_log_prob) = exp(log r̃ − 0)
-    return grpo_losses.grpo_loss(
-        log_ratio,
-        torch.zeros_like(log_ratio),
-        advantages,
-        clip_range=clip_range,
-        adv_clip_max=adv_clip_max,
-        kl_beta=kl_beta,
-        mean=mean,
-        ref_mean=ref_mean,
-        kl_std=kl_std,
+    policy, metrics = grpo_losses.grpo_loss(
+        log_ratio, torch.zeros_like(log_ratio), advantages, clip_range=clip_range, adv_clip_max=adv_clip_max
     )
+    loss = step_weight * policy
+    if kl_beta > 0:
+        if mean is None or ref_mean is None or kl_std is None:
+            raise ValueError("kl_beta > 0 needs mean, ref_mean and kl_std")
+        kl = grpo_losses.sde_kl(mean, ref_mean, kl_std)
+        loss = loss + kl_beta * kl
+        metrics["kl"] = kl.item()
+    metrics["loss"] = loss.item()
+    return loss, metrics

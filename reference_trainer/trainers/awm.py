@@ -12,8 +12,9 @@ step, all trained σ_j in one forward (as the canonical script batches its ``tra
 its own ε: ℓ_θ [S, b] (with gradient), ℓ_old [S, b] from the sampling policy at the same (σ, ε) (no
 grad), then ``losses.awm.awm_loss``. The sampling policy is the ``old`` snapshot, a copy of the policy
 taken when the iteration rolls out (the canonical on-policy script takes ℓ_old from the policy before its
-first update), or ``ema`` with ``off_policy``. After every optimizer step ``ema`` ← d·ema + (1 − d)·θ
-(constant ``ema_decay``).
+first update), or ``ema`` with ``off_policy``. Once per rollout iteration (the original: per epoch)
+``ema`` ← d·ema + (1 − d)·θ, d = min(0.3, 0.001·step). The trained σ: ``timestep_sampling``
+(``reference_trainer.timesteps``; the original's stratified ``discrete`` draw by default).
 
 Roles: ``policy`` (trainable); snapshots ``old`` (on-policy), ``ema`` (with ``off_policy`` or
 ``ema_kl_beta > 0``), ``reference`` (frozen initial policy, ``kl_beta > 0``). Taps: ``rollout.latents``,
@@ -46,6 +47,14 @@ class AWMArguments(DecoupledArguments):
     """
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
+    TIMESTEP_SAMPLINGS: ClassVar[tuple[str, ...]] = ("discrete", "discrete_wo_init", "logit_normal", "fixed")
+    timestep_sampling: Literal["discrete", "discrete_wo_init", "logit_normal", "fixed"] = "discrete"
+    """The original's ``time_type``: ``discrete`` one index drawn in each of S strata of 0 .. int(T·f) − 1,
+    ``discrete_wo_init`` the same from index 1, ``logit_normal`` S stratified logit-normal times shifted by
+    ``time_shift``; each shared by the minibatch. ``fixed``: j < int(T·f)."""
+    num_train_timesteps: int | None = 2
+    """S, the strata (the original's ``train.train_timesteps``: 6 of int(14·0.9) = 12; here 2 of the
+    default 4 steps)."""
     clip_range: float = 1e-4
     """ε of the PPO clip on the ratio (canonical ``train.clip_range`` 1e-4)."""
     weighting: Literal["uniform", "t", "t**2", "huber", "ghuber"] = "uniform"
@@ -56,8 +65,19 @@ class AWMArguments(DecoupledArguments):
     """Average ℓ over the trained σ before (``sum_first``) or after (``exp_first``) the exponential."""
     ema_kl_beta: float = 0.0
     """Weight of mean‖v_θ − v_ema‖² (canonical ``train.ema_beta``); 0 = none."""
-    ema_decay: float = 0.9
-    """Constant decay of the ``ema`` snapshot per optimizer step."""
+    ema_decay: float = 0.3
+    """d of the ``ema`` snapshot's update (the original's ``train.kl_ema_decay`` 0.3)."""
+    ema_decay_type: Literal["linear", "constant"] = "linear"
+    """``linear``: decay min(d, 0.001·optimizer step), ``constant``: d (the original's
+    ``kl_ema_decay_type``, ``linear`` in its configs); either once per rollout iteration, after its
+    last optimizer step (the original's once per epoch)."""
+    advantage_max: float | None = None
+    """Rescale the clipped advantages from ±``adv_clip_max`` to ±``advantage_max`` (the original's
+    ``train.advantage_max``, 1 in its configs; None: no rescale)."""
+    kl_weight: Literal["uniform", "elbo"] = "uniform"
+    """Weight of each term's KL row: ``uniform`` 1, ``elbo`` 1/(2·s²) with s² = 0.49·σ/(1 − min(σ, 0.99))
+    (the original's ``kl_weight`` ``ELBO``, ``std_dev_t = torch.sqrt(sigma / (1 - torch.clamp(sigma, 0,
+    0.99)))*0.7``); the same for the EMA KL (``kl_ema_weight``)."""
     off_policy: bool = False
     """Roll out from, and take ℓ_old of, the ``ema`` snapshot (canonical ``train.off_policy``)."""
 
@@ -77,6 +97,8 @@ class AWMArguments(DecoupledArguments):
         )
         require(self.ema_kl_beta >= 0, "ema_kl_beta", f"must be >= 0, got {self.ema_kl_beta}")
         require(0 <= self.ema_decay < 1, "ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        if self.advantage_max is not None:
+            require(self.advantage_max > 0, "advantage_max", f"must be > 0, got {self.advantage_max}")
 
 
 @register_trainer("awm", arguments=AWMArguments)
@@ -142,12 +164,20 @@ class AWMTrainer(DecoupledTrainer):
         ffdebug.tap("train.ratio", torch.exp(current.detach() - old))
         v_ref = self.velocity(x_t, sigma, condition, snapshot="reference") if args.kl_beta > 0 else None
         v_ema = self.velocity(x_t, sigma, condition, snapshot="ema") if args.ema_kl_beta > 0 else None
+        advantages, clip = samples.advantages[index], args.adv_clip_max
+        if (
+            args.advantage_max is not None
+        ):  # clamp, then rescale: ``advantages / adv_clip_max * advantage_max``
+            advantages = advantages.clamp(-clip, clip) / clip * args.advantage_max
+            clip = max(clip, args.advantage_max)  # the loss's clamp: now a no-op
+        kl_rows = awm_losses.elbo_kl_weight(sigma) if args.kl_weight == "elbo" else None
         return awm_losses.awm_loss(
             current,
             old,
-            samples.advantages[index],
+            advantages,
             clip_range=args.clip_range,
-            adv_clip_max=args.adv_clip_max,
+            adv_clip_max=clip,
+            kl_row_weight=kl_rows,
             loss_type=args.loss_type,
             velocity=v,
             kl_beta=args.kl_beta,
@@ -156,7 +186,13 @@ class AWMTrainer(DecoupledTrainer):
             ema_velocity=v_ema,
         )
 
-    def after_step(self) -> None:
-        """``ema`` follows the policy after every optimizer step."""
+    def after_cycle(self) -> None:
+        """``ema`` follows the policy once per rollout iteration: ema ← d·ema + (1 − d)·θ with
+        d = min(``ema_decay``, 0.001·optimizer step) (``linear``) or ``ema_decay`` (the original's
+        ``decay = min(config.train.kl_ema_decay, 0.001 * global_step)`` at the end of each epoch)."""
         if self._uses_ema:
-            self.variants.update_snapshot("ema", "policy", self.args.ema_decay)
+            args = self.args
+            decay = args.ema_decay
+            if args.ema_decay_type == "linear":
+                decay = min(args.ema_decay, 0.001 * self.optimizer_step)
+            self.variants.update_snapshot("ema", "policy", decay)

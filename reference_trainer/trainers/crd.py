@@ -17,7 +17,9 @@ the ranks with r_θ; the three centring modes; the ``adv_clip_max / crd_beta`` s
 reference guided at ``kl_cfg`` (``BaseAdapter.guided_forward``, the empty prompt as the unconditional
 input), reward-adaptive by default. Differences: the trained σ are the first int(T·``timestep_fraction``)
 points of the rollout schedule (Flow-Factory draws ``num_train_timesteps`` of them, ``discrete``); no EMA
-for evaluation.
+for evaluation; the centring is within each prompt group (Flow-Factory centres over the gathered
+minibatch, several groups with two ranks; the paper's premise is within-prompt centring), and τ = 0's
+pools split at the advantage's sign (``losses.crd``).
 
 Roles: ``policy`` (trainable); snapshots ``old`` (implicit-reward baseline), ``sampling`` (rollouts),
 ``reference`` (frozen initial policy). Taps: ``rollout.latents``, ``reward``, ``advantage``,
@@ -34,7 +36,7 @@ import torch
 
 import ffdebug
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
-from reference_trainer.errors import require
+from reference_trainer.errors import ConfigError, require
 from reference_trainer.losses import crd as crd_losses
 from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.decoupled import DecoupledArguments, DecoupledSamples, DecoupledTrainer
@@ -119,7 +121,19 @@ class CRDTrainer(DecoupledTrainer):
         return self.variants.snapshot("sampling")
 
     def minibatch_order(self, samples: DecoupledSamples) -> torch.Tensor:
-        """Rollout order, no shuffle (Flow-Factory: the centring keeps same-prompt samples together)."""
+        """Rollout order, no shuffle (Flow-Factory: the centring keeps same-prompt samples together);
+        every minibatch must hold whole prompt groups, since the centring is within each group.
+
+        Raises:
+            ConfigError: the global groups do not split into ``gradient_steps_per_iteration`` minibatches.
+        """
+        steps, groups = self.args.gradient_steps_per_iteration, len(samples.group_ids.unique())
+        if groups % steps:
+            raise ConfigError(
+                "train.gradient_steps_per_iteration",
+                f"{steps} minibatches would split some of the {groups} prompt groups of an iteration "
+                f"(train.prompts_per_iteration × ranks); CRD centres within whole groups: use a divisor of {groups}",
+            )
         return torch.arange(len(samples.prompts))
 
     def term_loss(
@@ -149,6 +163,7 @@ class CRDTrainer(DecoupledTrainer):
         a_local = crd_losses.normalised_advantage(samples.advantages[index], args.adv_clip_max)
         r_all = self.backend.gather_rows(r_local.detach())
         a_all = self.backend.gather_rows(a_local)
+        groups = samples.group_ids[index]
         policy_loss, ori = crd_losses.crd_loss(
             r_local,
             r_all,
@@ -158,6 +173,8 @@ class CRDTrainer(DecoupledTrainer):
             adv_clip_max=args.adv_clip_max,
             weight_temp=args.weight_temp,
             loss_type=args.crd_loss_type,
+            groups_local=groups,
+            groups_all=self.backend.gather_rows(groups),
         )
         kl_loss, kl_div = crd_losses.crd_kl(
             v, v_ref, a_local, kl_beta=args.kl_beta, reward_adaptive=args.reward_adaptive_kl

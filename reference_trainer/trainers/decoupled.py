@@ -11,10 +11,14 @@ Luo-Yihong/DGPO ``scripts/train_sd3_dgpo.py`` all share this loop). One rollout 
 3. decode, rewards, group-normalised advantages A [B] (``feedback.RewardFeedback``);
 4. gather every rank's samples (global sample order), shuffle, split into
    ``gradient_steps_per_iteration`` minibatches, each rank training on its equal share; each minibatch
-   is one optimizer step of ``policy``, accumulated over the trained noise levels σ_j of the rollout
-   schedule, j < int(T · ``timestep_fraction``) (the canonical scripts train at the sampler's own
-   timesteps): x_t = (1 − σ_j)·x_0 + σ_j·ε with ε fresh per (iteration, minibatch, j, sample) from a
-   generator seeded by the *global* sample index, so the draws do not depend on the rank layout.
+   is one optimizer step of ``policy``, accumulated over the trained noise levels: term j of the
+   minibatch trains sample i at σ_{j,i}, chosen by ``timestep_sampling`` as the trainer's original
+   chooses them (``reference_trainer.timesteps``: ``fixed`` j < int(T · ``timestep_fraction``) for every
+   sample; NFT's ``shuffle`` per sample; DGPO's ``subset`` shared by the iteration; AWM's ``discrete`` /
+   ``discrete_wo_init`` / ``logit_normal`` shared by the minibatch), each draw keyed by the counters and
+   the global sample index where it is per sample, never by the rank: x_t = (1 − σ)·x_0 + σ·ε with ε
+   fresh per (iteration, minibatch, j, sample) from a generator seeded by the *global* sample index, so
+   the draws do not depend on the rank layout.
 
 Subclasses implement ``term_loss`` (the loss of one microbatch at one σ_j) and may override the
 minibatch order (DGPO keeps whole groups) and the noise key (DGPO shares ε within a group).
@@ -25,11 +29,12 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 import ffdebug
+from reference_trainer import timesteps
 from reference_trainer.adapters.base import Condition
 from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.data import repeat_groups
@@ -54,6 +59,18 @@ class DecoupledArguments(GenerationRewardArguments):
     """Train the first int(T · fraction) noise levels σ_j of the rollout schedule (``trained_steps``)."""
     gradient_steps_per_iteration: int = 1
     """Optimizer steps per rollout iteration (minibatches of the shuffled samples)."""
+    TIMESTEP_SAMPLINGS: ClassVar[tuple[str, ...]] = ("fixed",)
+    """The ``timestep_sampling`` values this trainer offers (its original's first)."""
+    timestep_sampling: Literal[
+        "fixed", "shuffle", "subset", "discrete", "discrete_wo_init", "logit_normal"
+    ] = "fixed"
+    """How the trained noise levels are chosen (module docstring, ``reference_trainer.timesteps``)."""
+    num_train_timesteps: int | None = None
+    """M (``subset``) or S (``discrete``, ``discrete_wo_init``, ``logit_normal``): terms per minibatch."""
+    trunc_steps: int | None = None
+    """``subset``: draw from the schedule indices 0 .. trunc_steps (None: every step, T − 1)."""
+    time_shift: float = 3.0
+    """``logit_normal``: the shift of the drawn times (the original's ``time_shift``)."""
     adv_clip_max: float = 5.0
     """A_max: advantages are clipped to [−A_max, A_max]."""
     kl_beta: float = 0.0
@@ -71,6 +88,7 @@ class DecoupledArguments(GenerationRewardArguments):
             "timestep_fraction",
             f"int({self.timestep_fraction} × num_inference_steps {self.num_inference_steps}) trains no step",
         )
+        self._check_timestep_sampling()
         require(self.adv_clip_max > 0, "adv_clip_max", f"must be > 0, got {self.adv_clip_max}")
         require(self.kl_beta >= 0, "kl_beta", f"must be >= 0, got {self.kl_beta}")
         batch = self.group_size * self.prompts_per_iteration
@@ -80,6 +98,62 @@ class DecoupledArguments(GenerationRewardArguments):
             "gradient_steps_per_iteration",
             f"must divide the {batch} samples of an iteration, got {steps}",
         )
+
+    def _check_timestep_sampling(self) -> None:
+        """The sampling is one this trainer offers and its counts fit the schedule (field named)."""
+        kind, offered = self.timestep_sampling, self.TIMESTEP_SAMPLINGS
+        require(
+            kind in offered,
+            "timestep_sampling",
+            f"must be one of {list(offered)} for this trainer, got {kind!r}",
+        )
+        counted = kind in ("subset", "discrete", "discrete_wo_init", "logit_normal")
+        if not counted:
+            require(
+                self.num_train_timesteps is None,
+                "num_train_timesteps",
+                f"is read by timestep_sampling subset / discrete / logit_normal only (this run: {kind})",
+            )
+        if kind != "subset":
+            require(
+                self.trunc_steps is None,
+                "trunc_steps",
+                f"is read by timestep_sampling subset only (this run: {kind})",
+            )
+        if not counted:
+            return
+        count, steps = self.num_train_timesteps, self.num_inference_steps
+        require(
+            count is not None and count >= 1, "num_train_timesteps", f"must be >= 1 for {kind}, got {count}"
+        )
+        if kind == "subset":
+            trunc = steps - 1 if self.trunc_steps is None else self.trunc_steps
+            require(
+                0 <= trunc < steps,
+                "trunc_steps",
+                f"must be in 0..num_inference_steps − 1 ({steps - 1}), got {trunc}",
+            )
+            require(
+                count <= trunc + 1,
+                "num_train_timesteps",
+                f"must be <= trunc_steps + 1 = {trunc + 1}, got {count}",
+            )
+        elif kind != "logit_normal":
+            low, high = (0 if kind == "discrete" else 1), trained_steps(self.timestep_fraction, steps)
+            require(
+                count <= high - low,
+                "num_train_timesteps",
+                f"{count} strata of the {high - low} trained indices {low}..{high - 1} "
+                "(int(timestep_fraction · num_inference_steps)): a stratum would be empty",
+            )
+        else:
+            require(self.time_shift > 0, "time_shift", f"must be > 0, got {self.time_shift}")
+
+    def term_count(self) -> int:
+        """The backward terms of a minibatch: K = int(T·f) (``fixed``, ``shuffle``), else M or S."""
+        if self.timestep_sampling in ("fixed", "shuffle"):
+            return trained_steps(self.timestep_fraction, self.num_inference_steps)
+        return int(self.num_train_timesteps)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -191,7 +265,7 @@ class DecoupledTrainer(BaseTrainer):
             samples: what ``sample`` returned.
         """
         args = self.args
-        steps = trained_steps(args.timestep_fraction, args.num_inference_steps)
+        steps = args.term_count()
         chunks = self.minibatch_order(samples).chunk(args.gradient_steps_per_iteration)
         for m, minibatch in self.cycle_steps(list(enumerate(chunks))):
             index = self.backend.local_part(minibatch)
@@ -217,11 +291,44 @@ class DecoupledTrainer(BaseTrainer):
             for key in self.noise_keys(samples, index)
         ]
         noise = randn_rows(x0.shape, generators)
-        sigma = samples.sigmas[j].float().expand(len(index))
+        sigma = self.term_sigma(samples, index, j, minibatch)
+        ffdebug.tap("train.sigma", sigma)
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1.0 - s) * x0 + s * noise
         ffdebug.tap("train.x_t", x_t)
         return x0, noise, sigma, x_t
+
+    def term_sigma(
+        self, samples: DecoupledSamples, index: torch.Tensor, j: int, minibatch: int
+    ) -> torch.Tensor:
+        """σ of term j for samples ``index`` (global sample indices) of ``minibatch``, [b] fp32: the
+        ``timestep_sampling`` draw (``reference_trainer.timesteps``), keyed by the counters and, where the
+        original draws per sample, the global sample index; shared draws are the same on every rank."""
+        args, sigmas, iteration = self.args, samples.sigmas, self.rollout_iteration
+        steps, count, kind = len(sigmas) - 1, args.term_count(), args.timestep_sampling
+        if kind == "fixed":
+            return sigmas[j].float().expand(len(index))
+        if kind == "shuffle":
+            picked = [
+                int(
+                    timesteps.shuffled_indices(steps, count, self.generator("timesteps", iteration, int(i)))[
+                        j
+                    ]
+                )
+                for i in index
+            ]
+            return sigmas[torch.tensor(picked, dtype=torch.long)].float()
+        if kind == "subset":  # one draw for the iteration, every minibatch and rank
+            trunc = steps - 1 if args.trunc_steps is None else args.trunc_steps
+            chosen = timesteps.subset_indices(trunc, count, self.generator("timesteps", iteration))
+            return sigmas[chosen[j]].float().expand(len(index))
+        generator = self.generator("timesteps", iteration, minibatch)  # shared by the minibatch
+        if kind == "logit_normal":
+            return (
+                timesteps.logit_normal_sigmas(count, args.time_shift, generator)[j].float().expand(len(index))
+            )
+        low, high = (0 if kind == "discrete" else 1), trained_steps(args.timestep_fraction, steps)
+        return sigmas[timesteps.stratified_indices(low, high, count, generator)[j]].float().expand(len(index))
 
     def velocity(
         self,

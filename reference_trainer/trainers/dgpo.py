@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -47,6 +47,13 @@ class DGPOArguments(DecoupledArguments):
     """
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
+    TIMESTEP_SAMPLINGS: ClassVar[tuple[str, ...]] = ("subset", "fixed")
+    timestep_sampling: Literal["subset", "fixed"] = "subset"
+    """``subset``: M = ``num_train_timesteps`` of the steps 0 .. ``trunc_steps``, drawn without replacement
+    once per iteration and shared by every minibatch and rank (the original's
+    ``generate_shared_sampled_timesteps``); ``fixed``: j < int(T·f)."""
+    num_train_timesteps: int | None = 4
+    """M (the original's ``num_train_timesteps`` 4)."""
     beta_dpo: float = 100.0
     """β_dpo of the group logit (canonical ``train.beta_dpo`` 100)."""
     clip_dsm: bool = True

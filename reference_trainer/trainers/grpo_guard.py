@@ -12,7 +12,9 @@ minibatches and trained steps. What changes, per trained step j of samples ``ind
 2. the rollout policy's mean μ_old, recomputed from the velocity the sampler stored (Flow-Factory stores
    ``next_latents_mean`` instead; the same value: the mean is an elementwise function of v, x_j, σ);
 3. log r̃ = (log p_θ − log p_old)·s + mean_dims(μ_θ − μ_old)²/(2s), s = σ_t·√(−Δt) [b];
-4. GRPO's PPO clip on r̃ = exp(log r̃) (+ GRPO's optional KL to the reference).
+4. GRPO's PPO clip on r̃ = exp(log r̃), weighted by 1/|Δt_j| (the paper's gradient reweighting, from the
+   official flow_grpo script; ``dt_reweighting: false`` is Flow-Factory's form without it) (+ GRPO's
+   optional KL to the reference).
 
 Roles and snapshots are GRPO's: ``policy`` (trainable); ``reference`` (a frozen snapshot of the initial
 policy, only when ``kl_beta > 0``). Taps (besides GRPO's ``rollout.*``, ``reward``, ``advantage``,
@@ -36,7 +38,7 @@ from reference_trainer.trainers.grpo import GRPOArguments, GRPOSamples, GRPOTrai
 
 @dataclass(frozen=True, kw_only=True)
 class GRPOGuardArguments(GRPOArguments):
-    """``train:`` section of a GRPO-Guard run: GRPO's fields (``GRPOArguments``), nothing added.
+    """``train:`` section of a GRPO-Guard run: GRPO's fields (``GRPOArguments``) and the reweighting.
 
     Flow-Factory's ``grpo-guard`` uses GRPO's training arguments unchanged; ``clip_range`` ε now bounds
     the normalised ratio r̃. The transition is always the Flow-SDE (Flow-Factory ``guidance/algorithms.md``:
@@ -44,6 +46,11 @@ class GRPOGuardArguments(GRPOArguments):
     """
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
+    dt_reweighting: bool = True
+    """The paper's second component: each step's policy loss divided by |Δt_j| = σ_j − σ_{j+1}, which
+    equalises the gradient over noise levels (the official flow_grpo ``scripts/train_sd3_GRPO_Guard.py``
+    @ 2e2f712e, under ``config.rationorm``: ``policy_loss = policy_loss / (sqrt_dt.mean()**2)``); false:
+    Flow-Factory's ``grpo-guard``, which has RatioNorm only."""
 
 
 @register_trainer("grpo_guard", arguments=GRPOGuardArguments)
@@ -90,4 +97,12 @@ class GRPOGuardTrainer(GRPOTrainer):
             mean=step.mean,
             ref_mean=ref_mean,
             kl_std=self.kl_std(step),
+            step_weight=self.step_weight(samples, j),
         )
+
+    def step_weight(self, samples: GRPOSamples, j: int) -> float:
+        """1/|Δt_j| = 1/(σ_j − σ_{j+1}) with ``dt_reweighting``, else 1 (``GRPOGuardArguments``)."""
+        if not self.args.dt_reweighting:
+            return 1.0
+        sigmas = samples.trajectory.sigmas
+        return 1.0 / float(sigmas[j] - sigmas[j + 1])

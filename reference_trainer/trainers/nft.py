@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -46,6 +46,12 @@ class NFTArguments(DecoupledArguments):
     """
 
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
+    TIMESTEP_SAMPLINGS: ClassVar[tuple[str, ...]] = ("shuffle", "fixed")
+    timestep_sampling: Literal["shuffle", "fixed"] = "shuffle"
+    """``shuffle``: per sample a random permutation of the T steps, its first int(T·f) (the original's
+    ``perms_time``); ``fixed``: j < int(T·f) for every sample."""
+    timestep_fraction: float = 0.99
+    """f of int(T·f) (the original's ``train.timestep_fraction`` 0.99)."""
     nft_beta: float = 1.0
     """β: the mixing of v_θ into the implicit velocities (NVlabs ``config.beta``, 1.0 or 0.1)."""
     old_decay_flat: int = 0

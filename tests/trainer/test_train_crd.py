@@ -80,12 +80,14 @@ def _flow_factory_crd(
             )
         return ((crd_beta * R_theta_c - Rc) ** 2).mean()
     if weight_temp == 0:
-        adv_plus_mask = adv_cur > 0.0
+        # Flow-Factory: ``adv_cur > 0.0`` / ``adv_cur < 0.0`` on adv_cur ∈ [0, 1]; ours splits at ½, the
+        # advantage's sign (``losses.crd.group_weights``; test_loop_fidelity.py pins the departure)
+        adv_plus_mask = adv_cur > 0.5
         if adv_plus_mask.sum() == 0:
             softmax_p = torch.ones_like(adv_cur) / adv_cur.shape[0]
         else:
             softmax_p = torch.softmax(adv_cur.where(adv_plus_mask, torch.tensor(float("-inf"))), dim=0)
-        adv_minus_mask = adv_cur < 0.0
+        adv_minus_mask = adv_cur < 0.5
         if adv_minus_mask.sum() == 0:
             softmax_p_minus = torch.ones_like(adv_cur) / adv_cur.shape[0]
         else:
