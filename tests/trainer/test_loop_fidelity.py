@@ -55,7 +55,9 @@ def test_dgpo_trains_m_shared_steps_of_zero_to_trunc(tmp_path):
     ``sampled = random.sample(train_timesteps, M)`` on rank 0, ``dist.broadcast(sampled_tensor, src=0)``,
     drawn once before the loop over the iteration's batches: M distinct indices, the same for every
     sample, minibatch and rank."""
-    trainer = make_trainer("dgpo", tmp_path, 2, "eval.every=0", "train.trunc_steps=2", "train.num_train_timesteps=2")
+    trainer = make_trainer(
+        "dgpo", tmp_path, 2, "eval.every=0", "train.trunc_steps=2", "train.num_train_timesteps=2"
+    )
     samples = trainer.sample()
     index = torch.arange(len(samples.prompts))
     tables = [_schedule_index(samples, _sigma_table(trainer, samples, index, m)) for m in (0, 1)]

@@ -25,7 +25,10 @@ trainer) and resumes it to 3 on two ranks: its metrics and final checkpoint are 
 straight run's (one rank, every cut and SIGTERM: ``test_resume.py``).
 
 DeepSpeed is not in the CI lock: with ``FFDEBUG_TEST_DEEPSPEED=1`` (``test_deepspeed.py``) a third launch
-runs every trainer under ZeRO-2 by the same rules.
+runs every trainer under ZeRO-2 by the same rules (a plan refusal, Muon, is listed, not failed).
+
+One test per backend checks every case and reports every failure (case, mode, step, metric): as one
+test its launch runs once whatever the xdist layout (measured: 73 s DDP, 123 s FSDP2 on two busy cores).
 """
 
 from __future__ import annotations
