@@ -230,6 +230,7 @@ class BaseAdapter(ABC):
         module: nn.Module | None = None,
         parameters: Mapping[str, torch.Tensor] | None = None,
         given: SamplingInputs | None = None,
+        guidance_scale: float = 1.0,
     ) -> Trajectory:
         """Sample one trajectory per condition row, from pure noise to a clean latent.
 
@@ -245,6 +246,8 @@ class BaseAdapter(ABC):
             module: the variant that predicts the velocity (default: the trainable one).
             parameters: a snapshot used functionally instead of ``module``'s weights.
             given: schedule and noise to use instead of ``num_steps``' schedule and ``generator``'s draws.
+            guidance_scale: classifier-free guidance of every step's velocity (``guided_forward``; the
+                empty prompt as the unconditional row); ≤ 1: none.
 
         Returns:
             The ``Trajectory`` (latents [B, T + 1, C, H, W], log-probs [B, T] for the SDE).

@@ -120,9 +120,12 @@ class LatentFlowAdapter(BaseAdapter):
         module: nn.Module | None = None,
         parameters: Mapping[str, torch.Tensor] | None = None,
         given: SamplingInputs | None = None,
+        guidance_scale: float = 1.0,
     ) -> Trajectory:
         def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            return self.forward(x, sigma, condition, module=module, parameters=parameters)
+            return self.guided_forward(
+                x, sigma, condition, guidance_scale=guidance_scale, module=module, parameters=parameters
+            )
 
         return sample_trajectory(
             velocity,

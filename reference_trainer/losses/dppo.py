@@ -160,11 +160,4 @@ def dppo_loss(
         "kl_new_old": kl_new_old.detach().float().mean().item(),
         "approx_kl": 0.5 * (log_ratio**2).mean().item(),
     }
-    if kl_beta > 0:
-        if mean is None or ref_mean is None or kl_std is None:
-            raise ValueError("kl_beta > 0 needs mean, ref_mean and kl_std")
-        kl = grpo_losses.sde_kl(mean, ref_mean, kl_std)
-        loss = loss + kl_beta * kl
-        metrics["kl"] = kl.item()
-    metrics["loss"] = loss.item()
-    return loss, keep, metrics
+    return grpo_losses.with_sde_kl(loss, metrics, kl_beta, mean, ref_mean, kl_std), keep, metrics

@@ -125,6 +125,19 @@ def grpo_loss(
     )
     if kl_beta < 0:
         raise ValueError(f"kl_beta must be >= 0, got {kl_beta}")
+    return with_sde_kl(loss, metrics, kl_beta, mean, ref_mean, kl_std), metrics
+
+
+def with_sde_kl(
+    loss: torch.Tensor,
+    metrics: dict[str, float],
+    kl_beta: float,
+    mean: torch.Tensor | None,
+    ref_mean: torch.Tensor | None,
+    kl_std: torch.Tensor | None,
+) -> torch.Tensor:
+    """``loss`` + β·``sde_kl`` when β > 0 (``mean``, ``ref_mean``, ``kl_std`` then required); records
+    ``kl`` (β > 0) and the total as ``loss`` in ``metrics``."""
     if kl_beta > 0:
         if mean is None or ref_mean is None or kl_std is None:
             raise ValueError("kl_beta > 0 needs mean, ref_mean and kl_std")
@@ -132,4 +145,4 @@ def grpo_loss(
         loss = loss + kl_beta * kl
         metrics["kl"] = kl.item()
     metrics["loss"] = loss.item()
-    return loss, metrics
+    return loss

@@ -153,12 +153,4 @@ def grpo_guard_loss(
     policy, metrics = grpo_losses.grpo_loss(
         log_ratio, torch.zeros_like(log_ratio), advantages, clip_range=clip_range, adv_clip_max=adv_clip_max
     )
-    loss = step_weight * policy
-    if kl_beta > 0:
-        if mean is None or ref_mean is None or kl_std is None:
-            raise ValueError("kl_beta > 0 needs mean, ref_mean and kl_std")
-        kl = grpo_losses.sde_kl(mean, ref_mean, kl_std)
-        loss = loss + kl_beta * kl
-        metrics["kl"] = kl.item()
-    metrics["loss"] = loss.item()
-    return loss, metrics
+    return grpo_losses.with_sde_kl(step_weight * policy, metrics, kl_beta, mean, ref_mean, kl_std), metrics

@@ -74,6 +74,10 @@ class AWMArguments(DecoupledArguments):
     advantage_max: float | None = None
     """Rescale the clipped advantages from ±``adv_clip_max`` to ±``advantage_max`` (the original's
     ``train.advantage_max``, 1 in its configs; None: no rescale)."""
+    train_guidance_scale: float = 1.0
+    """CFG of every velocity of the loss, the policy's, the old's, the EMA's and the reference's (the
+    original's ``train.cfg``, at its ``sample.guidance_scale``; off in all its configs); 1: none. The
+    unconditional rows are the empty prompt, paired with each conditional row."""
     kl_weight: Literal["uniform", "elbo"] = "uniform"
     """Weight of each term's KL row: ``uniform`` 1, ``elbo`` 1/(2·s²) with s² = 0.49·σ/(1 − min(σ, 0.99))
     (the original's ``kl_weight`` ``ELBO``, ``std_dev_t = torch.sqrt(sigma / (1 - torch.clamp(sigma, 0,
@@ -97,6 +101,11 @@ class AWMArguments(DecoupledArguments):
         )
         require(self.ema_kl_beta >= 0, "ema_kl_beta", f"must be >= 0, got {self.ema_kl_beta}")
         require(0 <= self.ema_decay < 1, "ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        require(
+            self.train_guidance_scale >= 1.0,
+            "train_guidance_scale",
+            f"must be >= 1 (1: no guidance), got {self.train_guidance_scale}",
+        )
         if self.advantage_max is not None:
             require(self.advantage_max > 0, "advantage_max", f"must be > 0, got {self.advantage_max}")
 
@@ -155,15 +164,24 @@ class AWMTrainer(DecoupledTrainer):
                 v, noise, x0, sigma, weighting=args.weighting, ghuber_power=args.ghuber_power
             ).view(shape)
 
-        v = self.velocity(x_t, sigma, condition)
+        cfg = args.train_guidance_scale
+        v = self.velocity(x_t, sigma, condition, guidance_scale=cfg)
         with torch.no_grad():
-            old = log_prob(self.velocity(x_t, sigma, condition, snapshot=self._old_name))
+            old = log_prob(self.velocity(x_t, sigma, condition, snapshot=self._old_name, guidance_scale=cfg))
         current = log_prob(v)
         ffdebug.tap("train.log_prob", current)
         ffdebug.tap("train.log_prob_old", old)
         ffdebug.tap("train.ratio", torch.exp(current.detach() - old))
-        v_ref = self.velocity(x_t, sigma, condition, snapshot="reference") if args.kl_beta > 0 else None
-        v_ema = self.velocity(x_t, sigma, condition, snapshot="ema") if args.ema_kl_beta > 0 else None
+        v_ref = (
+            self.velocity(x_t, sigma, condition, snapshot="reference", guidance_scale=cfg)
+            if args.kl_beta > 0
+            else None
+        )
+        v_ema = (
+            self.velocity(x_t, sigma, condition, snapshot="ema", guidance_scale=cfg)
+            if args.ema_kl_beta > 0
+            else None
+        )
         advantages, clip = samples.advantages[index], args.adv_clip_max
         if (
             args.advantage_max is not None

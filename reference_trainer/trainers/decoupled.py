@@ -71,6 +71,8 @@ class DecoupledArguments(GenerationRewardArguments):
     """``subset``: draw from the schedule indices 0 .. trunc_steps (None: every step, T − 1)."""
     time_shift: float = 3.0
     """``logit_normal``: the shift of the drawn times (the original's ``time_shift``)."""
+    rollout_guidance_scale: float = 1.0
+    """Classifier-free guidance of the rollouts (the originals' ``sample.guidance_scale``); 1: none."""
     adv_clip_max: float = 5.0
     """A_max: advantages are clipped to [−A_max, A_max]."""
     kl_beta: float = 0.0
@@ -89,6 +91,11 @@ class DecoupledArguments(GenerationRewardArguments):
             f"int({self.timestep_fraction} × num_inference_steps {self.num_inference_steps}) trains no step",
         )
         self._check_timestep_sampling()
+        require(
+            self.rollout_guidance_scale >= 1.0,
+            "rollout_guidance_scale",
+            f"must be >= 1 (1: no guidance), got {self.rollout_guidance_scale}",
+        )
         require(self.adv_clip_max > 0, "adv_clip_max", f"must be > 0, got {self.adv_clip_max}")
         require(self.kl_beta >= 0, "kl_beta", f"must be >= 0, got {self.kl_beta}")
         batch = self.group_size * self.prompts_per_iteration
@@ -247,6 +254,7 @@ class DecoupledTrainer(BaseTrainer):
             generator=self.sample_generators("rollout", self.rollout_iteration, count=len(repeated)),
             module=None if parameters is not None else self.variants.variant("policy"),
             parameters=parameters,
+            guidance_scale=args.rollout_guidance_scale,
         )
         tap_rollout_inputs(self.adapter, repeated, trajectory)  # the same-inputs gate
         ffdebug.tap("rollout.latents", trajectory.latents)
@@ -337,9 +345,16 @@ class DecoupledTrainer(BaseTrainer):
         condition: Condition,
         *,
         snapshot: str | None = None,
+        guidance_scale: float = 1.0,
     ) -> torch.Tensor:
-        """v(x_t, σ) of the live policy (with gradients) or of a snapshot (no grad)."""
+        """v(x_t, σ) of the live policy (with gradients) or of a snapshot (no grad), classifier-free
+        guided at ``guidance_scale`` when > 1 (``guided_forward``)."""
+        adapter = self.adapter
         if snapshot is None:
-            return self.adapter.forward(x_t, sigma, condition, module=self.variants.variant("policy"))
+            policy = self.variants.variant("policy")
+            return adapter.guided_forward(x_t, sigma, condition, guidance_scale=guidance_scale, module=policy)
         with torch.no_grad():
-            return self.adapter.forward(x_t, sigma, condition, parameters=self.variants.snapshot(snapshot))
+            parameters = self.variants.snapshot(snapshot)
+            return adapter.guided_forward(
+                x_t, sigma, condition, guidance_scale=guidance_scale, parameters=parameters
+            )

@@ -12,7 +12,9 @@ updated after every optimizer step at decay min(0.3, 0.001·global_step)). The m
   the ranks, so a group may span ranks;
 * ε is shared by the members of a group: its generator is keyed by the global group id, not the sample.
 
-Per trained σ_j: v_θ (gradient), v_ref (frozen ``reference``, or ``ema_ref`` with ``use_ema_ref``), and
+Rollouts are classifier-free guided at ``rollout_guidance_scale`` (the original's 4.5). Per trained σ_j:
+v_θ (gradient), v_ref (frozen ``reference``, guided at ``kl_cfg`` when > 1, as the original's
+``ref_old_v``; or ``ema_ref`` with ``use_ema_ref``), and
 ``ema_ref``'s v_old for the DSM clip (``clip_dsm``). The group logit s_G needs every member's
 Â·(d − d_ref): each rank's per-sample terms are gathered (``Backend.gather_rows``, the canonical script's
 all-reduce of per-group sums), so two ranks compute the one-rank s_G.
@@ -54,6 +56,11 @@ class DGPOArguments(DecoupledArguments):
     ``generate_shared_sampled_timesteps``); ``fixed``: j < int(T·f)."""
     num_train_timesteps: int | None = 4
     """M (the original's ``num_train_timesteps`` 4)."""
+    rollout_guidance_scale: float = 4.5
+    """CFG of the rollouts (the original's ``sample.guidance_scale`` 4.5 in ``config/dgpo.py``)."""
+    kl_cfg: float = 1.0
+    """CFG of the frozen reference's velocity, used for d_ref and the KL (the original's ``kl_cfg``: 1 in
+    ``config/dgpo.py``, 4.5 in its ``dgpo_wocfg.py``, where the rollouts are unguided); ≤ 1: none."""
     beta_dpo: float = 100.0
     """β_dpo of the group logit (canonical ``train.beta_dpo`` 100)."""
     clip_dsm: bool = True
@@ -72,6 +79,7 @@ class DGPOArguments(DecoupledArguments):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.beta_dpo > 0, "beta_dpo", f"must be > 0, got {self.beta_dpo}")
+        require(self.kl_cfg >= 1.0, "kl_cfg", f"must be >= 1 (1: no guidance), got {self.kl_cfg}")
         require(self.clip_range > 0, "clip_range", f"must be > 0, got {self.clip_range}")
         require(self.switch_ema_ref >= 0, "switch_ema_ref", f"must be >= 0, got {self.switch_ema_ref}")
         require(
@@ -131,7 +139,14 @@ class DGPOTrainer(DecoupledTrainer):
         condition = samples.condition.select(index)
         target = noise - x0
         v = self.velocity(x_t, sigma, condition)
-        v_ref = self.velocity(x_t, sigma, condition, snapshot="reference")
+        with torch.no_grad():  # ``ref_old_v``: guided at ``kl_cfg`` when > 1 (``guided_forward``)
+            v_ref = self.adapter.guided_forward(
+                x_t,
+                sigma,
+                condition,
+                guidance_scale=args.kl_cfg,
+                parameters=self.variants.snapshot("reference"),
+            )
         v_old = None
         if args.clip_dsm or args.use_ema_ref:
             v_old = self.velocity(x_t, sigma, condition, snapshot="ema_ref")

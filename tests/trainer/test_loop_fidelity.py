@@ -201,3 +201,45 @@ def test_crd_refuses_minibatches_that_split_a_prompt_group(tmp_path):
     samples = trainer.sample()
     with pytest.raises(ConfigError, match=r"train\.gradient_steps_per_iteration: 4 minibatches would split"):
         trainer.minibatch_order(samples)
+
+
+def test_dgpo_rolls_out_guided_and_guides_the_reference_at_kl_cfg(tmp_path, monkeypatch):
+    """``pipeline_with_logprob(..., guidance_scale=config.sample.guidance_scale)`` (4.5 in
+    ``config/dgpo.py``); ``if config.kl_cfg > 1: ref_old_v = predict_v(..., cfg = True,
+    cfg_scale=config.kl_cfg)`` else the conditional prediction; the policy's ``model_v`` is never guided."""
+    trainer = make_trainer("dgpo", tmp_path, 2, "eval.every=0", "train.kl_cfg=2.5")
+    scales = []
+    guided = trainer.adapter.guided_forward
+
+    def recording(x, sigma, condition, *, guidance_scale, **model):
+        scales.append((guidance_scale, "parameters" in model and model["parameters"] is not None))
+        return guided(x, sigma, condition, guidance_scale=guidance_scale, **model)
+
+    monkeypatch.setattr(trainer.adapter, "guided_forward", recording)
+    samples = trainer.sample()
+    steps = trainer.args.num_inference_steps
+    assert {scale for scale, _ in scales} == {4.5} and len(scales) == steps  # every rollout step
+    scales.clear()
+    trainer.term_loss(samples, torch.arange(4), (0,), 0)
+    # the policy unguided, the frozen reference at kl_cfg, ema_ref (the DSM clip's old model) unguided
+    assert scales == [(1.0, False), (2.5, True), (1.0, True)]
+
+
+def test_awm_train_time_cfg_guides_every_velocity_of_the_loss(tmp_path, monkeypatch):
+    """``if config.train.cfg``: ``noise_pred = noise_pred_uncond + config.sample.guidance_scale *
+    (noise_pred_text - noise_pred_uncond)`` for every model call of the log-prob (the policy's and the
+    old one's; the KL partners through the same function)."""
+    trainer = make_trainer(
+        "awm", tmp_path, 2, "eval.every=0", "train.train_guidance_scale=4.5", "train.kl_beta=0.01"
+    )
+    samples = trainer.sample()
+    scales = []
+    guided = trainer.adapter.guided_forward
+
+    def recording(x, sigma, condition, *, guidance_scale, **model):
+        scales.append(guidance_scale)
+        return guided(x, sigma, condition, guidance_scale=guidance_scale, **model)
+
+    monkeypatch.setattr(trainer.adapter, "guided_forward", recording)
+    trainer.term_loss(samples, torch.arange(4), tuple(range(trainer.args.term_count())), 0)
+    assert scales == [4.5, 4.5, 4.5]  # policy, old, reference
