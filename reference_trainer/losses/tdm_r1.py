@@ -51,7 +51,7 @@ time, ε shared by the group):
         ``kl_revised_x0 = (model_x0 + 1 * (real_cond_x0 - fake_x0)).detach()``,
         ``loss = config.train.tdm_weight * loss_cfg_reward + (1 - config.train.tdm_weight) * loss_reward + loss_kl``
 
-ρ(e) = e, or the pseudo-Huber √(e + c_h²) − c_h; the factor c = c_r under the pseudo-Huber form and 1
+ρ(e) = e, or the pseudo-Huber √(e + c_h²) − c_h; the factor c = 3.5 under the pseudo-Huber form and 1
 under the squared one (``loss_cfg_reward = 3.5 * torch.mean(...)`` in the ``use_huber`` branch only).
 """
 
@@ -63,6 +63,9 @@ import torch
 
 from reference_trainer.losses.dgpo import dgpo_loss, dsm_clip, dsm_error, group_logits
 
+HUBER_CFG_FACTOR = 3.5
+"""The factor of the CFG-reward term under the pseudo-Huber form only (``loss_cfg_reward = 3.5 *
+torch.mean(...)``): a literal in the script, not tied to c_r."""
 FAKE_TEACHER_WEIGHT = 0.02
 """The weight of the fake score's pull to the teacher's velocity (``loss_fake + 0.02 * loss_reg_fake``)."""
 
@@ -174,7 +177,8 @@ def surrogate_loss(
         group_index: dense group of each sample (whole groups), [B].
         group_size: K.
         beta_dpo: β_dpo of the group logit.
-        clip_range: ε of the trust clip (0: off).
+        clip_range: ε of the trust clip (the script has no off switch: at 0 every sample whose ratio
+            moved in its advantage's direction is detached).
         runaway_threshold: τ_R of the runaway clip on R.
         reference_beta: β of the penalty β·R.
         time_weight: w_j.
@@ -189,10 +193,7 @@ def surrogate_loss(
     dsm = dsm_error(v_surrogate, v_target.detach())
     ref_dsm = dsm_error(v_reference.detach(), v_target.detach())
     slow_dsm = dsm_error(v_slow.detach(), v_target.detach())
-    if clip_range > 0:
-        values, trust = dsm_clip(dsm, slow_dsm, advantages, clip_range)
-    else:
-        values, trust = dsm, torch.zeros_like(dsm, dtype=torch.bool)
+    values, trust = dsm_clip(dsm, slow_dsm, advantages, clip_range)  # the script has no off switch
     penalty = (v_surrogate.float() - v_reference.detach().float()).square().reshape(len(dsm), -1).mean(dim=1)
     penalty = penalty.mean()
     batch_penalty = float(penalty.detach()) if batch_mean is None else batch_mean(penalty.detach())
@@ -262,7 +263,7 @@ def generator_loss(
     e_cfg = (base + cfg_reward_scale * (x0_cond - x0_uncond) - x0).square()
     e_kl = (base + (x0_cond - x0_fake) - x0).square()
     tdm = _normalised(e_cfg + e_kl, normaliser, huber_c)
-    cfg = (cfg_reward_scale if huber_c is not None else 1.0) * _normalised(e_cfg, normaliser, huber_c)
+    cfg = (HUBER_CFG_FACTOR if huber_c is not None else 1.0) * _normalised(e_cfg, normaliser, huber_c)
     kl = _normalised(e_kl, normaliser, huber_c)
     surrogate = torch.zeros((), dtype=torch.float64)
     if reward is None:

@@ -114,9 +114,15 @@ class TDMR1Arguments(TDMArguments):
     surrogate_clip_range: float = 1e-3
     """ε of the trust-region clip against the slow surrogate; 0 = off."""
     surrogate_reference_threshold: float = 0.05
-    """τ of the runaway clip: (d_s − d_ref)² above it, in the advantage's direction, is detached."""
+    """τ of the runaway clip: ``authors``, the batch's velocity MSE R = mean (v_s − v_ref)² above it;
+    ``flow_factory``, (d_s − d_ref)² per sample; in the advantage's direction, d_s is detached."""
     surrogate_reference_beta: float = 1e-3
-    """β_ref of the anchor penalty mean (d_s − d_ref)²."""
+    """β_ref of the anchor penalty: ``authors`` β·R, ``flow_factory`` β·mean (d_s − d_ref)²."""
+    huber_c: float = 0.0
+    """c of the generator's pseudo-Huber loss; 0 = squared error (both readings: ``use_huber`` false)."""
+    real_guidance_scale: float = 4.5
+    """CFG scale s of the teacher's x̂_0 (``authors``: the normaliser's anchor, the script's fixed
+    ``cfg_scale=4.5``; ``flow_factory``: > 1 also adds its guidance reward)."""
     surrogate_slow_decay_min: float = 0.001
     """The slow surrogate's EMA decay at step 0 (it grows by 0.001 per optimizer step)."""
     surrogate_slow_decay_max: float = 0.3

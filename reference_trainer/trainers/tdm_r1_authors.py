@@ -6,10 +6,13 @@ Source: Luo-Yihong/TDM-R1 @ cc55d8975345e565b09d9c02c2800b69ca26fe90 ``scripts/t
 
 The authors' loop, per training batch: M stages j drawn without replacement from 0..K−1
 (``generate_shared_sampled_timesteps``, broadcast from rank 0); for each j one fake-score, one surrogate
-and one generator backward, accumulated (Accelerate's ``gradient_accumulation_steps`` counts the M
-stages), so that each role makes one optimizer step per batch on the mean of its M losses, all three
-from the weights the batch started with. Here one rollout iteration is one such batch, and its three
-role phases run in the order that keeps every loss on those weights:
+and one generator backward, accumulated (Accelerate's ``gradient_accumulation_steps`` is
+``train.gradient_accumulation_steps`` × M, with ``train.gradient_accumulation_steps =
+num_batches_per_epoch`` in the shipped configs), so that each role makes one optimizer step per
+accumulation window on the mean of its losses, all three from the weights the window started with.
+Here one rollout iteration is one such window of one batch (one set of draws; the shipped configs
+average 12 batches' draws per step, which changes the variance, not the expected gradient), and its
+three role phases run in the order that keeps every loss on those weights:
 
 1. ``generator``: needs the fake score and the surrogate as the batch found them: runs first;
 2. ``fake``: needs the generator's velocity at the stage's x_j as the batch found it: that is the
@@ -29,9 +32,14 @@ Draws, each a pure function of the counters (the authors broadcast the shared on
   of the surrogate phase and of the generator's reward query, per stage.
 
 Not kept from the script: the generator's EMA (``ema_decay_g``; used for evaluation and saving only),
-LoRA adapters (the roles are variants here), the joint gradient clip over every adapter (each role's
-gradient is clipped on its own), and the runaway clip's per-GPU batch (R is averaged over every rank's
-batch, which equals the authors' on one GPU and keeps results independent of the rank layout).
+LoRA adapters (the roles are variants here: the teacher is a snapshot of the initial generator, where
+the script's generator starts from a TDM LoRA over the base teacher), the joint gradient clip over every
+adapter (each role's gradient is clipped on its own), the runaway clip's per-GPU batch (R is averaged
+over every rank's batch, which equals the authors' on one GPU and keeps results independent of the rank
+layout), and the rollout's sampler: the script rolls out with a DPM-Solver++ multistep scheduler at
+``flow_shift`` 3 (σ ≈ 1, 0.90, 0.75, 0.50, 0 for 4 steps), here TDM's K-step Euler generator on the
+uniform boundaries 1 − k/K (``TDMTrainer.generator_trajectory``); every stage σ_j, every re-noise
+lower bound and the stored states follow the rollout's schedule.
 """
 
 from __future__ import annotations

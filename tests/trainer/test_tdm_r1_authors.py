@@ -350,3 +350,20 @@ def test_variant_fields_are_refused_under_the_other_variant():
     ]:
         with pytest.raises(ConfigError, match=message):
             load(CONFIG, *overrides)
+
+
+def test_the_fake_phase_and_the_generators_tdm_terms_share_tau_list_without_t_min(tmp_path, monkeypatch):
+    """``tau = tau_list[j]`` in both the fake score's step and the generator's (``fake_v = predict_v(
+    transformer, xtau, tau, ...)`` twice), ``tau_list`` built from ``t_next_tmp`` alone (no t_min)."""
+    trainer = make_trainer("tdm_r1", tmp_path, 3, "eval.every=0")
+    rollout = trainer.sample()
+    draws = trainer.shared_draws()
+    calls = _recorded_forwards(trainer, monkeypatch)
+    j = draws.stages[0]
+    trainer.authors_fake_loss(rollout, draws, j)
+    trainer.authors_generator_loss(rollout, draws, j)
+    fake_sigmas = [sigma for kind, _, sigma in calls if kind == "fake"]
+    assert len(fake_sigmas) == 2
+    t_next = torch.full_like(fake_sigmas[0], float(rollout.trajectory.sigmas[j + 1]) * 1000)
+    for sigma in fake_sigmas:
+        torch.testing.assert_close(sigma, tau_of(draws.u_fake[j], t_next) / 1000)
