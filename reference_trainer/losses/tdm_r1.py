@@ -194,8 +194,7 @@ def surrogate_loss(
     ref_dsm = dsm_error(v_reference.detach(), v_target.detach())
     slow_dsm = dsm_error(v_slow.detach(), v_target.detach())
     values, trust = dsm_clip(dsm, slow_dsm, advantages, clip_range)  # the script has no off switch
-    penalty = (v_surrogate.float() - v_reference.detach().float()).square().reshape(len(dsm), -1).mean(dim=1)
-    penalty = penalty.mean()
+    penalty = dsm_error(v_surrogate.float(), v_reference.detach().float()).mean()  # R
     batch_penalty = float(penalty.detach()) if batch_mean is None else batch_mean(penalty.detach())
     improved = torch.where(advantages > 0, values < ref_dsm, values > ref_dsm)
     runaway = improved & (batch_penalty > runaway_threshold)

@@ -329,15 +329,19 @@ class TDMR1Trainer(AuthorsPhases, TDMTrainer):
         args: TDMR1Arguments = self.args  # type: ignore[assignment]
         latents = rollout.trajectory.latents
         count, steps = latents.shape[0], latents.shape[1] - 1
-        boundary = torch.tensor(  # one boundary per group, keyed by the global group id
-            [
-                int(torch.randint(1, steps + 1, (1,), generator=g))
-                for g in (
-                    self.generator("tdm_r1", self.rollout_iteration, phase, "boundary", int(group))
-                    for group in rollout.group_ids
+        groups = rollout.group_ids.tolist()
+        per_group = {  # one boundary per group, keyed by the global group id
+            group: int(
+                torch.randint(
+                    1,
+                    steps + 1,
+                    (1,),
+                    generator=self.generator("tdm_r1", self.rollout_iteration, phase, "boundary", group),
                 )
-            ]
-        )
+            )
+            for group in dict.fromkeys(groups)
+        }
+        boundary = torch.tensor([per_group[group] for group in groups])
         generators = self.sample_generators("tdm_r1", self.rollout_iteration, phase, "noise", count=count)
         sigma = torch.cat([torch.rand(1, generator=g) for g in generators])
         sigma = args.sigma_min + sigma * (1.0 - args.stage_margin - args.sigma_min)

@@ -168,10 +168,17 @@ class AuthorsPhases:
         count = latents.shape[0]
         return latents[:, j].float(), sigmas[j].expand(count), sigmas[j + 1].expand(count)
 
-    def _fake_time(self, draws: SharedDraws, j: int, sigma_next: torch.Tensor) -> torch.Tensor:
-        """σ_τ of stage j: τ(u; σ_{j+1}) (``tau_list``), [B]."""
-        args = self.args
-        return renoise_sigma(draws.u_fake[j], sigma_next, shift=args.renoise_shift, gap=args.renoise_gap)
+    def _renoise_time(self, u: float, lower: torch.Tensor) -> torch.Tensor:
+        """τ(u; lo) with this run's shift and gap (``losses.tdm_r1.renoise_sigma``), [B]."""
+        return renoise_sigma(u, lower, shift=self.args.renoise_shift, gap=self.args.renoise_gap)
+
+    @staticmethod
+    def _replay(
+        x_j: torch.Tensor, sigma_j: torch.Tensor, sigma_next: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The generator's one step from x_j with velocity v: (x̂_0 = x_j − σ_j·v, x̂_n = x_j − (σ_j − σ_n)·v)."""
+        s_j, s_n = sigma_j.reshape(-1, 1, 1, 1), sigma_next.reshape(-1, 1, 1, 1)
+        return predicted_x0(x_j, v, sigma_j), x_j - (s_j - s_n) * v
 
     def _cond_uncond(self, x: torch.Tensor, sigma: torch.Tensor, condition: Condition, **model):
         """The conditional and unconditional velocities of one model at (x, σ)."""
@@ -185,11 +192,8 @@ class AuthorsPhases:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L_F at stage j (``reference_trainer.losses.tdm_r1``), from the rollout's velocity at x_j."""
         x_j, sigma_j, sigma_next = self._stage(rollout, j)
-        v = rollout.trajectory.velocities[:, j]
-        s_j = sigma_j.reshape(-1, 1, 1, 1)
-        x0 = x_j - s_j * v
-        x_next = x_j - (s_j - sigma_next.reshape(-1, 1, 1, 1)) * v
-        sigma_tau = self._fake_time(draws, j, sigma_next)
+        x0, x_next = self._replay(x_j, sigma_j, sigma_next, rollout.trajectory.velocities[:, j])
+        sigma_tau = self._renoise_time(draws.u_fake[j], sigma_next)  # ``tau_list``
         x_tau, _, _ = forward_renoise(x_next, sigma_next, sigma_tau, self._sample_noise(rollout, "fake", j))
         target = (x_tau - x0) / sigma_tau.reshape(-1, 1, 1, 1)
         ffdebug.tap("train.x0", x0)
@@ -213,7 +217,7 @@ class AuthorsPhases:
         count = latents.shape[0]
         x_next, sigma_next = latents[:, j_s + 1].float(), sigmas[j_s + 1].expand(count)
         lower = sigma_next.clamp_min(args.surrogate_sigma_min)
-        sigma_tau = renoise_sigma(draws.u_surrogate[j], lower, shift=args.renoise_shift, gap=args.renoise_gap)
+        sigma_tau = self._renoise_time(draws.u_surrogate[j], lower)
         noise = self._group_noise(rollout, "surrogate", j)
         x_tau, alpha, beta = forward_renoise(x_next, sigma_next, sigma_tau, noise)
         target = surrogate_target(x_next, noise, sigma_next, sigma_tau, alpha, beta)
@@ -253,13 +257,12 @@ class AuthorsPhases:
         x_j, sigma_j, sigma_next = self._stage(rollout, j)
         condition = rollout.condition
         v = self.adapter.forward(x_j, sigma_j, condition, module=self.variants.variant("generator"))
-        s_j = sigma_j.reshape(-1, 1, 1, 1)
-        x0 = x_j - s_j * v
+        x0, x_next = self._replay(x_j, sigma_j, sigma_next, v)
+        x_next = x_next.detach()
         ffdebug.tap("train.x0", x0)
         trunc = args.trunc_steps if args.trunc_steps is not None else args.num_generator_steps
         with torch.no_grad():
-            x_next = x_j - (s_j - sigma_next.reshape(-1, 1, 1, 1)) * v
-            sigma_tau = self._fake_time(draws, j, sigma_next)
+            sigma_tau = self._renoise_time(draws.u_fake[j], sigma_next)  # ``tau_list``, as the fake phase
             x_tau, _, _ = forward_renoise(
                 x_next, sigma_next, sigma_tau, self._sample_noise(rollout, "generator", j)
             )
@@ -273,10 +276,9 @@ class AuthorsPhases:
             reward = None
             if j < trunc:
                 lower = sigma_next.clamp_min(args.reward_sigma_min)
-                sigma_r = renoise_sigma(
-                    draws.u_reward[j], lower, shift=args.renoise_shift, gap=args.renoise_gap
-                )
-                sigma_r = torch.maximum(sigma_r, lower)
+                sigma_r = torch.maximum(
+                    self._renoise_time(draws.u_reward[j], lower), lower
+                )  # ``tau_list_dgpo``
                 x_r, _, _ = forward_renoise(
                     x_next, sigma_next, sigma_r, self._group_noise(rollout, "reward", j)
                 )

@@ -104,8 +104,16 @@ def _case_failures(two, one, name: str) -> list[str]:
     return failures
 
 
+@pytest.fixture(scope="module")
+def one_rank_root(tmp_path_factory):
+    """Where the one-process runs go: made once per worker, shared by the backends' tests."""
+    return tmp_path_factory.mktemp("parity-one")
+
+
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_every_trainer_on_two_ranks_logs_the_numbers_of_one_and_resumes_exactly(backend, tmp_path):
+def test_every_trainer_on_two_ranks_logs_the_numbers_of_one_and_resumes_exactly(
+    backend, tmp_path, one_rank_root
+):
     """One test per backend (its launch runs once whatever the xdist layout); every case is checked and
     every failure reported, naming the case, the mode, the step and the metric."""
     two = tmp_path / "two"
@@ -116,7 +124,7 @@ def test_every_trainer_on_two_ranks_logs_the_numbers_of_one_and_resumes_exactly(
         if refusal.exists():  # a documented plan rule; only DeepSpeed has one for an example (Muon)
             refused.append(f"{name}: {refusal.read_text()}")
             continue
-        failures += _case_failures(two, tmp_path / "one", name)
+        failures += _case_failures(two, one_rank_root, name)
     assert not failures, "\n".join(failures)
     assert backend == "deepspeed" or not refused, refused
     assert len(refused) < len(CASES)
