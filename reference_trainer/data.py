@@ -190,8 +190,11 @@ class DatasetAcquisition:
         shuffle: bool,
         rank: int = 0,
         world_size: int = 1,
+        source: str = "the dataset",
     ):
         self.records = [{**record, "index": index} for index, record in enumerate(records)]
+        self.source = source
+        """Where the records came from (named in messages)."""
         self.batch_size = batch_size
         self.sampler = DistributedSampler(
             self.records, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False
@@ -201,6 +204,17 @@ class DatasetAcquisition:
     def batches_per_epoch(self) -> int:
         """Rank-local batches per epoch (the last one may be smaller than ``batch_size``)."""
         return math.ceil(len(self.sampler) / self.batch_size)
+
+    def batch_of(self, indices: Sequence[int]) -> dict[str, Any]:
+        """The batch of the records at dataset positions ``indices`` (a target's sample ids, ``--inputs-from``)."""
+        bad = [i for i in indices if not 0 <= i < len(self.records)]
+        if bad:
+            raise ConfigError(
+                "--inputs-from",
+                f"batch.sample_ids {bad} are no records of {self.source} ({len(self.records)} records); "
+                "train the reference on the target's dataset",
+            )
+        return collate([self.records[i] for i in indices])
 
     def check_accumulation(self, gradient_accumulation_steps: int) -> None:
         """Config error unless every accumulation window of every epoch closes."""

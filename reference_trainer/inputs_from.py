@@ -6,14 +6,22 @@ tap contract's names (docs/trainer-taps.md) instead of drawing its own:
 
 * ``rollout.prompt_ids`` [B, L]: each row is looked up among the config's ``data.prompts`` tokenized
   by the adapter; rows must come in contiguous groups of ``group_size`` equal prompts;
-* ``rollout.timesteps`` [T + 1], ``rollout.noise`` [B, C, H, W] and ``rollout.sde_noise``
-  [B, T, C, H, W]: the σ schedule and every Gaussian draw of the rollout;
-* ``train.order`` [B]: the order the iteration's samples are trained in (its minibatches).
+* ``rollout.noise`` [B, C, H, W] and ``rollout.sde_noise`` [B, T, C, H, W]: every Gaussian draw of
+  the rollout;
+* ``train.order`` [B]: the order the iteration's samples are trained in (its minibatches);
+* every other random draw a trainer makes through ``BaseTrainer.drawn`` (a dataset batch's
+  ``batch.sample_ids``, ``train.sigma``, ``train.noise``, ``train.timestep_index``, …): the target's
+  value of that stage *with the same step tags* (the k-th such capture for the k-th draw).
+
+Only draws are taken. What the configuration fixes (the σ schedule ``rollout.timesteps``, a dataset
+record's prompt token ids) the reference recomputes from its own configuration and taps with
+``derived_from``, so that compare's same-inputs gate names a target configured otherwise (exit 3)
+instead of the reference silently running the target's schedule.
 
 So a trainer written from scratch, with its own RNG, is compared stage by stage without copying the
-reference's seeding. An input the store lacks for an iteration is drawn by the reference as usual and
-listed as *not taken*; ``DIR/inputs_from.json`` and one stderr line say what was taken (the
-coverage of the forcing). The target's stage names may differ: ``--inputs-map OLD=NEW`` (or
+reference's seeding. An input the store lacks is drawn by the reference as usual and listed as *not
+taken*; ``DIR/inputs_from.json`` and one stderr line say what was taken, what was recomputed and
+what was drawn (the coverage of the forcing). The target's stage names may differ: ``--inputs-map OLD=NEW`` (or
 ``--inputs-map-file FILE``, compare's ``--alias-file`` format) renames them with ffdebug's stage map
 before the lookup.
 """
@@ -22,7 +30,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +41,16 @@ from reference_trainer.errors import ConfigError
 from reference_trainer.taps import INPUT_STAGES
 
 INPUTS_FILE = "inputs_from.json"
+TagKey = tuple[tuple[tuple[str, Any], ...], Any]
+
+
+def tag_key(step: Mapping[str, Any], phase: Any) -> TagKey:
+    """A capture's step tags and phase as a lookup key (tag order does not matter)."""
+    return tuple(sorted((str(k), v) for k, v in step.items())), phase
+
+
+def _tags_text(tags: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in tags.items()) or "no tags"
 
 
 class InputsFrom:
@@ -57,24 +75,57 @@ class InputsFrom:
         except FFDebugError as error:
             raise ConfigError("--inputs-from", str(error)) from None
         self._records: dict[tuple[str, int], Any] = {}
+        self._tagged: dict[tuple[str, TagKey], list[Any]] = {}
         for rec in side.records:
             key = stage_map.apply(rec.key)
+            if key not in INPUT_STAGES or rec.rank != rank:
+                continue
+            self._tagged.setdefault((key, tag_key(rec.step, rec.phase)), []).append(rec)
             iteration = rec.step.get("rollout_iteration")
-            if key in INPUT_STAGES and rec.rank == rank and isinstance(iteration, int):
+            if isinstance(iteration, int):
                 self._records.setdefault((key, iteration), rec)
-        if not self._records:
+        if not self._tagged:
             raise ConfigError(
                 "--inputs-from",
-                f"{self.store} holds none of {', '.join(INPUT_STAGES)} tagged with rollout_iteration on "
-                f"rank {rank}; tap the target's inputs as docs/trainer-taps.md says (or rename them with --inputs-map)",
+                f"{self.store} holds none of {', '.join(INPUT_STAGES)} on rank {rank}; tap the target's inputs "
+                "as docs/trainer-taps.md says (or rename them with --inputs-map)",
             )
+        self._drawn: dict[tuple[str, TagKey], int] = {}
         self.taken: dict[str, list[int]] = {key: [] for key in INPUT_STAGES}
         self.not_taken: dict[str, list[int]] = {key: [] for key in INPUT_STAGES}
+        self.recomputed: dict[str, list[int]] = {}
 
     def _get(self, key: str, iteration: int) -> torch.Tensor | None:
         rec = self._records.get((key, iteration))
         (self.taken if rec is not None else self.not_taken)[key].append(iteration)
         return None if rec is None else rec.load()
+
+    def take(self, key: str, tags: Mapping[str, Any], drawn: torch.Tensor) -> torch.Tensor:
+        """The target's value of the draw ``key`` captured under ``tags`` (the k-th such capture for
+        the k-th call), else ``drawn`` (listed as not taken). Its shape must be ``drawn``'s: a draw of
+        another size is a target that does not follow the contract."""
+        step = {k: v for k, v in tags.items() if k != "phase"}
+        where = (key, tag_key(step, tags.get("phase")))
+        count = self._drawn.get(where, 0)
+        self._drawn[where] = count + 1
+        iteration = int(tags.get("rollout_iteration", 0))
+        recs = self._tagged.get(where, [])
+        if count >= len(recs):
+            self.not_taken[key].append(iteration)
+            return drawn
+        given = recs[count].load()
+        if tuple(given.shape) != tuple(drawn.shape):
+            raise ConfigError(
+                "--inputs-from",
+                f"{self.store}: {key} at {_tags_text(tags)} has shape {list(given.shape)}, the reference draws "
+                f"{list(drawn.shape)} there; the target's draw does not follow docs/trainer-taps.md",
+            )
+        self.taken[key].append(iteration)
+        return given.to(drawn.dtype)
+
+    def recompute(self, key: str, iteration: int) -> None:
+        """Record that ``key`` was recomputed from the reference's configuration, not taken."""
+        self.recomputed.setdefault(key, []).append(iteration)
 
     def prompts(
         self,
@@ -111,12 +162,13 @@ class InputsFrom:
                 )
         return [group[0] for group in groups]
 
-    def sampling(self, iteration: int, noise_level: float) -> SamplingInputs | None:
-        """The iteration's schedule and noise, or None when the store lacks the initial noise or schedule."""
-        sigmas = self._get("rollout.timesteps", iteration)
+    def sampling(self, iteration: int, noise_level: float, sigmas: torch.Tensor) -> SamplingInputs | None:
+        """The iteration's noise with the reference's own schedule ``sigmas`` (recomputed, never taken:
+        the gate compares it with the target's), or None when the store lacks the noise."""
+        self.recompute("rollout.timesteps", iteration)
         noise = self._get("rollout.noise", iteration)
         sde_noise = self._get("rollout.sde_noise", iteration) if noise_level > 0 else None
-        if sigmas is None or noise is None or (noise_level > 0 and sde_noise is None):
+        if noise is None or (noise_level > 0 and sde_noise is None):
             return None
         return SamplingInputs(sigmas=sigmas.float(), noise=noise.float(), sde_noise=sde_noise)
 
@@ -137,8 +189,9 @@ class InputsFrom:
         """What was taken from the store and what the reference drew itself, per input and iteration."""
         return {
             "store": self.store,
-            "taken": {key: its for key, its in self.taken.items() if its},
-            "not_taken": {key: its for key, its in self.not_taken.items() if its},
+            "taken": {key: sorted(set(its)) for key, its in self.taken.items() if its},
+            "recomputed": {key: sorted(set(its)) for key, its in self.recomputed.items()},
+            "not_taken": {key: sorted(set(its)) for key, its in self.not_taken.items() if its},
         }
 
     def finish(self, output_dir: Path) -> None:
@@ -148,8 +201,10 @@ class InputsFrom:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n")
         tmp.replace(path)
-        taken = ", ".join(f"{key} ×{len(its)}" for key, its in report["taken"].items()) or "nothing"
+        taken = ", ".join(f"{key} ×{len(its)}" for key, its in self.taken.items() if its) or "nothing"
         line = f"inputs from {self.store}: took {taken}"
+        if report["recomputed"]:
+            line += "; recomputed from its own config " + ", ".join(report["recomputed"])
         if report["not_taken"]:
             line += "; drew its own " + ", ".join(
                 f"{k} (iterations {v})" for k, v in report["not_taken"].items()

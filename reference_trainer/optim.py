@@ -293,8 +293,12 @@ class RoleOptimizer:
         with self.update_taps.around_step(phase.role) if self.update_taps else nullcontext():
             # update.<name>: each watched tensor's update norm around the step, tapped on leaving
             # the block, so after grad_norm (training order: grad, then update; docs/trainer-taps.md)
+            # the snapshots' gradient norms (0 when frozen), pre-clip: gradients where none belong
+            others = self.update_taps.other_grad_norms(phase.role) if self.update_taps else {}
             grad_norm = self.optimizer.clip_and_step(phase.role, params, max_norm)
             ffdebug.tap(f"grad_norm.{phase.role}", grad_norm.detach().clone())
+            for name, norm in others.items():
+                ffdebug.tap(f"grad_norm.{name}", norm)
         if not bool(torch.isfinite(grad_norm)):
             raise NonFiniteLossError(
                 f"grad_norm.{phase.role} is {grad_norm.item()} at optimizer step {phase.optimizer_step}; aborting"

@@ -211,6 +211,7 @@ def _acquisition_inputs(
         shuffle=config.data.shuffle,
         rank=rank,
         world_size=world_size,
+        source=str(dataset_directory(config.data)),
     )
     dataset.check_accumulation(config.train.gradient_accumulation_steps)  # type: ignore[attr-defined]
     heldout = load_records(config.data, trainer_cls.supervision, "heldout") if config.eval.every else None
@@ -236,11 +237,6 @@ def train(
     if inputs_from is not None:
         from reference_trainer.inputs_from import InputsFrom
 
-        if not type(trainer).takes_inputs:
-            raise ConfigError(
-                "--inputs-from",
-                f"trainer {config.trainer!r} cannot take a target's inputs (the GRPO family can)",
-            )
         trainer.inputs_from = InputsFrom(
             inputs_from, rank=trainer.backend.rank, maps=inputs_map, map_file=inputs_map_file
         )

@@ -10,6 +10,7 @@ computed. This module owns the two kinds that need more than one line:
   ``rollout.sde_noise`` (the per-step ε of the Flow-SDE, [B, T, C, H, W] fp32) and
   ``rollout.timesteps`` (the σ schedule, [T + 1] fp32); ``train.order`` (the sample order [B] int64
   of the iteration's minibatches) opens the train phase.
+* **gradient norms of the other roles** ``grad_norm.<name>`` of every frozen snapshot (0 when frozen);
 * **updates** ``update.<name>``: after an optimizer step of a role, the L2 norm of θ_after − θ_before
   of every parameter tensor, in parameter order ([n_tensors] fp32), for the stepped role *and* for
   every frozen snapshot (``update.reference``): a frozen snapshot's norms must be exactly zero, so a
@@ -27,40 +28,48 @@ from typing import TYPE_CHECKING
 import torch
 
 import ffdebug
+from ffdebug.capture.trainer_inputs import INPUT_KEYS
 
 if TYPE_CHECKING:  # types only
     from reference_trainer.adapters.base import BaseAdapter, Trajectory
 
-INPUT_STAGES = (
-    "rollout.prompt_ids",
-    "rollout.noise",
-    "rollout.sde_noise",
-    "rollout.timesteps",
-    "train.order",
-)
-"""The stages a run's inputs are tapped as (in this order); ``--inputs-from`` reads the same names."""
+INPUT_STAGES = INPUT_KEYS
+"""The stages a run's inputs are tapped as (ffdebug's ``capture.trainer_inputs``, the gate's order);
+``--inputs-from`` reads the same names."""
 
 
 def tap_inputs(
-    prompt_ids: torch.Tensor, noise: torch.Tensor, sde_noise: torch.Tensor | None, timesteps: torch.Tensor
+    prompt_ids: torch.Tensor,
+    noise: torch.Tensor,
+    sde_noise: torch.Tensor | None,
+    timesteps: torch.Tensor,
+    *,
+    schedule_from: str,
 ) -> None:
-    """Tap a rollout iteration's inputs (module docstring), before anything computed from them."""
+    """Tap a rollout iteration's inputs (module docstring), before anything computed from them;
+    ``schedule_from``: the configuration the σ schedule is computed from (its ``derived_from``)."""
     ffdebug.tap("rollout.prompt_ids", prompt_ids)
     ffdebug.tap("rollout.noise", noise)
     if sde_noise is not None:
         ffdebug.tap("rollout.sde_noise", sde_noise)
-    ffdebug.tap("rollout.timesteps", timesteps)
+    ffdebug.tap("rollout.timesteps", timesteps, derived_from=schedule_from)
 
 
-def tap_rollout_inputs(adapter: BaseAdapter, prompts: Sequence[str], trajectory: Trajectory) -> None:
+def tap_rollout_inputs(
+    adapter: BaseAdapter, prompts: Sequence[str], trajectory: Trajectory, *, num_steps_field: str
+) -> None:
     """Tap the inputs of a rollout of ``prompts`` (each trainer that rolls out calls this right
     after ``adapter.inference``): nothing when the adapter has no token ids or the trajectory no
-    initial noise; ``rollout.sde_noise`` only for a stochastic sampler (noise level > 0)."""
+    initial noise; ``rollout.sde_noise`` only for a stochastic sampler (noise level > 0).
+    ``num_steps_field``: the config field that set the rollout's step count."""
     if not ffdebug.enabled():
         return
     ids = adapter.prompt_token_ids(list(prompts))
     if ids is not None and trajectory.noise is not None:
-        tap_inputs(ids, trajectory.noise, trajectory.sde_noise, trajectory.sigmas)
+        schedule_from = f"{num_steps_field}={len(trajectory.sigmas) - 1} and {adapter.schedule_source()}"
+        tap_inputs(
+            ids, trajectory.noise, trajectory.sde_noise, trajectory.sigmas, schedule_from=schedule_from
+        )
 
 
 def delta_norms(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -74,6 +83,19 @@ class UpdateTaps:
 
     def __init__(self, watched: Callable[[str], Mapping[str, Sequence[torch.Tensor]]]) -> None:
         self.watched = watched
+
+    def other_grad_norms(self, role: str) -> dict[str, torch.Tensor]:
+        """``{name: ‖grad‖₂}`` of every watched name but the stepped ``role`` (its snapshots), before the
+        step: exactly 0 for a frozen snapshot; tapped as ``grad_norm.<name>``, so a target whose
+        reference takes gradients is named at that role's own gradient norm (docs/trainer-taps.md)."""
+        if not ffdebug.enabled():
+            return {}
+        norms = {}
+        for name, tensors in self.watched(role).items():
+            if name != role:
+                squares = [t.grad.detach().float().pow(2).sum() for t in tensors if t.grad is not None]
+                norms[name] = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+        return norms
 
     @contextmanager
     def around_step(self, role: str) -> Iterator[None]:

@@ -7,16 +7,22 @@ optimizer step that share their tags (`train.order`, `grad_norm.<role>`, `update
 call that starts before the step's forwards. So the stages are ordered here as training computes
 them:
 
-    optimizer step → phase (rollout, then train) → rollout → reward → advantage
+    optimizer step → phase (eval, rollout, then train) → rollout → reward → advantage
                    → train forwards and losses (in capture order) → gradients → updates
 
-and the first stage outside the ok band is the first divergence; when every stage is inside the
-band, the first stage that is not exactly equal after an exact prefix is (`verdict.exact_prefix_end`:
-bit-equal in the same dtype). Either way, a first divergence that ends the exact prefix is the
-exact-prefix signal (a bug however small). With a noise run, compare has already judged each stage
+and the first stage outside the ok band is the first divergence, unless a stage before it in
+training order is the first that is not exactly equal after an exact prefix
+(`verdict.exact_prefix_end`: bit-equal in the same dtype): that stage is, the exact-prefix signal (a
+bug however small), whatever later steps do; a KL gradient lost at step 1 grows into a drift of
+step 2 that must not hide it. With a noise run, compare has already judged each stage
 where the noise run was measured against its error there (beyond it: at least diverge), so the first
 stage outside the ok band is the divergence and rounding the noise run shares is not a signal; a
-stage where the noise run was not comparable is judged as without one. Per role (the suffix of `loss.<role>`, `grad.<role>.<group>`,
+stage where the noise run was not comparable is judged as without one.
+
+A gradient finding names the role whose gradients changed: among the divergent gradient stages of
+the first divergent step and rank, a role the reference holds no gradient for (all zeros: a frozen
+snapshot) that the target gives one comes first (a target's total norm over every parameter differs
+only because of it), and the sentence names the update it leads to (`update.<role>`). Per role (the suffix of `loss.<role>`, `grad.<role>.<group>`,
 `grad_norm.<role>`, `update.<role>`), the first such stage of that role is reported too: an
 unfrozen reference is named as `update.reference` changing.
 """
@@ -28,7 +34,8 @@ from dataclasses import dataclass, field
 from ffdebug import verdict as V
 from ffdebug.results import StageResult
 
-PHASE_RANK = {"rollout": 0, "train": 1}
+PHASE_RANK = {"eval": 0, "rollout": 1, "train": 2}
+"""Within one optimizer step: the evaluation of the weights it starts from, its rollout, its training."""
 ROLE_PREFIXES = ("loss.", "grad_norm.", "update.", "grad.")
 
 
@@ -87,6 +94,9 @@ class TrainingFirst:
         elif e.beyond_noise and e.noise_rel:
             how = f"{e.severity}: rel {e.rel:.3g}, {e.rel / e.noise_rel:.3g} x the noise run's"
         text = f"training order: first divergence at optimizer_step {e.step.get('optimizer_step')}, {e.key} ({how})"
+        role = role_of(e.key)
+        if role is not None and e.key.startswith(("grad.", "grad_norm.")):
+            text += f", the gradient of update.{role}"
         if self.per_role:
             roles = "; ".join(
                 f"{role}: {s.key} at optimizer_step {s.step.get('optimizer_step')}"
@@ -104,15 +114,39 @@ def _exact_prefix_break(ordered: list[StageResult]) -> StageResult | None:
     return None if broken is None or broken.noise_measured else broken
 
 
+def _gains_a_gradient(e: StageResult) -> bool:
+    """A gradient stage the reference holds all zeros for (a frozen role) and the target does not."""
+    return (
+        not e.ok
+        and e.key.startswith(("grad.", "grad_norm."))
+        and e.rel is None
+        and e.norm_ratio is None
+        and bool(e.max_abs)
+    )
+
+
+def _gradient_role(first: StageResult, ordered: list[StageResult]) -> StageResult:
+    """`first`, or the divergent gradient stage of its step and rank whose role gained a gradient."""
+    if not first.key.startswith(("grad.", "grad_norm.")):
+        return first
+    same = [e for e in ordered if _step(e) == _step(first) and _stage_rank(e) == _stage_rank(first)]
+    return next((e for e in same if _gains_a_gradient(e)), first)
+
+
 def locate(stages: list[StageResult]) -> TrainingFirst | None:
     """The first divergent stage in training order (module docstring), or None when all match."""
     ordered = training_order(stages)
+    position = {id(e): i for i, e in enumerate(ordered)}
     first = next((e for e in ordered if not e.ok), None)
     broken = _exact_prefix_break(ordered)
-    exact_signal = broken is not None and (first is None or first is broken)
-    first = first or broken
+    if broken is not None and (first is None or position[id(broken)] <= position[id(first)]):
+        first, exact_signal = broken, True
+    else:
+        exact_signal = False
     if first is None:
         return None
+    if not exact_signal:
+        first = _gradient_role(first, ordered)
     located = TrainingFirst(first, exact_signal)
     for e in ordered:
         role = role_of(e.key)

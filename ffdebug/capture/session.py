@@ -19,6 +19,7 @@ from ffdebug.capture.sinks import StoreSink
 
 # the capture state (tags, layers, sessions) lives in capture/state.py
 from ffdebug.capture.state import current_layer, current_order, current_tags
+from ffdebug.capture.trainer_inputs import WHAT as TRAINER_INPUTS
 from ffdebug.logs import get_logger
 
 _LAYER_PREFIX = re.compile(r"^L\d+\.")
@@ -153,8 +154,10 @@ class Session:
         extra = meta.get("extra") or {}
         ids = key == "embed.input_ids" or bool(extra.get("input_ids"))
         # kept in full always, like the ids: the token mask (comparison/align.py), the inputs the gate
-        # reads (capture/inputs.py) and scalars judged near zero by a declared scale
-        small = ids or bool(extra.get("token_mask")) or key in GATED or "scale" in extra
+        # reads (capture/inputs.py, capture/trainer_inputs.py) and scalars judged near zero by a declared scale
+        small = (
+            ids or bool(extra.get("token_mask")) or key in GATED or key in TRAINER_INPUTS or "scale" in extra
+        )
         if not (free or self.sink.takes_module_stages) or not self.wants(key, meta.get("layer"), small):
             self.filtered += 1
             return
@@ -222,7 +225,8 @@ class Session:
     def tap(self, stage: str, tensor, tags: dict) -> None:
         """A free tap. Reserved tags describe the tensor (`io`, `shard`, `reduction`, `layer`,
         `layer_class`, `input_ids=True`: these are token ids for the compare gate; `scale=S`: the
-        absolute size of the terms a reduced value was summed from, docs/trainer-taps.md); the others
+        absolute size of the terms a reduced value was summed from; `derived_from="..."`: this input is
+        computed from those configuration fields, not drawn, docs/trainer-taps.md); the others
         are step tags of this capture."""
         tags = dict(tags)
         meta: dict = {"io": tags.pop("io", "out"), "layer": tags.pop("layer", current_layer())}
@@ -233,6 +237,8 @@ class Session:
             meta["extra"] = {"input_ids": True}
         if "scale" in tags:  # the size of the terms a reduced value was summed from (compare.near_zero)
             meta.setdefault("extra", {})["scale"] = float(tags.pop("scale"))
+        if "derived_from" in tags:  # an input computed from configuration, not drawn (comparison.inputs_gate)
+            meta.setdefault("extra", {})["derived_from"] = str(tags.pop("derived_from"))
         if meta["layer"] is not None and not _LAYER_PREFIX.match(stage):
             stage = f"L{meta['layer']:03d}.{stage}"  # a tap inside a block is one of its stages
         if _LAYER_PREFIX.sub("", stage) in ROTARY_STAGES:

@@ -376,6 +376,16 @@ class BaseAdapter(ABC):
             )
         return self._latent_shape
 
+    def schedule_source(self) -> str:
+        """Where the σ schedule comes from besides the step count (the ``derived_from`` of
+        ``rollout.timesteps``): the scheduler of ``model.fixture_dir`` and its shift."""
+        scheduler = self._require_component("scheduler")
+        config = getattr(scheduler, "config", {})
+        shift = config.get("shift") if hasattr(config, "get") else None
+        dynamic = bool(config.get("use_dynamic_shifting")) if hasattr(config, "get") else False
+        how = f"shift={shift}" + (" (dynamic)" if dynamic else "")
+        return f"the scheduler of model.fixture_dir ({type(scheduler).__name__}, {how})"
+
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The σ schedule [num_steps + 1] from 1 to 0 (diffusers ``FlowMatchEulerDiscreteScheduler``).
 

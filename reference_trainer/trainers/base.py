@@ -57,7 +57,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -86,16 +86,16 @@ from reference_trainer.roles import (
 from reference_trainer.sharding import check_sharded_optimizer, full_state, full_tensors
 from reference_trainer.steplog import StepLog
 from reference_trainer.taps import UpdateTaps
-
-if TYPE_CHECKING:  # a type only
-    from reference_trainer.inputs_from import InputsFrom
+from reference_trainer.trainers.inputs import RunInputs
 
 T = TypeVar("T")
 EVAL_FILE = "eval.jsonl"
+PHASES = ("rollout", "train", "eval")
+"""The ``phase`` tag's values (docs/trainer-taps.md "Step tags")."""
 METRICS_FILE = "metrics.jsonl"
 
 
-class BaseTrainer(ABC):
+class BaseTrainer(RunInputs, ABC):
     """The thin, contract-owning base of every trainer (see the module docstring)."""
 
     registry_name: ClassVar[str] = ""
@@ -106,10 +106,6 @@ class BaseTrainer(ABC):
     """The role stepped by dataset acquisition."""
     supervision: ClassVar[str | None] = None
     """Dataset trainers: ``demonstration`` or ``preference`` records."""
-    takes_inputs: ClassVar[bool] = False
-    """Trainers whose rollouts can take a target's inputs (``--inputs-from``, ``inputs_from``)."""
-    inputs_from: InputsFrom | None = None
-    """Set by ``run.train`` for ``--inputs-from``: prompts, noise and order come from that store."""
 
     def __init__(
         self,
@@ -325,21 +321,27 @@ class BaseTrainer(ABC):
         seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
         return torch.Generator().manual_seed(seed)
 
-    def step_tags(self, phase: str) -> dict[str, Any]:
-        """ffdebug tags for captures of the current cycle.
+    def step_tags(self, phase: str, *, role: str | None = None) -> dict[str, Any]:
+        """ffdebug tags for captures of the current cycle (docs/trainer-taps.md "Step tags").
 
         Args:
-            phase: the phase tag (e.g. ``"train"``).
+            phase: ``rollout``, ``train`` or ``eval``.
+            role: the role a ``train`` block steps, for trainers that step several roles (``role`` tag).
 
         Returns:
             The tags (phase, counters) for ``ffdebug.step``.
         """
-        return {
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} is not one of {PHASES} (docs/trainer-taps.md)")
+        tags: dict[str, Any] = {
             "optimizer_step": self.optimizer_step,
             "rollout_iteration": self.rollout_iteration,
             "data_epoch": self.data_epoch,
             "phase": phase,
         }
+        if role is not None:
+            tags["role"] = role
+        return tags
 
     def _all_modules(self) -> list[torch.nn.Module]:
         components = [self.adapter.get_component(name) for name in self.adapter.component_names()]
@@ -443,12 +445,13 @@ class BaseTrainer(ABC):
         if self._epoch_batches is None:
             self._epoch_batches = self.dataset.epoch(self.data_epoch, self.batches_in_epoch)
         self.cycle_metrics = {}
-        with self.optim.phase(self.dataset_role) as phase:
+        # the whole window is one train block: its losses, gradient norm and updates are tagged too
+        with ffdebug.step(**self.step_tags("train")), self.optim.phase(self.dataset_role) as phase:
             for _ in range(accumulation):  # check_accumulation guarantees the window closes
-                batch = next(self._epoch_batches)
-                with ffdebug.step(**self.step_tags("train"), microbatch=phase.backward_calls):
+                with ffdebug.step(microbatch=phase.backward_calls):
+                    batch = self.take_batch(next(self._epoch_batches))
                     loss, metrics = self.optimize_batch(batch)
-                phase.backward(loss / accumulation, metrics)
+                    phase.backward(loss / accumulation, metrics)
                 self.batches_in_epoch += 1
         if self.batches_in_epoch == self.dataset.batches_per_epoch:
             if next(self._epoch_batches, None) is not None:

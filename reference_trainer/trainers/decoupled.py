@@ -242,7 +242,7 @@ class DecoupledTrainer(BaseTrainer):
             The gathered ``DecoupledSamples`` of this iteration.
         """
         args = self.args
-        prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
+        prompts = self.rollout_prompts(args.prompts_per_iteration, args.group_size)
         first_group = self.backend.rank * args.prompts_per_iteration  # global group ids
         repeated, group_ids = repeat_groups(prompts, args.group_size, first_group)
         condition = self.conditions.get(repeated)
@@ -255,8 +255,9 @@ class DecoupledTrainer(BaseTrainer):
             module=None if parameters is not None else self.variants.variant("policy"),
             parameters=parameters,
             guidance_scale=args.rollout_guidance_scale,
+            given=self.rollout_given(args.num_inference_steps, args.noise_level),
         )
-        tap_rollout_inputs(self.adapter, repeated, trajectory)  # the same-inputs gate
+        tap_rollout_inputs(self.adapter, repeated, trajectory, num_steps_field="train.num_inference_steps")
         ffdebug.tap("rollout.latents", trajectory.latents)
         images = self.adapter.decode_latents(trajectory.final)
         advantages, self.cycle_metrics = self.feedback(images, repeated, group_ids)
@@ -274,7 +275,10 @@ class DecoupledTrainer(BaseTrainer):
         """
         args = self.args
         steps = args.term_count()
-        chunks = self.minibatch_order(samples).chunk(args.gradient_steps_per_iteration)
+        with ffdebug.step(**self.step_tags("train")):  # the iteration's sample order is an input
+            order = self.sample_order(self.minibatch_order(samples))
+            ffdebug.tap("train.order", order)
+        chunks = order.chunk(args.gradient_steps_per_iteration)
         for m, minibatch in self.cycle_steps(list(enumerate(chunks))):
             index = self.backend.local_part(minibatch)
             terms = self.train_terms(steps)
@@ -298,9 +302,8 @@ class DecoupledTrainer(BaseTrainer):
             self.generator(self.noise_name, self.rollout_iteration, minibatch, j, key)
             for key in self.noise_keys(samples, index)
         ]
-        noise = randn_rows(x0.shape, generators)
+        noise = self.drawn("train.noise", randn_rows(x0.shape, generators))
         sigma = self.term_sigma(samples, index, j, minibatch)
-        ffdebug.tap("train.sigma", sigma)
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1.0 - s) * x0 + s * noise
         ffdebug.tap("train.x_t", x_t)
@@ -312,10 +315,20 @@ class DecoupledTrainer(BaseTrainer):
         """σ of term j for samples ``index`` (global sample indices) of ``minibatch``, [b] fp32: the
         ``timestep_sampling`` draw (``reference_trainer.timesteps``), keyed by the counters and, where the
         original draws per sample, the global sample index; shared draws are the same on every rank."""
+        sigma = self._term_sigma(samples, index, j, minibatch)
+        ffdebug.tap("train.sigma", sigma)
+        return sigma
+
+    def _term_sigma(
+        self, samples: DecoupledSamples, index: torch.Tensor, j: int, minibatch: int
+    ) -> torch.Tensor:
+        """``term_sigma`` before its tap: the random part of the choice passes ``drawn`` (the indices
+        ``train.timestep_index`` [b] int64 into the σ schedule; a continuous σ itself, ``train.sigma_draw``)."""
         args, sigmas, iteration = self.args, samples.sigmas, self.rollout_iteration
         steps, count, kind = len(sigmas) - 1, args.term_count(), args.timestep_sampling
+        b = len(index)
         if kind == "fixed":
-            return sigmas[j].float().expand(len(index))
+            return sigmas[j].float().expand(b)
         if kind == "shuffle":
             picked = [
                 int(
@@ -325,18 +338,20 @@ class DecoupledTrainer(BaseTrainer):
                 )
                 for i in index
             ]
-            return sigmas[torch.tensor(picked, dtype=torch.long)].float()
-        if kind == "subset":  # one draw for the iteration, every minibatch and rank
+            chosen = torch.tensor(picked, dtype=torch.long)
+        elif kind == "subset":  # one draw for the iteration, every minibatch and rank
             trunc = steps - 1 if args.trunc_steps is None else args.trunc_steps
-            chosen = timesteps.subset_indices(trunc, count, self.generator("timesteps", iteration))
-            return sigmas[chosen[j]].float().expand(len(index))
-        generator = self.generator("timesteps", iteration, minibatch)  # shared by the minibatch
-        if kind == "logit_normal":
-            return (
-                timesteps.logit_normal_sigmas(count, args.time_shift, generator)[j].float().expand(len(index))
-            )
-        low, high = (0 if kind == "discrete" else 1), trained_steps(args.timestep_fraction, steps)
-        return sigmas[timesteps.stratified_indices(low, high, count, generator)[j]].float().expand(len(index))
+            drawn = timesteps.subset_indices(trunc, count, self.generator("timesteps", iteration))
+            chosen = torch.as_tensor(drawn[j], dtype=torch.long).expand(b).clone()
+        else:
+            generator = self.generator("timesteps", iteration, minibatch)  # shared by the minibatch
+            if kind == "logit_normal":
+                sigma = timesteps.logit_normal_sigmas(count, args.time_shift, generator)[j].float().expand(b)
+                return self.drawn("train.sigma_draw", sigma.clone())
+            low, high = (0 if kind == "discrete" else 1), trained_steps(args.timestep_fraction, steps)
+            drawn = timesteps.stratified_indices(low, high, count, generator)
+            chosen = torch.as_tensor(drawn[j], dtype=torch.long).expand(b).clone()
+        return sigmas[self.drawn("train.timestep_index", chosen)].float()
 
     def velocity(
         self,

@@ -211,7 +211,10 @@ class DiffusionOPDTrainer(BaseTrainer):
         )
         for minibatch in self.cycle_steps(order.chunk(args.gradient_steps_per_iteration)):
             minibatch = self.backend.local_part(minibatch)  # this rank's share of the global minibatch
-            with ffdebug.step(**self.step_tags("student")), self.optim.phase("student") as phase:
+            with (
+                ffdebug.step(**self.step_tags("train", role="student")),
+                self.optim.phase("student") as phase,
+            ):
                 for j in range(steps):
                     with ffdebug.step(timestep=j):
                         loss, metrics = self.step_loss(samples, minibatch, j)

@@ -173,7 +173,10 @@ class DMD2Trainer(BaseTrainer):
             generator = self.sample_generators(
                 "dmd2", self.rollout_iteration, index, "noise", count=len(phase.z)
             )
-            with ffdebug.step(**self.step_tags(phase.role)), self.optim.phase(phase.role) as step:
+            with (
+                ffdebug.step(**self.step_tags("train", role=phase.role)),
+                self.optim.phase(phase.role) as step,
+            ):
                 self.tap_phase_inputs(phase)
                 if phase.role == "fake":
                     loss, metrics = self.fake_loss(phase, generator)

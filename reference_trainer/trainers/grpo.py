@@ -195,14 +195,7 @@ class GRPOTrainer(BaseTrainer):
         """
         args = self.args
         # 1. P prompts, each repeated K times in contiguous groups (or the target's: --inputs-from)
-        forced = self.inputs_from
-        prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
-        if forced is not None:
-            known = self.prompts.prompts
-            prompts = (
-                forced.prompts(self.rollout_iteration, args.group_size, known, self.adapter.prompt_token_ids)
-                or prompts
-            )
+        prompts = self.rollout_prompts(args.prompts_per_iteration, args.group_size)
         first_group = self.backend.rank * args.prompts_per_iteration  # global group ids
         repeated, group_ids = repeat_groups(prompts, args.group_size, first_group)
         condition = self.conditions.get(repeated)
@@ -214,9 +207,9 @@ class GRPOTrainer(BaseTrainer):
             noise_level=args.noise_level,
             generator=self.sample_generators("rollout", self.rollout_iteration, count=len(repeated)),
             module=self.variants.variant("policy"),
-            given=forced.sampling(self.rollout_iteration, args.noise_level) if forced is not None else None,
+            given=self.rollout_given(args.num_inference_steps, args.noise_level),
         )
-        tap_rollout_inputs(self.adapter, repeated, trajectory)
+        tap_rollout_inputs(self.adapter, repeated, trajectory, num_steps_field="train.num_inference_steps")
         ffdebug.tap("rollout.latents", trajectory.latents)
         ffdebug.tap("rollout.log_prob", trajectory.log_probs)
         # 3. rewards on the decoded images, then group-relative advantages
@@ -239,10 +232,9 @@ class GRPOTrainer(BaseTrainer):
         args = self.args
         batch = len(samples.prompts)
         steps = trained_steps(args.timestep_fraction, args.num_inference_steps)
-        order = torch.randperm(batch, generator=self.generator("shuffle", self.rollout_iteration))
-        if self.inputs_from is not None:
-            given = self.inputs_from.order(self.rollout_iteration, batch)
-            order = given if given is not None else order
+        order = self.sample_order(
+            torch.randperm(batch, generator=self.generator("shuffle", self.rollout_iteration))
+        )
         with ffdebug.step(**self.step_tags("train")):
             ffdebug.tap("train.order", order)
         for minibatch in self.cycle_steps(order.chunk(args.gradient_steps_per_iteration)):

@@ -164,12 +164,17 @@ class OfflineDPOTrainer(BaseTrainer):
         ffdebug.tap("batch.x0_rejected", x0_l)
         # 3. one (σ, ε) per pair and draw, shared by both arms
         losses, metric_sums = [], {}
-        for _ in range(args.num_train_timesteps):
-            sigma = sample_sigmas(
-                x0_w.shape[0], args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
-            )
-            noise = randn_rows(x0_w.shape, generator)
-            errors = pair_errors(x0_w, x0_l, sigma, noise, *self.velocity_fns(condition))
+        for k in range(args.num_train_timesteps):
+            with ffdebug.step(timestep_draw=k):  # the inputs σ, ε are draws (taken with --inputs-from)
+                sigma = self.drawn(
+                    "train.sigma",
+                    sample_sigmas(
+                        x0_w.shape[0], args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
+                    ),
+                )
+                noise = self.drawn("train.noise", randn_rows(x0_w.shape, generator))
+                errors = pair_errors(x0_w, x0_l, sigma, noise, *self.velocity_fns(condition))
+                ffdebug.tap("train.dpo_errors", torch.stack(errors))  # [4, B]: e_θ^w, e_θ^l, e_ref^w, e_ref^l
             loss_k, metrics_k = diffusion_dpo_loss(*errors, beta=args.beta)
             losses.append(loss_k)
             for key, value in metrics_k.items():

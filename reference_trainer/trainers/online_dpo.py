@@ -137,7 +137,7 @@ class OnlineDPOTrainer(BaseTrainer):
             The ``OnlineDPOSamples`` of this iteration.
         """
         args: OnlineDPOArguments = self.args  # type: ignore[assignment]
-        prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
+        prompts = self.rollout_prompts(args.prompts_per_iteration, args.group_size)
         first_group = self.backend.rank * args.prompts_per_iteration  # global group ids
         repeated, group_ids = repeat_groups(prompts, args.group_size, first_group)
         condition = self.conditions.get(repeated)
@@ -147,8 +147,9 @@ class OnlineDPOTrainer(BaseTrainer):
             noise_level=args.noise_level,
             generator=self.sample_generators("rollout", self.rollout_iteration, count=len(repeated)),
             module=self.variants.variant("policy"),
+            given=self.rollout_given(args.num_inference_steps, args.noise_level),
         )
-        tap_rollout_inputs(self.adapter, repeated, trajectory)  # the same-inputs gate
+        tap_rollout_inputs(self.adapter, repeated, trajectory, num_steps_field="train.num_inference_steps")
         x0 = trajectory.final
         ffdebug.tap("rollout.latents", trajectory.latents)
         if trajectory.log_probs is not None:
@@ -185,11 +186,14 @@ class OnlineDPOTrainer(BaseTrainer):
                 self.generator("online_dpo", self.rollout_iteration, s, int(g))
                 for g in samples.group_ids[chosen]
             ]
-            sigma = sample_sigmas(
-                len(chosen), args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
-            )
-            noise = randn_rows(x0_w.shape, generator)  # ε shared by both arms of a pair
             with ffdebug.step(**self.step_tags("train")), self.optim.phase("policy") as phase:
+                sigma = self.drawn(
+                    "train.sigma",
+                    sample_sigmas(
+                        len(chosen), args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
+                    ),
+                )
+                noise = self.drawn("train.noise", randn_rows(x0_w.shape, generator))  # ε shared by both arms
                 errors = pair_errors(
                     x0_w,
                     x0_l,

@@ -15,7 +15,9 @@ One microbatch (``optimize_batch``), notation as in the paper:
 4. L = mean_k L_k; the base back-propagates L / gradient_accumulation_steps in the ``policy`` phase.
 
 All randomness comes from ``self.generator("sft", data_epoch, record index)``, one generator per record,
-so a resumed run draws the same σ and ε as the uninterrupted one, whatever rank holds the record. ``evaluate`` adds ``heldout.loss``, the same loss on the
+so a resumed run draws the same σ and ε as the uninterrupted one, whatever rank holds the record. The
+draws are the run's inputs (docs/trainer-taps.md "Inputs"): ``batch.sample_ids``, ``train.sigma`` [B] and
+``train.noise`` [B, C, H, W] per draw k (tag ``timestep_draw=k``), taken from a target by ``--inputs-from``. ``evaluate`` adds ``heldout.loss``, the same loss on the
 held-out demonstrations with the fixed evaluation draws.
 """
 
@@ -121,14 +123,17 @@ class SFTTrainer(BaseTrainer):
         # 3. one flow-matching term per σ draw
         losses = []
         for k in range(args.num_train_timesteps):
-            sigma = sample_sigmas(
-                x0.shape[0], args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
-            )  # [B]
-            noise = randn_rows(x0.shape, generator)  # ε, [B, C, H, W]
-            x_t = interpolate(x0, noise, sigma)
-            v_pred = self.adapter.forward(x_t, sigma, condition)
-            ffdebug.tap("train.sigma", sigma, timestep_draw=k)
-            ffdebug.tap("train.velocity", v_pred, timestep_draw=k)
+            with ffdebug.step(timestep_draw=k):  # the inputs σ, ε are draws (taken with --inputs-from)
+                sigma = self.drawn(
+                    "train.sigma",
+                    sample_sigmas(
+                        x0.shape[0], args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
+                    ),
+                )  # [B]
+                noise = self.drawn("train.noise", randn_rows(x0.shape, generator))  # ε, [B, C, H, W]
+                x_t = interpolate(x0, noise, sigma)
+                v_pred = self.adapter.forward(x_t, sigma, condition)
+                ffdebug.tap("train.velocity", v_pred)
             loss_k, _ = flow_matching_loss(v_pred, noise, x0)
             losses.append(loss_k)
         # 4. average over the σ draws (the base scales by 1/gradient_accumulation_steps)

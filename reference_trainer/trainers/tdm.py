@@ -245,7 +245,7 @@ class TDMTrainer(BaseTrainer):
         """
         for index, role in self.cycle_steps(list(enumerate(self.phase_roles()))):
             draw = self.draw_stage(rollout, index)
-            with ffdebug.step(**self.step_tags(role)), self.optim.phase(role) as step:
+            with ffdebug.step(**self.step_tags("train", role=role)), self.optim.phase(role) as step:
                 if role == "fake":
                     loss, metrics = self.fake_loss(draw, rollout.condition)
                 else:

@@ -297,7 +297,7 @@ class TDMR1Trainer(AuthorsPhases, TDMTrainer):
             self.optimize_authors(rollout)
             return
         for index, role in self.cycle_steps(list(enumerate(self.phase_roles()))):
-            with ffdebug.step(**self.step_tags(role)), self.optim.phase(role) as step:
+            with ffdebug.step(**self.step_tags("train", role=role)), self.optim.phase(role) as step:
                 if role == "fake":
                     loss, metrics = self.fake_loss(self.draw_stage(rollout, index), rollout.condition)
                 elif role == "surrogate":

@@ -124,7 +124,7 @@ class AuthorsPhases:
             "surrogate": self.authors_surrogate_loss,
         }
         for role in self.cycle_steps(self.phase_roles()):
-            with ffdebug.step(**self.step_tags(role)), self.optim.phase(role) as step:
+            with ffdebug.step(**self.step_tags("train", role=role)), self.optim.phase(role) as step:
                 total, sums = None, {}
                 for j in draws.stages:
                     with ffdebug.step(timestep=j):
