@@ -77,8 +77,8 @@ class DataConfig:
 
     prompts: tuple[str, ...] = field(default=(), metadata={"acquisition": "generation"})
     """Generation prompts; empty = the packaged tiny prompt list (``fixtures/prompts.txt``)."""
-    encode_prompts_together: bool = field(default=False, metadata={"acquisition": "generation"})
-    """Encode each rollout's prompts (one row per sample) in one text-encoder batch instead of one
+    encode_prompts_together: bool = False
+    """Encode each rollout's (or dataset batch's) prompts in one text-encoder batch instead of one
     prompt at a time: a harmless numerical difference, for a noise run of ``ffdebug bisect --noise``
     (docs/trainer-taps.md "A harmless difference: the noise side"). Off by default: a condition's
     bits then depend on the batch it was encoded in."""

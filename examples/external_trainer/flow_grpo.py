@@ -52,6 +52,7 @@ class Settings:
     max_grad_norm: float = 1.0
     seed: int = 7
     prompt_chunk: int = 1  # prompts CLIP-encoded per call; 0 = all in one batch (a harmless difference)
+    shift: float | None = None  # the σ schedule's shift; None = the fixture scheduler's own (3.0)
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -192,6 +193,8 @@ def train(s: Settings) -> None:
     params = list(policy.parameters())
     optimizer = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     rng = torch.Generator().manual_seed(s.seed)
+    if s.shift is not None:  # another schedule: the reference must not adopt it (docs/trainer-taps.md)
+        scheduler = type(scheduler).from_config(scheduler.config, shift=s.shift)
     scheduler.set_timesteps(s.denoise)
     sigmas = scheduler.sigmas.to(torch.float32)
     batch_size = s.prompts * s.group
@@ -227,8 +230,13 @@ def train(s: Settings) -> None:
                 ffdebug.tap("objective", scaled, microbatch=j, scale=scale / s.denoise)
                 scaled.backward()
             ffdebug.tap_grads("policy", policy.named_parameters())  # opt-in sampled gradients, pre-clip
+            frozen_grads = [p.grad.float().pow(2).sum() for p in frozen.parameters() if p.grad is not None]
+            frozen_norm = (
+                torch.stack(frozen_grads).sum().sqrt() if frozen_grads else torch.zeros(())
+            )  # pre-clip
             gnorm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm, foreach=False)
             ffdebug.tap("gnorm", gnorm.detach().clone())
+            ffdebug.tap("gnorm.frozen", frozen_norm)  # 0: the reference takes no gradient
             before = [p.detach().clone() for p in params]
             frozen_before = [p.detach().clone() for p in frozen.parameters()]
             optimizer.step()
@@ -247,9 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beta", type=float, default=Settings.beta)
     parser.add_argument("--batched-prompts", action="store_true", help="encode the prompts in one batch")
     parser.add_argument("--prompt-chunk", type=int, default=1, help="prompts per encoder call (default 1)")
+    parser.add_argument(
+        "--shift", type=float, default=None, help="the σ schedule's shift (default: the fixture's)"
+    )
     args = parser.parse_args(argv)
     chunk = 0 if args.batched_prompts else args.prompt_chunk
-    train(Settings(steps=args.steps, seed=args.seed, beta=args.beta, prompt_chunk=chunk))
+    train(Settings(steps=args.steps, seed=args.seed, beta=args.beta, prompt_chunk=chunk, shift=args.shift))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ located at the optimizer step and stage where it first acts, by one ``bisect``:
   with batched prompt encoding every stage differs a little, and one bisect with a noise run (the
   reference with its prompts encoded in one batch) still names the gradient of step 1, while the correct trainer with
   batched encoding passes with that noise run;
-* the reference aliased to the policy (never frozen): ``update.reference`` of step 0, the
-  reference's own weights changing.
+* the reference aliased to the policy (never frozen): ``grad_norm.reference`` of step 0 (a role the
+  reference trainer holds no gradient for takes one), named as the gradient of ``update.reference``.
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ def test_own_rng_and_names_compare_ok_for_three_steps_with_inputs_from(runs):
 
     dumps = runs / "dumps"
     taken = json.loads((runs / "ref_run" / "inputs_from.json").read_text())
-    inputs = ("rollout.prompt_ids", "rollout.noise", "rollout.sde_noise", "rollout.timesteps", "train.order")
+    inputs = ("rollout.prompt_ids", "rollout.noise", "rollout.sde_noise", "train.order")
     assert taken["taken"] == {key: [0, 1, 2] for key in inputs} and taken["not_taken"] == {}
+    # the σ schedule is the configuration's: recomputed, and the gate found the target's equal
+    assert taken["recomputed"] == {"rollout.timesteps": [0, 1, 2]}
 
     result = ffdebug.compare(dumps / "ref", dumps / "target", alias_file=TAPS)
     assert result.exit_code() == 0 and result.verdict is Severity.OK, result.first_divergence
@@ -156,7 +158,7 @@ def _bugs(example):
         "advantages_per_batch": ("advantages", _per_batch, "advantage", 0),
         "log_prob_missing_sqrt_dt": ("log_prob", no_sqrt_dt, "rollout.log_prob", 0),
         "kl_under_no_grad": ("kl_term", kl_no_grad, "grad.policy.*", 1),
-        "unfrozen_reference": ("copy", aliased, "update.reference", 0),
+        "unfrozen_reference": ("copy", aliased, "grad_norm.reference", 0),
     }
 
 
@@ -175,8 +177,9 @@ def test_injected_bug_is_located_at_its_optimizer_step_and_stage(runs, tmp_path,
     assert result.exit_code() == 1 and result.judgement.rank >= Severity.BUG.rank
     sentence = next(n for n in result.notes if n.startswith("training order:"))
     assert f"optimizer_step {step}, {first.key}" in sentence
-    if stage == "update.reference":
-        assert "reference: update.reference at optimizer_step 0" in sentence
+    if stage == "grad_norm.reference":
+        assert "the gradient of update.reference" in sentence
+        assert "reference: grad_norm.reference at optimizer_step 0" in sentence
         from ffdebug.store.reader import open_side
 
         frozen = [r.load() for r in open_side(runs / "dumps" / "ref").records if r.key == "update.reference"]
@@ -228,3 +231,52 @@ def test_kl_under_no_grad_with_batched_encoding_is_located_beyond_noise(runs, tm
         "grad_norm.policy",
         1,
     ), scalar.notes
+
+
+def test_another_schedule_shift_stops_at_the_gate_naming_the_schedule(tmp_path):
+    """A target whose σ schedule uses shift 1 (the reference's config: 3): --inputs-from takes its
+    noise but recomputes the schedule, and compare exits 3 naming it and where it comes from."""
+    from ffdebug.errors import InputIdsMismatch
+    from reference_trainer.config import load_config
+    from reference_trainer.run import train
+
+    dumps = tmp_path / "dumps"
+    _target(dumps, "target", "--steps", "1", "--shift", "1.0")
+    with ffdebug.capture(dir=str(dumps), side="ref"):
+        overrides = ("max_steps=1",)
+        train(
+            load_config(EXAMPLE / "reference.yaml", overrides=overrides),
+            tmp_path / "ref_run",
+            inputs_from=dumps / "target",
+            inputs_map_file=TAPS,
+        )
+    with pytest.raises(InputIdsMismatch) as raised:
+        ffdebug.compare(dumps / "ref", dumps / "target", alias_file=TAPS)
+    assert raised.value.exit_code == 3
+    message = str(raised.value)
+    assert message.startswith("rollout.timesteps (σ schedule) differ at "), message
+    assert "first at index [1]" in message  # σ_0 = 1 under any shift
+    assert "computes them from train.num_inference_steps=4 and the scheduler of model.fixture_dir" in message
+    assert "shift=3.0" in message
+
+
+@pytest.mark.numeric
+def test_kl_under_no_grad_is_named_at_step_1_though_step_2_drifts(runs, tmp_path, monkeypatch):
+    """The whole 3-step run, no sampled gradients: the gradient norm of step 1 is the first stage that
+    is not bit-equal after bit-equal ones; later steps drift further, and must not hide it."""
+    example = _example()
+    name, replacement, _, _ = _bugs(example)["kl_under_no_grad"]
+    monkeypatch.setattr(example, name, replacement)
+    with ffdebug.capture(dir=str(tmp_path), side="buggy"):
+        example.main([])
+    result = ffdebug.bisect(
+        runs / "dumps" / "ref", tmp_path / "buggy", alias_file=TAPS, allow_partial=True, exclude=GROUP_GRADS
+    )
+    first = result.first_divergence
+    assert (first.key, first.step["optimizer_step"]) == ("grad_norm.policy", 1), result.notes
+    assert result.exit_code() == 1 and result.judgement.rank >= Severity.BUG.rank
+    compared = ffdebug.compare(
+        runs / "dumps" / "ref", tmp_path / "buggy", alias_file=TAPS, allow_partial=True, exclude=GROUP_GRADS
+    )
+    later = [e for e in compared.stages if e.step.get("optimizer_step") == 2 and not e.ok]
+    assert later, "step 2 is within the ok band: nothing tests that a later drift does not hide step 1"

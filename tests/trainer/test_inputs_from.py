@@ -1,4 +1,5 @@
-"""``--inputs-from`` reads a target's inputs by (stage, rollout_iteration); bad stores are one-line errors."""
+"""``--inputs-from`` reads a target's inputs by (stage, rollout_iteration), a draw by (stage, step tags,
+occurrence); the σ schedule is recomputed, never taken; bad stores are one-line errors."""
 
 from __future__ import annotations
 
@@ -32,10 +33,36 @@ def test_prompts_and_order_are_taken_and_the_rest_reported_not_taken(tmp_path):
     forced = InputsFrom(store, maps=[r"^my\.tokens$=rollout.prompt_ids"])
     assert forced.prompts(0, 2, PROMPTS, _ids) == ["a tree", "a cat"]
     assert forced.order(0, 4).tolist() == [3, 1, 0, 2]
-    assert forced.sampling(0, noise_level=0.7) is None  # no noise in the store: drawn by the reference
+    # no noise in the store: drawn by the reference; the schedule is the reference's own, never taken
+    assert forced.sampling(0, noise_level=0.7, sigmas=torch.linspace(1, 0, 5)) is None
     report = forced.report()
     assert report["taken"] == {"rollout.prompt_ids": [0], "train.order": [0]}
-    assert report["not_taken"] == {"rollout.noise": [0], "rollout.sde_noise": [0], "rollout.timesteps": [0]}
+    assert report["recomputed"] == {"rollout.timesteps": [0]}
+    assert report["not_taken"] == {"rollout.noise": [0], "rollout.sde_noise": [0]}
+
+
+def test_a_draw_is_taken_by_its_step_tags_and_occurrence(tmp_path):
+    """The k-th draw of a stage under some tags takes the target's k-th capture under the same tags
+    (tag order and the phase included); one the target lacks is the reference's own, listed."""
+    train = dict(optimizer_step=1, rollout_iteration=1, data_epoch=0, phase="train")
+    with ffdebug.capture(dir=str(tmp_path), side="target"):
+        with ffdebug.step(**train, microbatch=0):
+            ffdebug.tap("train.noise", torch.full((2, 3), 1.0))
+            ffdebug.tap("train.noise", torch.full((2, 3), 2.0))
+        with ffdebug.step(**train, microbatch=1):
+            ffdebug.tap("train.noise", torch.full((2, 3), 3.0))
+    forced = InputsFrom(tmp_path / "target")
+    own = torch.zeros(2, 3)
+    tags = {"microbatch": 0, **train}  # another tag order
+    assert float(forced.take("train.noise", tags, own)[0, 0]) == 1.0
+    assert float(forced.take("train.noise", tags, own)[0, 0]) == 2.0
+    assert forced.take("train.noise", tags, own) is own  # a third draw: the target made two
+    assert float(forced.take("train.noise", {**train, "microbatch": 1}, own)[0, 0]) == 3.0
+    rollout = {**train, "phase": "rollout", "microbatch": 1}
+    assert forced.take("train.noise", rollout, own) is own  # another phase: not the same draw
+    assert forced.report()["taken"] == {"train.noise": [1]}
+    with pytest.raises(ConfigError, match=r"train.noise at .* has shape \[2, 3\], the reference draws \[4\]"):
+        InputsFrom(tmp_path / "target").take("train.noise", {**train, "microbatch": 1}, torch.zeros(4))
 
 
 def test_unknown_prompt_mixed_group_and_empty_store_are_config_errors(tmp_path):
