@@ -236,6 +236,14 @@ def train(
     trainer = build_trainer(config, output_dir, resume=resume)
     if inputs_from is not None:
         from reference_trainer.inputs_from import InputsFrom
+        from reference_trainer.registry import resolve_trainer, trainer_names
+
+        if not type(trainer).takes_inputs:
+            able = [name for name in trainer_names() if resolve_trainer(name)[0].takes_inputs]
+            raise ConfigError(
+                "--inputs-from",
+                f"trainer {config.trainer!r} does not take a target's inputs yet (these do: {', '.join(able)})",
+            )
 
         trainer.inputs_from = InputsFrom(
             inputs_from, rank=trainer.backend.rank, maps=inputs_map, map_file=inputs_map_file

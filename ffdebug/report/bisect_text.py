@@ -108,6 +108,20 @@ def layers_table(result) -> Table:
     return table
 
 
+def _no_layer_table(result: BisectResult) -> str:
+    """Why there is no layer table, true to what the stores hold."""
+    from ffdebug.bisection.training import is_trainer_run
+
+    if not any(e.layer is not None for e in result.stages):
+        return "No layer table: neither store holds a layer stage (L<n>.*)."
+    if is_trainer_run(result.stages):
+        return (
+            "No layer table: a training run's layer stages (L<n>.*) belong to many forwards; they are "
+            "bisected in training order (the training-order line below)."
+        )
+    return "No layer table: the layer stages (L<n>.*) were compared, but no layer was paired on both sides."
+
+
 def print_bisect(
     result: BisectResult, console: Console | None = None, all_stages: bool = False, html: str | None = None
 ) -> None:
@@ -116,7 +130,7 @@ def print_bisect(
     if result.layers:
         console.print(layers_table(result))
     else:  # an empty table would look like a rendering fault
-        console.print("No layer table: neither store holds a layer stage (L<n>.*).")
+        console.print(_no_layer_table(result))
     first = result.first_divergence
     if first is not None and first.layer is not None and not all_stages:
         rows = [e for e in result.stages if e.layer == first.layer]

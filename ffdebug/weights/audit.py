@@ -64,7 +64,15 @@ class LoadAuditResult:
 
     @property
     def verdict(self) -> Severity:
-        return V.worst(*(v["severity"] for v in self.value_mismatch + self.not_loaded))
+        """The worst value finding, and at least ``bug`` for a structural one (a shape mismatch, a
+        tensor never loaded or a parameter no checkpoint tensor covers): ``verdict`` never says ``ok``
+        beside ``passed: false``."""
+        worst = V.worst(*(v["severity"] for v in self.value_mismatch + self.not_loaded))
+        if self.never_loaded or self.not_covered or self.shape_mismatch or self.not_loaded:
+            worst = V.worst(worst, Severity.BUG)
+        if self.failed() and worst is Severity.OK:
+            worst = self.fail_on
+        return worst
 
     def failed(self) -> bool:
         return bool(

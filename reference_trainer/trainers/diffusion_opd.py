@@ -159,6 +159,9 @@ class OPDSamples:
 class DiffusionOPDTrainer(BaseTrainer):
     """DiffusionOPD (module docstring)."""
 
+    takes_inputs: ClassVar[bool] = False
+    """Its draws are not yet routed through ``drawn`` (docs/trainer-taps.md "Which trainers tap what")."""
+
     execution_contract: ClassVar[ExecutionContract] = GENERATION_NO_FEEDBACK
     roles: ClassVar[tuple[str, ...]] = ("student",)
 

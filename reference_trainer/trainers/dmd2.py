@@ -114,6 +114,9 @@ class DMD2Phase:
 class DMD2Trainer(BaseTrainer):
     """DMD2 (module docstring)."""
 
+    takes_inputs: ClassVar[bool] = False
+    """Its draws are not yet routed through ``drawn`` (docs/trainer-taps.md "Which trainers tap what")."""
+
     execution_contract: ClassVar[ExecutionContract] = GENERATION_NO_FEEDBACK
     roles: ClassVar[tuple[str, ...]] = ("generator", "fake")
 

@@ -126,6 +126,9 @@ class StageDraw:
 class TDMTrainer(BaseTrainer):
     """TDM (module docstring)."""
 
+    takes_inputs: ClassVar[bool] = False
+    """Its draws are not yet routed through ``drawn`` (docs/trainer-taps.md "Which trainers tap what")."""
+
     execution_contract: ClassVar[ExecutionContract] = GENERATION_NO_FEEDBACK
     roles: ClassVar[tuple[str, ...]] = ("generator", "fake")
 

@@ -239,6 +239,9 @@ class TDMR1Rollout(TDMRollout):
 class TDMR1Trainer(AuthorsPhases, TDMTrainer):
     """TDM-R1 (module docstring)."""
 
+    takes_inputs: ClassVar[bool] = False
+    """Its draws are not yet routed through ``drawn`` (docs/trainer-taps.md "Which trainers tap what")."""
+
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
     roles: ClassVar[tuple[str, ...]] = ("generator", "fake", "surrogate")
 

@@ -17,6 +17,8 @@ tolerance for grpo, the least sensitive, to 630x for dmd2).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from helpers import REPO
@@ -41,10 +43,38 @@ def _run(name, tmp_path, *extra):
     return config, overrides
 
 
+MODEL_STAGE = re.compile(r"^(L\d{3}\.|embed\.|final\.)")
+PHASES = ("rollout", "train", "eval")
+
+
+def _documented_stages(name: str) -> set[str]:
+    """The stages docs/trainer-taps.md "Which trainers tap what" lists for ``name``."""
+    text = (REPO / "docs/trainer-taps.md").read_text()
+    row = re.search(rf"^\| `{re.escape(name)}` \|[^|]*\|(.*)\|$", text, re.MULTILINE)
+    assert row, f"docs/trainer-taps.md lists no stages for trainer {name!r}"
+    return set(re.findall(r"`([^`]+)`", row.group(1)))
+
+
 @pytest.mark.parametrize("name", trainer_names())
 def test_first_steps_match_the_golden(name, tmp_path):
-    config, overrides = _run(name, tmp_path)
-    check_golden(name, metrics(tmp_path), config=config, overrides=overrides)
+    """The golden run is dumped too (the numbers do not change), and its store is in training
+    order: every capture carries ``optimizer_step`` and a ``phase`` of the contract, and every stage
+    it dumps besides the model's is the stage list docs/trainer-taps.md gives for this trainer."""
+    import ffdebug
+    from ffdebug.store.reader import open_side
+
+    with ffdebug.capture(dir=str(tmp_path / "dumps"), side="ref"):
+        config, overrides = _run(name, tmp_path / "run")
+    check_golden(name, metrics(tmp_path / "run"), config=config, overrides=overrides)
+    records = open_side(tmp_path / "dumps" / "ref").records
+    assert records, f"{name}: the golden run dumped nothing"
+    untagged = [(r.key, r.phase, sorted(r.step)) for r in records if "optimizer_step" not in r.step]
+    assert not untagged, f"{name}: captures without optimizer_step: {untagged[:3]}"
+    phases = {r.phase for r in records}
+    assert phases <= set(PHASES), f"{name}: phases {sorted(map(str, phases))} outside {PHASES}"
+    dumped = {r.key for r in records if not MODEL_STAGE.match(r.key)}
+    undocumented = sorted(dumped - _documented_stages(name))
+    assert not undocumented, f"{name} dumps stages docs/trainer-taps.md does not list: {undocumented}"
 
 
 @pytest.mark.parametrize("name", trainer_names())

@@ -63,6 +63,7 @@ def test_head_sized_for_4_inputs_vs_checkpoint_with_5(tmp_path, monkeypatch):
     }
     assert [s["name"] for s in out["shape_mismatch"]] == ["head.weight"]  # the bias fits: [3]
     assert out["loaded"] == 5 and not out["never_loaded"] and not out["not_covered"]
+    assert out["passed"] is False and out["verdict"] == "bug"  # never "ok" beside a failure
     text = run_cli("load-audit", f"{tmp_path / 'head_model.py'}:build", ckpt)
     assert text.exit_code == 1
     assert "head.weight" in text.stdout and "Linear" in text.stdout and "[3, 32]" in text.stdout
