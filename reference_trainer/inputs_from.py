@@ -141,15 +141,8 @@ class InputsFrom:
         ids = self._get("rollout.prompt_ids", iteration)
         if ids is None:
             return None
-        table = {tuple(row.tolist()): prompt for row, prompt in zip(token_ids(list(known)), known)}
-        rows = [table.get(tuple(row.tolist())) for row in ids.long()]
         where = f"{self.store}: rollout.prompt_ids of rollout_iteration {iteration}"
-        if None in rows:
-            raise ConfigError(
-                "--inputs-from",
-                f"{where}, row {rows.index(None)}, is no prompt of data.prompts; train the reference on the "
-                "target's prompt list",
-            )
+        rows = self.prompts_of(ids, known, token_ids, where)
         if len(rows) % group_size:
             raise ConfigError("--inputs-from", f"{where}: {len(rows)} rows are not groups of {group_size}")
         groups = [rows[i : i + group_size] for i in range(0, len(rows), group_size)]
@@ -161,6 +154,24 @@ class InputsFrom:
                     "prompts; a group is train.group_size contiguous samples of one prompt",
                 )
         return [group[0] for group in groups]
+
+    def prompts_of(
+        self,
+        ids: torch.Tensor,
+        known: Sequence[str],
+        token_ids: Callable[[list[str]], torch.Tensor],
+        where: str,
+    ) -> list[str]:
+        """The prompt of each row of token ids [n, L], looked up among ``known`` tokenized as the adapter does."""
+        table = {tuple(row.tolist()): prompt for row, prompt in zip(token_ids(list(known)), known)}
+        rows = [table.get(tuple(row.tolist())) for row in ids.long()]
+        if None in rows:
+            raise ConfigError(
+                "--inputs-from",
+                f"{where}, row {rows.index(None)}, is no prompt of data.prompts; train the reference on the "
+                "target's prompt list",
+            )
+        return rows  # type: ignore[return-value]
 
     def sampling(self, iteration: int, noise_level: float, sigmas: torch.Tensor) -> SamplingInputs | None:
         """The iteration's noise with the reference's own schedule ``sigmas`` (recomputed, never taken:

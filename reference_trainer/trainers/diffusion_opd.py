@@ -45,6 +45,7 @@ from reference_trainer.errors import ConfigError, require
 from reference_trainer.losses.opd import opd_loss
 from reference_trainer.registry import register_trainer
 from reference_trainer.sde import flow_ode_step, flow_sde_step
+from reference_trainer.taps import tap_rollout_inputs
 from reference_trainer.trainers.base import BaseTrainer
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -159,9 +160,6 @@ class OPDSamples:
 class DiffusionOPDTrainer(BaseTrainer):
     """DiffusionOPD (module docstring)."""
 
-    takes_inputs: ClassVar[bool] = False
-    """Its draws are not yet routed through ``drawn`` (docs/trainer-taps.md "Which trainers tap what")."""
-
     execution_contract: ClassVar[ExecutionContract] = GENERATION_NO_FEEDBACK
     roles: ClassVar[tuple[str, ...]] = ("student",)
 
@@ -186,7 +184,7 @@ class DiffusionOPDTrainer(BaseTrainer):
             The ``OPDSamples``.
         """
         args: DiffusionOPDArguments = self.args  # type: ignore[assignment]
-        prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
+        prompts = self.rollout_prompts(args.prompts_per_iteration, 1)
         condition = self.conditions.get(prompts)
         trajectory = self.adapter.inference(
             condition,
@@ -194,7 +192,9 @@ class DiffusionOPDTrainer(BaseTrainer):
             noise_level=args.noise_level,
             generator=self.sample_generators("opd", self.rollout_iteration, count=len(prompts)),
             module=self.variants.variant("student"),
+            given=self.rollout_given(args.num_inference_steps, args.noise_level),
         )
+        tap_rollout_inputs(self.adapter, prompts, trajectory, num_steps_field="train.num_inference_steps")
         ffdebug.tap("rollout.latents", trajectory.latents)
         teachers = torch.tensor([args.teacher_of(prompt) for prompt in prompts])
         return OPDSamples(prompts, condition, trajectory, teachers)
@@ -209,9 +209,12 @@ class DiffusionOPDTrainer(BaseTrainer):
         args: DiffusionOPDArguments = self.args  # type: ignore[assignment]
         steps = args.trained_steps()
         samples = self.gather_samples(samples)
-        order = torch.randperm(
+        drawn = torch.randperm(
             len(samples.prompts), generator=self.generator("shuffle", self.rollout_iteration)
         )
+        with ffdebug.step(**self.step_tags("train", role="student")):  # the sample order is an input
+            order = self.sample_order(drawn)
+            ffdebug.tap("train.order", order)
         for minibatch in self.cycle_steps(order.chunk(args.gradient_steps_per_iteration)):
             minibatch = self.backend.local_part(minibatch)  # this rank's share of the global minibatch
             with (

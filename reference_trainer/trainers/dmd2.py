@@ -114,9 +114,6 @@ class DMD2Phase:
 class DMD2Trainer(BaseTrainer):
     """DMD2 (module docstring)."""
 
-    takes_inputs: ClassVar[bool] = False
-    """Its draws are not yet routed through ``drawn`` (docs/trainer-taps.md "Which trainers tap what")."""
-
     execution_contract: ClassVar[ExecutionContract] = GENERATION_NO_FEEDBACK
     roles: ClassVar[tuple[str, ...]] = ("generator", "fake")
 
@@ -180,7 +177,7 @@ class DMD2Trainer(BaseTrainer):
                 ffdebug.step(**self.step_tags("train", role=phase.role)),
                 self.optim.phase(phase.role) as step,
             ):
-                self.tap_phase_inputs(phase)
+                phase = self.take_phase_inputs(phase)
                 if phase.role == "fake":
                     loss, metrics = self.fake_loss(phase, generator)
                 else:
@@ -188,13 +185,15 @@ class DMD2Trainer(BaseTrainer):
                 metrics.pop("loss")
                 step.backward(loss, metrics)
 
-    def tap_phase_inputs(self, phase: DMD2Phase) -> None:
-        """The phase's inputs, for the same-inputs gate (docs/trainer-taps.md): ``rollout.prompt_ids``
-        and ``rollout.noise`` (its z); a one-step generator has no σ schedule or SDE noise."""
-        ids = self.adapter.prompt_token_ids(list(phase.prompts)) if ffdebug.enabled() else None
-        if ids is not None:
-            ffdebug.tap("rollout.prompt_ids", ids)
-            ffdebug.tap("rollout.noise", phase.z)
+    def take_phase_inputs(self, phase: DMD2Phase) -> DMD2Phase:
+        """The phase's inputs, tapped for the same-inputs gate (docs/trainer-taps.md) and taken with
+        ``--inputs-from``: ``rollout.prompt_ids`` and ``rollout.noise`` (its z); a one-step generator has
+        no σ schedule or SDE noise."""
+        prompts = self.drawn_prompts(phase.prompts)
+        z = self.drawn("rollout.noise", phase.z)
+        if tuple(prompts) == phase.prompts and z is phase.z:
+            return phase
+        return DMD2Phase(phase.role, self.conditions.get(prompts), z, tuple(prompts))
 
     def noised(
         self, x: torch.Tensor, generator: Generators
@@ -209,8 +208,11 @@ class DMD2Trainer(BaseTrainer):
             ``(sigma, noise, x_sigma)``.
         """
         args: DMD2Arguments = self.args  # type: ignore[assignment]
-        sigma = sample_sigmas(x.shape[0], "uniform", generator, low=args.sigma_min, high=args.sigma_max)
-        noise = randn_rows(x.shape, generator)
+        sigma = self.drawn(
+            "train.sigma",
+            sample_sigmas(x.shape[0], "uniform", generator, low=args.sigma_min, high=args.sigma_max),
+        )
+        noise = self.drawn("train.noise", randn_rows(x.shape, generator))
         return sigma, noise, interpolate(x.detach(), noise, sigma)
 
     def fake_loss(self, phase: DMD2Phase, generator: Generators) -> tuple[torch.Tensor, dict[str, float]]:

@@ -11,6 +11,7 @@ tapped with ``derived_from`` (never taken), so the same-inputs gate names a targ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -61,6 +62,26 @@ class RunInputs:
             self.rollout_iteration, group_size, self.prompts.prompts, self.adapter.prompt_token_ids
         )
         return forced or prompts
+
+    def drawn_prompts(self, prompts: Sequence[str]) -> list[str]:
+        """Prompts drawn for a phase that taps its own ``rollout.prompt_ids`` (not once per rollout
+        iteration): tapped under the tags in force; with ``--inputs-from``, the target's rows there,
+        each looked up among ``data.prompts``."""
+        if self.inputs_from is None and not ffdebug.enabled():
+            return list(prompts)
+        own = self.adapter.prompt_token_ids(list(prompts))
+        if own is None:  # an adapter without token ids: nothing to tap or take
+            return list(prompts)
+        if self.inputs_from is None:
+            ffdebug.tap("rollout.prompt_ids", own)
+            return list(prompts)
+        ids = self.inputs_from.take("rollout.prompt_ids", current_tags(), own)
+        ffdebug.tap("rollout.prompt_ids", ids)
+        if ids is own:
+            return list(prompts)
+        assert self.prompts is not None
+        where = f"{self.inputs_from.store}: rollout.prompt_ids at {current_tags()}"
+        return self.inputs_from.prompts_of(ids, self.prompts.prompts, self.adapter.prompt_token_ids, where)
 
     def rollout_given(self, num_steps: int, noise_level: float) -> SamplingInputs | None:
         """The target's rollout noise with this run's own σ schedule (``--inputs-from``), or None."""

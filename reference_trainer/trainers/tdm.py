@@ -126,9 +126,6 @@ class StageDraw:
 class TDMTrainer(BaseTrainer):
     """TDM (module docstring)."""
 
-    takes_inputs: ClassVar[bool] = False
-    """Its draws are not yet routed through ``drawn`` (docs/trainer-taps.md "Which trainers tap what")."""
-
     execution_contract: ClassVar[ExecutionContract] = GENERATION_NO_FEEDBACK
     roles: ClassVar[tuple[str, ...]] = ("generator", "fake")
 
@@ -156,13 +153,29 @@ class TDMTrainer(BaseTrainer):
             The ``TDMRollout``.
         """
         args: TDMArguments = self.args  # type: ignore[assignment]
-        prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
+        prompts = self.rollout_prompts(args.prompts_per_iteration, 1)
         condition = self.conditions.get(prompts)
         generators = self.sample_generators("tdm", self.rollout_iteration, "z", count=len(prompts))
-        z = randn_rows((len(prompts), *self.adapter.latent_shape), generators)
+        z = self.rollout_noise(prompts, randn_rows((len(prompts), *self.adapter.latent_shape), generators))
         trajectory = self.generator_trajectory(z, condition)
         ffdebug.tap("rollout.latents", trajectory.latents)
         return TDMRollout(condition, trajectory)
+
+    def rollout_noise(self, prompts: list[str], z: torch.Tensor) -> torch.Tensor:
+        """The rollout's inputs: the prompts' token ids, z (drawn: the target's with ``--inputs-from``)
+        and the generator's boundaries (derived from ``train.num_generator_steps``), tapped in the
+        contract's order; returns the z to use, [P, C, H, W]."""
+        ids = self.adapter.prompt_token_ids(list(prompts)) if ffdebug.enabled() else None
+        if ids is not None:
+            ffdebug.tap("rollout.prompt_ids", ids)
+        z = self.drawn("rollout.noise", z)
+        steps = self.args.num_generator_steps
+        ffdebug.tap(
+            "rollout.timesteps",
+            self.boundaries(),
+            derived_from=f"train.num_generator_steps={steps} (uniform)",
+        )
+        return z
 
     def boundaries(self) -> torch.Tensor:
         """σ_0 = 1 > σ_1 > ... > σ_K = 0, uniform (the reference's uniform timesteps T − k·T/K), [K + 1]."""
@@ -209,7 +222,10 @@ class TDMTrainer(BaseTrainer):
             stages.append(int(torch.randint(steps, (1,), generator=g)))
             fractions.append(torch.rand(1, generator=g))
             noises.append(torch.randn(latents.shape[2:], generator=g))
-        k = torch.tensor(stages)
+        # the draws are inputs (docs/trainer-taps.md): the stage index, σ_t, ε, each taken with --inputs-from
+        k = self.drawn("train.timestep_index", torch.tensor(stages))
+        if not bool(((k >= 0) & (k < steps)).all()):
+            raise ValueError(f"train.timestep_index {k.tolist()}: a generator stage is 0 .. {steps - 1}")
         sigma_stage, sigma_mid = sigmas[k], sigmas[k + 1]
         low = sigma_mid.clamp_min(args.sigma_min)
         high = sigma_stage - args.stage_margin
@@ -218,9 +234,11 @@ class TDMTrainer(BaseTrainer):
                 "train.stage_margin, train.sigma_min: leave no σ_t inside a generator stage of σ schedule "
                 f"{[round(float(s), 4) for s in sigmas]}; lower them or train.num_generator_steps"
             )
-        sigma_t = low + torch.cat(fractions) * (high - low)
+        sigma_t = self.drawn("train.sigma", low + torch.cat(fractions) * (high - low))
         x_stage = latents[torch.arange(count), k].float()
-        return StageDraw(x_stage, sigma_stage, sigma_mid, sigma_t, torch.stack(noises))
+        return StageDraw(
+            x_stage, sigma_stage, sigma_mid, sigma_t, self.drawn("train.noise", torch.stack(noises))
+        )
 
     def generator_prediction(
         self, draw: StageDraw, condition: Condition
@@ -247,8 +265,8 @@ class TDMTrainer(BaseTrainer):
             rollout: what ``sample`` returned.
         """
         for index, role in self.cycle_steps(list(enumerate(self.phase_roles()))):
-            draw = self.draw_stage(rollout, index)
             with ffdebug.step(**self.step_tags("train", role=role)), self.optim.phase(role) as step:
+                draw = self.draw_stage(rollout, index)  # inside the block: its draws carry its tags
                 if role == "fake":
                     loss, metrics = self.fake_loss(draw, rollout.condition)
                 else:

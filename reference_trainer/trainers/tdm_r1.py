@@ -239,9 +239,6 @@ class TDMR1Rollout(TDMRollout):
 class TDMR1Trainer(AuthorsPhases, TDMTrainer):
     """TDM-R1 (module docstring)."""
 
-    takes_inputs: ClassVar[bool] = False
-    """Its draws are not yet routed through ``drawn`` (docs/trainer-taps.md "Which trainers tap what")."""
-
     execution_contract: ClassVar[ExecutionContract] = GENERATION_REWARD
     roles: ClassVar[tuple[str, ...]] = ("generator", "fake", "surrogate")
 
@@ -275,13 +272,12 @@ class TDMR1Trainer(AuthorsPhases, TDMTrainer):
             The ``TDMR1Rollout``.
         """
         args: TDMR1Arguments = self.args  # type: ignore[assignment]
-        prompts = self.prompts.draw(self.rollout_iteration, args.prompts_per_iteration)
+        prompts = self.rollout_prompts(args.prompts_per_iteration, args.group_size)
         repeated, group_ids = repeat_groups(prompts, args.group_size, self.backend.rank * len(prompts))
         condition = self.conditions.get(repeated)
         generators = self.sample_generators("tdm_r1", self.rollout_iteration, "z", count=len(repeated))
-        trajectory = self.generator_trajectory(
-            randn_rows((len(repeated), *self.adapter.latent_shape), generators), condition
-        )
+        z = self.rollout_noise(repeated, randn_rows((len(repeated), *self.adapter.latent_shape), generators))
+        trajectory = self.generator_trajectory(z, condition)
         ffdebug.tap("rollout.latents", trajectory.latents)
         advantages, self.cycle_metrics = self.feedback(
             self.adapter.decode_latents(trajectory.final), repeated, group_ids
@@ -344,11 +340,16 @@ class TDMR1Trainer(AuthorsPhases, TDMTrainer):
             )
             for group in dict.fromkeys(groups)
         }
-        boundary = torch.tensor([per_group[group] for group in groups])
+        # the draws are inputs (docs/trainer-taps.md), each taken with --inputs-from
+        boundary = self.drawn("train.timestep_index", torch.tensor([per_group[group] for group in groups]))
+        if not bool(((boundary >= 1) & (boundary <= steps)).all()):
+            raise ValueError(f"train.timestep_index {boundary.tolist()}: a boundary is 1 .. {steps}")
         generators = self.sample_generators("tdm_r1", self.rollout_iteration, phase, "noise", count=count)
         sigma = torch.cat([torch.rand(1, generator=g) for g in generators])
-        sigma = args.sigma_min + sigma * (1.0 - args.stage_margin - args.sigma_min)
-        noise = torch.stack([torch.randn(latents.shape[2:], generator=g) for g in generators])
+        sigma = self.drawn("train.sigma", args.sigma_min + sigma * (1.0 - args.stage_margin - args.sigma_min))
+        noise = self.drawn(
+            "train.noise", torch.stack([torch.randn(latents.shape[2:], generator=g) for g in generators])
+        )
         x_b = latents[torch.arange(count), boundary].float()
         s = sigma.reshape(-1, 1, 1, 1)
         x_t, target = (1.0 - s) * x_b + s * noise, noise - x_b

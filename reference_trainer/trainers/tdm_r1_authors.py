@@ -115,9 +115,8 @@ class AuthorsPhases:
         Args:
             rollout: the ``TDMR1Rollout`` of this iteration (with the rollout's velocities).
         """
-        draws = self.shared_draws()
         with ffdebug.step(**self.step_tags("train")):
-            ffdebug.tap("train.stages", torch.tensor(draws.stages))
+            draws = self.take_shared(self.shared_draws())
         losses = {
             "generator": self.authors_generator_loss,
             "fake": self.authors_fake_loss,
@@ -143,6 +142,23 @@ class AuthorsPhases:
                 )
                 self.variants.update_snapshot("slow_surrogate", "surrogate", decay)
 
+    def take_shared(self, draws: SharedDraws) -> SharedDraws:
+        """The shared draws as inputs (docs/trainer-taps.md), each under a ``draw`` tag naming it:
+        the stage indices ``train.timestep_index`` (``stages``, ``surrogate_stage``) and the uniforms
+        ``train.sigma_draw`` (``u_fake``, ``u_reward``, ``u_surrogate``); taken with ``--inputs-from``."""
+        k = self.args.num_generator_steps
+        taken = {}
+        for name in ("stages", "surrogate_stage", "u_fake", "u_reward", "u_surrogate"):
+            value = getattr(draws, name)
+            stage = "train.timestep_index" if name in ("stages", "surrogate_stage") else "train.sigma_draw"
+            with ffdebug.step(draw=name):
+                dtype = torch.long if stage == "train.timestep_index" else torch.float32
+                given = self.drawn(stage, torch.tensor(value, dtype=dtype))
+            taken[name] = tuple(int(v) if dtype is torch.long else float(v) for v in given.tolist())
+        if not all(0 <= j < k for j in (*taken["stages"], *taken["surrogate_stage"])):
+            raise ValueError(f"train.timestep_index: stage indices are 0 .. {k - 1}, got {taken}")
+        return SharedDraws(**taken)
+
     # ------------------------------------------------------------------ draws per sample / group
     def _sample_noise(self, rollout: TDMR1Rollout, purpose: str, j: int) -> torch.Tensor:
         """Fresh ε per sample (keyed by the global sample index), [B, C, H, W]."""
@@ -150,7 +166,10 @@ class AuthorsPhases:
         generators = self.sample_generators(
             "tdm_r1", self.rollout_iteration, purpose, j, count=latents.shape[0]
         )
-        return torch.stack([torch.randn(latents.shape[2:], generator=g) for g in generators])
+        with ffdebug.step(draw=purpose):  # an input, taken with --inputs-from
+            return self.drawn(
+                "train.noise", torch.stack([torch.randn(latents.shape[2:], generator=g) for g in generators])
+            )
 
     def _group_noise(self, rollout: TDMR1Rollout, purpose: str, j: int) -> torch.Tensor:
         """ε shared by a group's samples (keyed by the global group id), [B, C, H, W]."""
@@ -160,7 +179,10 @@ class AuthorsPhases:
             if group not in noise:
                 g = self.generator("tdm_r1", self.rollout_iteration, purpose, j, "group", group)
                 noise[group] = torch.randn(shape, generator=g)
-        return torch.stack([noise[group] for group in rollout.group_ids.tolist()])
+        with ffdebug.step(draw=purpose):  # an input, taken with --inputs-from
+            return self.drawn(
+                "train.noise", torch.stack([noise[group] for group in rollout.group_ids.tolist()])
+            )
 
     def _stage(self, rollout: TDMR1Rollout, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x_j [B, C, H, W], σ_j [B], σ_{j+1} [B]) of the rollout's stage j."""
