@@ -114,8 +114,9 @@ def train(
         Path | None,
         typer.Option(
             "--inputs-from",
-            help="A target's ffdebug store (DIR/<side>): take its prompts, noise, timesteps and sample order "
-            "(docs/trainer-taps.md); DIR/inputs_from.json says what was taken",
+            help="A target's ffdebug store (DIR/<side>): take its random draws (prompts, noise, sample order, "
+            "record ids, sampled timesteps); the σ schedule is recomputed and gated (docs/trainer-taps.md "
+            "\"Inputs\"); DIR/inputs_from.json says what was taken and what recomputed",
         ),
     ] = None,
     inputs_map: Annotated[
