@@ -116,7 +116,7 @@ def train(
             "--inputs-from",
             help="A target's ffdebug store (DIR/<side>): take its random draws (prompts, noise, sample order, "
             "record ids, sampled timesteps); the σ schedule is recomputed and gated (docs/trainer-taps.md "
-            "\"Inputs\"); DIR/inputs_from.json says what was taken and what recomputed",
+            '"Inputs"); DIR/inputs_from.json says what was taken and what recomputed',
         ),
     ] = None,
     inputs_map: Annotated[

@@ -10,7 +10,9 @@ them:
     optimizer step → phase (eval, rollout, then train) → rollout → reward → advantage
                    → train forwards and losses (in capture order) → gradients → updates
 
-and the first stage outside the ok band is the first divergence, unless a stage before it in
+(within a step, phase and rank, in the order the reference captured them; a stage without an
+`optimizer_step` tag where it was captured), and the first stage outside the ok band is the first
+divergence, unless a stage before it in
 training order is the first that is not exactly equal after an exact prefix
 (`verdict.exact_prefix_end`: bit-equal in the same dtype): that stage is, the exact-prefix signal (a
 bug however small), whatever later steps do; a KL gradient lost at step 1 grows into a drift of
@@ -63,11 +65,33 @@ def _stage_rank(e: StageResult) -> int:
     return 1
 
 
+def _capture_position(e: StageResult, index: int) -> tuple[int, int]:
+    """Where the reference captured `e`: its record's sequence number (per rank), else its index."""
+    return (0, e.seq) if e.seq is not None else (1, index)
+
+
+def _place(e: StageResult) -> tuple[int, int, int]:
+    return _step(e), PHASE_RANK.get(e.phase or "", 2), _stage_rank(e)
+
+
 def training_order(stages: list[StageResult]) -> list[StageResult]:
-    """`stages` in training order (module docstring); ties keep their order in `stages`."""
-    indexed = list(enumerate(stages))
-    indexed.sort(key=lambda p: (_step(p[1]), PHASE_RANK.get(p[1].phase or "", 2), _stage_rank(p[1]), p[0]))
-    return [e for _, e in indexed]
+    """`stages` in training order (module docstring). Within one step, phase and rank, stages keep
+    the order the reference captured them in, so a tap made after a forward comes after the
+    forward's stages. A stage without an `optimizer_step` tag is placed where it was captured:
+    right after the tagged stage captured before it (at the start when none was), never before step
+    0 by default."""
+    by_capture = sorted(range(len(stages)), key=lambda i: _capture_position(stages[i], i))
+    place: dict[int, tuple[int, int, int]] = {}
+    last = (0, -1, -1)  # before anything tagged: the start of step 0
+    for i in by_capture:
+        e = stages[i]
+        if "optimizer_step" in e.step and _step(e) >= 0:
+            last = place[i] = _place(e)
+        else:
+            place[i] = last
+    rank = {i: n for n, i in enumerate(by_capture)}
+    order = sorted(range(len(stages)), key=lambda i: (place[i], rank[i]))
+    return [stages[i] for i in order]
 
 
 def role_of(key: str) -> str | None:
@@ -145,8 +169,7 @@ def locate(stages: list[StageResult]) -> TrainingFirst | None:
         exact_signal = False
     if first is None:
         return None
-    if not exact_signal:
-        first = _gradient_role(first, ordered)
+    first = _gradient_role(first, ordered)  # the same step and rank: an exact-prefix break stays one
     located = TrainingFirst(first, exact_signal)
     for e in ordered:
         role = role_of(e.key)

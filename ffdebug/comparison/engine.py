@@ -70,6 +70,7 @@ def stage_result(key: str, r: Record, t: Record) -> StageResult:
         phase=r.phase,
         ref=_meta(r),
         target=_meta(t),
+        seq=r.seq,
     )
 
 

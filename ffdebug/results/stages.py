@@ -79,6 +79,7 @@ class StageResult:
     severity_rank0: Severity | None = None  # before a shard reading explained the ranks
     per_rank: bool = False  # one of several target ranks, each compared with the reference
     flipped_tokens: list[int] | None = None  # token rows left out: they took another expert (routing)
+    seq: int | None = None  # the reference record's capture sequence number (training order; not in the JSON)
 
     @property
     def ok(self) -> bool:

@@ -4,7 +4,7 @@ exact-prefix signal without a noise run, the noise run's judgement with one."""
 from __future__ import annotations
 
 from ffdebug.bisection.engine import break_in_exact_prefix
-from ffdebug.bisection.training import locate
+from ffdebug.bisection.training import locate, training_order
 from ffdebug.results import StageResult, TensorMeta
 from ffdebug.verdict import Severity, exact_prefix_end
 
@@ -72,3 +72,58 @@ def test_a_noise_run_not_comparable_at_the_break_leaves_it_to_the_exact_prefix_r
     assert located is not None and located.stage is unmeasured and located.exact_signal
     measured = _stage("grad.policy.blocks.0", "train", 1e-5, noise_rel=1e-5, noise=True)
     assert locate([loss, measured]) is None
+
+
+def test_the_exact_prefix_break_wins_over_a_later_step_outside_the_ok_band():
+    """A KL gradient lost at step 1 is a 0.19% gradient-norm change after exactly equal stages; by
+    step 2 it has grown into a drift. The break is the divergence, the later drift only follows."""
+    stages = [
+        _stage("loss.policy", "train", 0.0, step=1),
+        _stage("grad_norm.policy", "train", 1.9e-3, step=1),  # inside the ok band, above rounding
+        _stage("train.kl", "train", 0.05, Severity.DRIFT, step=2),
+    ]
+    located = locate(stages)
+    assert (located.stage.key, located.stage.step["optimizer_step"], located.exact_signal) == (
+        "grad_norm.policy",
+        1,
+        True,
+    )
+
+
+def test_a_frozen_role_that_gains_a_gradient_is_named_with_its_update():
+    """At one step the policy's norm (over every parameter, the reference's included) and the
+    reference's norm (all zeros in the reference run) differ: the role that gained a gradient is
+    named, as the gradient of its update."""
+    policy = _stage("grad_norm.policy", "train", 0.4, Severity.BUG, step=0)
+    frozen = _stage("grad_norm.reference", "train", None, Severity.SCRAMBLE, step=0)
+    frozen.cos, frozen.norm_ratio, frozen.max_abs = 0.0, None, 3.0  # the reference run's is exactly 0
+    located = locate([_stage("loss.policy", "train", 0.0, step=0), policy, frozen])
+    assert located.stage is frozen
+    assert (
+        "grad_norm.reference (" in located.sentence()
+        and "the gradient of update.reference" in located.sentence()
+    )
+
+
+def test_stages_follow_capture_order_within_a_step_and_untagged_ones_where_captured():
+    """A tap made after a forward (a larger capture sequence number) comes after the forward's
+    stages whatever order compare listed them in; an evaluation tagged only with its phase is placed
+    after the stage captured before it, not before step 0."""
+    velocity = _stage("train.velocity", "train", 0.2, Severity.BUG, step=0)
+    latents = _stage("embed.latents", "train", 0.3, Severity.BUG, step=0)
+    velocity.seq, latents.seq = 9, 5
+    update = _stage("update.policy", "train", 0.0, step=0)
+    update.seq = 12
+    evaluation = _stage("eval.reward", "eval", 0.5, Severity.BUG)
+    evaluation.step, evaluation.seq = {"phase": "eval"}, 13
+    step1 = _stage("loss.policy", "train", 0.0, step=1)
+    step1.seq = 20
+    ordered = training_order([evaluation, velocity, step1, latents, update])
+    assert [e.key for e in ordered] == [
+        "embed.latents",
+        "train.velocity",
+        "update.policy",
+        "eval.reward",
+        "loss.policy",
+    ]
+    assert locate([velocity, latents]).stage is latents

@@ -6,9 +6,8 @@ takes them (``batch.sample_ids``, ``train.sigma``, ``train.noise``) and recomput
 so the two runs are bit-equal at every stage. Each planted bug is then named by one ``bisect`` at the
 stage and optimizer step where it first acts:
 
-* the rejected arm noised with its own ε (the pair must share one): the policy's velocity
-  ``train.velocity``, step 0 (its input ``embed.latents`` differs first in capture order, but a step's
-  free taps are ordered before its model calls: "Compare any trainer (2)", calls in capture order);
+* the rejected arm noised with its own ε (the pair must share one): the policy forward's input
+  ``embed.latents``, step 0 (stages in capture order: before the velocity tapped after the forward);
 * the velocity target x_0 − ε instead of ε − x_0: ``train.dpo_errors``, step 0;
 * β instead of β/2 in the logit: ``grad_norm.policy``, step 0 (at θ = ref the loss is log 2 whatever
   β; only its gradient doubles);
@@ -141,7 +140,7 @@ def _bugs(example):
         weight_decay: float = 0.01
 
     return {
-        "rejected_own_noise": ("rejected_noise", own_noise, "train.velocity"),
+        "rejected_own_noise": ("rejected_noise", own_noise, "embed.latents"),
         "target_sign": ("velocity_target", wrong_target, "train.dpo_errors"),
         "beta_not_halved": ("dpo_loss", beta_not_halved, "grad_norm.policy"),
         "no_accumulation_divisor": ("accumulation_divisor", lambda s: 1, "loss.policy"),
