@@ -18,6 +18,7 @@ import torch
 
 import ffdebug
 from ffdebug.capture.state import current_tags
+from reference_trainer.flow_matching import randn_rows, sample_sigmas
 
 if TYPE_CHECKING:  # types only
     from reference_trainer.adapters.base import BaseAdapter, SamplingInputs
@@ -52,6 +53,17 @@ class RunInputs:
             value = self.inputs_from.take(stage, current_tags(), value)
         ffdebug.tap(stage, value)
         return value
+
+    def drawn_sigma_noise(
+        self, shape: Sequence[int], args: Any, generator: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One flow-matching draw: σ [n] (``args.sigma_scheme`` in [``sigma_min``, ``sigma_max``]), then
+        ε [n, ...] of ``shape``, from ``generator`` (one, or one per row), each through ``drawn``
+        (``train.sigma``, ``train.noise``)."""
+        n = shape[0]
+        sigma = sample_sigmas(n, args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max)
+        sigma = self.drawn("train.sigma", sigma)
+        return sigma, self.drawn("train.noise", randn_rows(shape, generator))
 
     def rollout_prompts(self, count: int, group_size: int) -> list[str]:
         """This iteration's ``count`` prompts (one per group): drawn, or the target's (``--inputs-from``)."""

@@ -41,7 +41,7 @@ from reference_trainer.adapters.sampling import VelocityFn
 from reference_trainer.config import DatasetTrainingArguments
 from reference_trainer.contracts import DATASET, ExecutionContract
 from reference_trainer.errors import require
-from reference_trainer.flow_matching import Generators, check_sigma_sampling, randn_rows, sample_sigmas
+from reference_trainer.flow_matching import Generators, check_sigma_sampling
 from reference_trainer.losses.dpo import diffusion_dpo_loss, pair_errors
 from reference_trainer.registry import register_trainer
 from reference_trainer.trainers.base import BaseTrainer
@@ -166,13 +166,7 @@ class OfflineDPOTrainer(BaseTrainer):
         losses, metric_sums = [], {}
         for k in range(args.num_train_timesteps):
             with ffdebug.step(timestep_draw=k):  # the inputs σ, ε are draws (taken with --inputs-from)
-                sigma = self.drawn(
-                    "train.sigma",
-                    sample_sigmas(
-                        x0_w.shape[0], args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
-                    ),
-                )
-                noise = self.drawn("train.noise", randn_rows(x0_w.shape, generator))
+                sigma, noise = self.drawn_sigma_noise(x0_w.shape, args, generator)
                 errors = pair_errors(x0_w, x0_l, sigma, noise, *self.velocity_fns(condition))
                 ffdebug.tap("train.dpo_errors", torch.stack(errors))  # [4, B]: e_θ^w, e_θ^l, e_ref^w, e_ref^l
             loss_k, metrics_k = diffusion_dpo_loss(*errors, beta=args.beta)

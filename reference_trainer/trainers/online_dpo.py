@@ -33,7 +33,7 @@ from reference_trainer.contracts import GENERATION_REWARD, ExecutionContract
 from reference_trainer.data import repeat_groups
 from reference_trainer.errors import require
 from reference_trainer.feedback import GenerationRewardArguments, RewardFeedback
-from reference_trainer.flow_matching import check_sigma_sampling, randn_rows, sample_sigmas
+from reference_trainer.flow_matching import check_sigma_sampling
 from reference_trainer.losses.dpo import diffusion_dpo_loss, pair_errors
 from reference_trainer.registry import register_trainer
 from reference_trainer.taps import tap_rollout_inputs
@@ -187,13 +187,7 @@ class OnlineDPOTrainer(BaseTrainer):
                 for g in samples.group_ids[chosen]
             ]
             with ffdebug.step(**self.step_tags("train")), self.optim.phase("policy") as phase:
-                sigma = self.drawn(
-                    "train.sigma",
-                    sample_sigmas(
-                        len(chosen), args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
-                    ),
-                )
-                noise = self.drawn("train.noise", randn_rows(x0_w.shape, generator))  # ε shared by both arms
+                sigma, noise = self.drawn_sigma_noise(x0_w.shape, args, generator)  # ε shared by both arms
                 errors = pair_errors(
                     x0_w,
                     x0_l,

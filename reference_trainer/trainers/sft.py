@@ -38,8 +38,6 @@ from reference_trainer.flow_matching import (
     Generators,
     check_sigma_sampling,
     interpolate,
-    randn_rows,
-    sample_sigmas,
 )
 from reference_trainer.losses.sft import flow_matching_loss
 from reference_trainer.registry import register_trainer
@@ -124,13 +122,7 @@ class SFTTrainer(BaseTrainer):
         losses = []
         for k in range(args.num_train_timesteps):
             with ffdebug.step(timestep_draw=k):  # the inputs σ, ε are draws (taken with --inputs-from)
-                sigma = self.drawn(
-                    "train.sigma",
-                    sample_sigmas(
-                        x0.shape[0], args.sigma_scheme, generator, low=args.sigma_min, high=args.sigma_max
-                    ),
-                )  # [B]
-                noise = self.drawn("train.noise", randn_rows(x0.shape, generator))  # ε, [B, C, H, W]
+                sigma, noise = self.drawn_sigma_noise(x0.shape, args, generator)  # [B], [B, C, H, W]
                 x_t = interpolate(x0, noise, sigma)
                 v_pred = self.adapter.forward(x_t, sigma, condition)
                 ffdebug.tap("train.velocity", v_pred)

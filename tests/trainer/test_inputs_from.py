@@ -1,5 +1,6 @@
 """``--inputs-from`` reads a target's inputs by (stage, rollout_iteration), a draw by (stage, step tags,
-occurrence); the σ schedule is recomputed, never taken; bad stores are one-line errors."""
+occurrence); the σ schedule is recomputed, never taken; bad stores are one-line errors; every registered
+trainer takes every draw (a run with another seed fed a run's store is bit-equal to it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import ffdebug
 from reference_trainer.errors import ConfigError
 from reference_trainer.inputs_from import InputsFrom
+from reference_trainer.registry import trainer_names
 
 PROMPTS = ["a cat", "a dog", "a tree"]
 
@@ -76,3 +78,36 @@ def test_unknown_prompt_mixed_group_and_empty_store_are_config_errors(tmp_path):
         ffdebug.tap("reward", torch.ones(2))
     with pytest.raises(ConfigError, match=r"--inputs-from: .* holds none of rollout.prompt_ids"):
         InputsFrom(tmp_path / "c" / "target")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", trainer_names())
+def test_another_seed_fed_a_runs_inputs_is_bit_equal_to_it(name, tmp_path):
+    """Every registered trainer takes every draw with ``--inputs-from``: a run with another seed, fed
+    the first run's store, is bit-equal to it at every stage (the seed only picks the draws), and its
+    ``inputs_from.json`` lists nothing the store lacked."""
+    import json
+
+    from helpers import REPO
+    from helpers.trainer.golden_utils import GOLDEN_OVERRIDES
+    from helpers.trainer.trainer_utils import load
+
+    import ffdebug
+    from reference_trainer.run import train
+
+    config = REPO / f"examples/{name}/full/sd3_tiny/default.yaml"
+    overrides = GOLDEN_OVERRIDES.get(name, [])
+    with ffdebug.capture(dir=str(tmp_path / "dumps"), side="ref"):
+        train(load(config, *overrides, max_steps=2), tmp_path / "a")
+    with ffdebug.capture(dir=str(tmp_path / "dumps"), side="target"):
+        train(
+            load(config, *overrides, "seed=1", max_steps=2),
+            tmp_path / "b",
+            inputs_from=tmp_path / "dumps" / "ref",
+        )
+    report = json.loads((tmp_path / "b" / "inputs_from.json").read_text())
+    assert report["taken"] and report["not_taken"] == {}, report
+    result = ffdebug.compare(tmp_path / "dumps" / "ref", tmp_path / "dumps" / "target")
+    assert result.exit_code() == 0, result.first_divergence
+    unequal = [(e.key, e.step) for e in result.stages if e.bit_equal != 1.0]
+    assert not unequal, f"{name}: stages not bit-equal though every draw was taken: {unequal[:3]}"
