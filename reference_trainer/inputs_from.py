@@ -100,10 +100,18 @@ class InputsFrom:
         (self.taken if rec is not None else self.not_taken)[key].append(iteration)
         return None if rec is None else rec.load()
 
-    def take(self, key: str, tags: Mapping[str, Any], drawn: torch.Tensor) -> torch.Tensor:
+    def take(
+        self,
+        key: str,
+        tags: Mapping[str, Any],
+        drawn: torch.Tensor,
+        *,
+        within: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """The target's value of the draw ``key`` captured under ``tags`` (the k-th such capture for
         the k-th call), else ``drawn`` (listed as not taken). Its shape must be ``drawn``'s: a draw of
-        another size is a target that does not follow the contract."""
+        another size is a target that does not follow the contract; ``within=(low, high)``: an index
+        draw's range, low ≤ i < high."""
         step = {k: v for k, v in tags.items() if k != "phase"}
         where = (key, tag_key(step, tags.get("phase")))
         count = self._drawn.get(where, 0)
@@ -119,6 +127,13 @@ class InputsFrom:
                 "--inputs-from",
                 f"{self.store}: {key} at {_tags_text(tags)} has shape {list(given.shape)}, the reference draws "
                 f"{list(drawn.shape)} there; the target's draw does not follow docs/trainer-taps.md",
+            )
+        if within is not None and not bool(((given >= within[0]) & (given < within[1])).all()):
+            raise ConfigError(
+                "--inputs-from",
+                f"{self.store}: {key} at {_tags_text(tags)} is {given.tolist()}, outside {within[0]} .. "
+                f"{within[1] - 1}; the target's run is configured otherwise (step counts) or does not "
+                "follow docs/trainer-taps.md",
             )
         self.taken[key].append(iteration)
         return given.to(drawn.dtype)

@@ -26,7 +26,8 @@ the first divergent step and rank, a role the reference holds no gradient for (a
 snapshot) that the target gives one comes first (a target's total norm over every parameter differs
 only because of it), and the sentence names the update it leads to (`update.<role>`). Per role (the suffix of `loss.<role>`, `grad.<role>.<group>`,
 `grad_norm.<role>`, `update.<role>`), the first such stage of that role is reported too: an
-unfrozen reference is named as `update.reference` changing.
+unfrozen reference is named at `grad_norm.reference` (it gained a gradient), or as
+`update.reference` changing where no side taps its gradient norm.
 """
 
 from __future__ import annotations

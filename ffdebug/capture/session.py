@@ -19,7 +19,7 @@ from ffdebug.capture.sinks import StoreSink
 
 # the capture state (tags, layers, sessions) lives in capture/state.py
 from ffdebug.capture.state import current_layer, current_order, current_tags
-from ffdebug.capture.trainer_inputs import WHAT as TRAINER_INPUTS
+from ffdebug.capture.trainer_inputs import INPUT_KEYS
 from ffdebug.logs import get_logger
 
 _LAYER_PREFIX = re.compile(r"^L\d+\.")
@@ -155,9 +155,7 @@ class Session:
         ids = key == "embed.input_ids" or bool(extra.get("input_ids"))
         # kept in full always, like the ids: the token mask (comparison/align.py), the inputs the gate
         # reads (capture/inputs.py, capture/trainer_inputs.py) and scalars judged near zero by a declared scale
-        small = (
-            ids or bool(extra.get("token_mask")) or key in GATED or key in TRAINER_INPUTS or "scale" in extra
-        )
+        small = ids or bool(extra.get("token_mask")) or key in GATED or key in INPUT_KEYS or "scale" in extra
         if not (free or self.sink.takes_module_stages) or not self.wants(key, meta.get("layer"), small):
             self.filtered += 1
             return

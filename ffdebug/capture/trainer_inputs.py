@@ -40,4 +40,3 @@ TRAINER_INPUTS = (
 """The contract's input stages, in the order the gate checks them."""
 
 INPUT_KEYS = tuple(i.key for i in TRAINER_INPUTS)
-WHAT = {i.key: i.what for i in TRAINER_INPUTS}

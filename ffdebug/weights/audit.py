@@ -70,8 +70,6 @@ class LoadAuditResult:
         worst = V.worst(*(v["severity"] for v in self.value_mismatch + self.not_loaded))
         if self.never_loaded or self.not_covered or self.shape_mismatch or self.not_loaded:
             worst = V.worst(worst, Severity.BUG)
-        if self.failed() and worst is Severity.OK:
-            worst = self.fail_on
         return worst
 
     def failed(self) -> bool:

@@ -380,10 +380,8 @@ class BaseAdapter(ABC):
         """Where the σ schedule comes from besides the step count (the ``derived_from`` of
         ``rollout.timesteps``): the scheduler of ``model.fixture_dir`` and its shift."""
         scheduler = self._require_component("scheduler")
-        config = getattr(scheduler, "config", {})
-        shift = config.get("shift") if hasattr(config, "get") else None
-        dynamic = bool(config.get("use_dynamic_shifting")) if hasattr(config, "get") else False
-        how = f"shift={shift}" + (" (dynamic)" if dynamic else "")
+        config = getattr(scheduler, "config", {})  # diffusers' FrozenDict
+        how = f"shift={config.get('shift')}" + (" (dynamic)" if config.get("use_dynamic_shifting") else "")
         return f"the scheduler of model.fixture_dir ({type(scheduler).__name__}, {how})"
 
     def sigmas(self, num_steps: int) -> torch.Tensor:

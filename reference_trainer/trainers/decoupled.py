@@ -277,7 +277,6 @@ class DecoupledTrainer(BaseTrainer):
         steps = args.term_count()
         with ffdebug.step(**self.step_tags("train")):  # the iteration's sample order is an input
             order = self.sample_order(self.minibatch_order(samples))
-            ffdebug.tap("train.order", order)
         chunks = order.chunk(args.gradient_steps_per_iteration)
         for m, minibatch in self.cycle_steps(list(enumerate(chunks))):
             index = self.backend.local_part(minibatch)
@@ -351,7 +350,7 @@ class DecoupledTrainer(BaseTrainer):
             low, high = (0 if kind == "discrete" else 1), trained_steps(args.timestep_fraction, steps)
             drawn = timesteps.stratified_indices(low, high, count, generator)
             chosen = torch.as_tensor(drawn[j], dtype=torch.long).expand(b).clone()
-        return sigmas[self.drawn("train.timestep_index", chosen)].float()
+        return sigmas[self.drawn("train.timestep_index", chosen, within=(0, len(sigmas)))].float()
 
     def velocity(
         self,

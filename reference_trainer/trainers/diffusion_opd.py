@@ -214,7 +214,6 @@ class DiffusionOPDTrainer(BaseTrainer):
         )
         with ffdebug.step(**self.step_tags("train", role="student")):  # the sample order is an input
             order = self.sample_order(drawn)
-            ffdebug.tap("train.order", order)
         for minibatch in self.cycle_steps(order.chunk(args.gradient_steps_per_iteration)):
             minibatch = self.backend.local_part(minibatch)  # this rank's share of the global minibatch
             with (

@@ -232,11 +232,10 @@ class GRPOTrainer(BaseTrainer):
         args = self.args
         batch = len(samples.prompts)
         steps = trained_steps(args.timestep_fraction, args.num_inference_steps)
-        order = self.sample_order(
-            torch.randperm(batch, generator=self.generator("shuffle", self.rollout_iteration))
-        )
-        with ffdebug.step(**self.step_tags("train")):
-            ffdebug.tap("train.order", order)
+        with ffdebug.step(**self.step_tags("train")):  # the sample order is an input (train.order)
+            order = self.sample_order(
+                torch.randperm(batch, generator=self.generator("shuffle", self.rollout_iteration))
+            )
         for minibatch in self.cycle_steps(order.chunk(args.gradient_steps_per_iteration)):
             minibatch = self.backend.local_part(minibatch)  # this rank's share of the global minibatch
             micro_size = args.microbatch_size or len(minibatch)

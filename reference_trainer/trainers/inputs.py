@@ -38,19 +38,23 @@ class RunInputs:
     dataset: DatasetAcquisition | None
     rollout_iteration: int
 
-    def drawn(self, stage: str, value: torch.Tensor) -> torch.Tensor:
+    def drawn(
+        self, stage: str, value: torch.Tensor, *, within: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """A random draw of this run, tapped as the input ``stage`` under the step tags in force; with
         ``--inputs-from``, the target's capture of ``stage`` under the same tags replaces it.
 
         Args:
             stage: the input's stage name (``ffdebug.capture.trainer_inputs``).
             value: what this run drew.
+            within: ``(low, high)``: an index draw's range, low ≤ i < high; a taken value outside it is
+                an ``--inputs-from`` error.
 
         Returns:
             The value to use (the target's, or ``value``).
         """
         if self.inputs_from is not None:
-            value = self.inputs_from.take(stage, current_tags(), value)
+            value = self.inputs_from.take(stage, current_tags(), value, within=within)
         ffdebug.tap(stage, value)
         return value
 
@@ -102,11 +106,14 @@ class RunInputs:
         return self.inputs_from.sampling(self.rollout_iteration, noise_level, self.adapter.sigmas(num_steps))
 
     def sample_order(self, drawn: torch.Tensor) -> torch.Tensor:
-        """The iteration's training order [B]: ``drawn``, or the target's ``train.order``."""
-        if self.inputs_from is None:
-            return drawn
-        given = self.inputs_from.order(self.rollout_iteration, len(drawn))
-        return drawn if given is None else given
+        """The iteration's training order [B], tapped as ``train.order`` (call it inside the iteration's
+        first ``train`` block): ``drawn``, or the target's."""
+        order = drawn
+        if self.inputs_from is not None:
+            given = self.inputs_from.order(self.rollout_iteration, len(drawn))
+            order = drawn if given is None else given
+        ffdebug.tap("train.order", order)
+        return order
 
     def take_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """A dataset batch's record ids are an input (the sampler's order is a draw), tapped as

@@ -223,9 +223,7 @@ class TDMTrainer(BaseTrainer):
             fractions.append(torch.rand(1, generator=g))
             noises.append(torch.randn(latents.shape[2:], generator=g))
         # the draws are inputs (docs/trainer-taps.md): the stage index, σ_t, ε, each taken with --inputs-from
-        k = self.drawn("train.timestep_index", torch.tensor(stages))
-        if not bool(((k >= 0) & (k < steps)).all()):
-            raise ValueError(f"train.timestep_index {k.tolist()}: a generator stage is 0 .. {steps - 1}")
+        k = self.drawn("train.timestep_index", torch.tensor(stages), within=(0, steps))
         sigma_stage, sigma_mid = sigmas[k], sigmas[k + 1]
         low = sigma_mid.clamp_min(args.sigma_min)
         high = sigma_stage - args.stage_margin

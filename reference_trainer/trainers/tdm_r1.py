@@ -341,9 +341,11 @@ class TDMR1Trainer(AuthorsPhases, TDMTrainer):
             for group in dict.fromkeys(groups)
         }
         # the draws are inputs (docs/trainer-taps.md), each taken with --inputs-from
-        boundary = self.drawn("train.timestep_index", torch.tensor([per_group[group] for group in groups]))
-        if not bool(((boundary >= 1) & (boundary <= steps)).all()):
-            raise ValueError(f"train.timestep_index {boundary.tolist()}: a boundary is 1 .. {steps}")
+        boundary = self.drawn(
+            "train.timestep_index",
+            torch.tensor([per_group[group] for group in groups]),
+            within=(1, steps + 1),
+        )
         generators = self.sample_generators("tdm_r1", self.rollout_iteration, phase, "noise", count=count)
         sigma = torch.cat([torch.rand(1, generator=g) for g in generators])
         sigma = self.drawn("train.sigma", args.sigma_min + sigma * (1.0 - args.stage_margin - args.sigma_min))

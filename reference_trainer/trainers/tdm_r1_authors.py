@@ -151,12 +151,14 @@ class AuthorsPhases:
         for name in ("stages", "surrogate_stage", "u_fake", "u_reward", "u_surrogate"):
             value = getattr(draws, name)
             stage = "train.timestep_index" if name in ("stages", "surrogate_stage") else "train.sigma_draw"
+            index = stage == "train.timestep_index"
             with ffdebug.step(draw=name):
-                dtype = torch.long if stage == "train.timestep_index" else torch.float32
-                given = self.drawn(stage, torch.tensor(value, dtype=dtype))
-            taken[name] = tuple(int(v) if dtype is torch.long else float(v) for v in given.tolist())
-        if not all(0 <= j < k for j in (*taken["stages"], *taken["surrogate_stage"])):
-            raise ValueError(f"train.timestep_index: stage indices are 0 .. {k - 1}, got {taken}")
+                given = self.drawn(
+                    stage,
+                    torch.tensor(value, dtype=torch.long if index else torch.float32),
+                    within=(0, k) if index else None,
+                )
+            taken[name] = tuple(int(v) if index else float(v) for v in given.tolist())
         return SharedDraws(**taken)
 
     # ------------------------------------------------------------------ draws per sample / group

@@ -11,8 +11,11 @@ Areas: models (``tiny_models``, ``llama_ports``, ``moe_port``), ``trainer/``, ``
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -47,3 +50,14 @@ def subprocess_env(env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A fresh module from the script at ``path`` (an example a test runs in process and patches),
+    registered as ``name`` so that its dataclasses resolve their module."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, f"{path} is no Python script"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

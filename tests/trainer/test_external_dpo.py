@@ -24,13 +24,11 @@ noise run (``data.encode_prompts_together=true``).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, load_script
 
 import ffdebug
 from ffdebug.verdict import Severity
@@ -42,11 +40,7 @@ CONFIG = EXAMPLE / "offline_dpo.yaml"
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("external_offline_dpo", EXAMPLE / "offline_dpo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE / "offline_dpo.py", "external_offline_dpo")
 
 
 def _target(dumps: Path, side: str, *args: str, example=None) -> None:

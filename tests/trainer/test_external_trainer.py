@@ -21,14 +21,12 @@ located at the optimizer step and stage where it first acts, by one ``bisect``:
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
-import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, load_script
 
 import ffdebug
 from ffdebug.verdict import Severity
@@ -40,11 +38,7 @@ TAPS = str(EXAMPLE / "taps.txt")
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("external_flow_grpo", EXAMPLE / "flow_grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE / "flow_grpo.py", "external_flow_grpo")
 
 
 GRAD_SAMPLE = 16  # sampled gradient elements per parameter tensor (grad.<role>.<group>)

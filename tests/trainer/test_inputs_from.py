@@ -65,6 +65,9 @@ def test_a_draw_is_taken_by_its_step_tags_and_occurrence(tmp_path):
     assert forced.report()["taken"] == {"train.noise": [1]}
     with pytest.raises(ConfigError, match=r"train.noise at .* has shape \[2, 3\], the reference draws \[4\]"):
         InputsFrom(tmp_path / "target").take("train.noise", {**train, "microbatch": 1}, torch.zeros(4))
+    # an index draw outside its range (a target with other step counts) is an error, not a wrapped index
+    with pytest.raises(ConfigError, match=r"train.noise at .* is \[\[3.0, 3.0, 3.0\], .* outside 0 \.\. 2"):
+        InputsFrom(tmp_path / "target").take("train.noise", {**train, "microbatch": 1}, own, within=(0, 3))
 
 
 def test_unknown_prompt_mixed_group_and_empty_store_are_config_errors(tmp_path):
