@@ -11,7 +11,9 @@ needed: a module's name is its path below the outermost module that called it (`
 Per module output (and tap) the trace keeps the first call in each context — context = grad mode
 (a rollout under no_grad and the training forward are two rows) and the `phase` step tag — with
 shape, dtype, mean, std, min, max, NaN / Inf counts (float64, chunked) and requires_grad, and counts
-the further calls. Every tensor whose name contains "mask" (a tap, a forward keyword argument, a key
+the further calls. Each tap (and returned tensor) is matched to the module output it is: the same
+storage, else bit-equal values (trace_sources.py: holds outputs within a memory budget). Every
+tensor whose name contains "mask" (a tap, a forward keyword argument, a key
 of the returned dict) gets a loss-mask summary: positions counted, first counted position per row.
 """
 
@@ -31,6 +33,7 @@ from ffdebug._entry import resolve_entry
 from ffdebug.capture import state as _state
 from ffdebug.capture.session import Session, explicit_config
 from ffdebug.errors import FFDebugError
+from ffdebug.trace_sources import DEFAULT_BUDGET_MIB, OutputIndex, Source
 
 if TYPE_CHECKING:
     import torch
@@ -54,10 +57,12 @@ class TraceRow:
     stats: dict
     calls: int = 1
     order: int = 0
+    source: Source | None = None  # taps and returned tensors: the module output they are
 
     def to_json(self) -> dict:
         """Stable keys: name, kind, module_class, shape, dtype, requires_grad, grad_enabled, phase,
-        calls, mean, std, min, max, nan, inf."""
+        calls, mean, std, min, max, nan, inf, source (taps and returns: `Source.to_json`, else
+        null)."""
         s = self.stats
         return {
             "name": self.name,
@@ -70,6 +75,7 @@ class TraceRow:
             "phase": self.phase,
             "calls": self.calls,
             **{k: s.get(k) for k in ("mean", "std", "min", "max", "nan", "inf")},
+            "source": None if self.source is None else self.source.to_json(),
         }
 
 
@@ -113,11 +119,16 @@ class TraceResult:
     params: list[TraceRow] = field(default_factory=list)
     error: str | None = None
     elapsed_s: float = 0.0
+    match_budget_mib: float = DEFAULT_BUDGET_MIB
+    held_peak_mib: float = 0.0
 
     def to_json(self) -> dict:
-        """Stable keys: entry, rows, masks, params, error, elapsed_s."""
+        """Stable keys: entry, rows, masks, params, error, elapsed_s, match_budget_mib (the identity
+        match's memory budget), held_peak_mib (the most output storage it held)."""
         return {
             "entry": self.entry,
+            "match_budget_mib": self.match_budget_mib,
+            "held_peak_mib": round(self.held_peak_mib, 3),
             "rows": [r.to_json() for r in self.rows],
             "masks": [m.to_json() for m in self.masks],
             "params": [p.to_json() for p in self.params],
@@ -182,8 +193,14 @@ class Tracer:
     takes_module_stages = False
 
     def __init__(
-        self, modules: tuple[str, ...] = (), depth: int | None = None, all_calls: bool = False
+        self,
+        modules: tuple[str, ...] = (),
+        depth: int | None = None,
+        all_calls: bool = False,
+        match_budget_mib: float = DEFAULT_BUDGET_MIB,
     ) -> None:
+        self.outputs = OutputIndex(int(match_budget_mib * 2**20))
+        self.held_peak = 0
         self.modules = modules
         self.depth = depth
         self.all_calls = all_calls
@@ -263,6 +280,7 @@ class Tracer:
             phase=None if phase is None else str(phase),
             stats=stats,
             order=order,
+            source=self.outputs.match(tensor) if kind in ("tap", "return") else None,
         )
         if "mask" in name.lower():
             self.mask(name, tensor)
@@ -304,6 +322,10 @@ class Tracer:
         elif module in self._stack:
             self._stack.remove(module)
         name = self._names.get(id(module)) or self._name_of(module)
+        if output is not None:  # every output is a candidate source of a tap, wanted or not
+            for leaf, t in _tensor_leaves(output, name, brackets=True):
+                self.outputs.add(leaf, t)
+            self.held_peak = max(self.held_peak, self.outputs.held_bytes)
         if not self._wanted(name):
             return
         import torch
@@ -351,17 +373,23 @@ def trace(
     depth: int | None = None,
     all_calls: bool = False,
     params: bool = False,
+    match_budget_mib: float = DEFAULT_BUDGET_MIB,
 ) -> TraceResult:
     """Run `entry` (a callable spec) under the tracer; `args` become sys.argv[1:] during the call.
 
     The function is called without arguments. A dict (or tensor) it returns is traced as
-    `return.<key>`. An exception inside it ends the trace and is reported in `error`.
+    `return.<key>`. An exception inside it ends the trace and is reported in `error`. Taps and
+    returned tensors are matched to module outputs held within `match_budget_mib` (0: no match).
     """
     import torch
 
+    if match_budget_mib < 0:
+        raise FFDebugError(
+            f"--match-memory {match_budget_mib} is invalid: give MiB >= 0 (0 turns the match off)"
+        )
     fn = resolve_entry(entry)
-    result = TraceResult(entry=entry)
-    tracer = Tracer(modules, depth, all_calls)
+    result = TraceResult(entry=entry, match_budget_mib=match_budget_mib)
+    tracer = Tracer(modules, depth, all_calls, match_budget_mib)
     traced_session = Session(explicit_config("<trace>", "trace", mode="stats"), sink=tracer)
     start = time.perf_counter()
     returned = None
@@ -381,6 +409,8 @@ def trace(
     for suffix, t in _tensor_leaves(returned, "return"):
         tracer.record(suffix, "return", t)
     result.elapsed_s = time.perf_counter() - start
+    result.held_peak_mib = tracer.held_peak / 2**20
+    tracer.outputs = OutputIndex(0)  # the held outputs go with the trace's end
     result.rows = sorted(tracer.rows.values(), key=lambda r: r.order)
     result.masks = list(tracer.masks.values())
     if params:

@@ -35,6 +35,8 @@ class RootState:
     vocab: int | None  # logits are the output whose last dim is this size
     ids: object = None  # the root call's input ids
     embedded: bool = False  # `embed.out` written for this call
+    in_flight: bool = False  # this install's root started the call in flight (a module two
+    # installed models share, a drafter's embedding of its target's, is captured by the one running)
     blocks_done: int = 0
     final_norm: tuple | None = None  # (copy, live, meta) of the last norm after the last block
 
@@ -49,7 +51,7 @@ def hook_root(handle: Handle, session, capture, model, root: RootState, order: E
         session.begin_call(ids)
         if session.call_depth != 1:
             return
-        root.ids, root.embedded = ids, False
+        root.ids, root.embedded, root.in_flight = ids, False, True
         meta = dict(io="in", module_class=type(module).__name__, module_path="")
         if ids is not None:
             capture("embed.input_ids", ids, **meta)
@@ -72,6 +74,7 @@ def hook_root(handle: Handle, session, capture, model, root: RootState, order: E
                 _capture_final(capture, module, output, root.vocab, session.config.topk)
         finally:
             if session.call_depth == 1:
+                root.in_flight = False
                 for replay in order.decide():
                     replay()
             session.end_call()
@@ -123,7 +126,7 @@ def hook_input_embedding(handle: Handle, session, capture, model, root: RootStat
             continue
 
         def emb_post(m, a, o, known=known):
-            if session.call_depth != 1 or root.embedded:
+            if session.call_depth != 1 or root.embedded or not root.in_flight:
                 return
             if not known and not (a and isinstance(a[0], torch.Tensor) and _same_ids(a[0], root.ids)):
                 return
@@ -144,7 +147,7 @@ def hook_final_norm(handle: Handle, session, capture, model, root: RootState, in
 
         def norm_post(m, a, o, p=path):
             out = o if isinstance(o, torch.Tensor) else next((t for _, t in tensors_of(o)), None)
-            if session.call_depth != 1 or root.blocks_done == 0 or out is None:
+            if session.call_depth != 1 or not root.in_flight or root.blocks_done == 0 or out is None:
                 return
             if not is_norm(m, out):
                 return

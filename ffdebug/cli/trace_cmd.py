@@ -21,6 +21,11 @@ reference trainer instead.
   ffdebug trace mypkg.debug:one_step --modules '*.attn*' --json
   ffdebug trace reference_trainer.cli:main -- train CONFIG --max-steps 1
 
+Each tap (and returned tensor) is matched to the module output it is: "the output of
+TinyLM.model.norm" (the same tensor or storage), "a view of …", "equal to the output of …" (a
+bit-equal copy), or "no module output equals it". The match holds the module outputs (references,
+no copies) up to --match-memory MiB, oldest dropped first; 0 turns it off.
+
 Rows are per module and per context (grad mode, `phase` tag): a rollout under no_grad and the
 training forward of the same module are two rows; further calls are counted. Exit 1 when the traced
 function raised (the trace up to that point is printed).
@@ -52,6 +57,9 @@ def register(app: typer.Typer) -> None:
         params: bool = typer.Option(
             False, "--params", help="Also list the parameters of every traced root module."
         ),
+        match_memory: float = typer.Option(
+            512, "--match-memory", help="MiB of module outputs held to match taps to them (0: off)."
+        ),
         max_rows: int = typer.Option(200, "--max-rows", help="Rows to print (JSON has all)."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
@@ -70,6 +78,6 @@ def register(app: typer.Typer) -> None:
             argv = list(args or [])
             if train is not None:
                 entry, argv = train_entry(train, steps, tmp)
-            result = trace(entry, argv or None, tuple(modules or ()), depth, all_calls, params)
+            result = trace(entry, argv or None, tuple(modules or ()), depth, all_calls, params, match_memory)
         Output(json=json_out).show(result, print_trace, max_rows=max_rows)
         raise typer.Exit(1 if result.error else 0)

@@ -111,6 +111,14 @@ def print_trace(result: TraceResult, max_rows: int = 200) -> None:
         for p in result.params[:max_rows]:
             table.add_row(*_cells(p, [])[:-1])
         console.print(table)
+    sourced = [r for r in result.rows if r.source is not None]
+    if sourced:
+        console.print("[bold]where the taps come from[/bold]")
+        width = max(len(r.name) for r in sourced)
+        for r in sourced:
+            ctx = ("" if r.grad_enabled else ", no_grad") + (f", phase={r.phase}" if r.phase else "")
+            where = f" [dim]({r.kind}{ctx})[/dim]"
+            console.print(f"  {escape(r.name.ljust(width))}  {escape(r.source.describe())}{where}")
     if result.masks:
         console.print("[bold]masks[/bold]")
         for m in result.masks:
