@@ -113,6 +113,10 @@ def _no_layer_table(result: BisectResult) -> str:
     from ffdebug.bisection.training import is_trainer_run
 
     if not any(e.layer is not None for e in result.stages):
+        if len(result.calls) > 1:  # the stages are the reported call's; another call may hold layers
+            return (
+                f"No layer table: the call reported (call {result.call.call}) holds no layer stage (L<n>.*)."
+            )
         return "No layer table: neither store holds a layer stage (L<n>.*)."
     if is_trainer_run(result.stages):
         return (

@@ -59,6 +59,23 @@ def _columns(table, numbers: tuple[str, ...]) -> None:
         table.add_column(col, justify="left" if col in ("shape", "dtype") else "right", overflow="fold")
 
 
+def _sources(rows) -> list[tuple[str, str, list[str]]]:
+    """(name, where it comes from, contexts) per tap or return, one line for the contexts where
+    the same module outputs (or none) match it."""
+    lines: dict[tuple, tuple[str, str, list[str]]] = {}
+    for r in rows:
+        if r.source is None:
+            continue
+        parts = [r.kind] if r.kind != "tap" else []
+        parts += [f"phase={r.phase}"] if r.phase else []
+        parts += [] if r.grad_enabled else ["no_grad"]
+        key = (r.name, r.source.relation, r.source.modules)
+        if key not in lines:
+            lines[key] = (r.name, r.source.describe(), [])
+        lines[key][2].append(" ".join(parts) or "grad enabled")
+    return list(lines.values())
+
+
 def print_trace(result: TraceResult, max_rows: int = 200) -> None:
     """Rows per context (grad mode, phase), the parameters, the masks, the error if the function raised."""
     from rich import box
@@ -111,14 +128,14 @@ def print_trace(result: TraceResult, max_rows: int = 200) -> None:
         for p in result.params[:max_rows]:
             table.add_row(*_cells(p, [])[:-1])
         console.print(table)
-    sourced = [r for r in result.rows if r.source is not None]
+    sourced = _sources(result.rows)
     if sourced:
         console.print("[bold]where the taps come from[/bold]")
-        width = max(len(r.name) for r in sourced)
-        for r in sourced:
-            ctx = ("" if r.grad_enabled else ", no_grad") + (f", phase={r.phase}" if r.phase else "")
-            where = f" [dim]({r.kind}{ctx})[/dim]"
-            console.print(f"  {escape(r.name.ljust(width))}  {escape(r.source.describe())}{where}")
+        width = max(len(name) for name, _, _ in sourced)
+        for name, text, contexts in sourced:
+            console.print(
+                f"  {escape(name.ljust(width))}  {escape(text)} [dim]({escape('; '.join(contexts))})[/dim]"
+            )
     if result.masks:
         console.print("[bold]masks[/bold]")
         for m in result.masks:
