@@ -69,7 +69,7 @@ def test_a_spec_by_config_file_or_checkpoint_folder(tmp_path):
     [
         ("no_such_architecture", "not a config file, a transformers class name, a model_type"),
         ("someone/not-downloaded-model", "not in the local Hugging Face cache (selftest never downloads"),
-        ("T5Config", "maps to no causal LM class"),
+        ("Wav2Vec2Config", "maps to no causal LM, encoder-decoder LM or image classification class"),
     ],
 )
 def test_a_spec_that_names_no_model_is_one_line_exit_2(spec, needle):

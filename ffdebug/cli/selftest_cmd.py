@@ -13,9 +13,12 @@ sub-stage and pattern (c). Every case dumps through ffdebug.capture and runs ffd
 your own two runs would.
 
 SPEC is a config.json (or a checkpoint folder holding one), a transformers class name
-(Qwen2ForCausalLM, Qwen2Config), a model_type (qwen2) or a model id in the local Hugging Face cache;
-nothing is downloaded. --zoo runs every causal LM architecture the installed transformers ships
-(--sample N: a seeded N of them); an architecture that cannot be built is listed with why.
+(Qwen2ForCausalLM, T5ForConditionalGeneration, ViTForImageClassification, Qwen2Config), a diffusers
+denoiser class (SD3Transformer2DModel, UNet2DConditionModel), a model_type (qwen2) or a model id in
+the local Hugging Face cache; nothing is downloaded. --zoo runs every architecture of the families
+named by --family (default all: causal_lm, seq2seq_lm, image_classification, diffusers) that the
+installed transformers and diffusers ship (--sample N: a seeded N of each family); an architecture
+that cannot be built is listed with why.
 
 Exit 0 when every case holds, 1 when one does not (the table says which), 2 for a spec that names
 no model or a model the shrinker cannot build.
@@ -24,7 +27,9 @@ no model or a model the shrinker cannot build.
 
   ffdebug selftest qwen2
   ffdebug selftest path/to/config.json --cases copy,mutations
+  ffdebug selftest SD3Transformer2DModel
   ffdebug selftest --zoo --sample 8 --seed 0 --json
+  ffdebug selftest --zoo --family diffusers,seq2seq_lm --json
 """
 
 
@@ -38,7 +43,13 @@ def register(app: typer.Typer) -> None:
             False, "--zoo", help="Every causal LM architecture of the installed transformers."
         ),
         sample: int = typer.Option(
-            0, "--sample", min=0, help="With --zoo: a seeded sample of N architectures (0: all)."
+            0, "--sample", min=0, help="With --zoo: a seeded sample of N architectures per family (0: all)."
+        ),
+        family: str = typer.Option(
+            "all",
+            "--family",
+            help="With --zoo: families, comma-separated (causal_lm, seq2seq_lm, "
+            "image_classification, diffusers), or all.",
         ),
         seed: int = typer.Option(0, "--seed", help="Seed of the weights, the inputs and the --sample draw."),
         cases: str = typer.Option(
@@ -54,6 +65,7 @@ def register(app: typer.Typer) -> None:
         from ffdebug.report.selftest_text import print_selftest
         from ffdebug.report.sink import Output
         from ffdebug.selftest.cases import SelftestOptions
+        from ffdebug.selftest.families import FAMILIES
         from ffdebug.selftest.run import selftest
         from ffdebug.selftest.zoo import sample as zoo_sample
 
@@ -63,11 +75,20 @@ def register(app: typer.Typer) -> None:
             raise FFDebugError("give at least one SPEC (e.g. ffdebug selftest qwen2), or --zoo")
         if sample and not zoo:
             raise FFDebugError("--sample draws from the zoo: add --zoo")
+        families = FAMILIES if family == "all" else tuple(f.strip() for f in family.split(",") if f.strip())
+        unknown = [f for f in families if f not in FAMILIES]
+        if unknown:
+            raise FFDebugError(
+                f"--family {', '.join(unknown)}: unknown; choose from {', '.join(FAMILIES)} or all"
+            )
+        if family != "all" and not zoo:
+            raise FFDebugError("--family chooses the zoo's families: add --zoo")
         groups = tuple(g.strip() for g in cases.split(",") if g.strip())
         options = SelftestOptions(groups=groups, seed=seed, keep=keep)
-        names = (
-            zoo_sample(sample, seed) if zoo and sample else (zoo_sample(10**9, seed) if zoo else list(specs))
-        )
+        if zoo:
+            names = [n for f in families for n in zoo_sample(sample or 10**9, seed, f)]
+        else:
+            names = list(specs)
         log = get_logger("progress")
 
         def on_model(i: int, n: int, spec: str) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ffdebug.errors import short_reason
+from ffdebug.selftest.families import DIFFUSERS, inputs
 from ffdebug.selftest.models import ModelSpec, SelftestError, build, resolve
 from ffdebug.selftest.mutations import Dumped, Expected, Mutation, Planner
 from ffdebug.selftest.shrink import Sizes
@@ -93,6 +94,7 @@ class ModelReport:
     spec: str
     model_class: str = ""
     model_type: str = ""
+    family: str = ""
     error: str | None = None
     parameters: int = 0
     layers: int = 0
@@ -115,21 +117,24 @@ class ModelReport:
         return out
 
 
-def _ids(model: Any, options: SelftestOptions):
-    import torch
-
-    vocab = int(getattr(model.config, "vocab_size", 0) or options.sizes.vocab)
-    generator = torch.Generator().manual_seed(options.seed + 7)
-    return torch.randint(3, max(4, vocab - 1), (options.batch, options.seq), generator=generator)
+def _inputs(spec: ModelSpec, model: Any, options: SelftestOptions) -> dict[str, Any]:
+    """The forward's keyword arguments (`families.inputs`): the same for the reference and targets."""
+    return inputs(spec.family, model, options.batch, options.seq, options.seed, options.sizes.vocab)
 
 
-def _dump(model: Any, ids, directory: Path, side: str) -> str:
+def _cast(values: dict[str, Any], dtype) -> dict[str, Any]:
+    """Floating inputs in the target's dtype (a bf16 denoiser is fed bf16 latents); ids stay."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in values.items()}
+
+
+def _dump(model: Any, values: dict[str, Any], directory: Path, side: str) -> str:
     import torch
 
     import ffdebug
 
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     with ffdebug.capture(model, dir=str(directory), side=side, substages=True), torch.no_grad():
-        model(input_ids=ids)
+        model(**_cast(values, dtype))
     return str(directory / side)
 
 
@@ -219,7 +224,7 @@ class Runner:
 
     def __init__(self, spec: ModelSpec, model: Any, options: SelftestOptions, root: Path) -> None:
         self.spec, self.model, self.options, self.root = spec, model, options, root
-        self.ids = _ids(model, options)
+        self.ids = _inputs(spec, model, options)
         self.ref = _dump(model, self.ids, root, "ref")
         self.records = _records(self.ref)
 
@@ -252,6 +257,10 @@ class Runner:
                 out.append(CaseResult("precision", name, "", SKIPPED, f"not supported here: {str(e)[:100]}"))
                 continue
             out.append(self._precision(name, result))
+        if self.spec.family == DIFFUSERS:
+            why = "diffusers models choose attention per processor; there is no second implementation to switch to"
+            out.append(CaseResult("precision", "sdpa", "", SKIPPED, why))
+            return out
         try:
             other = build(self.spec, self.options.sizes, self.options.seed, attn="sdpa")
             other.load_state_dict(self.model.state_dict())
@@ -325,13 +334,11 @@ def _warnings_into(notes: list[str]) -> Iterator[None]:
 def run_model(name: str, options: SelftestOptions | None = None) -> ModelReport:
     """Every case of `options.groups` for the model `name` names (`models.resolve`). A spec that
     resolves to nothing raises `SelftestError`; a model that does not build is a report with `error`."""
-    from ffdebug.selftest.shrink import shrink
-
     options = options or SelftestOptions()
     spec = resolve(name)
-    report = ModelReport(name, spec.model_class.__name__, spec.model_type)
+    report = ModelReport(name, spec.model_class.__name__, spec.model_type, family=spec.family)
     try:
-        report.shrunk = shrink(spec.config, options.sizes).changes
+        report.shrunk = spec.shrunk(options.sizes)[1]
         model = build(spec, options.sizes, options.seed)
     except SelftestError as e:
         report.error = str(e)
@@ -367,7 +374,7 @@ def _run_cases(
 
     try:
         with torch.no_grad():
-            model(input_ids=_ids(model, options))
+            model(**_inputs(spec, model, options))
     except Exception as e:  # noqa: BLE001 - a foreign forward that fails is this model's finding
         report.error = (
             f"{report.spec}: the tiny model's forward failed ({type(e).__name__}: {short_reason(e, 160)})"

@@ -3,13 +3,18 @@
 A spec is one of (tried in this order):
 
 - a path to a `config.json`, or to a directory holding one (a checkpoint folder: only its config is read);
-- a transformers class name: a config class (`Qwen2Config`) or a model class (`Qwen2ForCausalLM`);
-- a transformers `model_type` (`qwen2`, `gemma3_text`);
+- a transformers class name: a config class (`Qwen2Config`) or a model class (`Qwen2ForCausalLM`,
+  `T5ForConditionalGeneration`, `ViTForImageClassification`);
+- a diffusers denoiser class name (`SD3Transformer2DModel`, `UNet2DConditionModel`), or a diffusers
+  `config.json` (it names its `_class_name`);
+- a transformers `model_type` (`qwen2`, `gemma3_text`, `t5`);
 - a model id in the local Hugging Face cache (`Qwen/Qwen2-0.5B`; never downloaded: `HF_HUB_OFFLINE`).
 
-The model built is the causal LM class transformers maps the config to (a multimodal config's text
-model when it has one), shrunk by `shrink.shrink`, seeded, in eval mode, float32, eager attention.
-Anything that cannot be resolved or built is a `SelftestError` naming the spec and why (exit 2).
+A model class is built as itself; a transformers config as the first family that knows it
+(`families.model_class_for`: causal LM, then encoder-decoder LM, then image classifier; a multimodal
+config's text model), shrunk by `shrink.shrink` (diffusers: `diffusers_zoo.shrink`), seeded, in eval
+mode, float32, eager attention. Anything that cannot be resolved or built is a `SelftestError` naming
+the spec and why (exit 2).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ffdebug.errors import FFDebugError, short_reason
+from ffdebug.selftest import diffusers_zoo
+from ffdebug.selftest.families import CAUSAL_LM, DIFFUSERS, family_of_class, model_class_for
 from ffdebug.selftest.shrink import Sizes, shrink
 
 MAX_PARAMETERS = 20_000_000  # a shrunk model is about 0.2-1 M; more means a size field was missed
@@ -36,12 +43,22 @@ class ModelSpec:
     """A resolved spec: the name to report, its config (full size) and the model class to build."""
 
     name: str
-    config: Any = field(repr=False)
+    config: Any = field(repr=False)  # a transformers config, or a diffusers model's keyword arguments
     model_class: Any = field(repr=False)
+    family: str = CAUSAL_LM
 
     @property
     def model_type(self) -> str:
+        if self.family == DIFFUSERS:
+            return self.model_class.__name__
         return str(getattr(self.config, "model_type", "") or "")
+
+    def shrunk(self, sizes: Sizes | None = None) -> tuple[Any, list[str]]:
+        """(the tiny config, what changed)."""
+        if self.family == DIFFUSERS:
+            return diffusers_zoo.shrink(self.config)
+        out = shrink(self.config, sizes)
+        return out.config, out.changes
 
 
 def _quiet_transformers() -> None:
@@ -51,27 +68,19 @@ def _quiet_transformers() -> None:
     warnings.filterwarnings("ignore", module="transformers")
 
 
-def _causal_lm_class(config: Any, name: str) -> tuple[Any, Any]:
-    """(config, class) of the causal LM for `config`; a multimodal config falls back to its text model."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return config, AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
-        pass
-    text = getattr(config, "text_config", None)
-    if text is not None:
-        try:
-            return text, AutoModelForCausalLM._model_mapping[type(text)]
-        except KeyError:
-            pass
-    raise SelftestError(
-        f"{name}: {type(config).__name__} maps to no causal LM class in transformers; selftest builds "
-        "decoder-only causal LMs (give the config of one)"
-    )
+def _model_class(config: Any, name: str) -> tuple[str, Any, Any]:
+    """(family, config, class) for a transformers `config` (`families.model_class_for`)."""
+    found = model_class_for(config)
+    if found is None:
+        raise SelftestError(
+            f"{name}: {type(config).__name__} maps to no causal LM, encoder-decoder LM or image "
+            "classification class in transformers (give the config of one, or a model class name)"
+        )
+    return found
 
 
 def _from_class_name(spec: str) -> Any | None:
+    """The default config of a transformers config or model class named `spec`, else None."""
     import transformers
 
     obj = getattr(transformers, spec, None) if spec.isidentifier() else None
@@ -102,12 +111,17 @@ def resolve(spec: str) -> ModelSpec:
 
     path = Path(spec)
     config: PretrainedConfig | None = None
+    denoiser = diffusers_zoo.model_class(spec)
+    if denoiser is not None:
+        return ModelSpec(spec, diffusers_zoo.default_config(denoiser), denoiser, DIFFUSERS)
     if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
         file = path if path.is_file() else path / "config.json"
         try:
             raw = json.loads(file.read_text())
         except (OSError, ValueError) as e:
             raise SelftestError(f"{file}: not a readable JSON config ({e})") from None
+        if isinstance(raw, dict) and isinstance(raw.get("_class_name"), str):
+            return _diffusers_file(file, raw)
         model_type = raw.get("model_type") if isinstance(raw, dict) else None
         if model_type not in CONFIG_MAPPING:
             raise SelftestError(f"{file}: model_type {model_type!r} is not one transformers knows")
@@ -136,8 +150,24 @@ def resolve(spec: str) -> ModelSpec:
             f"{spec}: not a config file, a transformers class name, a model_type or a cached model id "
             "(e.g. qwen2, LlamaForCausalLM, path/to/config.json)"
         )
-    config, model_class = _causal_lm_class(config, spec)
-    return ModelSpec(spec, config, model_class)
+    named = getattr(__import__("transformers"), spec, None) if spec.isidentifier() else None
+    family = family_of_class(named) if isinstance(named, type) else None
+    if family is not None:  # a model class: built as itself
+        return ModelSpec(spec, config, named, family)
+    family, config, model_class = _model_class(config, spec)
+    return ModelSpec(spec, config, model_class, family)
+
+
+def _diffusers_file(file: Path, raw: dict) -> ModelSpec:
+    """A diffusers config.json: its class, and its keyword arguments over the class defaults."""
+    cls = diffusers_zoo.model_class(raw["_class_name"])
+    if cls is None:
+        raise SelftestError(
+            f"{file}: _class_name {raw['_class_name']!r} is not a diffusers transformer or UNet"
+        )
+    config = diffusers_zoo.default_config(cls)
+    config.update({k: v for k, v in raw.items() if k in config})
+    return ModelSpec(str(file), config, cls, DIFFUSERS)
 
 
 def build(spec: ModelSpec, sizes: Sizes | None = None, seed: int = 0, attn: str = "eager") -> Any:
@@ -147,10 +177,13 @@ def build(spec: ModelSpec, sizes: Sizes | None = None, seed: int = 0, attn: str 
 
     torch.manual_seed(seed)
     try:
-        shrunk = shrink(spec.config, sizes).config
+        shrunk, _ = spec.shrunk(sizes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = spec.model_class._from_config(shrunk, attn_implementation=attn)
+            if spec.family == DIFFUSERS:
+                model = spec.model_class(**shrunk)
+            else:
+                model = spec.model_class._from_config(shrunk, attn_implementation=attn)
     except Exception as e:  # noqa: BLE001 - any failure of a foreign constructor is "cannot build"
         raise SelftestError(
             f"{spec.name}: the shrunk config does not build ({type(e).__name__}: {short_reason(e, 160)})"

@@ -3,7 +3,8 @@
 Every size field a config family spells its own way is scaled down consistently (`SIZES`): hidden
 width, heads (query, key/value: MHA stays MHA, MQA stays MQA, GQA keeps a group), explicit head
 dims, MLP and expert widths, experts, top-k and expert groups, MLA ranks, linear-attention and SSM
-state sizes, vocabulary, positions. Layer counts drop to `layers`; the per-layer type lists
+state sizes, vocabulary, positions, image and patch sizes (and a hierarchical vision model's
+per-stage depths, widths and heads). Layer counts drop to `layers`; the per-layer type lists
 (`layer_types`, `mlp_layer_types`, ...) are shortened with every run of one type cut to at most two
 layers, so each type the model mixes is still there (Gemma-3's five sliding layers then one full:
 `sliding, sliding, full, sliding`). A window length (`sliding_window`, ...) is set below the test's
@@ -172,6 +173,19 @@ SIZES: dict[str, Any] = {
         _fixed("window"),
     ),  # fmt: skip
     "max_window_layers": _at_most("layers"),
+    # images
+    "image_size": lambda value, s: min(value, 32),
+    "patch_size": lambda value, s: min(value, 8),
+    "window_size": lambda value, s: min(value, 2),  # a windowed vision model's (Swin) window in patches
+}
+# list fields of hierarchical (vision) models: the stages kept, each stage tiny
+LIST_SIZES: dict[str, Any] = {
+    "depths": lambda values, s: [1 for _ in values],
+    "hidden_sizes": lambda values, s: [16 * 2**i for i in range(len(values))],
+    "num_heads": lambda values, s: [min(v, 2) for v in values],
+    "embed_dims": lambda values, s: [16 * 2**i for i in range(len(values))],
+    "image_size": lambda values, s: [min(v, 32) for v in values],
+    "patch_size": lambda values, s: [min(v, 8) for v in values],
 }
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
 LAYER_LISTS = (
@@ -253,6 +267,14 @@ def _shrink_one(cfg: Any, sizes: Sizes, prefix: str, changes: list[str]) -> None
         value = _get(cfg, name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             put(name, rule(value, sizes))
+    for name, rule in LIST_SIZES.items():
+        value = _get(cfg, name)
+        if (
+            isinstance(value, (list, tuple))
+            and value
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            put(name, type(value)(rule(value, sizes)))
     layers = _layer_count(cfg)
     for name in LAYER_COUNTS:
         value = _get(cfg, name)

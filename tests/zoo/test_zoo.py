@@ -1,9 +1,11 @@
-"""The zoo sweep (docs/selftest.md, "The sweep"): `ffdebug selftest` over causal LM architectures the
-installed transformers ships, listed by introspection.
+"""The zoo sweep (docs/selftest.md, "The sweep"): `ffdebug selftest` over the architectures the
+installed transformers and diffusers ship, listed by introspection (causal LMs, encoder-decoder LMs,
+image classifiers, diffusers denoisers).
 
-CI runs a seeded sample (`FFDEBUG_TEST_ZOO_SAMPLE`, default 6, of `FFDEBUG_TEST_ZOO_SEED`, default 0);
-`FFDEBUG_TEST_ZOO=all` runs every architecture (about 25 minutes on two cores; its table is
-docs/bisect.md, "The zoo"). What is asserted: (a) a bit-identical copy passes on every architecture
+CI runs a seeded sample (`FFDEBUG_TEST_ZOO_SAMPLE` causal LMs, default 6, and
+`FFDEBUG_TEST_ZOO_SAMPLE_OTHER` of each other family, default 1, all of `FFDEBUG_TEST_ZOO_SEED`,
+default 0); `FFDEBUG_TEST_ZOO=all` runs every architecture of every family (about an hour on two
+cores; its tables are docs/bisect.md, "The zoo"). What is asserted: (a) a bit-identical copy passes on every architecture
 that builds (a copy that fails is a pairing or coverage defect of ffdebug), every built model gets
 its mutations planted, and every case ends in a known status. The precision and mutation rates are
 measured, not asserted: docs/bisect.md records them.
@@ -16,19 +18,28 @@ import os
 import pytest
 
 from ffdebug.selftest.cases import FAILS, HOLDS, NO_EFFECT, SKIPPED
+from ffdebug.selftest.families import CAUSAL_LM, FAMILIES
 from ffdebug.selftest.run import selftest
 from ffdebug.selftest.zoo import architectures, sample
 
 pytestmark = pytest.mark.integration
 
 EVERY = os.environ.get("FFDEBUG_TEST_ZOO") == "all"
-NAMES = (
-    architectures()
-    if EVERY
-    else sample(
-        int(os.environ.get("FFDEBUG_TEST_ZOO_SAMPLE", "6")), int(os.environ.get("FFDEBUG_TEST_ZOO_SEED", "0"))
+SEED = int(os.environ.get("FFDEBUG_TEST_ZOO_SEED", "0"))
+COUNTS = {
+    family: int(
+        os.environ.get(
+            "FFDEBUG_TEST_ZOO_SAMPLE" + ("" if family == CAUSAL_LM else "_OTHER"),
+            "6" if family == CAUSAL_LM else "1",
+        )
     )
-)
+    for family in FAMILIES
+}
+NAMES = [
+    name
+    for family in FAMILIES
+    for name in (architectures(family) if EVERY else sample(COUNTS[family], SEED, family))
+]
 
 
 @pytest.mark.parametrize("name", NAMES)
