@@ -23,6 +23,7 @@ import contextlib
 import fnmatch
 import importlib
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -383,7 +384,7 @@ def trace(
     """
     import torch
 
-    if match_budget_mib < 0:
+    if not math.isfinite(match_budget_mib) or match_budget_mib < 0:
         raise FFDebugError(
             f"--match-memory {match_budget_mib} is invalid: give MiB >= 0 (0 turns the match off)"
         )

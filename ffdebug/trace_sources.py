@@ -1,4 +1,5 @@
-"""Which module output a tapped tensor is: `ffdebug trace`'s identity match (docs/trace.md).
+"""Which module output a tapped tensor is: `ffdebug trace`'s identity match (README "Playbooks,
+review and trace"; docs/trainer-taps.md "LM training").
 
 While a trace runs, every module output is held here (a reference to the tensor, detached: no copy
 and no autograd graph), newest last, up to a budget of storage bytes. A tap (or a returned tensor)
@@ -7,7 +8,8 @@ is then matched against them:
 - **same**: the tap shares an output's storage at the same offset, shape and strides (it is that
   tensor, or a tensor taken from an output tuple such as `hidden_states[i]`);
 - **view**: the tap shares an output's storage with another layout (a slice, a reshape);
-- **equal**: another tensor, bit-equal to an output of the same dtype, shape and device (a copy).
+- **equal**: another tensor, bit-equal to an output of the same dtype, shape and device (a copy;
+  compared as raw bits, so NaN payloads match and -0.0 is not 0.0; empty tensors never match).
 
 The first relation that matches wins; its modules are listed in the order their outputs were made,
 so the module that produced a tensor comes before a parent that returned it unchanged.
@@ -15,9 +17,11 @@ so the module that produced a tensor comes before a parent that returned it unch
 Memory: the index holds at most `budget_bytes` of output storage (each storage counted once). In a
 training step autograd keeps most of those tensors alive anyway; what it would have freed (outputs
 under `no_grad`, outputs the backward does not need) stays allocated until the trace ends. Past the
-budget the oldest outputs are dropped and counted, so a tap of an early output may read "no module
-output equals it" with the number dropped. An output changed in place after it was made is matched
-by storage, not by its old values.
+budget (or past MAX_HELD outputs) the oldest are dropped and counted, so a tap of an early output may
+read "no module output equals it" with the number dropped. An output changed in place after it was
+made is matched by storage, not by its old values. Tensors without a plain storage (nested tensors,
+vmap's batched tensors, tensor subclasses that refuse it) are neither held nor matched: the match
+never raises into the traced program.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_BUDGET_MIB = 512
+MAX_HELD = 100_000  # outputs held at most, whatever their bytes (empty outputs and views cost none)
 MAX_NAMES = 4
 RELATIONS = ("same", "view", "equal")
 
@@ -90,13 +95,12 @@ class OutputIndex:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Hold `tensor` (an output of module output `name`), dropping the oldest past the budget."""
-        import torch
-
-        if self.budget_bytes == 0 or tensor.is_meta or tensor.layout != torch.strided:
+        if self.budget_bytes == 0:
             return
-        t = tensor.detach()
-        storage = t.untyped_storage()
-        pointer, nbytes = storage.data_ptr(), storage.nbytes()
+        plain = _plain(tensor)
+        if plain is None:
+            return
+        t, pointer, nbytes = plain
         if nbytes > self.budget_bytes:
             self.dropped += 1
             return
@@ -104,7 +108,7 @@ class OutputIndex:
             self.held_bytes += nbytes
         self._storage_refs[pointer] = self._storage_refs.get(pointer, 0) + 1
         self._held.append(_Held(name, t, pointer, nbytes))
-        while self.held_bytes > self.budget_bytes and self._held:
+        while (self.held_bytes > self.budget_bytes or len(self._held) > MAX_HELD) and self._held:
             self._drop_oldest()
 
     def _drop_oldest(self) -> None:
@@ -119,30 +123,25 @@ class OutputIndex:
 
     def match(self, tensor: torch.Tensor) -> Source:
         """The held outputs `tensor` is (same storage and layout), views (same storage) or equals."""
-        import torch
-
-        t = tensor.detach()
         found: dict[str, list[str]] = {r: [] for r in RELATIONS}
-        strided = t.layout == torch.strided and not t.is_meta
-        pointer = t.untyped_storage().data_ptr() if strided else None
-        for h in self._held:
-            o = h.tensor
-            if pointer is not None and h.storage == pointer and pointer != 0:
-                same = (
-                    o.storage_offset() == t.storage_offset()
-                    and o.shape == t.shape
-                    and o.stride() == t.stride()
-                    and o.dtype == t.dtype
-                )
-                found["same" if same else "view"].append(h.name)
-            elif (
-                not found["same"]
-                and o.shape == t.shape
-                and o.dtype == t.dtype
-                and o.device == t.device
-                and bool(torch.equal(o, t))
-            ):
-                found["equal"].append(h.name)
+        plain = _plain(tensor)
+        if plain is not None:
+            t, pointer, _ = plain
+            for h in self._held:
+                o = h.tensor
+                if o.device != t.device:
+                    continue
+                if pointer and h.storage == pointer:
+                    same = (
+                        o.storage_offset() == t.storage_offset()
+                        and o.shape == t.shape
+                        and o.stride() == t.stride()
+                        and o.dtype == t.dtype
+                    )
+                    found["same" if same else "view"].append(h.name)
+                elif not found["same"] and t.numel() and o.shape == t.shape and o.dtype == t.dtype:
+                    if _bit_equal(o, t):
+                        found["equal"].append(h.name)
         relation = next((r for r in RELATIONS if found[r]), None)
         names = _unique(found[relation]) if relation else []
         return Source(
@@ -152,6 +151,37 @@ class OutputIndex:
             held=len(self._held),
             dropped=self.dropped,
         )
+
+
+def _plain(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
+    """(detached tensor, storage pointer, storage bytes) of a tensor with a plain strided storage,
+    else None (nested, batched under vmap, meta, sparse, a subclass that refuses its storage)."""
+    import torch
+
+    try:
+        if tensor.is_nested or tensor.is_meta or tensor.layout != torch.strided:
+            return None
+        t = tensor.detach()
+        storage = t.untyped_storage()
+        return t, storage.data_ptr(), storage.nbytes()
+    except Exception:  # noqa: BLE001 - a tensor kind without a storage: not matched, never raised
+        return None
+
+
+_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bits (floats viewed as integers of their width: NaN equals its own payload)."""
+    import torch
+
+    try:
+        if (a.is_floating_point() or a.is_complex()) and a.element_size() in _BITS:
+            bits = getattr(torch, _BITS[a.element_size()])
+            return bool(torch.equal(a.view(bits), b.view(bits)))
+        return bool(torch.equal(a, b))
+    except Exception:  # noqa: BLE001 - a dtype that cannot be viewed: compared by value
+        return bool(torch.equal(a, b))
 
 
 def _unique(names: list[str]) -> list[str]:

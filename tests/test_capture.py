@@ -476,3 +476,40 @@ def test_step_tags_are_per_context(tmp_path):
         t.join()
         assert current_tags() == {"optimizer_step": 1}
     assert seen == [{}] and current_tags() == {}
+
+
+def test_a_module_two_installed_models_share_is_captured_by_the_one_running(tmp_path, tiny_llama, input_ids):
+    """A drafter that reuses its target's embedding and one of its blocks (self-speculative style):
+    each forward captures the shared modules once, under its own call and layer numbering."""
+    target = tiny_llama
+
+    class Drafter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = target.get_input_embeddings()  # shared
+            self.layers = torch.nn.ModuleList([target.model.layers[1]])  # shared
+            self.norm = torch.nn.LayerNorm(target.config.hidden_size)
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            pos = torch.arange(ids.shape[1])[None]
+            rope = target.model.rotary_emb(h, pos)
+            for layer in self.layers:
+                h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope)
+                h = h[0] if isinstance(h, tuple) else h
+            return self.norm(h)
+
+    drafter = Drafter().eval()
+    with ffdebug.capture(dir=str(tmp_path), side="s"), torch.no_grad():
+        ffdebug.install(target)
+        ffdebug.install(drafter)
+        with ffdebug.step(optimizer_step=0, phase="train"):
+            target(input_ids)
+            drafter(input_ids)
+    records = open_side(str(tmp_path / "s")).records
+    keys = {call: [r.key for r in records if r.call == call] for call in (0, 1)}
+    layers = target.config.num_hidden_layers
+    for call, expected_layers in ((0, layers), (1, 1)):
+        assert keys[call].count("embed.out") == 1, keys[call]
+        hidden = [k for k in keys[call] if k.endswith(".hidden_in")]
+        assert len(hidden) == expected_layers == len(set(hidden)), hidden

@@ -44,7 +44,7 @@ BATCH = 2
 EVAL_RECORDS = 2
 LR = 3e-3
 WARMUP = 2
-CLIP = 1.0
+CLIP = 0.01  # below the gradient norm of this tiny drafter (about 0.02): clipping acts
 
 
 class Drafter(torch.nn.Module):

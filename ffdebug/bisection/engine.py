@@ -357,8 +357,28 @@ def _choose_call(result, notes: list[str]):
     if result.generation is not None:  # the call before the one whose ids differ is where to look
         chosen = next((a for a in analyses if _before(result.generation, a[0])), analyses[-1])
     if training.is_trainer_run(result.stages):
-        chosen = _in_training_order(result.stages, analyses, notes) or chosen
+        in_order = _in_training_order(result.stages, analyses, notes)
+        if in_order is None:
+            _no_training_signal(result.stages, analyses, notes)
+        chosen = in_order or chosen
     return analyses, chosen
+
+
+def _no_training_signal(stages: list[StageResult], analyses: list, notes: list[str]) -> None:
+    """Training order found no stage outside the ok band and no exact-prefix break above rounding:
+    a later call's own exact-prefix signal is no bug signal (its inputs, the weights, already differ
+    by rounding), so it is dropped; where the bits first part is noted."""
+    for _, _, analysis in analyses:
+        if analysis.signal == EXACT_PREFIX_SIGNAL:
+            analysis.signal = None
+    first = next((e for e in training.training_order(stages) if not e.exact), None)
+    if first is not None:
+        rel = f"rel {first.rel:.3g}, " if first.rel is not None else ""
+        notes.append(
+            "training order: no stage outside the ok band and no break of the exact prefix above "
+            f"rounding; the bits first part at optimizer_step {first.step.get('optimizer_step')}, "
+            f"{first.key} ({rel}within rounding); later calls inherit that difference"
+        )
 
 
 __all__ = ["BisectResult", "bisect"]

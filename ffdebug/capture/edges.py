@@ -35,8 +35,14 @@ class RootState:
     vocab: int | None  # logits are the output whose last dim is this size
     ids: object = None  # the root call's input ids
     embedded: bool = False  # `embed.out` written for this call
-    in_flight: bool = False  # this install's root started the call in flight (a module two
-    # installed models share, a drafter's embedding of its target's, is captured by the one running)
+    in_flight: bool = False  # this install's root started the call in flight: a module two
+    # installed models share (a drafter's embedding or block of its target's) is captured by the
+    # install whose root is running (`foreign`)
+
+    def foreign(self, session) -> bool:
+        """Another install's root call is in flight: this install's hooks capture nothing now."""
+        return session.call_depth > 0 and not self.in_flight
+
     blocks_done: int = 0
     final_norm: tuple | None = None  # (copy, live, meta) of the last norm after the last block
 
@@ -74,9 +80,9 @@ def hook_root(handle: Handle, session, capture, model, root: RootState, order: E
                 _capture_final(capture, module, output, root.vocab, session.config.topk)
         finally:
             if session.call_depth == 1:
-                root.in_flight = False
-                for replay in order.decide():
+                for replay in order.decide():  # held captures of this call: still this root's
                     replay()
+                root.in_flight = False
             session.end_call()
 
     handle.add(model.register_forward_pre_hook(root_pre, with_kwargs=True))

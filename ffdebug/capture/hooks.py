@@ -79,8 +79,8 @@ def install(
         session.num_layers = max(b.layer for b in blocks) + 1
     order = handle.order = ExecutionOrder(blocks)
     hook_feed(handle, session, blocks)  # before every other hook: they see the fed input
-    capture = _capture_function(session, order, StageMap.of(stage_names))
     root = RootState(vocab=vocab_size(model))
+    capture = _capture_function(session, order, StageMap.of(stage_names), root)
     hook_root(handle, session, capture, model, root, order)
     inside_blocks: set[int] = set()
     for b in blocks:
@@ -93,9 +93,10 @@ def install(
     return handle
 
 
-def _capture_function(session, order: ExecutionOrder, stage_map: StageMap):
+def _capture_function(session, order: ExecutionOrder, stage_map: StageMap, root: RootState):
     """`capture(key, tensor, grad_source=None, **meta)` of an install: held while the execution
-    order is pending, renamed by the order and the stage map, its gradient hooked when asked."""
+    order is pending, renamed by the order and the stage map, its gradient hooked when asked;
+    nothing while another install's root runs (a module the two models share)."""
     import torch
 
     grads = session.config.grads
@@ -103,7 +104,7 @@ def _capture_function(session, order: ExecutionOrder, stage_map: StageMap):
     def capture(key, tensor, grad_source=None, **meta):
         """Write `tensor` as `key` (renamed by the stage map); its gradient is taken from
         `grad_source` (the live tensor a buffered copy was made of) or the tensor itself."""
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or root.foreign(session):
             return
         if order.pending:  # layer numbers follow the first call's execution (capture/order.py)
             copy, live = tensor.detach().clone(), tensor if grad_source is None else grad_source
@@ -118,6 +119,7 @@ def _capture_function(session, order: ExecutionOrder, stage_map: StageMap):
             # the gradient arrives after the forward: it keeps the forward's call and step tags
             live.register_hook(session.capture_later(grad_key, **dict(meta, io="grad")))
 
+    capture.foreign = lambda: root.foreign(session)  # the block hooks skip a foreign call too
     return capture
 
 
@@ -182,6 +184,9 @@ def _hook_block_io(
     state: dict = {}  # invocation index and input shape of the call in flight
 
     def pre(module, args, kwargs):
+        state["foreign"] = capture.foreign()
+        if state["foreign"]:  # another installed model runs this shared block: its hooks number it
+            return
         push_layer(block.layer, handle.order)
         state["inv"] = inv = session.next_invocation(block.path)
         h = first_tensor(args, kwargs)
@@ -194,6 +199,8 @@ def _hook_block_io(
         begin()
 
     def post(module, args, kwargs, output):
+        if state.get("foreign"):
+            return
         try:
             flush()
             pairs = list(tensors_of(output))

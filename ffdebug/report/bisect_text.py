@@ -108,12 +108,19 @@ def layers_table(result) -> Table:
     return table
 
 
+def first_divergence_or_partial(result: BisectResult) -> bool:
+    """Something to locate: a divergence, or a comparison that is not complete."""
+    return result.first_divergence is not None or not result.complete
+
+
 def _no_layer_table(result: BisectResult) -> str:
     """Why there is no layer table, true to what the stores hold."""
     from ffdebug.bisection.training import is_trainer_run
 
     if not any(e.layer is not None for e in result.stages):
         if len(result.calls) > 1:  # the stages are the reported call's; another call may hold layers
+            if result.call.call is None:
+                return "No layer table: the call reported holds taps made outside a model's forward only."
             return (
                 f"No layer table: the call reported (call {result.call.call}) holds no layer stage (L<n>.*)."
             )
@@ -133,7 +140,7 @@ def print_bisect(
     console = console or Console()
     if result.layers:
         console.print(layers_table(result))
-    else:  # an empty table would look like a rendering fault
+    elif first_divergence_or_partial(result):  # an empty table would look like a rendering fault
         console.print(_no_layer_table(result))
     first = result.first_divergence
     if first is not None and first.layer is not None and not all_stages:

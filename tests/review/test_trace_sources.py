@@ -79,3 +79,30 @@ def test_cli_prints_where_taps_come_from_and_json_keeps_it():
     assert out["match_budget_mib"] == 512
     r = runner.invoke(app, ["trace", f"{TARGET}:one_step", "--match-memory", "-1"])
     assert r.exit_code == 2 and "--match-memory" in r.output
+
+
+def test_equal_means_the_same_bits():
+    import torch
+
+    index = OutputIndex(10_000)
+    out = torch.tensor([1.0, float("nan"), -0.0])
+    index.add("m", out)
+    assert index.match(out.clone()).relation == "equal"  # a NaN copy is its output's copy
+    assert index.match(torch.tensor([1.0, float("nan"), 0.0])).relation is None  # -0.0 is not 0.0
+    index.add("empty", torch.zeros(0, 4))
+    assert index.match(torch.zeros(0, 4)).relation is None  # an empty tensor equals nothing
+
+
+def test_tensors_without_a_plain_storage_are_skipped_not_raised(monkeypatch):
+    import torch
+
+    import ffdebug.trace_sources as ts
+
+    index = OutputIndex(10_000)
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    index.add("nested", nested)
+    assert index.match(nested).relation is None and index.match(torch.zeros(2)).relation is None
+    monkeypatch.setattr(ts, "MAX_HELD", 3)
+    for i in range(5):
+        index.add(f"e{i}", torch.zeros(0))
+    assert index.match(torch.zeros(1)).held == 3 and index.dropped == 2

@@ -155,3 +155,20 @@ def test_trace_says_whose_output_a_feature_is(runs, monkeypatch):
     right = sources[("features.layer1", "train")]
     assert right.relation == "same" and right.modules[0] == "LlamaForCausalLM.model.layers.1"
     assert sources[("loss.drafter", "train")].relation is None
+
+
+def test_a_difference_within_rounding_upstream_is_no_later_calls_bug_signal(runs, tmp_path, monkeypatch):
+    """AdamW's β₂ changed: step 0's update differs only by rounding (bias correction makes m̂ = g,
+    v̂ = g²), and every later stage inherits it. Compare and bisect agree (no stage outside the ok
+    band, no exact-prefix break above rounding), and bisect says where the bits first part."""
+    port = _script("port_loop")
+    adamw = torch.optim.AdamW
+    monkeypatch.setattr(port.torch.optim, "AdamW", lambda *a, **k: adamw(*a, **{**k, "betas": (0.9, 0.95)}))
+    with ffdebug.capture(dir=str(tmp_path), side="betas"):
+        port.main([str(runs / "fixtures"), "--steps", "3"])
+    compared = ffdebug.compare(runs / "dumps" / "ref", tmp_path / "betas")
+    result = ffdebug.bisect(runs / "dumps" / "ref", tmp_path / "betas")
+    assert result.exit_code() == compared.exit_code()
+    if result.exit_code() == 0:
+        note = next(n for n in result.notes if n.startswith("training order:"))
+        assert "the bits first part at optimizer_step 0, update.drafter" in note
