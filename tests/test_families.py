@@ -377,6 +377,24 @@ def test_different_pixel_values_are_gated_and_named(vit, tmp_path):
     assert err.value.exit_code == 3
 
 
+def test_pixels_rounded_to_a_bf16_run_are_the_same_input(vit, tmp_path):
+    """The bf16 run is fed the fp32 pixels rounded to bf16: the gate compares them in bf16 and lets
+    the numbers be judged (precision); pixels that differ beyond that rounding are still exit 3."""
+    import copy
+
+    from ffdebug.errors import InputIdsMismatch
+
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(9))
+    ref = _dump(vit, tmp_path, "ref", [dict(pixel_values=pixels)])
+    low = copy.deepcopy(vit).to(torch.bfloat16)
+    tgt = _dump(low, tmp_path, "bf16", [dict(pixel_values=pixels.to(torch.bfloat16))])
+    assert ffdebug.compare(ref, tgt).stages  # no InputIdsMismatch: compared
+    other = pixels.to(torch.bfloat16)
+    other[0, 1, 2, 3] += 1.0
+    with pytest.raises(InputIdsMismatch, match="position \\[0, 1, 2, 3\\]"):
+        ffdebug.compare(ref, _dump(low, tmp_path, "bf16_other", [dict(pixel_values=other)]))
+
+
 def test_a_child_called_twice_gets_invocation_indices(tmp_path):
     """One module run twice inside a block: two records of one stage, invocations 0 and 1."""
 

@@ -3,7 +3,9 @@
 Only external inputs are gated, and only on the first call of each step-tag group: token ids
 (`embed.input_ids`, `embed.decoder_input_ids`), `embed.pixel_values`, `embed.attention_mask`,
 `embed.position_ids`. A mismatch there is exit 3 naming the input; "fix tokenization first" is
-said for token ids only. Latents and timesteps are never gated: they are compared as stages.
+said for token ids only. Latents and timesteps are never gated: they are compared as stages. A
+floating input of two dtypes (fp32 pixels against the bf16 run's bf16 pixels) is compared in the
+lower precision: the same input rounded to the run's dtype is the same input.
 
 Token ids that match at a group's first call and differ at a later one are not a tokenization
 error: the generation itself diverged (a decode step chose another token). `gate_inputs` returns
@@ -53,6 +55,10 @@ def _first_difference(r, t):
 
     if tuple(r.shape) != tuple(t.shape):
         return f"shape {list(r.shape)} vs {list(t.shape)}"
+    if r.is_floating_point() and t.is_floating_point() and r.dtype != t.dtype:
+        # a run in lower precision is fed the same input rounded to its dtype: compared there
+        low = r.dtype if torch.finfo(r.dtype).eps > torch.finfo(t.dtype).eps else t.dtype
+        r, t = r.to(low), t.to(low)
     if torch.equal(r, t):
         return None
     pos = torch.nonzero(r != t)[0].tolist()

@@ -170,6 +170,26 @@ def _diffusers_file(file: Path, raw: dict) -> ModelSpec:
     return ModelSpec(str(file), config, cls, DIFFUSERS)
 
 
+def _refuse_large(spec: ModelSpec, construct) -> None:
+    """Count the parameters on the meta device (no memory) and refuse a model over the cap before
+    it is allocated: a size field the shrinker missed can make a model of billions of parameters,
+    which would exhaust the machine's memory before any check after the build. A constructor that
+    does not run on the meta device is built for real and checked after."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = construct()
+    except Exception:  # noqa: BLE001 - a constructor that needs real tensors: checked after the build
+        return
+    parameters = sum(p.numel() for p in model.parameters())
+    if parameters > MAX_PARAMETERS:
+        raise SelftestError(
+            f"{spec.name}: not tiny after shrinking ({parameters:,} parameters, the cap is {MAX_PARAMETERS:,}): "
+            "a size field the shrinker does not know"
+        )
+
+
 def build(spec: ModelSpec, sizes: Sizes | None = None, seed: int = 0, attn: str = "eager") -> Any:
     """The tiny seeded model of `spec` (float32, eval, `attn` attention), else `SelftestError` naming
     why the shrunk config does not build."""
@@ -178,12 +198,19 @@ def build(spec: ModelSpec, sizes: Sizes | None = None, seed: int = 0, attn: str 
     torch.manual_seed(seed)
     try:
         shrunk, _ = spec.shrunk(sizes)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if spec.family == DIFFUSERS:
-                model = spec.model_class(**shrunk)
-            else:
-                model = spec.model_class._from_config(shrunk, attn_implementation=attn)
+
+        def construct():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if spec.family == DIFFUSERS:
+                    return spec.model_class(**shrunk)
+                return spec.model_class._from_config(shrunk, attn_implementation=attn)
+
+        _refuse_large(spec, construct)
+        torch.manual_seed(seed)
+        model = construct()
+    except SelftestError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure of a foreign constructor is "cannot build"
         raise SelftestError(
             f"{spec.name}: the shrunk config does not build ({type(e).__name__}: {short_reason(e, 160)})"
