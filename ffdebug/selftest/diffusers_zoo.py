@@ -12,8 +12,11 @@
   build is reported with the constructor's reason.
 - **Inputs**, from the forward's parameter names: the latent (`sample` / `hidden_states`: [B, C, 16,
   16], [B, C, 2, 16, 16] for a video model, [B, 16, C] packed with `img_ids` where the model takes
-  position ids), `timestep`, `encoder_hidden_states` [B, 8, D] (D the config's text width),
-  `pooled_projections`, `txt_ids`, `guidance`, `class_labels` where the config asks for them.
+  position ids: one column per rotary axis), `timestep`, `encoder_hidden_states` [B, 8, D] (D the
+  config's text width, else the shrunk 32 when the forward requires text) with an all-ones
+  `encoder_attention_mask`, `pooled_projections`, `txt_ids`, `guidance`, `class_labels` where the
+  config asks for them. A forward that needs more (image sizes, crop coordinates, extra latents) is
+  recorded as not run, with its own error.
 """
 
 from __future__ import annotations
@@ -26,7 +29,17 @@ TEXT_TOKENS = 8
 PACKED_TOKENS = 16
 FRAMES = 2
 HEADS, HEAD_DIM, LAYERS, TEXT_DIM = 2, 16, 2, 32
-TEXT_WIDTHS = ("joint_attention_dim", "cross_attention_dim", "caption_channels", "text_embed_dim", "text_dim")
+TEXT_WIDTHS = (
+    "joint_attention_dim",
+    "cross_attention_dim",
+    "caption_channels",
+    "text_embed_dim",
+    "text_dim",
+    "cap_feat_dim",
+    "caption_dim",
+    "text_hidden_dim",
+    "context_dim",
+)
 MODULES = ("diffusers.models.transformers", "diffusers.models.unets")
 
 
@@ -129,9 +142,15 @@ def shrink(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for name in ("caption_projection_dim", "inner_dim", "hidden_size", "dim"):
         if is_int(name):
             put(name, inner)
-    axes = cfg.get("axes_dims_rope") or cfg.get("axes_dim")
-    if isinstance(axes, (list, tuple)) and isinstance(old_head_dim, int) and sum(axes) == old_head_dim:
-        put("axes_dims_rope" if "axes_dims_rope" in cfg else "axes_dim", _axes(axes, HEAD_DIM))
+    for name, axes in list(cfg.items()):  # rotary axes (`axes_dims_rope`, `rope_axes_dim`, ...)
+        if (
+            ("axes" in name or name == "rope_dim_list")
+            and isinstance(axes, (list, tuple))
+            and all(isinstance(a, int) for a in axes)
+            and isinstance(old_head_dim, int)
+            and sum(axes) == old_head_dim
+        ):
+            put(name, _axes(axes, HEAD_DIM))
     for kinds in ("down_block_types", "up_block_types"):
         types = cfg.get(kinds)
         if isinstance(types, (list, tuple)) and len(types) > 2:
@@ -200,17 +219,23 @@ def denoiser_inputs(model: Any, batch: int, seed: int) -> dict[str, Any]:
     if "timestep" in params:
         out["timestep"] = torch.full((batch,), 0.5 if packed else 500.0)
     width = _text_width(config)
-    if "encoder_hidden_states" in params and width is not None:
-        out["encoder_hidden_states"] = torch.randn(batch, TEXT_TOKENS, width, generator=generator)
+    text = params.get("encoder_hidden_states")
+    if text is not None and (width is not None or text.default is text.empty):
+        # a model whose text width the config does not name gets the shrunk width every rule sets
+        out["encoder_hidden_states"] = torch.randn(batch, TEXT_TOKENS, width or TEXT_DIM, generator=generator)
+        if "encoder_attention_mask" in params:  # every text token is real
+            out["encoder_attention_mask"] = torch.ones(batch, TEXT_TOKENS, dtype=torch.long)
     pooled = config.get("pooled_projection_dim")
     if "pooled_projections" in params and isinstance(pooled, int):
         out["pooled_projections"] = torch.randn(batch, pooled, generator=generator)
-    if packed:
+    if packed:  # position ids with one column per rotary axis: (frame or text index, ..., row, column)
+        axes = next((v for k, v in config.items() if "axes" in k and isinstance(v, (list, tuple))), (0, 0, 0))
         side = int(PACKED_TOKENS**0.5)
         grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1)
-        out["img_ids"] = torch.cat([torch.zeros(PACKED_TOKENS, 1), grid.reshape(-1, 2).float()], -1)
+        lead = torch.zeros(PACKED_TOKENS, max(0, len(axes) - 2))
+        out["img_ids"] = torch.cat([lead, grid.reshape(-1, 2).float()], -1)
         if "txt_ids" in params:
-            out["txt_ids"] = torch.zeros(TEXT_TOKENS, 3)
+            out["txt_ids"] = torch.zeros(TEXT_TOKENS, len(axes))
     if "guidance" in params and config.get("guidance_embeds"):
         out["guidance"] = torch.full((batch,), 3.5)
     if "class_labels" in params and (config.get("num_embeds_ada_norm") or config.get("num_class_embeds")):
