@@ -151,6 +151,21 @@ def shrink(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             and sum(axes) == old_head_dim
         ):
             put(name, _axes(axes, HEAD_DIM))
+    _shrink_levels(cfg, config, put)
+    if is_int("norm_num_groups"):
+        put("norm_num_groups", 8)
+    for name in ("sample_size", "pos_embed_max_size", "sample_width", "sample_height"):
+        if is_int(name):
+            put(name, max(LATENT, 8) if name != "pos_embed_max_size" else LATENT)
+    for name in ("time_embedding_dim", "timestep_embed_dim", "cond_dim", "text_time_embed_dim"):
+        if is_int(name):
+            put(name, inner)
+    return cfg, changes
+
+
+def _shrink_levels(cfg: dict[str, Any], config: dict[str, Any], put) -> None:
+    """A UNet cut to two resolutions: its first and last block kinds, channels 32 and 64, one layer
+    per block, and every per-level tuple cut to the levels kept."""
     for kinds in ("down_block_types", "up_block_types"):
         types = cfg.get(kinds)
         if isinstance(types, (list, tuple)) and len(types) > 2:
@@ -178,15 +193,6 @@ def shrink(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 and len(value) > levels
             ):
                 put(name, value[:levels])
-    if is_int("norm_num_groups"):
-        put("norm_num_groups", 8)
-    for name in ("sample_size", "pos_embed_max_size", "sample_width", "sample_height"):
-        if is_int(name):
-            put(name, max(LATENT, 8) if name != "pos_embed_max_size" else LATENT)
-    for name in ("time_embedding_dim", "timestep_embed_dim", "cond_dim", "text_time_embed_dim"):
-        if is_int(name):
-            put(name, inner)
-    return cfg, changes
 
 
 def _text_width(config: Any) -> int | None:
