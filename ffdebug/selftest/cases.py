@@ -205,7 +205,8 @@ def _matches(expected: Expected, said: dict, failed: bool) -> bool:
     if not failed or said["layer"] != expected.layer:
         return False
     at_planted = expected.sub_stage is not None and (said["stage"] or "").startswith(expected.sub_stage + ".")
-    if expected.stage is not None and said["stage"] != expected.stage and not at_planted:
+    inside = expected.within is not None and (said["stage"] or "").startswith(expected.within + ".")
+    if expected.stage is not None and said["stage"] != expected.stage and not (at_planted or inside):
         return False  # the planted sub-stage itself is a first divergence finer than its block stage
     if expected.sub_stage is not None:
         sub = said["sub_stage"] or ""

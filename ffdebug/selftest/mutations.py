@@ -36,6 +36,7 @@ EPS = 0.1
 ROPE_EXPONENT = 0.75
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _BLOCK_STAGE = re.compile(r"^L(\d{3})\.([a-z_]+)$")  # a block stage (attn_out), not a sub-stage
+_CHILD_STAGE = re.compile(r"^L\d{3}\.(.+)\.out$")  # an unplaced child's output (`L000.norm1.out`)
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,16 @@ class Expected:
     sub_stage: str | None
     pattern: PatternName | None
     head: int | None = None  # the head the sub-stage's per-head error must name worst
+    within: str | None = None  # the stage's module below its block (`layer.0`): a stage of a module
+    # inside it is a finer first divergence and holds too (a T5 norm's first reader, `layer.0.SelfAttention.q.in`)
 
     def describe(self) -> str:
         parts = [f"layer {self.layer}"]
-        parts += [self.stage] if self.stage else []
+        parts += (
+            [self.stage + (f" (or a stage inside {self.within})" if self.within else "")]
+            if self.stage
+            else []
+        )
         parts += [self.sub_stage] if self.sub_stage else []
         parts += [f"head {self.head}"] if self.head is not None else []
         parts.append(self.pattern.value if self.pattern else "any pattern but match")
@@ -151,18 +158,28 @@ class Planner:
     def block_stage(self, layer: int, module_path: str | None) -> str | None:
         """The block stage (attn_out, ffn_out, ...) whose module holds `module_path` (an output
         stage: the block's `hidden_in` is what feeds the block, not what one of its modules made)."""
+        found = self.owning_stage(layer, module_path)
+        return found[0] if found else None
+
+    def owning_stage(self, layer: int, module_path: str | None) -> tuple[str, str] | None:
+        """(stage, its module path) of the most specific output stage of `layer` whose module holds
+        `module_path`: a block stage (`attn_out`) or an unplaced child's (`norm1.out`,
+        `resnets.0.out`); input stages (`hidden_in`, `encoder_hidden_in`) are what feeds a block,
+        never what one of its modules made."""
         best = None
         for r in self.records:
             m = _BLOCK_STAGE.match(r.key)
-            if r.layer != layer or not m or not r.module_path or module_path is None:
+            child = _CHILD_STAGE.match(r.key)
+            if r.layer != layer or not (m or child) or not r.module_path or module_path is None:
                 continue
-            if m.group(2) == "hidden_in":
+            stage = m.group(2) if m else child.group(1) + ".out"
+            if stage.endswith("_in"):
                 continue
             if (module_path == r.module_path or module_path.startswith(r.module_path + ".")) and (
                 best is None or len(r.module_path) > len(best[1])
             ):
-                best = (m.group(2), r.module_path)
-        return best[0] if best else None
+                best = (stage, r.module_path)
+        return best
 
     def sub(self, layer: int, kind: str) -> Dumped | None:
         return self.by_key.get(f"L{layer:03d}.{kind}.out")
@@ -266,9 +283,21 @@ class Planner:
         if not names:
             return []
         blocks0 = self._blocks().get(0)
-        stages = {self.block_stage(0, n) for n, _ in names if blocks0 and n.startswith(blocks0 + ".")}
-        order = [m.group(2) for r in self.records if (m := _BLOCK_STAGE.match(r.key)) and r.layer == 0]
-        first_norm = next((st for st in order if st in stages), None)  # in execution order
+        owners = {
+            found
+            for n, _ in names
+            if blocks0 and n.startswith(blocks0 + ".") and (found := self.owning_stage(0, n))
+        }
+        owned = {stage: path for stage, path in owners}
+        order = [
+            (m.group(2) if m else c.group(1) + ".out")
+            for r in self.records
+            if r.layer == 0 and ((m := _BLOCK_STAGE.match(r.key)) or (c := _CHILD_STAGE.match(r.key)))
+        ]
+        first_norm = next((st for st in order if st in owned), None)  # in execution order
+        within = None
+        if first_norm is not None and blocks0 and owned[first_norm].startswith(blocks0 + "."):
+            within = owned[first_norm][len(blocks0) + 1 :]
 
         def plant(model: Any) -> None:
             for name, attr in names:
@@ -278,7 +307,7 @@ class Planner:
             Mutation(
                 "norm eps",
                 f"{len(names)} norm(s) in the blocks, eps {EPS}",
-                Expected(0, first_norm, None, None),
+                Expected(0, first_norm, None, None, within=within),
                 plant,
             )
         ]
