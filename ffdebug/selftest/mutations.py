@@ -37,6 +37,7 @@ ROPE_EXPONENT = 0.75
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _BLOCK_STAGE = re.compile(r"^L(\d{3})\.([a-z_]+)$")  # a block stage (attn_out), not a sub-stage
 _CHILD_STAGE = re.compile(r"^L\d{3}\.(.+)\.out$")  # an unplaced child's output (`L000.norm1.out`)
+_ROLE_PREFIXES = ("attn.", "mlp.", "moe.")  # role sub-stages, not children
 
 
 @dataclass(frozen=True)
@@ -158,18 +159,22 @@ class Planner:
     def block_stage(self, layer: int, module_path: str | None) -> str | None:
         """The block stage (attn_out, ffn_out, ...) whose module holds `module_path` (an output
         stage: the block's `hidden_in` is what feeds the block, not what one of its modules made)."""
-        found = self.owning_stage(layer, module_path)
+        found = self.owning_stage(layer, module_path, children=False)
         return found[0] if found else None
 
-    def owning_stage(self, layer: int, module_path: str | None) -> tuple[str, str] | None:
+    def owning_stage(
+        self, layer: int, module_path: str | None, children: bool = True
+    ) -> tuple[str, str] | None:
         """(stage, its module path) of the most specific output stage of `layer` whose module holds
-        `module_path`: a block stage (`attn_out`) or an unplaced child's (`norm1.out`,
-        `resnets.0.out`); input stages (`hidden_in`, `encoder_hidden_in`) are what feeds a block,
-        never what one of its modules made."""
+        `module_path`: a block stage (`attn_out`) or, with `children`, an unplaced child's
+        (`norm1.out`, `resnets.0.out`; never a role sub-stage such as `attn.q.out`); input stages
+        (`hidden_in`, `encoder_hidden_in`) are what feeds a block, never what one of its modules made."""
         best = None
         for r in self.records:
             m = _BLOCK_STAGE.match(r.key)
-            child = _CHILD_STAGE.match(r.key)
+            child = _CHILD_STAGE.match(r.key) if children else None
+            if child and child.group(1).startswith(_ROLE_PREFIXES):
+                child = None
             if r.layer != layer or not (m or child) or not r.module_path or module_path is None:
                 continue
             stage = m.group(2) if m else child.group(1) + ".out"
