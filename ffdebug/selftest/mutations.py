@@ -288,21 +288,20 @@ class Planner:
         if not names:
             return []
         blocks0 = self._blocks().get(0)
-        owners = {
-            found
-            for n, _ in names
-            if blocks0 and n.startswith(blocks0 + ".") and (found := self.owning_stage(0, n))
-        }
-        owned = {stage: path for stage, path in owners}
+        in_block0 = [n for n, _ in names if blocks0 and n.startswith(blocks0 + ".")]
         order = [
             (m.group(2) if m else c.group(1) + ".out")
             for r in self.records
             if r.layer == 0 and ((m := _BLOCK_STAGE.match(r.key)) or (c := _CHILD_STAGE.match(r.key)))
         ]
-        first_norm = next((st for st in order if st in owned), None)  # in execution order
+        # the block stage owning the first broken norm, or a stage inside the child that holds it
+        block_owned = {self.block_stage(0, n) for n in in_block0}
+        first_norm = next((st for st in order if st in block_owned), None)  # in execution order
+        child_owned = {found[0]: found[1] for n in in_block0 if (found := self.owning_stage(0, n))}
+        first_child = next((st for st in order if st in child_owned), None)
         within = None
-        if first_norm is not None and blocks0 and owned[first_norm].startswith(blocks0 + "."):
-            within = owned[first_norm][len(blocks0) + 1 :]
+        if first_child is not None and child_owned[first_child].startswith(blocks0 + "."):
+            within = child_owned[first_child][len(blocks0) + 1 :]
 
         def plant(model: Any) -> None:
             for name, attr in names:
