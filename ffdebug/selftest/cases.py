@@ -205,7 +205,12 @@ def _matches(expected: Expected, said: dict, failed: bool) -> bool:
     if not failed or said["layer"] != expected.layer:
         return False
     at_planted = expected.sub_stage is not None and (said["stage"] or "").startswith(expected.sub_stage + ".")
-    inside = expected.within is not None and (said["stage"] or "").startswith(expected.within + ".")
+    within = expected.within
+    inside = within is not None and (
+        (said["stage"] or "").startswith(within + ".")
+        or (said["sub_stage"] or "") == within
+        or (said["sub_stage"] or "").startswith(within + ".")
+    )  # a finer first divergence, or a block stage whose sub-stage is the planted module
     if expected.stage is not None and said["stage"] != expected.stage and not (at_planted or inside):
         return False  # the planted sub-stage itself is a first divergence finer than its block stage
     if expected.sub_stage is not None:

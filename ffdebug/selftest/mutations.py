@@ -49,8 +49,9 @@ class Expected:
     sub_stage: str | None
     pattern: PatternName | None
     head: int | None = None  # the head the sub-stage's per-head error must name worst
-    within: str | None = None  # the stage's module below its block (`layer.0`): a stage of a module
-    # inside it is a finer first divergence and holds too (a T5 norm's first reader, `layer.0.SelfAttention.q.in`)
+    within: str | None = None  # the planted module's child below its block (`layer.0`, `norm1`): a
+    # stage inside it (a T5 norm's first reader, `layer.0.SelfAttention.q.in`), or a block stage
+    # whose sub-stage is it (`ffn_out`, sub-stage `norm1`), holds too
 
     def describe(self) -> str:
         parts = [f"layer {self.layer}"]
