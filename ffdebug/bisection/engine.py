@@ -365,19 +365,25 @@ def _choose_call(result, notes: list[str]):
 
 
 def _no_training_signal(stages: list[StageResult], analyses: list, notes: list[str]) -> None:
-    """Training order found no stage outside the ok band and no exact-prefix break above rounding:
-    a later call's own exact-prefix signal is no bug signal (its inputs, the weights, already differ
-    by rounding), so it is dropped; where the bits first part is noted."""
-    for _, _, analysis in analyses:
-        if analysis.signal == EXACT_PREFIX_SIGNAL:
-            analysis.signal = None
+    """Training order found no stage outside the ok band and no exact-prefix break above rounding.
+    A call of a later optimizer step than the first stage whose bits part carries no exact-prefix
+    signal of its own (its inputs, the weights, already differ by rounding since that step), so its
+    signal is dropped and where the bits first part is noted; a call of that step keeps its own."""
     first = next((e for e in training.training_order(stages) if not e.exact), None)
-    if first is not None:
+    if first is None:
+        return
+    parted = training.step_of(first)
+    dropped = False
+    for _, st, analysis in analyses:
+        if analysis.signal == EXACT_PREFIX_SIGNAL and st and min(training.step_of(e) for e in st) > parted:
+            analysis.signal = None
+            dropped = True
+    if dropped:
         rel = f"rel {first.rel:.3g}, " if first.rel is not None else ""
         notes.append(
             "training order: no stage outside the ok band and no break of the exact prefix above "
             f"rounding; the bits first part at optimizer_step {first.step.get('optimizer_step')}, "
-            f"{first.key} ({rel}within rounding); later calls inherit that difference"
+            f"{first.key} ({rel}within rounding); later steps inherit that difference"
         )
 
 

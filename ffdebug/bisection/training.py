@@ -47,6 +47,11 @@ def is_trainer_run(stages: list[StageResult]) -> bool:
     return any("optimizer_step" in e.step for e in stages)
 
 
+def step_of(e: StageResult) -> int:
+    """The stage's optimizer step (-1 when untagged)."""
+    return _step(e)
+
+
 def _step(e: StageResult) -> int:
     value = e.step.get("optimizer_step")
     try:
