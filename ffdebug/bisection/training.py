@@ -49,10 +49,6 @@ def is_trainer_run(stages: list[StageResult]) -> bool:
 
 def step_of(e: StageResult) -> int:
     """The stage's optimizer step (-1 when untagged)."""
-    return _step(e)
-
-
-def _step(e: StageResult) -> int:
     value = e.step.get("optimizer_step")
     try:
         return int(value)
@@ -77,7 +73,7 @@ def _capture_position(e: StageResult, index: int) -> tuple[int, int]:
 
 
 def _place(e: StageResult) -> tuple[int, int, int]:
-    return _step(e), PHASE_RANK.get(e.phase or "", 2), _stage_rank(e)
+    return step_of(e), PHASE_RANK.get(e.phase or "", 2), _stage_rank(e)
 
 
 def training_order(stages: list[StageResult]) -> list[StageResult]:
@@ -91,7 +87,7 @@ def training_order(stages: list[StageResult]) -> list[StageResult]:
     last = (0, -1, -1)  # before anything tagged: the start of step 0
     for i in by_capture:
         e = stages[i]
-        if "optimizer_step" in e.step and _step(e) >= 0:
+        if "optimizer_step" in e.step and step_of(e) >= 0:
             last = place[i] = _place(e)
         else:
             place[i] = last
@@ -159,7 +155,7 @@ def _gradient_role(first: StageResult, ordered: list[StageResult]) -> StageResul
     """`first`, or the divergent gradient stage of its step and rank whose role gained a gradient."""
     if not first.key.startswith(("grad.", "grad_norm.")):
         return first
-    same = [e for e in ordered if _step(e) == _step(first) and _stage_rank(e) == _stage_rank(first)]
+    same = [e for e in ordered if step_of(e) == step_of(first) and _stage_rank(e) == _stage_rank(first)]
     return next((e for e in same if _gains_a_gradient(e)), first)
 
 

@@ -38,13 +38,12 @@ class RootState:
     in_flight: bool = False  # this install's root started the call in flight: a module two
     # installed models share (a drafter's embedding or block of its target's) is captured by the
     # install whose root is running (`foreign`)
+    blocks_done: int = 0
+    final_norm: tuple | None = None  # (copy, live, meta) of the last norm after the last block
 
     def foreign(self, session) -> bool:
         """Another install's root call is in flight: this install's hooks capture nothing now."""
         return session.call_depth > 0 and not self.in_flight
-
-    blocks_done: int = 0
-    final_norm: tuple | None = None  # (copy, live, meta) of the last norm after the last block
 
 
 def hook_root(handle: Handle, session, capture, model, root: RootState, order: ExecutionOrder) -> None:

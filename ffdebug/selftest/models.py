@@ -150,7 +150,9 @@ def resolve(spec: str) -> ModelSpec:
             f"{spec}: not a config file, a transformers class name, a model_type or a cached model id "
             "(e.g. qwen2, LlamaForCausalLM, path/to/config.json)"
         )
-    named = getattr(__import__("transformers"), spec, None) if spec.isidentifier() else None
+    import transformers
+
+    named = getattr(transformers, spec, None) if spec.isidentifier() else None
     family = family_of_class(named) if isinstance(named, type) else None
     if family is not None:  # a model class: built as itself
         return ModelSpec(spec, config, named, family)
@@ -170,11 +172,21 @@ def _diffusers_file(file: Path, raw: dict) -> ModelSpec:
     return ModelSpec(str(file), config, cls, DIFFUSERS)
 
 
+def _check_tiny(spec: ModelSpec, model: Any) -> None:
+    """SelftestError when `model` has more parameters than the cap (a size field the shrinker missed)."""
+    parameters = sum(p.numel() for p in model.parameters())
+    if parameters > MAX_PARAMETERS:
+        raise SelftestError(
+            f"{spec.name}: not tiny after shrinking ({parameters:,} parameters, the cap is {MAX_PARAMETERS:,}): "
+            "a size field the shrinker does not know"
+        )
+
+
 def _refuse_large(spec: ModelSpec, construct) -> None:
-    """Count the parameters on the meta device (no memory) and refuse a model over the cap before
-    it is allocated: a size field the shrinker missed can make a model of billions of parameters,
-    which would exhaust the machine's memory before any check after the build. A constructor that
-    does not run on the meta device is built for real and checked after."""
+    """Check the size on the meta device (no memory) before the model is allocated: a size field
+    the shrinker missed can make a model of billions of parameters, which would exhaust the
+    machine's memory before the check after the build. A constructor that does not run on the meta
+    device is built for real and checked after."""
     import torch
 
     try:
@@ -182,12 +194,7 @@ def _refuse_large(spec: ModelSpec, construct) -> None:
             model = construct()
     except Exception:  # noqa: BLE001 - a constructor that needs real tensors: checked after the build
         return
-    parameters = sum(p.numel() for p in model.parameters())
-    if parameters > MAX_PARAMETERS:
-        raise SelftestError(
-            f"{spec.name}: not tiny after shrinking ({parameters:,} parameters, the cap is {MAX_PARAMETERS:,}): "
-            "a size field the shrinker does not know"
-        )
+    _check_tiny(spec, model)
 
 
 def build(spec: ModelSpec, sizes: Sizes | None = None, seed: int = 0, attn: str = "eager") -> Any:
@@ -215,10 +222,5 @@ def build(spec: ModelSpec, sizes: Sizes | None = None, seed: int = 0, attn: str 
         raise SelftestError(
             f"{spec.name}: the shrunk config does not build ({type(e).__name__}: {short_reason(e, 160)})"
         ) from None
-    parameters = sum(p.numel() for p in model.parameters())
-    if parameters > MAX_PARAMETERS:
-        raise SelftestError(
-            f"{spec.name}: not tiny after shrinking ({parameters:,} parameters, the cap is {MAX_PARAMETERS:,}): "
-            "a size field the shrinker does not know"
-        )
+    _check_tiny(spec, model)
     return model.float().eval()

@@ -40,6 +40,18 @@ _CHILD_STAGE = re.compile(r"^L\d{3}\.(.+)\.out$")  # an unplaced child's output 
 _ROLE_PREFIXES = ("attn.", "mlp.", "moe.")  # role sub-stages, not children
 
 
+def _output_stage(key: str, children: bool) -> str | None:
+    """The stage a record key names below its layer prefix: a block stage (`attn_out`) or, with
+    `children`, an unplaced child's output (`norm1.out`; a role sub-stage is none); else None."""
+    m = _BLOCK_STAGE.match(key)
+    if m:
+        return m.group(2)
+    child = _CHILD_STAGE.match(key) if children else None
+    if child is None or child.group(1).startswith(_ROLE_PREFIXES):
+        return None
+    return child.group(1) + ".out"
+
+
 @dataclass(frozen=True)
 class Expected:
     """What bisect should name; None fields are not checked (`pattern` None: anything but match)."""
@@ -172,13 +184,9 @@ class Planner:
         (`hidden_in`, `encoder_hidden_in`) are what feeds a block, never what one of its modules made."""
         best = None
         for r in self.records:
-            m = _BLOCK_STAGE.match(r.key)
-            child = _CHILD_STAGE.match(r.key) if children else None
-            if child and child.group(1).startswith(_ROLE_PREFIXES):
-                child = None
-            if r.layer != layer or not (m or child) or not r.module_path or module_path is None:
+            stage = _output_stage(r.key, children)
+            if r.layer != layer or stage is None or not r.module_path or module_path is None:
                 continue
-            stage = m.group(2) if m else child.group(1) + ".out"
             if stage.endswith("_in"):
                 continue
             if (module_path == r.module_path or module_path.startswith(r.module_path + ".")) and (
@@ -290,11 +298,7 @@ class Planner:
             return []
         blocks0 = self._blocks().get(0)
         in_block0 = [n for n, _ in names if blocks0 and n.startswith(blocks0 + ".")]
-        order = [
-            (m.group(2) if m else c.group(1) + ".out")
-            for r in self.records
-            if r.layer == 0 and ((m := _BLOCK_STAGE.match(r.key)) or (c := _CHILD_STAGE.match(r.key)))
-        ]
+        order = [st for r in self.records if r.layer == 0 and (st := _output_stage(r.key, True))]
         # the block stage owning the first broken norm, or a stage inside the child that holds it
         block_owned = {self.block_stage(0, n) for n in in_block0}
         first_norm = next((st for st in order if st in block_owned), None)  # in execution order
