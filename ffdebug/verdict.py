@@ -11,6 +11,9 @@ comparison in this order:
 |                   |                     | the matching threshold has elem / max_abs / atol terms);    |
 |                   |                     | a low-precision side scales both by `elem_scale` (depth)    |
 | zero side         | `zero_side`         | one side all zeros, the other not: `bug`                    |
+| range             | `below_range`       | a low-precision side meets another dtype where rms(ref) is  |
+|                   |                     | below that dtype's smallest normal: at most `drift` (its    |
+|                   |                     | values are subnormal or flushed to zero there: underflow)   |
 | NaN / Inf         | `nonfinite`         | NaN or Inf at different positions: at least `bug`           |
 | shape             | `shape_mismatch`    | shapes differ beyond size-1 dims: `bug` (never broadcast)   |
 | statistics only   | `stats_only`        | compared on l2 / mean / std: the rel band (`bug` without)   |
@@ -107,6 +110,17 @@ MACHINE_EPS = {
     "float8_e5m2fnuz": 2.0**-2,
 }
 FP32_EPS = MACHINE_EPS["float32"]
+
+# The smallest normal number of the low-precision dtypes (below it a value keeps fewer mantissa
+# bits, and CPU kernels flush it to zero).
+MIN_NORMAL = {
+    "bfloat16": 2.0**-126,
+    "float16": 2.0**-14,
+    "float8_e4m3fn": 2.0**-6,
+    "float8_e4m3fnuz": 2.0**-7,
+    "float8_e5m2": 2.0**-14,
+    "float8_e5m2fnuz": 2.0**-15,
+}
 
 ROUNDING_ULPS = 16.0  # an error below this many eps of the stage's dtype can be one rounding
 PRECISION_ULPS = 4.0  # one block of a low-precision side adds up to this many eps of its dtype
@@ -343,6 +357,30 @@ def zero_side(severity: Severity, ref_norm: float, target_norm: float, numel: in
     if numel and (ref_norm == 0.0) != (target_norm == 0.0):
         return Severity.BUG
     return severity
+
+
+def below_range(ref_rms: float, dtype_ref: str | None, dtype_target: str | None) -> str | None:
+    """Range rule's test: when the two sides differ in dtype and one is low-precision, the
+    reference's rms below that dtype's smallest normal means its values are subnormal there
+    (fewer mantissa bits) or flushed to zero by the kernels: the low-precision side cannot hold
+    them, whatever the code does. Returns the note saying so, or None."""
+    names = [(d or "").removeprefix("torch.") for d in (dtype_ref, dtype_target)]
+    if names[0] == names[1]:
+        return None
+    low = [(MIN_NORMAL[d], d) for d in names if d in MIN_NORMAL]
+    if not low or not ref_rms < max(low)[0]:
+        return None
+    tiny, name = max(low)
+    return (
+        f"underflow: the reference's rms {ref_rms:.3g} is below {name}'s smallest normal ({tiny:.3g}); "
+        f"{name} cannot hold these values (subnormal or flushed to zero), so the difference is range, "
+        "not a bug"
+    )
+
+
+def range_limited(severity: Severity) -> Severity:
+    """Range rule: a stage `below_range` is at most drift (precision is never a bug)."""
+    return Severity.DRIFT if severity.at_least(Severity.DRIFT) else severity
 
 
 def nonfinite(severity: Severity, nan_mismatch: int, inf_mismatch: int) -> Severity:

@@ -429,3 +429,31 @@ def test_the_env_switch_is_read_and_checked():
     assert not read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d"}).substages
     with pytest.raises(FFDebugError, match="FFDEBUG_FWD_DUMP_SUBSTAGES='yes please' is invalid"):
         read_dump_config({"FFDEBUG_FWD_DUMP_DIR": "d", "FFDEBUG_FWD_DUMP_SUBSTAGES": "yes please"})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_projection_reading_a_norm_computed_in_fp32_records_the_norms_output(tmp_path, dtype):
+    """T5's norm casts the branch input to fp32 and its result back: the cast is freed before
+    the projection runs, and a tensor later allocated at its address is not the branch input
+    (the zoo's T5 family in bf16 / fp16 recorded the residual stream as `mlp.up.in`)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=4, num_heads=4, decoder_start_token_id=0
+    )
+    model = T5ForConditionalGeneration(cfg).eval().to(dtype)
+    normed: dict[int, torch.Tensor] = {}  # the FF norm's output of each block, execution order
+    blocks = [*model.encoder.block, *model.decoder.block]
+    for i, block in enumerate(blocks):
+        block.layer[-1].layer_norm.register_forward_hook(
+            lambda mod, a, out, i=i: normed.setdefault(i, out.detach().clone())
+        )
+    x = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    with ffdebug.capture(model, dir=tmp_path, side="ref", substages=True), torch.no_grad():
+        model(input_ids=x, decoder_input_ids=x)
+    records = {r.key: r for r in open_side(tmp_path / "ref").records}
+    for i in range(len(blocks)):
+        key = next(k for k in records if k.startswith(f"L{i:03d}.") and k.endswith(("up.in", "wi.in")))
+        got = records[key].load()
+        assert torch.equal(got.reshape(normed[i].shape), normed[i]), key

@@ -211,6 +211,13 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]
         if row.local is not None:
             row.introduces = row.beyond_precision = row.local == "local"
             continue
+        limited = [e for e in stages_by_key.values() if e.layer == row.layer and e.range_limited]
+        if limited:
+            row.introduces = row.beyond_precision = False
+            row.notes.append(
+                f"not judged: {limited[0].key} is below the range of the low-precision dtype (underflow)"
+            )
+            continue
         if row.added is None:
             row.introduces = row.beyond_precision = not V.is_ok(row.severity)
             continue

@@ -119,7 +119,7 @@ def largest_step(entries: list[StageResult]) -> tuple[StageResult | None, float 
     pool = [e for e in entries if e.stage != "hidden_in"]
     best, worst_step = None, None
     for i, e in enumerate(pool):
-        if e.rel is None or e.near_zero:
+        if e.rel is None or e.near_zero or e.range_limited:
             continue
         base = _input_of(i, pool, hidden_in)
         b_rel = base.rel if base is not None and base.rel is not None else 0.0

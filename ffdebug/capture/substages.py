@@ -261,6 +261,7 @@ class BranchRecorder:
             return
         self.trace = BranchTrace(lead=tuple(x.shape[:-1]), hidden=x.shape[-1])
         self._inputs = {(x.data_ptr(), x.numel())}  # the branch input and its dtype casts
+        self._input_casts: list = []  # those casts, kept alive: a freed one's address is reused
         self._cast_weights: dict[int, tuple] = {}  # id -> (a dtype cast of a weight, its owner)
         self._input_copy = x.detach().clone()  # the `.in` of the projections reading the branch input
         self._outputs: dict[int, _Output] = {}  # storage -> projection output (fused ones are split)
@@ -285,7 +286,7 @@ class BranchRecorder:
             return
         mode, self.mode = self.mode, None
         mode.__exit__(None, None, None)
-        self._outputs, self._input_copy, self._cast_weights = {}, None, {}
+        self._outputs, self._input_copy, self._cast_weights, self._input_casts = {}, None, {}, []
         for replay in self.session.end_hold():
             replay()
 
@@ -306,6 +307,7 @@ class BranchRecorder:
             and (args[0].data_ptr(), args[0].numel()) in self._inputs
         ):
             self._inputs.add((out.data_ptr(), out.numel()))
+            self._input_casts.append(out)  # else a later tensor at its address reads as the input
         if func in _casts() and args and isinstance(out, torch.Tensor) and id(args[0]) in self.owners:
             self._cast_weights[id(out)] = (out, self.owners[id(args[0])])  # kept alive: ids stay unique
         if func is F.linear:

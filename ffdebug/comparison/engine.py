@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
@@ -140,6 +141,10 @@ def compare_records(
         severity = near_zero.grade(severity, r, t, m.max_abs, e.notes)  # declared `scale`: absolute atol
         e.near_zero = near_zero.within(r, t, m.max_abs)
     severity = V.nonfinite(severity, m.nan_mismatch, m.inf_mismatch)
+    underflow = V.below_range(m.ref_norm / math.sqrt(m.numel), r.dtype, t.dtype) if m.numel else None
+    if underflow is not None and not (m.nan_mismatch or m.inf_mismatch):
+        severity, e.range_limited = V.range_limited(severity), True
+        e.notes.append(underflow)
     if exact:
         severity, e.invariance = V.exact(severity, m.bit_equal)
         if e.invariance:

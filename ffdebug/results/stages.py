@@ -78,6 +78,7 @@ class StageResult:
     unsharded_target: dict | None = None
     severity_rank0: Severity | None = None  # before a shard reading explained the ranks
     per_rank: bool = False  # one of several target ranks, each compared with the reference
+    range_limited: bool = False  # the reference's values are below a low-precision side's range (underflow)
     flipped_tokens: list[int] | None = None  # token rows left out: they took another expert (routing)
     seq: int | None = None  # the reference record's capture sequence number (training order; not in the JSON)
 
