@@ -7,7 +7,7 @@ import math
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
-from ffdebug.comparison import near_zero, parallel, routing
+from ffdebug.comparison import near_zero, parallel, routing, underflow
 from ffdebug.comparison.align import TokenLayout, align, layouts
 from ffdebug.comparison.estimates import sketch_compare, sketch_of, stats_compare
 from ffdebug.comparison.forked import ForkPool, fork_usable, record_refs, resolve_refs
@@ -332,6 +332,7 @@ def _run_units(
         if reading is not None:
             run.readings.append(reading)
     routing.explain(run.stages, run.records, thresholds, Record.load)
+    underflow.explain(run.stages)
     if noise_idx is not None:
         exact_prefix_with_noise(run.stages)
     return run
