@@ -11,6 +11,13 @@ comparison in this order:
 |                   |                     | the matching threshold has elem / max_abs / atol terms);    |
 |                   |                     | a low-precision side scales both by `elem_scale` (depth)    |
 | zero side         | `zero_side`         | one side all zeros, the other not: `bug`                    |
+| amplified         | `amplified_`        | a low-precision side meets another dtype, the stage inside  |
+| precision         | `precision`         | the diverge band (rel <= 30%, cos > 0.9) and its error not  |
+|                   |                     | a scale of the reference (cos(t - r, r) < 0.8): at most     |
+|                   |                     | `drift` (elem and the diverge band cannot tell a bug there) |
+| selection         | `selection`         | an integer stage inside a layer of a call whose             |
+|                   |                     | low-precision side meets another dtype: at most `drift`     |
+|                   |                     | (indices chosen from rounded scores: experts, top-k keys)   |
 | range             | `below_range`       | a low-precision side meets another dtype where rms(ref) is  |
 |                   |                     | below that dtype's smallest normal: at most `drift` (its    |
 |                   |                     | values are subnormal or flushed to zero there: underflow)   |
@@ -127,6 +134,23 @@ PRECISION_ULPS = 4.0  # one block of a low-precision side adds up to this many e
 ELEM_ULPS = 16.0  # a low-precision side's elem grows by up to this many eps per block of depth
 
 
+def mixed_low(dtype_ref: str | None, dtype_target: str | None) -> bool:
+    """The two sides differ in dtype and one of them is low-precision (bf16 against fp32)."""
+    a, b = ((d or "").removeprefix("torch.") for d in (dtype_ref, dtype_target))
+    return a != b and (a in LOW_PRECISION or b in LOW_PRECISION)
+
+
+def call_dtypes(pairs) -> tuple | None:
+    """The dtypes of a call whose low-precision side meets another dtype: from the (ref, target)
+    dtype pairs of its floating stages, the least precise on each side; None when no stage of the
+    call pairs a low-precision dtype with another."""
+    mixed = [(a, b) for a, b in pairs if mixed_low(a, b)]
+    if not mixed:
+        return None
+    side = lambda ds: max(ds, key=lambda d: machine_eps(d) or 0.0)  # noqa: E731
+    return side([a for a, _ in mixed]), side([b for _, b in mixed])
+
+
 def machine_eps(dtype: str | None) -> float | None:
     """The machine epsilon of a floating dtype named as dumps name it (`torch.` prefix or not);
     None for others."""
@@ -156,6 +180,61 @@ def above_rounding(rel: float | None, *dtypes: str | None) -> bool:
         return False
     eps = precise_eps(*dtypes)  # coarser than fp32's only when every known dtype is low-precision
     return rel >= (PRECISION_ULPS if eps > FP32_EPS else ROUNDING_ULPS) * eps
+
+
+COHERENT = 0.8  # an error this aligned with the reference (cos(t - r, r)) is a scale of the signal
+
+
+def scale_error(cos: float | None, norm_ratio: float | None) -> float | None:
+    """The part of the error along the reference, as a share of it: <t - r, r> / |r|^2 =
+    cos x |t|/|r| - 1 (q scaled by 1.1: +0.1; a head of four zeroed: -1/4). Rounding errors are
+    zero-mean and uncorrelated with the values rounded, so precision alone leaves it near zero."""
+    if cos is None or norm_ratio is None:
+        return None
+    return cos * norm_ratio - 1.0
+
+
+def coherence(cos: float | None, norm_ratio: float | None, rel: float | None) -> float | None:
+    """cos(t - r, r): how much of the error is a scale of the reference (1: all of it)."""
+    alpha = scale_error(cos, norm_ratio)
+    if alpha is None or not rel:
+        return None
+    return alpha / rel
+
+
+def amplified_precision(
+    severity: Severity,
+    cos: float | None,
+    rel: float | None,
+    norm_ratio: float | None,
+    dtype_ref: str | None,
+    dtype_target: str | None,
+) -> str | None:
+    """Amplified-precision rule's test: a low-precision side against another dtype, a stage above
+    drift whose tensor stays inside the diverge band (rel <= 30%, cos > 0.9) and whose error is
+    not a scale of the reference (coherence < `COHERENT`). Rounding a bf16 side is amplified by
+    what the model does with it: near-tied router scores send a token to another expert, sharp
+    attention turns a rounding of q or k into another weighting of the values, a sum that cancels
+    loses its digits, and single elements end up off by their own size (the zoo, docs/bisect.md
+    "Calibration": up to rel 25% and elem 2.9 in bf16 with nothing wrong). Such an error cannot be
+    told from a bug's against a reference in another dtype: returns the note saying so (the
+    stage is then at most drift), or None when the rule does not apply."""
+    if not severity.at_least(Severity.DIVERGE) or severity.at_least(Severity.SCRAMBLE):
+        return None
+    low = [d for d in (dtype_ref, dtype_target) if (d or "").removeprefix("torch.") in LOW_PRECISION]
+    if not low or dtype_ref == dtype_target or rel is None or rel > REL_BANDS[2][0]:
+        return None
+    if cos is None or cos <= COS_BANDS[2][0]:
+        return None
+    coh = coherence(cos, norm_ratio, rel)
+    if coh is not None and abs(coh) >= COHERENT:
+        return None
+    return (
+        f"within amplified precision: rel {rel:.3g}, and the error is not a scale of the signal "
+        f"(cos(t - r, r) {coh if coh is not None else float('nan'):+.2f}); against a reference in another "
+        f"dtype a {low[0].removeprefix('torch.')} side cannot be judged finer: dump the reference in "
+        f"{low[0].removeprefix('torch.')} too, or give a noise run"
+    )
 
 
 def elem_scale(depth: int | None, *dtypes: str | None) -> float:
@@ -375,6 +454,19 @@ def below_range(ref_rms: float, dtype_ref: str | None, dtype_target: str | None)
         f"underflow: the reference's rms {ref_rms:.3g} is below {name}'s smallest normal ({tiny:.3g}); "
         f"{name} cannot hold these values (subnormal or flushed to zero), so the difference is range, "
         "not a bug"
+    )
+
+
+def selection(severity: Severity, layer: int | None, integer: bool, call: tuple | None) -> str | None:
+    """Selection rule's test: an integer stage inside a layer (expert ids, the key indices a sparse
+    attention's indexer picks) of a call whose low-precision side meets another dtype: indices
+    chosen from rounded scores differ where scores nearly tie, and what they select is judged by
+    the floating stages they feed (`comparison.routing`). Returns the note, or None."""
+    if not integer or layer is None or call is None or not severity.at_least(Severity.DIVERGE):
+        return None
+    return (
+        "indices chosen from scores a low-precision side rounded: where scores nearly tie they differ "
+        "with nothing wrong; the floating stages they feed judge them"
     )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ffdebug import verdict as V
 from ffdebug.bisection import pattern as pat
 from ffdebug.bisection import training
-from ffdebug.bisection.substage import first_lossy, largest_step
+from ffdebug.bisection.substage import first_lossy, largest_scale_step, largest_step
 from ffdebug.models.blocks import declared_class, parse_layer_class_spec
 from ffdebug.progress_hook import ProgressHook
 from ffdebug.results import (
@@ -96,6 +96,8 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
     for row in rows:
         step_at, row.max_step = largest_step(_in_layer(stages, row.layer))
         row.max_step_key = step_at.key if step_at is not None else None
+        scale_at, row.scale_step = largest_scale_step(_in_layer(stages, row.layer))
+        row.scale_step_key = scale_at.key if scale_at is not None else None
     for a in attribution or []:
         row = next((r for r in rows if r.layer == a["layer"]), None)
         if row is not None:

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 from ffdebug import verdict as V
 from ffdebug.results import LayerRow, StageResult
-from ffdebug.verdict import PatternName
+from ffdebug.verdict import PatternName, Severity
 
 INHERIT_SHARE = 0.1  # a layer must add more than this share of the error it inherits
 JUMP_RATIO = 4.0  # one layer adds this many times more than any other introducing layer: a jump
@@ -121,9 +121,22 @@ def layer_rows(stages: list[StageResult]) -> list[LayerRow]:
                 row.noise_added = e_out.noise_rel - n_in
         if row.rel_in is not None and row.rel_out is not None:
             row.added = row.rel_out - row.rel_in
+        row.scale_out = _scale_added(e_in, e_out)
         rows.append(row)
         prev_out = e_out
     return rows
+
+
+def _scale_added(e_in: StageResult | None, e_out: StageResult | None) -> float:
+    """The scale of the signal a block adds to its output (`verdict.scale_error` out - in) when the
+    output's error is mostly that scale (`verdict.coherence` >= `COHERENT`), else 0."""
+    if e_out is None:
+        return 0.0
+    coh = V.coherence(e_out.cos, e_out.norm_ratio, e_out.rel)
+    if coh is None or abs(coh) < V.COHERENT:
+        return 0.0
+    before = V.scale_error(e_in.cos, e_in.norm_ratio) if e_in is not None else None
+    return V.scale_error(e_out.cos, e_out.norm_ratio) - (before or 0.0)
 
 
 @dataclass(frozen=True)
@@ -225,12 +238,32 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]
         row.precision_budget = _scaled(row, out, prec.budget(), prec.floor())
         row.introduces = row.added > max(_scaled(row, out, prec.floor(), prec.floor()), inherited)
         row.beyond_precision = row.introduces and row.added > max(row.precision_budget, inherited)
-        if prec.mixed and row.noise_added is None and (row.max_step or 0.0) > row.precision_budget:
-            row.introduces = row.beyond_precision = True  # one stage's own step is beyond precision
-            row.notes.append(
-                f"{row.max_step_key}'s own step adds rel {row.max_step:.3g}, more than one block may add "
-                f"in the less precise dtype ({row.precision_budget:.3g})"
-            )
+        if prec.mixed and row.noise_added is None:
+            _mixed_precision(row)
+
+
+def _mixed_precision(row: LayerRow) -> None:
+    """A low-precision side against another dtype, without a noise run: rounding amplified by the
+    model (near-tied routing, sharp attention, cancelling sums) adds error of any size below the
+    bug band that is not a scale of the signal, so the size of what a layer adds is no evidence
+    (`verdict.amplified_precision`). What precision never adds is a scale of the signal: the layer
+    is beyond precision when the block's output, or one stage's own step, gains a scale above the
+    budget (`substage.largest_scale_step`: q scaled by 1.1 adds 0.1 at q while the block's output
+    moves 0.02%), or when its output is at `bug` or worse (outside what amplification reaches)."""
+    budget = row.precision_budget or 0.0
+    row.beyond_precision = row.introduces and Severity(row.severity).at_least(Severity.BUG)
+    if abs(row.scale_out or 0.0) > budget:
+        row.introduces = row.beyond_precision = True
+        row.notes.append(
+            f"the block scales its output by {row.scale_out:+.3g} of the signal, more than one block "
+            f"may add in the less precise dtype ({budget:.3g})"
+        )
+    elif (row.scale_step or 0.0) > budget:
+        row.introduces = row.beyond_precision = True  # one stage's own step is beyond precision
+        row.notes.append(
+            f"{row.scale_step_key}'s own step scales the signal by {row.scale_step:.3g}, more than one "
+            f"block may add in the less precise dtype ({budget:.3g})"
+        )
 
 
 def _scaled(row: LayerRow, out: StageResult | None, without_noise: float, floor: float) -> float:
@@ -275,11 +308,13 @@ def _signal(focus: LayerRow, precision_signal: bool) -> str | None:
     if focus.noise_added is not None:
         return "the layer adds more error than the noise run allows"
     if precision_signal and focus.beyond_precision and focus.precision_budget is not None:
-        added = max(focus.added or 0.0, focus.max_step or 0.0)
-        return (
-            f"the layer adds rel {added:.3g}, more than the less precise dtype allows one block "
-            f"({focus.precision_budget:.3g})"
-        )
+        scale = max(abs(focus.scale_out or 0.0), focus.scale_step or 0.0)
+        if scale > focus.precision_budget:
+            return (
+                f"the layer scales the signal by {scale:.3g}, more than the less precise dtype allows "
+                f"one block ({focus.precision_budget:.3g}); rounding adds no scale"
+            )
+        return f"the layer's output is {focus.severity.value} by its bands, beyond what amplified precision reaches"
     return None
 
 

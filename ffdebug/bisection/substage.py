@@ -119,11 +119,31 @@ def largest_step(entries: list[StageResult]) -> tuple[StageResult | None, float 
     pool = [e for e in entries if e.stage != "hidden_in"]
     best, worst_step = None, None
     for i, e in enumerate(pool):
-        if e.rel is None or e.near_zero or e.range_limited:
-            continue
+        if e.rel is None or e.near_zero or e.range_limited or V.machine_eps(e.dtype_ref) is None:
+            continue  # an integer stage's rel (of indices) is no error of a computation
         base = _input_of(i, pool, hidden_in)
         b_rel = base.rel if base is not None and base.rel is not None else 0.0
         step = e.rel - (1.0 + INHERIT_SHARE) * b_rel
         if worst_step is None or step > worst_step:
             best, worst_step = e, step
     return best, worst_step
+
+
+def largest_scale_step(entries: list[StageResult]) -> tuple[StageResult | None, float | None]:
+    """The stage of one layer (execution order) whose own step adds the largest *scale* of the
+    signal, and that scale: |alpha(stage) - alpha(its input)|, alpha = <t - r, r> / |r|^2
+    (`verdict.scale_error`), counted only where the stage's error is mostly that scale
+    (`verdict.coherence` >= `COHERENT`). Rounding adds no scale; q scaled by 1.1 adds 0.1 at q."""
+    hidden_in = next((e for e in entries if e.stage == "hidden_in"), None)
+    pool = [e for e in entries if e.stage != "hidden_in"]
+    best, largest = None, None
+    for i, e in enumerate(pool):
+        coh = V.coherence(e.cos, e.norm_ratio, e.rel)
+        if coh is None or abs(coh) < V.COHERENT or e.near_zero or e.range_limited:
+            continue
+        base = _input_of(i, pool, hidden_in)
+        b_alpha = V.scale_error(base.cos, base.norm_ratio) if base is not None else None
+        step = abs(V.scale_error(e.cos, e.norm_ratio) - (b_alpha or 0.0))
+        if largest is None or step > largest:
+            best, largest = e, step
+    return best, largest

@@ -86,13 +86,17 @@ def compare_records(
     masks: tuple[TokenLayout, TokenLayout] = (TokenLayout(), TokenLayout()),
     load=Record.load,
     depth: int | None = None,
+    call_dtypes: tuple | None = None,
 ) -> StageResult:
     """Compare one pair of records into a StageResult, graded by the verdict rules. `masks` are the
     two sides' token layouts: a packed side meets a padded one through them (`align`). `load(record)`
     reads a tensor (the compare loop passes its read-ahead, `ffdebug.io.prefetch`). `depth`: blocks
-    at and before the stage (`CallGroup.depths`), for the element-wise rule of a low-precision side."""
+    at and before the stage (`CallGroup.depths`), for the element-wise rule of a low-precision side;
+    `call_dtypes`: the call's (`verdict.call_dtypes`), which the precision rules judge a stage by
+    when its own two sides share a dtype (`StageResult.judged_dtypes`)."""
     key = r.key
     e = stage_result(key, r, t)
+    e.call_dtypes = call_dtypes
     aligned = None
     if list(r.shape or []) != list(t.shape or []) and any(masks) and r.has_payload and t.has_payload:
         aligned = align(load(r), load(t), *masks)
@@ -134,8 +138,16 @@ def compare_records(
         e.nan_mismatch, e.inf_mismatch = m.nan_mismatch, m.inf_mismatch
     if depth is None:
         depth = r.layer + 1 if r.layer is not None else 0
-    scale = V.elem_scale(depth, r.dtype, t.dtype)
+    scale = V.elem_scale(depth, *e.judged_dtypes)
     severity = V.classify(m.cos, m.rel, key, thresholds, m.elem, m.max_abs, scale)
+    amplified = V.amplified_precision(severity, m.cos, m.rel, m.norm_ratio, *e.judged_dtypes)
+    if amplified is not None and V.matching_threshold(key, thresholds) is None:
+        severity = V.Severity.DRIFT
+        e.notes.append(amplified)
+    chosen = V.selection(severity, r.layer, not (rt.is_floating_point() or rt.is_complex()), call_dtypes)
+    if chosen is not None and not (m.nan_mismatch or m.inf_mismatch):
+        severity = V.Severity.DRIFT
+        e.notes.append(chosen)
     severity = V.zero_side(severity, m.ref_norm, m.target_norm, m.numel)
     if not (m.nan_mismatch or m.inf_mismatch):
         severity = near_zero.grade(severity, r, t, m.max_abs, e.notes)  # declared `scale`: absolute atol
@@ -322,7 +334,11 @@ def _run_units(
     """Every unit compared (in unit order), graded against the noise run when there is one."""
     run = UnitsRun()
     masks = {id(rg): layouts(rg, tg) for rg, tg in pairing.pairs}
-    done = _map_units(units, thresholds, exact, workers, masks, progress)
+    pairs: dict[int, list] = {}
+    for u in units:
+        pairs.setdefault(id(u.group), []).append((u.ref.dtype, u.target.dtype))
+    precision = {g: V.call_dtypes(p) for g, p in pairs.items()}
+    done = _map_units(units, thresholds, exact, workers, masks, progress, precision)
     for unit, (results, records, reading) in zip(units, done):
         for e in results:
             if noise_idx is not None:
@@ -339,13 +355,20 @@ def _run_units(
 
 
 def _compare_unit(
-    unit: StageUnit, thresholds, exact: bool, load=Record.load, masks=(TokenLayout(), TokenLayout())
+    unit: StageUnit,
+    thresholds,
+    exact: bool,
+    load=Record.load,
+    masks=(TokenLayout(), TokenLayout()),
+    call_dtypes: tuple | None = None,
 ) -> tuple[list[StageResult], list[tuple], dict | None]:
     """The stage results of one unit, their record pairs, and the shard reading (multi-rank)."""
     r = unit.ref
     depth = unit.group.depths.get(unit.sk)
     if not unit.replicas:
-        e = compare_records(r, unit.target, thresholds, exact, masks=masks, load=load, depth=depth)
+        e = compare_records(
+            r, unit.target, thresholds, exact, masks=masks, load=load, depth=depth, call_dtypes=call_dtypes
+        )
         if unit.note:
             e.notes.append(unit.note)
         e.unsharded_ref, e.unsharded_target = _unsharded(r), _unsharded(unit.target)
@@ -357,7 +380,9 @@ def _compare_unit(
         return [e], [(r, unit.target)], reading
     per_rank = []
     for part in unit.replicas:
-        e = compare_records(r, part, thresholds, exact, masks=masks, load=load, depth=depth)
+        e = compare_records(
+            r, part, thresholds, exact, masks=masks, load=load, depth=depth, call_dtypes=call_dtypes
+        )
         e.rank, e.per_rank = part.rank, True
         per_rank.append(e)
     if all(e.ok for e in per_rank) or not (r.has_payload and all(p.has_payload for p in unit.replicas)):
@@ -373,7 +398,7 @@ def _compare_unit(
     if best is None:
         return per_rank, [(r, p) for p in unit.replicas], reading
     folded = fold(unit.replicas, best.plan)
-    e = compare_records(r, folded, thresholds, exact, masks=masks, depth=depth)
+    e = compare_records(r, folded, thresholds, exact, masks=masks, depth=depth, call_dtypes=call_dtypes)
     e.finding = "shard_reading"
     e.unsharded_target = {"how": best.how, "ranks": len(unit.replicas), "inferred": True}
     e.notes.append(f"target ranks match as the {best.reading}; declare it in the dump")
@@ -404,6 +429,7 @@ def _map_units(
     workers: int | None,
     masks: dict | None = None,
     progress: ProgressHook | None = None,
+    precision: dict | None = None,
 ) -> list[tuple]:
     """`_compare_unit` over every unit, results in unit order.
 
@@ -421,8 +447,13 @@ def _map_units(
     def unit_mask(i: int) -> tuple[TokenLayout, TokenLayout]:
         return (masks or {}).get(id(units[i].group), (TokenLayout(), TokenLayout()))
 
+    def unit_dtypes(i: int) -> tuple | None:
+        return (precision or {}).get(id(units[i].group))
+
     if n > 1 and len(units) > 1 and fork_usable():  # before progress starts its thread
-        return _map_units_forked(units, thresholds, exact, unit_mask, min(n, len(units)), sizes, progress)
+        return _map_units_forked(
+            units, thresholds, exact, (unit_mask, unit_dtypes), min(n, len(units)), sizes, progress
+        )
     if progress is not None:
         progress.begin(len(units), sum(sizes))
     with ReadAhead(jobs, READ_AHEAD_BYTES) as ahead:
@@ -430,7 +461,9 @@ def _map_units(
         def one(i: int) -> tuple:
             try:  # single_thread is per Python thread: each worker sets its own
                 with single_thread():
-                    return _compare_unit(units[i], thresholds, exact, ahead.take(i), unit_mask(i))
+                    return _compare_unit(
+                        units[i], thresholds, exact, ahead.take(i), unit_mask(i), unit_dtypes(i)
+                    )
             finally:
                 ahead.release(i)
                 if progress is not None:
@@ -439,15 +472,19 @@ def _map_units(
         return parallel.map_ordered(one, len(units), n)
 
 
-def _map_units_forked(units, thresholds, exact, unit_mask, n: int, sizes, progress) -> list[tuple]:
+def _map_units_forked(units, thresholds, exact, per_unit, n: int, sizes, progress) -> list[tuple]:
     """`_map_units` on `n` forked worker processes (`ffdebug.comparison.forked`): each child reads
     its units' payloads itself and sends back their results; the record pairs come back as
     references to the unit's own records (only a record folded from ranks travels whole)."""
     from ffdebug._chunks import single_thread
 
+    unit_mask, unit_dtypes = per_unit
+
     def one(i: int) -> tuple:
         with single_thread():
-            results, records, reading = _compare_unit(units[i], thresholds, exact, Record.load, unit_mask(i))
+            results, records, reading = _compare_unit(
+                units[i], thresholds, exact, Record.load, unit_mask(i), unit_dtypes(i)
+            )
         return results, record_refs(_unit_records(units[i]), records), reading
 
     def what(i: int) -> str:

@@ -188,8 +188,9 @@ def _score_stage(e: StageResult, widths: dict[int, tuple[int, int]], n_tokens: i
 
 
 def _measure(e: StageResult, r, t, flipped: list[int], n_tokens: int, thresholds, depth_after: int):
-    """`e`'s metrics (tensors `r`, `t`) over the token rows outside `flipped` and the grade they
-    give (bands and the element-wise rule), or None when there is nothing left to measure."""
+    """`e`'s metrics (tensors `r`, `t`) over the token rows outside `flipped`, the grade they give
+    (bands, the element-wise rule: what confirms a flip) and the grade they are reported with
+    (the amplified-precision rule applied too), or None when there is nothing left to measure."""
     import torch
 
     from ffdebug.comparison.metrics import compare_tensors
@@ -205,14 +206,18 @@ def _measure(e: StageResult, r, t, flipped: list[int], n_tokens: int, thresholds
     if m.rel is None:
         return None
     depth = e.layer + 1 if e.layer is not None else (0 if e.key.startswith("embed.") else depth_after)
-    scale = V.elem_scale(depth, e.dtype_ref, e.dtype_target)
+    scale = V.elem_scale(depth, *e.judged_dtypes)
     severity = V.classify(m.cos, m.rel, e.key, thresholds, m.elem, m.max_abs, scale)
-    return m, V.nonfinite(severity, m.nan_mismatch, m.inf_mismatch)
+    amplified = V.matching_threshold(e.key, thresholds) is None and V.amplified_precision(
+        severity, m.cos, m.rel, m.norm_ratio, *e.judged_dtypes
+    )
+    reported = V.Severity.DRIFT if amplified else severity
+    return tuple([m] + [V.nonfinite(g, m.nan_mismatch, m.inf_mismatch) for g in (severity, reported)])
 
 
 def _regrade(e: StageResult, graded: tuple, flipped: list[int]) -> None:
     """`e` measured on the token rows outside `flipped` (`_measure`), and graded again (module doc)."""
-    m, severity = graded
+    m, _, severity = graded
     if e.flipped_tokens is None:
         whole = f"rel {e.rel:.3g}" + (f", cos {e.cos:.6g}" if e.cos is not None else "")
         e.notes.append(
@@ -220,5 +225,6 @@ def _regrade(e: StageResult, graded: tuple, flipped: list[int]) -> None:
             f"whole tensor: {whole}"
         )
     e.cos, e.rel, e.rel_diff, e.max_abs, e.elem = m.cos, m.rel, m.rel_diff, m.max_abs, m.elem
+    e.norm_ratio = m.norm_ratio
     e.severity = severity
     e.flipped_tokens = list(flipped)

@@ -31,6 +31,9 @@ class LayerRow:
     precision_budget: float | None = None  # that allowance (rel), when the layer was judged
     max_step: float | None = None  # the most error one stage of the layer adds over its own input
     max_step_key: str | None = None  # that stage
+    scale_step: float | None = None  # the largest scale of the signal one stage adds (coherent error)
+    scale_step_key: str | None = None  # that stage
+    scale_out: float | None = None  # the scale the block adds to its output (cos(t - r, r) high), else 0
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ffdebug import verdict as V
 from ffdebug.coverage import Coverage
 from ffdebug.verdict import Severity, worst
 
@@ -78,6 +79,9 @@ class StageResult:
     unsharded_target: dict | None = None
     severity_rank0: Severity | None = None  # before a shard reading explained the ranks
     per_rank: bool = False  # one of several target ranks, each compared with the reference
+    call_dtypes: tuple | None = (
+        None  # (ref, target): the call's dtypes, when a low-precision side meets another
+    )
     range_limited: bool = False  # the reference's values are below a low-precision side's range (underflow)
     flipped_tokens: list[int] | None = None  # token rows left out: they took another expert (routing)
     seq: int | None = None  # the reference record's capture sequence number (training order; not in the JSON)
@@ -93,6 +97,15 @@ class StageResult:
     @property
     def dtype_target(self) -> str | None:
         return self.target.dtype
+
+    @property
+    def judged_dtypes(self) -> tuple:
+        """The dtypes the precision rules judge this stage by: its own, or, when its two sides share
+        one dtype inside a call where a low-precision side meets another (the fp32 router of a bf16
+        model against an fp32 one), the call's: what it is computed from was rounded there."""
+        if self.call_dtypes is not None and not V.mixed_low(self.ref.dtype, self.target.dtype):
+            return self.call_dtypes
+        return (self.ref.dtype, self.target.dtype)
 
     @property
     def same_dtype(self) -> bool:
