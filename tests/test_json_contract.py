@@ -168,6 +168,9 @@ LAYER_ROW = {
     "precision_budget": OPT_NUM,
     "max_step": OPT_NUM,
     "max_step_key": OPT_STR,
+    "scale_step": OPT_NUM,
+    "scale_step_key": OPT_STR,
+    "scale_out": OPT_NUM,
     "notes": list,
 }
 WEIGHTS_TOP = {

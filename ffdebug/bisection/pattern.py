@@ -389,6 +389,14 @@ def decide(rows: list[LayerRow], by_key: dict[str, StageResult] | None = None) -
             f"{len(intro)} layers add error within the precision of the dtypes (at most rel "
             f"{top.added:.3g}, at layer {top.layer}; one block may add {budget:.3g})"
         )
+        if (top.added or 0.0) > budget:  # the low-precision side's amplified rounding (`_mixed_precision`)
+            why = (
+                f"{len(intro)} layers add error that is not a scale of the signal (at most rel "
+                f"{top.added:.3g}, at layer {top.layer}, over the {budget:.3g} rounding alone adds to a "
+                "block): the low-precision side's rounding amplified, which a reference in another "
+                "dtype cannot tell from a bug; dump the reference in the target's dtype, or give a "
+                "noise run, to judge finer"
+            )
         return Pattern(
             PatternName.DRIFT, intro[0], [r.layer for r in intro], why + _saturation(sat), saturated_after=sat
         )

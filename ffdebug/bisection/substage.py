@@ -19,26 +19,12 @@ import re
 
 from ffdebug import verdict as V
 from ffdebug.bisection.pattern import is_exact, within_noise
+from ffdebug.models.blocks import is_block_stage
 from ffdebug.results import StageResult
 
 COS_STEP = 0.001
 REL_STEP = 0.01
 REL_STEP_SHARE = 0.5
-
-BLOCK_STAGES = (
-    "attn_norm_out",
-    "attn_out",
-    "ffn_norm_out",
-    "ffn_out",
-    "branch_norm_out",
-    "branch_out",
-    "encoder_hidden_in",
-)
-
-
-def is_block_stage(stage: str) -> bool:
-    """Canonical block-level stage (not a finer sub-stage dump)."""
-    return stage in BLOCK_STAGES or stage.startswith("hidden_out")
 
 
 def _input_of(i: int, entries: list[StageResult], hidden_in: StageResult | None) -> StageResult | None:

@@ -70,3 +70,57 @@ def align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
             note = f"aligned: {side} {list(padded.shape)} padded -> {list(sel.shape)} packed"
             return (sel, t, note) if side == "reference" else (r, sel, note)
     return None
+
+
+ROUTED_KEY = "tokens"  # a record's extra: the token row (of the branch input) each of its rows holds
+
+
+def by_routed_tokens(r, t, tokens_ref, tokens_target):
+    """(ref, target, note) with an expert's rows compared token by token, or None.
+
+    An expert's stages hold the rows of the tokens routed to it, in the order its side gathered
+    them (`ffdebug.capture.substages` records which token each row is). When the two sides routed
+    other tokens there (a routing flip, another capacity rule) or gathered them in another order,
+    the rows of the tokens both sides routed to the expert are compared, in token order; the
+    tokens only one side routed there are named in the note (their routing is judged at the
+    router's stages, not here). None when the lists agree or do not describe the rows."""
+    import torch
+
+    tr, tt_ = [int(x) for x in tokens_ref], [int(x) for x in tokens_target]
+    if tr == tt_ or r.dim() < 1 or t.dim() < 1 or r.shape[0] != len(tr) or t.shape[0] != len(tt_):
+        return None
+    if tuple(r.shape[1:]) != tuple(t.shape[1:]) or len(set(tr)) != len(tr) or len(set(tt_)) != len(tt_):
+        return None
+    common = sorted(set(tr) & set(tt_))
+    if not common:
+        return None
+    at_r, at_t = {tok: i for i, tok in enumerate(tr)}, {tok: i for i, tok in enumerate(tt_)}
+    ir = torch.tensor([at_r[x] for x in common], dtype=torch.long)
+    it = torch.tensor([at_t[x] for x in common], dtype=torch.long)
+    only_r, only_t = sorted(set(tr) - set(tt_)), sorted(set(tt_) - set(tr))
+    parts = [f"rows compared by routed token: the {len(common)} token(s) both sides routed here"]
+    if only_r:
+        parts.append(f"reference only: {_few(only_r)}")
+    if only_t:
+        parts.append(f"target only: {_few(only_t)}")
+    if not (only_r or only_t):
+        parts.append("gathered in another order")
+    return r.index_select(0, ir), t.index_select(0, it), "; ".join(parts)
+
+
+def packed_tokens(tokens: list, layout: TokenLayout) -> list | None:
+    """Token ids of one side's padded batch (row-major positions of its `[B, S]` mask) as their
+    index among the batch's tokens, pads dropped: the numbering a packed side uses. The ids as
+    given when the side records no mask; None when the ids do not fit the mask."""
+    if layout.mask is None or not layout.mask.has_payload:
+        return list(tokens)
+    mask = layout.mask.load().bool().reshape(-1)
+    if any(int(x) >= mask.numel() or int(x) < 0 for x in tokens):
+        return None
+    index = mask.long().cumsum(0) - 1
+    return [int(index[int(x)]) for x in tokens if bool(mask[int(x)])]
+
+
+def _few(tokens: list[int], cap: int = 8) -> str:
+    head = ", ".join(map(str, tokens[:cap]))
+    return head + (f" (+{len(tokens) - cap} more)" if len(tokens) > cap else "")

@@ -7,8 +7,8 @@ import math
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
-from ffdebug.comparison import near_zero, parallel, routing, underflow
-from ffdebug.comparison.align import TokenLayout, align, layouts
+from ffdebug.comparison import contained, near_zero, parallel, routing, underflow
+from ffdebug.comparison.align import ROUTED_KEY, TokenLayout, align, by_routed_tokens, layouts, packed_tokens
 from ffdebug.comparison.estimates import sketch_compare, sketch_of, stats_compare
 from ffdebug.comparison.forked import ForkPool, fork_usable, record_refs, resolve_refs
 from ffdebug.comparison.inputs_gate import check_trainer_inputs
@@ -98,8 +98,12 @@ def compare_records(
     e = stage_result(key, r, t)
     e.call_dtypes = call_dtypes
     aligned = None
-    if list(r.shape or []) != list(t.shape or []) and any(masks) and r.has_payload and t.has_payload:
-        aligned = align(load(r), load(t), *masks)
+    routed = (r.extra or {}).get(ROUTED_KEY), (t.extra or {}).get(ROUTED_KEY)
+    if all(isinstance(x, list) for x in routed) and r.has_payload and t.has_payload:
+        aligned = _by_routed_tokens(load(r), load(t), routed, masks)
+    if aligned is None and list(r.shape or []) != list(t.shape or []) and any(masks):
+        if r.has_payload and t.has_payload:
+            aligned = align(load(r), load(t), *masks)
     if list(r.shape or []) != list(t.shape or []) and aligned is None:
         if not V.singleton_unifiable(r.shape, t.shape):
             e.severity = V.shape_mismatch()
@@ -167,6 +171,16 @@ def compare_records(
     if (m.bit_equal or 0.0) < 1.0 and rt.is_floating_point():
         _locate(e, rt, tt)
     return e
+
+
+def _by_routed_tokens(rt, tt, routed: tuple[list, list], masks: tuple[TokenLayout, TokenLayout]):
+    """An expert's rows on both sides by the token each holds (`align.by_routed_tokens`), the
+    token ids of a padded side first numbered as a packed side numbers them (`packed_tokens`:
+    through its own mask, when it recorded one); None when nothing needs aligning."""
+    ids = [packed_tokens(tokens, layout) for tokens, layout in zip(routed, masks)]
+    if any(x is None for x in ids) or any(len(x) != n for x, n in zip(ids, (rt.shape[0], tt.shape[0]))):
+        ids = list(routed)  # pads among the rows, or ids beyond the mask: compared as recorded
+    return by_routed_tokens(rt, tt, *ids) if ids[0] != ids[1] else None
 
 
 def _locate(e: StageResult, rt, tt) -> None:
@@ -349,6 +363,7 @@ def _run_units(
             run.readings.append(reading)
     routing.explain(run.stages, run.records, thresholds, Record.load)
     underflow.explain(run.stages)
+    contained.explain(run.stages)
     if noise_idx is not None:
         exact_prefix_with_noise(run.stages)
     return run

@@ -169,12 +169,36 @@ def _explain_call(stages, records, thresholds, load) -> None:
             rows, kept_rel = flipped_rows(r.reshape(n_tokens, scores), t.reshape(n_tokens, scores), confirmed)
             if rows and kept_rel is not None and not V.rel_band(kept_rel).at_least(V.Severity.DIVERGE):
                 pending.setdefault(e.layer, {}).update({i: e for i in rows})
+    _gathered_after_flip(stages, flipped_at, n_tokens)
     for at, tokens in flipped_at.values():
         rows = ", ".join(map(str, sorted(tokens)))
         at.notes.append(
             f"routing flip: token row(s) {rows} order near-tied scores differently on the two "
             "sides (their gap is within the sides' difference) and carry the error after it: "
             "later stages are measured on the other tokens"
+        )
+
+
+def _gathered_after_flip(stages: list[StageResult], flipped_at: dict, n_tokens: int) -> None:
+    """Stages after the first confirmed flip whose rows are not one per token (an expert's
+    gathered rows where the record does not say which token each is, `align.by_routed_tokens`):
+    the two sides gathered other tokens there, so their rows are not comparable; one outside the
+    ok band is left at drift with a note (the tokens' routing is judged at the score stage)."""
+    if not flipped_at:
+        return
+    index = {id(e): i for i, e in enumerate(stages)}
+    start = min(index[id(at)] for at, _ in flipped_at.values())
+    tokens = sorted({t for _, rows in flipped_at.values() for t in rows})
+    for e in stages[start + 1 :]:
+        shapes = (e.ref.shape, e.target.shape)
+        if e.ok or e.layer is None or any(not sh or _rows(sh, n_tokens) for sh in shapes):
+            continue
+        if e.finding not in (None, "shape_mismatch"):
+            continue
+        e.severity = V.Severity.DRIFT
+        e.notes.append(
+            f"rows gathered by a routing that flipped (token row(s) {', '.join(map(str, tokens))}): the "
+            "two sides hold other tokens' rows here, so they are not compared row by row"
         )
 
 

@@ -294,3 +294,21 @@ def find_named_child(model, names: tuple[str, ...], exclude: set[int]):
         if path.rsplit(".", 1)[-1] in names:
             return path, m
     return None, None
+
+
+# The canonical block-level stages of a layer (capture's keys `L{NNN}.<stage>`), beside
+# `hidden_in` / `hidden_out`: what a layer's sub-stages feed.
+BLOCK_STAGES = (
+    "attn_norm_out",
+    "attn_out",
+    "ffn_norm_out",
+    "ffn_out",
+    "branch_norm_out",
+    "branch_out",
+    "encoder_hidden_in",
+)
+
+
+def is_block_stage(stage: str) -> bool:
+    """Canonical block-level stage (not a finer sub-stage dump)."""
+    return stage in BLOCK_STAGES or stage.startswith("hidden_out")
