@@ -149,6 +149,8 @@ class Coverage:
     selected_out: list[str] = field(default_factory=list)
     unified_shapes: list[dict] = field(default_factory=list)  # {"key", "shape_ref", "shape_target"}
     missing: list[str] = field(default_factory=list)
+    stages_only_ref: list[str] = field(default_factory=list)  # keys of paired calls' one-sided stages
+    stages_only_target: list[str] = field(default_factory=list)  # (in `missing`; not a JSON key)
 
     @property
     def complete(self) -> bool:
@@ -297,6 +299,7 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
     one_sided_kinds = set(cov.only_ref) | set(cov.only_target)
     for label, records in (("reference", inp.only_ref), ("target", inp.only_target)):
         extra = sorted({r.key for r in records if kind_of(r.key) not in one_sided_kinds})
+        setattr(cov, "stages_only_ref" if label == "reference" else "stages_only_target", extra)
         if extra:
             missing.append(f"{len(extra)} stage(s) dumped by the {label} only: {_names(extra)}")
     _ranks(cov, target, inp, missing)

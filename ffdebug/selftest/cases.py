@@ -180,14 +180,23 @@ _EXTRA_OUTPUT = re.compile(r"\.\d+$")  # `attn_out.1`: a module's second output,
 def _only_extra_outputs_missing(result) -> bool:
     """Coverage is incomplete only because the reference dumped extra outputs the other
     implementation does not return (eager attention returns its probabilities, sdpa None): every
-    stage kind with no target record is a module's second-or-later output, and nothing else is
-    missing. The stages both sides produce were all compared."""
-    gaps = [k for k in result.coverage.kinds if k.ref and not k.target]
+    stage (or stage kind) with no target record is a module's second-or-later output, and nothing
+    else is missing. The stages both sides produce were all compared."""
+    cov = result.coverage
+    gaps = [k for k in cov.kinds if k.ref and not k.target]
+    if gaps:  # whole kinds: the extra output of every layer
+        return (
+            all(k.target == 0 and _EXTRA_OUTPUT.search(k.kind) for k in gaps)
+            and not cov.only_target
+            and len(cov.missing) == 1
+        )
+    # some layers only (a hybrid model: its full-attention layers return probabilities, its
+    # linear-attention layers a second output on both sides)
     return (
-        bool(gaps)
-        and all(k.target == 0 and _EXTRA_OUTPUT.search(k.kind) for k in gaps)
-        and not result.coverage.only_target
-        and len(result.coverage.missing) == 1
+        bool(cov.stages_only_ref)
+        and all(_EXTRA_OUTPUT.search(k) for k in cov.stages_only_ref)
+        and not cov.stages_only_target
+        and len(cov.missing) == 1
     )
 
 
