@@ -113,8 +113,9 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
             or first_lossy(in_layer)[0]
             or by_key.get(f"L{p.focus.layer:03d}.hidden_out")
         )
-    else:  # no single layer to blame: the first stage outside the ok band
-        first = next((e for e in stages if not e.ok), None)
+    else:  # no single layer to blame: the first stage at diverge or worse, else outside the ok band
+        first = next((e for e in stages if e.severity.at_least(Severity.DIVERGE)), None)
+        first = first or next((e for e in stages if not e.ok), None)
         if p.name is PatternName.MATCH and first is None:
             first = break_in_exact_prefix(stages)
             signal = EXACT_PREFIX_SIGNAL if first is not None else None

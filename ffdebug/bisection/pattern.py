@@ -239,19 +239,23 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]
         row.introduces = row.added > max(_scaled(row, out, prec.floor(), prec.floor()), inherited)
         row.beyond_precision = row.introduces and row.added > max(row.precision_budget, inherited)
         if prec.mixed and row.noise_added is None:
-            _mixed_precision(row)
+            worst = V.worst(*(e.severity for e in stages_by_key.values() if e.layer == row.layer))
+            _mixed_precision(row, worst)
 
 
-def _mixed_precision(row: LayerRow) -> None:
+def _mixed_precision(row: LayerRow, worst: Severity) -> None:
     """A low-precision side against another dtype, without a noise run: rounding amplified by the
     model (near-tied routing, sharp attention, cancelling sums) adds error of any size below the
     bug band that is not a scale of the signal, so the size of what a layer adds is no evidence
     (`verdict.amplified_precision`). What precision never adds is a scale of the signal: the layer
     is beyond precision when the block's output, or one stage's own step, gains a scale above the
     budget (`substage.largest_scale_step`: q scaled by 1.1 adds 0.1 at q while the block's output
-    moves 0.02%), or when its output is at `bug` or worse (outside what amplification reaches)."""
+    moves 0.02%), or when one of its stages (`worst`: the worst grade among them, after the rules
+    for amplified precision, range, selection and containment) is at `bug` or worse: outside what
+    amplification reaches."""
     budget = row.precision_budget or 0.0
-    row.beyond_precision = row.introduces and Severity(row.severity).at_least(Severity.BUG)
+    row.beyond_precision = worst.at_least(Severity.BUG)
+    row.introduces = row.introduces or row.beyond_precision
     if abs(row.scale_out or 0.0) > budget:
         row.introduces = row.beyond_precision = True
         row.notes.append(
@@ -314,7 +318,7 @@ def _signal(focus: LayerRow, precision_signal: bool) -> str | None:
                 f"the layer scales the signal by {scale:.3g}, more than the less precise dtype allows "
                 f"one block ({focus.precision_budget:.3g}); rounding adds no scale"
             )
-        return f"the layer's output is {focus.severity.value} by its bands, beyond what amplified precision reaches"
+        return "a stage of the layer is bug or worse by its bands, beyond what amplified precision reaches"
     return None
 
 
