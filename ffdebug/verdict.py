@@ -63,14 +63,30 @@ the machine epsilon of a dtype (`MACHINE_EPS`, 2^-mantissa bits; an ulp of a val
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, TypeVar
 
 from ffdebug.errors import FFDebugError
+from ffdebug.precision import (  # noqa: F401 - re-exported: verdict.X is where rules read them
+    COHERENT,
+    ELEM_ULPS,
+    FP32_EPS,
+    LOW_PRECISION,
+    MACHINE_EPS,
+    MIN_NORMAL,
+    PRECISION_ULPS,
+    ROUNDING_ULPS,
+    above_rounding,
+    call_dtypes,
+    coarse_eps,
+    coherence,
+    machine_eps,
+    mixed_low,
+    precise_eps,
+    scale_error,
+)
+from ffdebug.thresholds import Threshold, matching_threshold, parse_threshold  # noqa: F401
 
 
 class Severity(str, Enum):
@@ -99,107 +115,6 @@ SEVERITIES = tuple(s.value for s in Severity)
 
 COS_BANDS = ((0.9999, Severity.OK), (0.99, Severity.DRIFT), (0.9, Severity.DIVERGE))
 REL_BANDS = ((0.01, Severity.OK), (0.10, Severity.DRIFT), (0.30, Severity.DIVERGE))
-
-LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-
-
-# Machine epsilon (2^-mantissa bits) by dtype name, as dumps spell dtypes (no torch needed).
-MACHINE_EPS = {
-    "float64": 2.0**-52,
-    "complex128": 2.0**-52,
-    "float32": 2.0**-23,
-    "complex64": 2.0**-23,
-    "bfloat16": 2.0**-7,
-    "float16": 2.0**-10,
-    "float8_e4m3fn": 2.0**-3,
-    "float8_e4m3fnuz": 2.0**-3,
-    "float8_e5m2": 2.0**-2,
-    "float8_e5m2fnuz": 2.0**-2,
-}
-FP32_EPS = MACHINE_EPS["float32"]
-
-# The smallest normal number of the low-precision dtypes (below it a value keeps fewer mantissa
-# bits, and CPU kernels flush it to zero).
-MIN_NORMAL = {
-    "bfloat16": 2.0**-126,
-    "float16": 2.0**-14,
-    "float8_e4m3fn": 2.0**-6,
-    "float8_e4m3fnuz": 2.0**-7,
-    "float8_e5m2": 2.0**-14,
-    "float8_e5m2fnuz": 2.0**-15,
-}
-
-ROUNDING_ULPS = 16.0  # an error below this many eps of the stage's dtype can be one rounding
-PRECISION_ULPS = 4.0  # one block of a low-precision side adds up to this many eps of its dtype
-ELEM_ULPS = 16.0  # a low-precision side's elem grows by up to this many eps per block of depth
-
-
-def mixed_low(dtype_ref: str | None, dtype_target: str | None) -> bool:
-    """The two sides differ in dtype and one of them is low-precision (bf16 against fp32)."""
-    a, b = ((d or "").removeprefix("torch.") for d in (dtype_ref, dtype_target))
-    return a != b and (a in LOW_PRECISION or b in LOW_PRECISION)
-
-
-def call_dtypes(pairs) -> tuple | None:
-    """The dtypes of a call whose low-precision side meets another dtype: from the (ref, target)
-    dtype pairs of its floating stages, the least precise on each side; None when no stage of the
-    call pairs a low-precision dtype with another."""
-    mixed = [(a, b) for a, b in pairs if mixed_low(a, b)]
-    if not mixed:
-        return None
-    side = lambda ds: max(ds, key=lambda d: machine_eps(d) or 0.0)  # noqa: E731
-    return side([a for a, _ in mixed]), side([b for _, b in mixed])
-
-
-def machine_eps(dtype: str | None) -> float | None:
-    """The machine epsilon of a floating dtype named as dumps name it (`torch.` prefix or not);
-    None for others."""
-    return MACHINE_EPS.get((dtype or "").removeprefix("torch."))
-
-
-def precise_eps(*dtypes: str | None) -> float:
-    """The epsilon of the most precise floating dtype given (fp32 when none is known)."""
-    known = [e for e in map(machine_eps, dtypes) if e is not None]
-    return min(known) if known else FP32_EPS
-
-
-def coarse_eps(*dtypes: str | None) -> float:
-    """The epsilon of the least precise floating dtype given (fp32 when none is known)."""
-    known = [e for e in map(machine_eps, dtypes) if e is not None]
-    return max(known) if known else FP32_EPS
-
-
-def above_rounding(rel: float | None, *dtypes: str | None) -> bool:
-    """The error is more than a few roundings: rel >= `ROUNDING_ULPS` x the epsilon of the most
-    precise dtype given (fp32 and wider: long sums in another order stay within it; the zoo's
-    eager against sdpa differs by at most 1.08 eps at the first inexact stage), or
-    `PRECISION_ULPS` x it when that dtype is a low-precision one (its results are rounded once
-    from a wider accumulator, so another order moves them by about one rounding). Below that, a
-    difference after a bit-equal prefix is no evidence of a computation of its own."""
-    if rel is None:
-        return False
-    eps = precise_eps(*dtypes)  # coarser than fp32's only when every known dtype is low-precision
-    return rel >= (PRECISION_ULPS if eps > FP32_EPS else ROUNDING_ULPS) * eps
-
-
-COHERENT = 0.8  # an error this aligned with the reference (cos(t - r, r)) is a scale of the signal
-
-
-def scale_error(cos: float | None, norm_ratio: float | None) -> float | None:
-    """The part of the error along the reference, as a share of it: <t - r, r> / |r|^2 =
-    cos x |t|/|r| - 1 (q scaled by 1.1: +0.1; a head of four zeroed: -1/4). Rounding errors are
-    zero-mean and uncorrelated with the values rounded, so precision alone leaves it near zero."""
-    if cos is None or norm_ratio is None:
-        return None
-    return cos * norm_ratio - 1.0
-
-
-def coherence(cos: float | None, norm_ratio: float | None, rel: float | None) -> float | None:
-    """cos(t - r, r): how much of the error is a scale of the reference (1: all of it)."""
-    alpha = scale_error(cos, norm_ratio)
-    if alpha is None or not rel:
-        return None
-    return alpha / rel
 
 
 def amplified_precision(
@@ -310,88 +225,6 @@ def elementwise(severity: Severity, elem: float | None, scale: float = 1.0) -> S
     if elem >= ELEM_DIVERGE * scale:
         return worst(severity, Severity.DIVERGE)
     return severity
-
-
-@dataclass(frozen=True)
-class Threshold:
-    """`GLOB:cos>=X,rel<=Y,elem<=E,max_abs<=M,atol=A`: a stage matching GLOB is ok when it meets
-    every bound given, or when every element is within `atol` (max_abs <= A) whatever the others.
-    An `elem`, `max_abs` or `atol` term replaces the default element-wise rule for the stage."""
-
-    glob: str
-    cos: float | None = None
-    rel: float | None = None
-    elem: float | None = None
-    max_abs: float | None = None
-    atol: float | None = None
-
-    def matches(self, key: str) -> bool:
-        return fnmatch.fnmatchcase(key, self.glob)
-
-    @property
-    def element_terms(self) -> bool:
-        """The threshold bounds single elements itself (the element-wise rule steps aside)."""
-        return self.elem is not None or self.max_abs is not None or self.atol is not None
-
-    def passes(
-        self, cos: float | None, rel: float | None, elem: float | None = None, max_abs: float | None = None
-    ) -> bool:
-        if self.atol is not None and max_abs is not None and max_abs <= self.atol:
-            return True
-        return (
-            _at_least(cos, self.cos)
-            and _at_most(rel, self.rel)
-            and _at_most(elem, self.elem)
-            and _at_most(max_abs, self.max_abs)
-        )
-
-
-def _at_least(value: float | None, bound: float | None) -> bool:
-    return bound is None or (value is not None and value >= bound)
-
-
-def _at_most(value: float | None, bound: float | None) -> bool:
-    return bound is None or (value is not None and value <= bound)
-
-
-_TERM = re.compile(
-    r"\s*(cos)\s*>=\s*(\S+?)\s*|\s*(rel|elem|max_abs)\s*<=\s*(\S+?)\s*|\s*(atol)\s*=\s*(\S+?)\s*"
-)
-_TERMS = "cos>=X, rel<=Y, elem<=E, max_abs<=M or atol=A"
-
-
-def parse_threshold(spec: str) -> Threshold:
-    """`GLOB:cos>=0.999,rel<=0.02` (also `elem<=`, `max_abs<=`, `atol=`) into a Threshold
-    (one-line error naming the bad part)."""
-    m = re.fullmatch(r"\s*([^:]+):(.+)", spec)
-    if not m:
-        raise FFDebugError(f"--threshold {spec!r} is invalid: use 'GLOB:cos>=0.999,rel<=0.02'")
-    glob, body = m.group(1).strip(), m.group(2)
-    values: dict[str, float] = {}
-    for part in body.split(","):
-        pm = _TERM.fullmatch(part)
-        if not pm:
-            raise FFDebugError(f"--threshold {spec!r}: cannot read {part.strip()!r}; use {_TERMS}")
-        name = pm.group(1) or pm.group(3) or pm.group(5)
-        raw = pm.group(2) or pm.group(4) or pm.group(6)
-        try:
-            values[name] = float(raw)
-        except ValueError:
-            raise FFDebugError(f"--threshold {spec!r}: {part.strip()!r} is not a number") from None
-    cos = values.get("cos")
-    if cos is not None and not -1.0 <= cos <= 1.0:
-        raise FFDebugError(f"--threshold {spec!r}: cos bound {cos:g} is outside [-1, 1]")
-    if values.get("rel") is not None and not values["rel"] >= 0.0:
-        raise FFDebugError(f"--threshold {spec!r}: rel bound {values['rel']:g} must be >= 0 (0.05 is 5%)")
-    for name in ("elem", "max_abs", "atol"):
-        if name in values and not values[name] >= 0.0:
-            raise FFDebugError(f"--threshold {spec!r}: {name} bound {values[name]:g} must be >= 0")
-    return Threshold(glob=glob, **values)
-
-
-def matching_threshold(key: str, thresholds: tuple[Threshold, ...]) -> Threshold | None:
-    """The first override whose glob matches `key` (first match wins)."""
-    return next((th for th in thresholds if th.matches(key)), None)
 
 
 def apply_threshold(

@@ -124,3 +124,13 @@ def packed_tokens(tokens: list, layout: TokenLayout) -> list | None:
 def _few(tokens: list[int], cap: int = 8) -> str:
     head = ", ".join(map(str, tokens[:cap]))
     return head + (f" (+{len(tokens) - cap} more)" if len(tokens) > cap else "")
+
+
+def routed_rows(rt, tt, routed: tuple[list, list], masks: tuple[TokenLayout, TokenLayout]):
+    """An expert's rows on both sides by the token each holds (`by_routed_tokens`), the
+    token ids of a padded side first numbered as a packed side numbers them (`packed_tokens`:
+    through its own mask, when it recorded one); None when nothing needs aligning."""
+    ids = [packed_tokens(tokens, layout) for tokens, layout in zip(routed, masks)]
+    if any(x is None for x in ids) or any(len(x) != n for x, n in zip(ids, (rt.shape[0], tt.shape[0]))):
+        ids = list(routed)  # pads among the rows, or ids beyond the mask: compared as recorded
+    return by_routed_tokens(rt, tt, *ids) if ids[0] != ids[1] else None

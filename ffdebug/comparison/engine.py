@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ffdebug import verdict as V
 from ffdebug.capture.stage_map import StageMap
-from ffdebug.comparison import contained, near_zero, parallel, routing, underflow
-from ffdebug.comparison.align import ROUTED_KEY, TokenLayout, align, by_routed_tokens, layouts, packed_tokens
+from ffdebug.comparison import contained, grading, parallel, routing, underflow
+from ffdebug.comparison.align import ROUTED_KEY, TokenLayout, align, layouts, routed_rows
 from ffdebug.comparison.estimates import sketch_compare, sketch_of, stats_compare
 from ffdebug.comparison.forked import ForkPool, fork_usable, record_refs, resolve_refs
 from ffdebug.comparison.inputs_gate import check_trainer_inputs
@@ -100,7 +99,7 @@ def compare_records(
     aligned = None
     routed = (r.extra or {}).get(ROUTED_KEY), (t.extra or {}).get(ROUTED_KEY)
     if all(isinstance(x, list) for x in routed) and r.has_payload and t.has_payload:
-        aligned = _by_routed_tokens(load(r), load(t), routed, masks)
+        aligned = routed_rows(load(r), load(t), routed, masks)
     if aligned is None and list(r.shape or []) != list(t.shape or []) and any(masks):
         if r.has_payload and t.has_payload:
             aligned = align(load(r), load(t), *masks)
@@ -140,47 +139,13 @@ def compare_records(
     e.notes.extend(m.notes)
     if m.nan_mismatch or m.inf_mismatch:
         e.nan_mismatch, e.inf_mismatch = m.nan_mismatch, m.inf_mismatch
-    if depth is None:
-        depth = r.layer + 1 if r.layer is not None else 0
-    scale = V.elem_scale(depth, *e.judged_dtypes)
-    severity = V.classify(m.cos, m.rel, key, thresholds, m.elem, m.max_abs, scale)
-    amplified = V.amplified_precision(severity, m.cos, m.rel, m.norm_ratio, *e.judged_dtypes)
-    if amplified is not None and V.matching_threshold(key, thresholds) is None:
-        severity = V.Severity.DRIFT
-        e.notes.append(amplified)
-    chosen = V.selection(severity, r.layer, not (rt.is_floating_point() or rt.is_complex()), call_dtypes)
-    if chosen is not None and not (m.nan_mismatch or m.inf_mismatch):
-        severity = V.Severity.DRIFT
-        e.notes.append(chosen)
-    severity = V.zero_side(severity, m.ref_norm, m.target_norm, m.numel)
-    if not (m.nan_mismatch or m.inf_mismatch):
-        severity = near_zero.grade(severity, r, t, m.max_abs, e.notes)  # declared `scale`: absolute atol
-        e.near_zero = near_zero.within(r, t, m.max_abs)
-    severity = V.nonfinite(severity, m.nan_mismatch, m.inf_mismatch)
-    underflow = V.below_range(m.ref_norm / math.sqrt(m.numel), r.dtype, t.dtype) if m.numel else None
-    if underflow is not None and not (m.nan_mismatch or m.inf_mismatch):
-        severity, e.range_limited = V.range_limited(severity), True
-        e.notes.append(underflow)
-    if exact:
-        severity, e.invariance = V.exact(severity, m.bit_equal)
-        if e.invariance:
-            e.notes.append(f"not bit-equal (--exact): {e.invariance}")
-    e.severity = severity
+    integer = not (rt.is_floating_point() or rt.is_complex())
+    e.severity = grading.grade(e, m, r, t, thresholds, exact, depth, integer)
     if key.endswith("logits") and rt.is_floating_point() and rt.dim() >= 1:
         e.logits = logits_metrics(rt, tt)
     if (m.bit_equal or 0.0) < 1.0 and rt.is_floating_point():
         _locate(e, rt, tt)
     return e
-
-
-def _by_routed_tokens(rt, tt, routed: tuple[list, list], masks: tuple[TokenLayout, TokenLayout]):
-    """An expert's rows on both sides by the token each holds (`align.by_routed_tokens`), the
-    token ids of a padded side first numbered as a packed side numbers them (`packed_tokens`:
-    through its own mask, when it recorded one); None when nothing needs aligning."""
-    ids = [packed_tokens(tokens, layout) for tokens, layout in zip(routed, masks)]
-    if any(x is None for x in ids) or any(len(x) != n for x, n in zip(ids, (rt.shape[0], tt.shape[0]))):
-        ids = list(routed)  # pads among the rows, or ids beyond the mask: compared as recorded
-    return by_routed_tokens(rt, tt, *ids) if ids[0] != ids[1] else None
 
 
 def _locate(e: StageResult, rt, tt) -> None:
