@@ -106,14 +106,14 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
     _inside_an_exact_layer(stages, rows)
     p = pat.decide(rows, by_key)
     signal = p.signal
-    if p.focus is not None and p.name not in (PatternName.DRIFT, PatternName.UNDETERMINED):
+    if p.focus is not None and p.name is not PatternName.DRIFT:  # undetermined: where it starts
         in_layer = _in_layer(stages, p.focus.layer)
         first = (
             first_lossy(in_layer, block_only=True)[0]
             or first_lossy(in_layer)[0]
             or by_key.get(f"L{p.focus.layer:03d}.hidden_out")
         )
-    else:  # no single layer to blame: the first stage at diverge or worse, else outside the ok band
+    else:  # drift or match: the first stage at diverge or worse, else outside the ok band
         first = next((e for e in stages if e.severity.at_least(Severity.DIVERGE)), None)
         first = first or next((e for e in stages if not e.ok), None)
         if p.name is PatternName.MATCH and first is None:

@@ -2,7 +2,8 @@
 
 For every layer L with a block input and output dumped on both sides (rel against the reference):
 
-    rel_in(L)  = rel of L's hidden_in          (error the layer inherits)
+    rel_in(L)  = rel of L's hidden_in          (error the layer inherits; a decoder block's
+                                                encoder_hidden_in too, the larger of the two)
     rel_out(L) = rel of L's hidden_out         (error it passes on)
     added(L)   = rel_out(L) - rel_in(L)        (error it adds; README: error out − error in)
 
@@ -36,9 +37,9 @@ Pattern, in this order:
   match        no layer introduces error;
   drift        every introducing layer stays within the precision budget: accumulated rounding
                of a less precise dtype, never a bug;
-  layer_class  two or more layers beyond precision, all of one class, while the layers of the
-               other classes stay within precision (or, past saturation, the class evidence
-               above);
+  layer_class  two or more layers beyond precision, all of one class and of comparable size (none
+               adds `JUMP_RATIO` x every other), while the layers of the other classes stay
+               within precision (or, past saturation, the class evidence above);
   jump         the first layer beyond precision after an exactly equal prefix in the same dtype
                (past layer 0), or one that adds at least `JUMP_RATIO` (4) x every other layer
                beyond precision (measured on the ports in tests/bisect/test_patterns.py: one-layer
@@ -73,7 +74,7 @@ JUMP_RATIO = 4.0  # one layer adds this many times more than any other introduci
 SATURATED_COS = 0.5  # a block output at or below this cos has decorrelated (the scramble band)
 SATURATED_REL = 0.5  # or whose error is half its norm: later layers' own error is lost in it
 
-_LAYER_KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out)$")
+_LAYER_KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out|encoder_hidden_in)$")
 
 
 def noise_factor(stage: StageResult) -> float:
@@ -95,11 +96,12 @@ def layer_rows(stages: list[StageResult]) -> list[LayerRow]:
     """Layer error budgets from the stages of one paired call (execution order)."""
     ins: dict[int, StageResult] = {}
     outs: dict[int, StageResult] = {}
+    encs: dict[int, StageResult] = {}  # a decoder block's other input: the encoder's output
     for e in stages:
         m = _LAYER_KEY.match(e.key)
         if not m or (e.invocation or 0) != 0:
             continue
-        target = ins if m.group(2) == "hidden_in" else outs
+        target = {"hidden_in": ins, "hidden_out": outs, "encoder_hidden_in": encs}[m.group(2)]
         target.setdefault(int(m.group(1)), e)
     rows: list[LayerRow] = []
     prev_out: StageResult | None = next((e for e in stages if e.key == "embed.out"), None)
@@ -112,6 +114,12 @@ def layer_rows(stages: list[StageResult]) -> list[LayerRow]:
         elif not rows:
             row.rel_in, row.cos_in = 0.0, 1.0
             row.notes.append("no block input dumped: assumed error-free (not evidence of an exact input)")
+        enc = encs.get(layer)
+        if enc is not None and not is_exact(enc) and row.rel_in is not None:
+            row.exact_in = False  # what it inherits through cross-attention is its input too
+            if enc.rel > row.rel_in:
+                row.rel_in, row.cos_in = enc.rel, min(enc.cos, row.cos_in if row.cos_in is not None else 1.0)
+                row.notes.append(f"inherits rel {enc.rel:.3g} through its encoder input (encoder_hidden_in)")
         if e_out is not None:
             row.rel_out, row.cos_out = e_out.rel, e_out.cos
             row.severity, row.exact_out = e_out.severity, is_exact(e_out)
@@ -422,7 +430,9 @@ def _localise(
     def done(name: PatternName, focus: LayerRow, why: str) -> Pattern:
         return _localised(name, focus, beyond, why, sat, precision_signal(focus))
 
-    if len(beyond) >= 2 and len(classes) >= 2 and len(beyond_classes) == 1:
+    top = max(beyond, key=lambda r: r.added or 0.0)
+    ratio = _jump_ratio(top, beyond)
+    if len(beyond) >= 2 and len(classes) >= 2 and len(beyond_classes) == 1 and ratio < JUMP_RATIO:
         n_cls = sum(1 for r in judged if r.layer_class == first.layer_class)
         why = (
             f"{len(beyond)} of the {n_cls} {first.layer_class} layers add error beyond precision "
@@ -449,8 +459,6 @@ def _localise(
                 _signal(first, precision_signal(first)),
                 sat,
             )
-    top = max(beyond, key=lambda r: r.added or 0.0)
-    ratio = _jump_ratio(top, beyond)
     several_classes = len({r.layer_class for r in rows}) >= 2
     if len(beyond) == 1 and sat == top.layer and several_classes and any(r.layer > sat for r in rows):
         why = (

@@ -182,6 +182,7 @@ def _hook_block_io(
 
     meta = dict(base, module_class=block.class_name, module_path=block.path)
     state: dict = {}  # invocation index and input shape of the call in flight
+    enc_at = _positional_index(block.module, "encoder_hidden_states")
 
     def pre(module, args, kwargs):
         state["foreign"] = capture.foreign()
@@ -194,6 +195,8 @@ def _hook_block_io(
             state["shape"] = tuple(h.shape)
             capture(f"{prefix}.hidden_in", h, io="in", invocation=inv, **meta)
         enc = kwargs.get("encoder_hidden_states")
+        if enc is None and enc_at is not None and len(args) > enc_at:
+            enc = args[enc_at]  # passed by position (for gradient checkpointing: NLLB-MoE, T5)
         if isinstance(enc, torch.Tensor):
             capture(f"{prefix}.encoder_hidden_in", enc, io="in", invocation=inv, **meta)
         begin()
@@ -215,6 +218,19 @@ def _hook_block_io(
 
     handle.add(block.module.register_forward_pre_hook(pre, with_kwargs=True))
     handle.add(block.module.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+
+def _positional_index(module, name: str) -> int | None:
+    """Where parameter `name` of `module.forward` sits among the positional arguments (None when
+    it has none or cannot be passed by position)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return next((i for i, p in enumerate(positional) if p.name == name), None)
 
 
 def _sub_paths(block, sub_globs) -> set[str]:

@@ -3,8 +3,9 @@
 Installed (when sub-stages are on: `FFDEBUG_FWD_DUMP_SUBSTAGES=1`, `capture(substages=True)`, or
 sub-stage classes in `FFDEBUG_FWD_DUMP_BLOCK_CLASS`) on each direct child of a block that holds
 parameters and is not a norm. While the child runs, a `TorchFunctionMode` sees every projection
-(`F.linear`, which `nn.Linear` calls, and `addmm`, which `Conv1D` calls), `topk`, activation and
-head reshape; `ffdebug.models.subroles` turns that trace into role sub-stages once the child's role
+(`F.linear`, which `nn.Linear` calls, `addmm`, which `Conv1D` calls, and `torch._grouped_mm`, which
+stacked experts call: one projection per expert's block of rows), `topk`, activation and head
+reshape; `ffdebug.models.subroles` turns that trace into role sub-stages once the child's role
 (attention or MLP) is known. Each sub-stage is written at the point of the call that produced it,
 so records keep execution order (q before the rotary taps, the context before the output).
 """
@@ -71,6 +72,13 @@ def _casts() -> tuple:
         T = torch.Tensor
         _CASTS = (T.to, T.float, T.double, T.half, T.bfloat16, T.type, T.type_as)
     return _CASTS
+
+
+def _grouped_mms() -> tuple:
+    """Grouped matmuls (one GEMM over every expert's rows; `F.grouped_mm` dispatches to it)."""
+    import torch
+
+    return tuple(f for f in (getattr(torch, "_grouped_mm", None),) if f is not None)
 
 
 _SPLITS: tuple = ()
@@ -315,9 +323,12 @@ class BranchRecorder:
             self._linear(x, w, out, w.shape[-1], w.shape[0])
         elif func is torch.addmm and len(args) >= 3 and args[2].dim() == 2:
             self._linear(args[1], args[2], out, args[2].shape[0], args[2].shape[1])
+        elif func in _grouped_mms():
+            self._grouped(args, kwargs, out)
         elif func in (torch.topk, torch.Tensor.topk):
-            if trace.topk is None:
+            if not any(c.expert is not None for c in trace.calls):  # the last before the experts:
                 trace.topk = (trace.events, out[0].detach().clone(), out[1].detach().clone())
+                trace.weights = None  # grouped routing takes a group-level top-k first
         elif func in _activations():
             if isinstance(args[0], torch.Tensor):
                 trace.act_ptrs.append(args[0].data_ptr())
@@ -355,9 +366,30 @@ class BranchRecorder:
                 return owner, (w.storage_offset() - p.storage_offset()) // p.stride(0)
         return self.path, None
 
-    def _linear(self, x, w, out, fan_in: int, fan_out: int) -> None:
+    def _grouped(self, args, kwargs, out) -> None:
+        """A grouped matmul over stacked expert weights (`out[rows of e] = x[rows of e] @ w[e]`,
+        `w` `[E, K, N]`, the rows of expert e ending at `offs[e]`): one projection per expert that
+        got rows, with that expert's index, as a loop over `F.linear(x, W[e])` would record."""
+        import torch
+
+        x = args[0] if args else kwargs.get("mat_a", kwargs.get("input"))
+        w = args[1] if len(args) > 1 else kwargs.get("mat_b", kwargs.get("weight"))
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        if not all(isinstance(t, torch.Tensor) for t in (x, w, offs, out)) or x.dim() != 2 or w.dim() != 3:
+            return
+        hit = self._stacked_ptrs.get(w.untyped_storage().data_ptr())
+        owner = hit[1] if hit is not None else self.path
+        ends = [int(e) for e in offs.tolist()]
+        start = 0
+        for e, end in enumerate(ends):
+            if end > start:
+                rows = slice(start, end)
+                self._linear(x[rows], w[e], out[rows], w.shape[-2], w.shape[-1], (owner, e))
+            start = max(start, end)
+
+    def _linear(self, x, w, out, fan_in: int, fan_out: int, placed: tuple | None = None) -> None:
         trace = self.trace
-        owner, expert = self._owner(w)
+        owner, expert = placed if placed is not None else self._owner(w)
         from_input = (x.data_ptr(), x.numel()) in self._inputs
         index = trace.events
         trace.events += 1

@@ -9,8 +9,8 @@ so the rule reads them; no stage or module name is consulted.
 
 Per paired call, in execution order:
 
-- a *score stage* is a stage inside a layer with one row of E values per token (2 <= E <=
-  `MAX_SCORES`, E at most a quarter of the width of the layer's hidden stages);
+- a *score stage* is a floating stage inside a layer with one row of E values per token (2 <= E
+  <= `MAX_SCORES`, E at most a quarter of the width of the layer's hidden stages);
 - a token *can flip* at it when two of its scores next to each other in the reference's ranking,
   within the top half, are closer than the two sides' movements of them together: the sides may
   order them either way, or tie them (`topk` breaks ties as it likes), while the score stage
@@ -204,8 +204,11 @@ def _gathered_after_flip(stages: list[StageResult], flipped_at: dict, n_tokens: 
 
 def _score_stage(e: StageResult, widths: dict[int, tuple[int, int]], n_tokens: int) -> bool:
     """One row of E scores per token, E from 2 to `MAX_SCORES` and at most a quarter of the layer's
-    hidden width (a router's expert scores, not a projection's output)."""
+    hidden width (a router's expert scores, not a projection's output), of a floating dtype (the
+    expert ids a top-k picks are no scores)."""
     if e.layer is None or e.layer not in widths or math.prod(e.ref.shape[:-1]) != n_tokens:
+        return False
+    if "float" not in (e.dtype_ref or ""):
         return False
     scores = e.ref.shape[-1]
     return 2 <= scores <= MAX_SCORES and 4 * scores <= widths[e.layer][1]

@@ -17,7 +17,7 @@ counts and the expert count:
 | MLP | `mlp.act` | the input of the down projection (act(gate) · up for a gated MLP) |
 | MLP | `mlp.down` | the last projection back to the hidden size |
 | MoE | `moe.router` | the first projection of the branch input to E outputs (E: config, else the stacked expert weights' first dim, else the expert list's length) |
-| MoE | `moe.topk_ids`, `moe.topk_weights` | the indices of the first `topk` after the router; the last float tensor of their shape made before the first expert runs (renormalised / cast weights) |
+| MoE | `moe.topk_ids`, `moe.topk_weights` | the indices of the last `topk` before the first expert runs (grouped routing takes a group-level top-k first); the last float tensor of their shape made before the first expert runs (renormalised / cast weights) |
 | MoE | `moe.expertNNN` | expert NNN's last projection back to the hidden size, its rows sorted by token (a slice `W[e]` of a stacked `[E, ...]` weight, or a projection of the e-th module of an expert list) |
 | MoE | `moe.shared`, `moe.shared.gate` / `.up` / `.act` | a shared expert: the MLP rules on the projections that are neither the router's nor an expert's |
 

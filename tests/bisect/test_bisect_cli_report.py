@@ -190,7 +190,7 @@ def test_layer_classes_are_recorded_in_the_manifest(ds_dir):
 
     recs = {r.key: r for r in open_side(f"{ds_dir}/ref").records}
     assert recs["L000.hidden_out"].layer_class == "dense"
-    assert recs["L003.mlp.gate.out"].layer_class == "moe"
+    assert recs["L003.moe.router.out"].layer_class == "moe"
 
 
 def test_structural_layer_classes_without_config_fields():

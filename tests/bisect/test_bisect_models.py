@@ -53,8 +53,9 @@ def test_missing_routed_scaling_is_a_layer_class_pattern_at_the_first_moe_layer(
     fd = r.first_divergence
     assert (fd.layer, fd.layer_class, fd.stage) == (2, "moe", "ffn_out")
     assert r.pattern == "layer_class"
-    assert r.sub_stage.stage.startswith("mlp.")  # inside the MoE block: the router's weights
-    assert r.sub_stage.stage == "mlp.gate.out.1"
+    # the router's top-k weights (scaled after the last, expert-level top-k; the group-level one
+    # before it is not the routing), not the experts' output that reads them
+    assert r.sub_stage.stage == "moe.topk_weights.out"
     classes = {c.layer_class: c for c in r.per_class}
     assert classes["dense"].layers == [0, 1] and classes["dense"].first_bad_layer is None
     assert classes["moe"].layers == [2, 3, 4] and classes["moe"].first_bad_layer == 2

@@ -168,8 +168,8 @@ def test_the_exact_prefix_rule_needs_an_error_above_rounding():
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     """The selftest's tiny Qwen2-MoE (4 layers, top-4 of 8 experts) on its own input, fp32 against
-    bf16: one of its tokens takes another expert at layer 2 (measured: router scores 4e-5 apart,
-    the sides 2e-3 apart in that row); plus two bugs next to the same bf16 rounding."""
+    bf16: token row 18 takes another expert at layer 0 (its expert rows say so: routed to expert 7
+    on one side, 0 on the other); plus two bugs next to the same bf16 rounding."""
     d = tmp_path_factory.mktemp("moe_cal")
     model = build(resolve("qwen2_moe"), Sizes(), 0)
     vocab = model.config.vocab_size
