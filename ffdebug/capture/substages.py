@@ -3,8 +3,8 @@
 Installed (when sub-stages are on: `FFDEBUG_FWD_DUMP_SUBSTAGES=1`, `capture(substages=True)`, or
 sub-stage classes in `FFDEBUG_FWD_DUMP_BLOCK_CLASS`) on each direct child of a block that holds
 parameters and is not a norm. While the child runs, a `TorchFunctionMode` sees every projection
-(`F.linear`, which `nn.Linear` calls, `addmm`, which `Conv1D` calls, and `torch._grouped_mm`, which
-stacked experts call: one projection per expert's block of rows), `topk`, activation and head
+(`F.linear`, which `nn.Linear` calls, `addmm`, which `Conv1D` calls, and `torch._grouped_mm` or a
+`bmm` over a stacked `[E, ...]` weight, which stacked experts call: one projection per expert), `topk`, activation and head
 reshape; `ffdebug.models.subroles` turns that trace into role sub-stages once the child's role
 (attention or MLP) is known. Each sub-stage is written at the point of the call that produced it,
 so records keep execution order (q before the rotary taps, the context before the output).
@@ -325,6 +325,8 @@ class BranchRecorder:
             self._linear(args[1], args[2], out, args[2].shape[0], args[2].shape[1])
         elif func in _grouped_mms():
             self._grouped(args, kwargs, out)
+        elif func in (torch.bmm, torch.matmul) and len(args) >= 2 and isinstance(args[1], torch.Tensor):
+            self._batched(args[0], args[1], out)
         elif func in (torch.topk, torch.Tensor.topk):
             if not any(c.expert is not None for c in trace.calls):  # the last before the experts:
                 trace.topk = (trace.events, out[0].detach().clone(), out[1].detach().clone())
@@ -386,6 +388,20 @@ class BranchRecorder:
                 rows = slice(start, end)
                 self._linear(x[rows], w[e], out[rows], w.shape[-2], w.shape[-1], (owner, e))
             start = max(start, end)
+
+    def _batched(self, x, w, out) -> None:
+        """A batched matmul over stacked expert weights (`out[e] = x[e] @ w[e]`, `w` `[E, K, N]`, a
+        stacked parameter or a view of one; Llama 4 runs every expert on every token so): one
+        projection per expert."""
+        import torch
+
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or w.dim() != 3 or x.shape[0] != w.shape[0]:
+            return
+        hit = self._stacked_ptrs.get(w.untyped_storage().data_ptr())
+        if hit is None or hit[0].shape[0] != w.shape[0]:
+            return
+        for e in range(w.shape[0]):
+            self._linear(x[e], w[e], out[e], w.shape[-2], w.shape[-1], (hit[1], e))
 
     def _linear(self, x, w, out, fan_in: int, fan_out: int, placed: tuple | None = None) -> None:
         trace = self.trace

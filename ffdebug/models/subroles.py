@@ -18,7 +18,7 @@ counts and the expert count:
 | MLP | `mlp.down` | the last projection back to the hidden size |
 | MoE | `moe.router` | the first projection of the branch input to E outputs (E: config, else the stacked expert weights' first dim, else the expert list's length) |
 | MoE | `moe.topk_ids`, `moe.topk_weights` | the indices of the last `topk` before the first expert runs (grouped routing takes a group-level top-k first); the last float tensor of their shape made before the first expert runs (renormalised / cast weights) |
-| MoE | `moe.expertNNN` | expert NNN's last projection back to the hidden size, its rows sorted by token (a slice `W[e]` of a stacked `[E, ...]` weight, or a projection of the e-th module of an expert list) |
+| MoE | `moe.expertNNN` | expert NNN's last projection back to the hidden size, its rows sorted by token (a slice `W[e]` of a stacked `[E, ...]` weight, a projection of the e-th module of an expert list, or expert e's block of rows in a grouped matmul); an expert no token reached has no rows |
 | MoE | `moe.shared`, `moe.shared.gate` / `.up` / `.act` | a shared expert: the MLP rules on the projections that are neither the router's nor an expert's |
 
 q / k / v and the context are stored as `[batch, seq, heads, head_dim]` (k / v before any GQA
@@ -303,6 +303,7 @@ def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
         if not runs:
             continue
         out += _expert_stages(f"moe.expert{e:03d}", runs)
+    out += _idle_experts(by_expert, dims.experts, out)
     shared = BranchTrace(
         trace.lead,
         trace.hidden,
@@ -314,6 +315,32 @@ def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
         s.kind = "moe.shared" if s.kind == "mlp.down" else s.kind.replace("mlp.", "moe.shared.")
         out.append(s)
     return out
+
+
+def _idle_experts(by_expert: dict, count: int | None, placed: list[SubStage]) -> list[SubStage]:
+    """`moe.expertNNN` with no rows for each of the `count` experts no token was routed to in this
+    call (where the placed experts say what their rows are like): an expert idle on one side only
+    is a routing difference the rows of the other side show, not a stage one side lacks."""
+    import torch
+
+    ins = {s.kind: s for s in placed if s.kind.startswith("moe.expert") and s.io == "in"}
+    outs = {s.kind: s for s in placed if s.kind.startswith("moe.expert") and s.io == "out"}
+    if not count or not ins or not outs:
+        return []
+    x0, y0 = next(iter(ins.values())), next(iter(outs.values()))
+    idle = []
+    for e in range(count):
+        kind = f"moe.expert{e:03d}"
+        if e in by_expert or kind in ins:
+            continue
+        x = torch.empty((0, x0.tensor.shape[-1]), dtype=x0.tensor.dtype)
+        y = torch.empty((0, y0.tensor.shape[-1]), dtype=y0.tensor.dtype)
+        extra_y = {"orig_shape": [0, y.shape[-1]], "inputs": [f"{kind}.in"], "tokens": []}
+        idle.append(
+            SubStage(kind, x, x0.at, x0.module_path, {"orig_shape": [0, x.shape[-1]], "tokens": []}, io="in")
+        )
+        idle.append(SubStage(kind, y, y0.at, y0.module_path, extra_y))
+    return idle
 
 
 def _expert_stages(kind: str, runs: list[tuple[LinearCall, LinearCall]]) -> list[SubStage]:
