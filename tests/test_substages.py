@@ -457,3 +457,34 @@ def test_a_projection_reading_a_norm_computed_in_fp32_records_the_norms_output(t
         key = next(k for k in records if k.startswith(f"L{i:03d}.") and k.endswith(("up.in", "wi.in")))
         got = records[key].load()
         assert torch.equal(got.reshape(normed[i].shape), normed[i]), key
+
+
+def test_grouped_matmul_experts_record_what_the_per_expert_loop_records(hf_moe, tmp_path):
+    """transformers runs stacked experts through one grouped matmul by default (`grouped_mm`); the
+    capture takes it apart by its offsets into one projection per expert, so its records are those
+    of the eager per-expert loop (the independent reading: the same model, run expert by expert),
+    and an expert no token reached has an empty record on both sides."""
+    import copy
+
+    def idle_seven(module, args, kwargs):  # no token reaches expert 7 of layer 1: its slots go to 6
+        hidden, ids, weights = args
+        return (hidden, torch.where(ids == 7, 6, ids), weights), kwargs
+
+    eager = copy.deepcopy(hf_moe)
+    eager.model.layers[1].mlp.experts.register_forward_pre_hook(idle_seven, with_kwargs=True)
+    grouped = copy.deepcopy(eager)
+    grouped.config._experts_implementation = "grouped_mm"
+    assert eager.config._experts_implementation == "eager"
+    ref, tgt = dump(eager, tmp_path, "ref"), dump(grouped, tmp_path, "target")
+    experts = {f"L001.moe.expert{e:03d}.{io}" for e in range(8) for io in ("in", "out")}
+    assert experts <= set(ref) and experts <= set(tgt)
+    assert (
+        list(tgt["L001.moe.expert007.out"].shape) == [0, 32]
+        and tgt["L001.moe.expert007.out"].extra["tokens"] == []
+    )
+    for e in range(7):
+        key = f"L001.moe.expert{e:03d}.out"
+        assert tgt[key].extra["tokens"] == ref[key].extra["tokens"]
+        torch.testing.assert_close(tgt[key].load(), ref[key].load(), rtol=1e-5, atol=1e-6)
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    assert res.exit_code() == 0, (res.coverage.missing, [s.key for s in res.stages if not s.ok])

@@ -14,153 +14,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ffdebug.capture.branch_calls import Output, activations, casts, grouped_mms, splits, views
 from ffdebug.logs import get_logger
 from ffdebug.models.subroles import (
     BranchTrace,
     Dims,
     LinearCall,
-    Piece,
     SubStage,
     branch_substages,
     leading_shape,
     with_inputs,
 )
 
-_ACTIVATIONS: tuple = ()
 _WARNED: set[tuple[str, str]] = set()  # (block class, child) warned about once per process
-
-
-def _activations() -> tuple:
-    """Elementwise activations whose input marks an MLP's gate."""
-    global _ACTIVATIONS
-    if not _ACTIVATIONS:
-        import torch
-        import torch.nn.functional as F
-
-        _ACTIVATIONS = (
-            F.silu,
-            F.gelu,
-            F.relu,
-            F.mish,
-            F.elu,
-            F.leaky_relu,
-            torch.sigmoid,
-            torch.Tensor.sigmoid,
-            torch.tanh,
-            torch.Tensor.tanh,
-            torch.relu,
-            torch.Tensor.relu,
-        )
-    return _ACTIVATIONS
-
-
-def _views() -> tuple:
-    import torch
-
-    return (torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten)
-
-
-_CASTS: tuple = ()
-
-
-def _casts() -> tuple:
-    """Calls that copy a tensor into another dtype (a router reading the branch input in fp32)."""
-    global _CASTS
-    if not _CASTS:
-        import torch
-
-        T = torch.Tensor
-        _CASTS = (T.to, T.float, T.double, T.half, T.bfloat16, T.type, T.type_as)
-    return _CASTS
-
-
-def _grouped_mms() -> tuple:
-    """Grouped matmuls (one GEMM over every expert's rows; `F.grouped_mm` dispatches to it)."""
-    import torch
-
-    return tuple(f for f in (getattr(torch, "_grouped_mm", None),) if f is not None)
-
-
-_SPLITS: tuple = ()
-
-
-def _splits() -> tuple:
-    """Calls whose outputs are views of parts of their input (how a fused output is taken apart)."""
-    global _SPLITS
-    if _SPLITS:
-        return _SPLITS
-    import torch
-
-    T = torch.Tensor
-    _SPLITS = (
-        T.split, torch.split, T.split_with_sizes, T.chunk, torch.chunk, T.unbind, torch.unbind,
-        T.tensor_split, torch.tensor_split, T.narrow, torch.narrow, T.__getitem__,
-    )  # fmt: skip
-    return _SPLITS
-
-
-class _Output:
-    """A projection output whose views the branch may take apart (see `piece`)."""
-
-    def __init__(self, call: LinearCall, live) -> None:
-        import torch
-
-        self.call, self.live = call, live  # the live tensor: its storage is not reused meanwhile
-        self.storage = live.untyped_storage().data_ptr()
-        self.width = live.shape[-1]
-        self.taken = torch.zeros(self.width, dtype=torch.bool)
-        self._index = None
-
-    def index(self):
-        """Storage position -> flat index into the output (-1 where the storage holds no element)."""
-        import torch
-
-        if self._index is None:
-            t = self.live
-            self._index = torch.full(
-                (t.untyped_storage().nbytes() // t.element_size(),), -1, dtype=torch.long
-            )
-            view = self._index.as_strided(t.shape, t.stride(), t.storage_offset())
-            view.copy_(torch.arange(t.numel()).view(t.shape))
-        return self._index
-
-    def piece(self, view) -> Piece | None:
-        """The output columns a view of the output holds, when it keeps every token in order and
-        takes columns no earlier piece took; else None. Token dims are those along which the
-        column stays the same, feature dims those along which the token does."""
-        import torch
-
-        if view.dtype != self.live.dtype or view.numel() == 0:
-            return None
-        flat = self.index().as_strided(view.shape, view.stride(), view.storage_offset()).squeeze()
-        if flat.dim() == 0 or bool((flat < 0).any()):
-            return None
-        tok, col = flat // self.width, flat % self.width
-        tok_dims, feat_dims = [], []
-        for i in range(flat.dim()):
-            if bool((col.diff(dim=i) == 0).all()):
-                tok_dims.append(i)
-            elif bool((tok.diff(dim=i) == 0).all()):
-                feat_dims.append(i)
-            else:
-                return None
-        feat_shape = tuple(flat.shape[i] for i in feat_dims)
-        rows = flat.permute(*tok_dims, *feat_dims).reshape(-1, max(1, _prod(feat_shape)))
-        tokens = self.live.numel() // self.width
-        if rows.shape[0] != tokens or not torch.equal(rows[:, 0] // self.width, torch.arange(tokens)):
-            return None
-        cols = rows[0] % self.width
-        if cols.numel() == self.width or bool(self.taken[cols].any()):  # the whole output is no piece
-            return None
-        self.taken[cols] = True
-        return Piece(cols, feat_shape or (1,), view.data_ptr())
-
-
-def _prod(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _expert_structure(module, path: str):
@@ -272,7 +138,7 @@ class BranchRecorder:
         self._input_casts: list = []  # those casts, kept alive: a freed one's address is reused
         self._cast_weights: dict[int, tuple] = {}  # id -> (a dtype cast of a weight, its owner)
         self._input_copy = x.detach().clone()  # the `.in` of the projections reading the branch input
-        self._outputs: dict[int, _Output] = {}  # storage -> projection output (fused ones are split)
+        self._outputs: dict[int, Output] = {}  # storage -> projection output (fused ones are split)
         self._rows = None
         if self.members or self.stacked:
             self._rows = self._row_index(x.detach().reshape(-1, x.shape[-1]))
@@ -304,10 +170,10 @@ class BranchRecorder:
         import torch.nn.functional as F
 
         trace = self.trace
-        if args and func in _splits() and isinstance(args[0], torch.Tensor):
+        if args and func in splits() and isinstance(args[0], torch.Tensor):
             self._pieces(args[0], out)
         if (
-            func in _casts()
+            func in casts()
             and args
             and isinstance(args[0], torch.Tensor)
             and isinstance(out, torch.Tensor)
@@ -316,14 +182,14 @@ class BranchRecorder:
         ):
             self._inputs.add((out.data_ptr(), out.numel()))
             self._input_casts.append(out)  # else a later tensor at its address reads as the input
-        if func in _casts() and args and isinstance(out, torch.Tensor) and id(args[0]) in self.owners:
+        if func in casts() and args and isinstance(out, torch.Tensor) and id(args[0]) in self.owners:
             self._cast_weights[id(out)] = (out, self.owners[id(args[0])])  # kept alive: ids stay unique
         if func is F.linear:
             x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
             self._linear(x, w, out, w.shape[-1], w.shape[0])
         elif func is torch.addmm and len(args) >= 3 and args[2].dim() == 2:
             self._linear(args[1], args[2], out, args[2].shape[0], args[2].shape[1])
-        elif func in _grouped_mms():
+        elif func in grouped_mms():
             self._grouped(args, kwargs, out)
         elif func in (torch.bmm, torch.matmul) and len(args) >= 2 and isinstance(args[1], torch.Tensor):
             self._batched(args[0], args[1], out)
@@ -331,10 +197,10 @@ class BranchRecorder:
             if not any(c.expert is not None for c in trace.calls):  # the last before the experts:
                 trace.topk = (trace.events, out[0].detach().clone(), out[1].detach().clone())
                 trace.weights = None  # grouped routing takes a group-level top-k first
-        elif func in _activations():
+        elif func in activations():
             if isinstance(args[0], torch.Tensor):
                 trace.act_ptrs.append(args[0].data_ptr())
-        elif func in _views() and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+        elif func in views() and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
             self._head_shape(args[0], out)
         if (
             trace.topk is not None
@@ -425,7 +291,7 @@ class BranchRecorder:
         )
         trace.calls.append(call)
         if expert is None:
-            self._outputs[out.untyped_storage().data_ptr()] = _Output(call, out)
+            self._outputs[out.untyped_storage().data_ptr()] = Output(call, out)
         self.session.hold(lambda t=trace, i=index: self.emit(t, i))
 
     def _pieces(self, source, out) -> None:
