@@ -280,11 +280,12 @@ def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     experts = [c for c in trace.calls if c.expert is not None]
     plain = [c for c in trace.calls if c.expert is None]
     router = next((c for c in plain if c.from_input and c.out_features == dims.experts), None)
-    if router is None or not experts:
+    if not experts:
         return []
-    out = [_stage("moe.router", router.y, router, trace)]
+    # no router projection found (a router that is an MLP of its own): the experts still are
+    out = [_stage("moe.router", router.y, router, trace)] if router is not None else []
     first_expert = experts[0].index
-    if trace.topk is not None:
+    if trace.topk is not None and router is not None:
         at, _values, ids = trace.topk
         out.append(SubStage("moe.topk_ids", leading_shape(ids, trace), first_expert, router.path, {}))
         w = trace.weights[1] if trace.weights is not None else trace.topk[1]
@@ -304,6 +305,8 @@ def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
             continue
         out += _expert_stages(f"moe.expert{e:03d}", runs)
     out += _idle_experts(by_expert, dims.experts, out)
+    if router is None:
+        return out
     shared = BranchTrace(
         trace.lead,
         trace.hidden,
@@ -419,14 +422,15 @@ def with_inputs(stages: list[SubStage], trace: BranchTrace, group: bool = True) 
 def branch_substages(trace: BranchTrace, stage: str, dims: Dims) -> list[SubStage]:
     """Role sub-stages of a branch placed as `stage` (`attn_out`, `ffn_out`, or a one-branch block's
     `branch_out`, whose trace decides: reshapes into heads and no activation read an attention, an
-    activation or experts an MLP / MoE); [] when no rule fits."""
+    activation or experts an MLP / MoE; a branch no role placed still gets its experts); [] when no
+    rule fits."""
     if stage == "branch_out":
         mlp_like = bool(trace.act_ptrs) or any(c.expert is not None for c in trace.calls)
         stage = "ffn_out" if mlp_like else "attn_out" if trace.head_shapes else ""
     if stage == "attn_out":
         return attention_substages(trace, dims)
+    if any(c.expert is not None for c in trace.calls):  # experts are a MoE branch, placed or not
+        return moe_substages(trace, dims)
     if stage == "ffn_out":
-        if any(c.expert is not None for c in trace.calls):
-            return moe_substages(trace, dims)
         return mlp_substages(trace)
     return []
