@@ -422,14 +422,15 @@ def with_inputs(stages: list[SubStage], trace: BranchTrace, group: bool = True) 
 def branch_substages(trace: BranchTrace, stage: str, dims: Dims) -> list[SubStage]:
     """Role sub-stages of a branch placed as `stage` (`attn_out`, `ffn_out`, or a one-branch block's
     `branch_out`, whose trace decides: reshapes into heads and no activation read an attention, an
-    activation or experts an MLP / MoE; a branch no role placed still gets its experts); [] when no
-    rule fits."""
+    activation or experts an MLP / MoE; a branch no role placed still gets its experts when it
+    takes a top-k); [] when no rule fits."""
     if stage == "branch_out":
         mlp_like = bool(trace.act_ptrs) or any(c.expert is not None for c in trace.calls)
         stage = "ffn_out" if mlp_like else "attn_out" if trace.head_shapes else ""
     if stage == "attn_out":
         return attention_substages(trace, dims)
-    if any(c.expert is not None for c in trace.calls):  # experts are a MoE branch, placed or not
+    routed = stage == "ffn_out" or trace.topk is not None  # a list of blocks is no experts unrouted
+    if routed and any(c.expert is not None for c in trace.calls):  # a MoE branch, placed or not
         return moe_substages(trace, dims)
     if stage == "ffn_out":
         return mlp_substages(trace)
