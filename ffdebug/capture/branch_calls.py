@@ -3,6 +3,8 @@ whose views a branch may take apart (a fused qkv / gate-up split into its pieces
 
 from __future__ import annotations
 
+import math
+
 from ffdebug.models.subroles import LinearCall, Piece
 
 _ACTIVATIONS: tuple = ()
@@ -123,7 +125,7 @@ class Output:
             else:
                 return None
         feat_shape = tuple(flat.shape[i] for i in feat_dims)
-        rows = flat.permute(*tok_dims, *feat_dims).reshape(-1, max(1, prod(feat_shape)))
+        rows = flat.permute(*tok_dims, *feat_dims).reshape(-1, max(1, math.prod(feat_shape)))
         tokens = self.live.numel() // self.width
         if rows.shape[0] != tokens or not torch.equal(rows[:, 0] // self.width, torch.arange(tokens)):
             return None
@@ -132,10 +134,3 @@ class Output:
             return None
         self.taken[cols] = True
         return Piece(cols, feat_shape or (1,), view.data_ptr())
-
-
-def prod(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

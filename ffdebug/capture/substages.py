@@ -4,8 +4,8 @@ Installed (when sub-stages are on: `FFDEBUG_FWD_DUMP_SUBSTAGES=1`, `capture(subs
 sub-stage classes in `FFDEBUG_FWD_DUMP_BLOCK_CLASS`) on each direct child of a block that holds
 parameters and is not a norm. While the child runs, a `TorchFunctionMode` sees every projection
 (`F.linear`, which `nn.Linear` calls, `addmm`, which `Conv1D` calls, and `torch._grouped_mm` or a
-`bmm` over a stacked `[E, ...]` weight, which stacked experts call: one projection per expert), `topk`, activation and head
-reshape; `ffdebug.models.subroles` turns that trace into role sub-stages once the child's role
+`bmm` over a stacked `[E, ...]` weight, which stacked experts call: one projection per expert),
+`topk`, activation and head reshape; `ffdebug.models.subroles` turns that trace into role sub-stages once the child's role
 (attention or MLP) is known. Each sub-stage is written at the point of the call that produced it,
 so records keep execution order (q before the rotary taps, the context before the output).
 """
@@ -247,9 +247,8 @@ class BranchRecorder:
             return
         hit = self._stacked_ptrs.get(w.untyped_storage().data_ptr())
         owner = hit[1] if hit is not None else self.path
-        ends = [int(e) for e in offs.tolist()]
         start = 0
-        for e, end in enumerate(ends):
+        for e, end in enumerate(offs.tolist()):
             if end > start:
                 rows = slice(start, end)
                 self._linear(x[rows], w[e], out[rows], w.shape[-2], w.shape[-1], (owner, e))
