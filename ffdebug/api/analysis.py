@@ -27,6 +27,9 @@ if TYPE_CHECKING:  # types only: importing them would import torch
     # what weights_diff reads: a checkpoint path (README "Weights first"), an entry
     # `module:function`, a module or a state dict
     Weights: TypeAlias = str | _os.PathLike[str] | torch.nn.Module | Mapping[str, torch.Tensor]
+    # a model to re-run (attribution): an entry `module:function`, the model, or (model, keyword
+    # or forward kwargs), what such a function returns (ffdebug/bisection/attribution.py)
+    ModelEntry: TypeAlias = str | torch.nn.Module | tuple[torch.nn.Module, str | Mapping[str, object]]
 
 
 def compare(
@@ -148,8 +151,8 @@ def bisect(
     noise: Side | None = None,
     fail_on: Severity | str = Severity.DIVERGE,
     layer_class: str | None = None,
-    model_ref: str | None = None,
-    model_target: str | None = None,
+    model_ref: ModelEntry | None = None,
+    model_target: ModelEntry | None = None,
     allow_partial: bool = False,
     maps: Sequence[str] = (),
     alias_file: str | None = None,
@@ -158,8 +161,9 @@ def bisect(
     """Localise the first layer that introduces error, its class pattern and sub-stage (README
     "Bisecting"); the result carries its one-sentence conclusion (`result.conclusion`). The
     keywords are compare's, plus `layer_class` ('hash:0-2,routed:3-') and `model_ref` /
-    `model_target` (`module:function` entries: re-run the target's blocks on the reference's
-    inputs to tell local from inherited error).
+    `model_target` (`module:function` entries, or the models themselves, optionally as
+    `(model, forward_kwargs)`: re-run the target's blocks on the reference's inputs to tell local
+    from inherited error; the model as the only judge of the layers the budget cannot judge).
 
     Example::
 

@@ -14,6 +14,10 @@ the function takes no arguments and returns one of:
 - `(model, "keyword")`: the input ids passed as that keyword (`tokens=`);
 - `(model, forward_kwargs)`: the forward called with exactly these keyword arguments.
 Every failure (the entry, the forward) is one line naming the flag, exit 2.
+
+From Python (`ffdebug.bisect(..., model_target=...)`) either side may also be the model object itself,
+or the same `(model, "keyword")` / `(model, forward_kwargs)` pair the function would return
+(`selftest` passes its in-memory models so).
 """
 
 from __future__ import annotations
@@ -28,14 +32,18 @@ _KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out)$")
 LOCAL_SHARE = 0.1  # local error must be at least this share of the dumped output error
 
 
-def load_entry(spec: str, flag: str):
-    """(model, forward_kwargs or None) from a `module:function` entry (no arguments)."""
-    from ffdebug._entry import call_entry
+def load_entry(spec, flag: str):
+    """(model, forward_kwargs or None) from a `module:function` entry (no arguments), or from what
+    such a function returns, given directly (module doc)."""
+    if isinstance(spec, str):
+        from ffdebug._entry import call_entry
 
-    try:
-        out = call_entry(spec)
-    except FFDebugError as err:
-        raise FFDebugError(f"{flag} {err}") from None
+        try:
+            out = call_entry(spec)
+        except FFDebugError as err:
+            raise FFDebugError(f"{flag} {err}") from None
+    else:
+        out, spec = spec, f"<{type(spec).__name__}>"
     model, kwargs = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     if not hasattr(model, "named_modules"):
         raise FFDebugError(

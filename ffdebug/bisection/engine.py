@@ -67,7 +67,9 @@ def _not_drift_with(
     where = first.key if first is not None else "a stage"
     said = signal if signal is not None else f"{worst.value} by its bands, beyond what precision does"
     why = f"{p.reason}; but {where}: {said}"
-    return pat.Pattern(PatternName.UNDETERMINED, p.focus, p.introducing, why, signal, p.saturated_after)
+    return pat.Pattern(
+        PatternName.UNDETERMINED, p.focus, p.introducing, why, signal, p.saturated_after, p.decided
+    )
 
 
 def _in_layer(stages: list[StageResult], layer) -> list[StageResult]:
@@ -101,7 +103,7 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
     for a in attribution or []:
         row = next((r for r in rows if r.layer == a["layer"]), None)
         if row is not None:
-            row.local = a["verdict"]
+            row.local, row.local_rel = a["verdict"], a["local_rel"]
     pat.mark_introducing(rows, by_key)
     _inside_an_exact_layer(stages, rows)
     p = pat.decide(rows, by_key)
@@ -253,8 +255,8 @@ def bisect(
     noise=None,
     fail_on: Severity | str = Severity.DIVERGE,
     layer_class: str | None = None,
-    model_ref: str | None = None,
-    model_target: str | None = None,
+    model_ref=None,
+    model_target=None,
     allow_partial: bool = False,
     maps=(),
     alias_file: str | None = None,
@@ -270,7 +272,7 @@ def bisect(
     from ffdebug.comparison.engine import compare
     from ffdebug.errors import FFDebugError
 
-    if model_ref and not model_target:
+    if model_ref is not None and model_target is None:
         raise FFDebugError("--model-ref needs --model-target too (the block to re-run is the target's)")
     result = compare(
         ref,
@@ -292,7 +294,7 @@ def bisect(
     _relabel(result.stages, layer_class)
     analyses, (chosen, st, analysis) = _choose_call(result, notes)
     attribution = None
-    if model_target:
+    if model_target is not None:
         from ffdebug.bisection.attribution import attribute
 
         index = {id(e): i for i, e in enumerate(result.stages)}
@@ -324,6 +326,7 @@ def _bisect_result(result, analyses, reported, attribution, notes, fail_on, allo
         sub_stage_why=analysis.why_sub,
         per_class=_per_class(analysis.rows, p),
         saturated_after=p.saturated_after,
+        decided=p.decided,
         layers=analysis.rows,
         stages=st,
         ref_path=result.ref_path,

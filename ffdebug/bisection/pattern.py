@@ -216,6 +216,10 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]
     for row in rows:
         out = stages_by_key.get(f"L{row.layer:03d}.hidden_out")
         prec = layer_precision(row.layer, stages_by_key)
+        if row.local is not None:  # re-run on the reference's input: judged whatever came before
+            row.introduces = row.beyond_precision = row.local == "local"
+            continue
+        row.judged = False  # until past the rules that leave it unjudged
         if flip is not None and row.layer > flip:
             row.introduces = False
             row.notes.append(
@@ -229,11 +233,9 @@ def mark_introducing(rows: list[LayerRow], stages_by_key: dict[str, StageResult]
             if row.added is not None:
                 row.precision_budget = _scaled(row, out, prec.budget(), prec.floor())
             continue
-        if row.local is not None:
-            row.introduces = row.beyond_precision = row.local == "local"
-            continue
+        row.judged = True
         limited = [e for e in stages_by_key.values() if e.layer == row.layer and e.range_limited]
-        if limited:
+        if limited:  # judged as precision: what a range-limited stage shows is the dtype's range
             row.introduces = row.beyond_precision = False
             row.notes.append(
                 f"not judged: {limited[0].key} is below the range of the low-precision dtype (underflow)"
@@ -299,6 +301,19 @@ class Pattern:
     reason: str
     signal: str | None = None  # why the focus is a bug however small its error (see module doc)
     saturated_after: int | None = None  # the layer where the target decorrelated (later: not judged)
+    decided: bool = True  # False: the evidence leaves one layer vs one class open; attribution decides
+
+
+def _unjudged_after(rows: list[LayerRow], focus: LayerRow) -> bool:
+    """A layer after `focus` that the budget could not judge (decorrelation, routing flip)."""
+    return any(not r.judged for r in rows if r.layer > focus.layer)
+
+
+def _inherit(beyond: list[LayerRow]) -> bool:
+    """A layer beyond precision after the first was fed an inexact input: what it adds may be the
+    inherited error amplified (a healthy layer after a one-layer bug adds 12-33% of it), so one
+    layer and one class read alike by the budget."""
+    return any(not r.exact_in for r in beyond[1:])
 
 
 def _also(intro: list[LayerRow], focus: LayerRow) -> str:
@@ -337,7 +352,10 @@ def _localised(
     reason: str,
     sat: int | None,
     precision_signal: bool,
+    decided: bool = True,
 ) -> Pattern:
+    if not decided and DECIDING_RUN not in reason:
+        reason += f"; not decided by the budget: {DECIDING_RUN}"
     return Pattern(
         name,
         focus,
@@ -345,6 +363,7 @@ def _localised(
         reason + _saturation(sat),
         _signal(focus, precision_signal),
         sat,
+        decided,
     )
 
 
@@ -387,7 +406,8 @@ DECIDING_RUN = (
 def decide(rows: list[LayerRow], by_key: dict[str, StageResult] | None = None) -> Pattern:
     """The pattern of the error budget, in the module doc's order (`by_key`: the call's stages by
     key, whose dtypes say whether a precision budget is a dtype's)."""
-    sat = saturated_after(rows)
+    attributed = bool(rows) and all(r.local is not None for r in rows)
+    sat = None if attributed else saturated_after(rows)
     intro = [r for r in rows if r.introduces]
     if not intro:
         return Pattern(
@@ -412,7 +432,53 @@ def decide(rows: list[LayerRow], by_key: dict[str, StageResult] | None = None) -
         return Pattern(
             PatternName.DRIFT, intro[0], [r.layer for r in intro], why + _saturation(sat), saturated_after=sat
         )
+    if attributed:
+        return _attributed(rows, beyond, by_key or {})
     return _localise(rows, beyond, sat, by_key or {})
+
+
+def _attributed(rows: list[LayerRow], beyond: list[LayerRow], by_key: dict[str, StageResult]) -> Pattern:
+    """Every layer re-run on the reference's input (attribution): the error each block shows there
+    is its own (`local_rel`), whatever it inherited, saturation and routing flips included. One
+    layer, or one adding `JUMP_RATIO` x every other: `jump`; layers of comparable own error, all of
+    one class: `layer_class`; of several classes: `undetermined` (no one layer, no one class)."""
+
+    def own(r: LayerRow) -> float:
+        return r.local_rel or 0.0
+
+    def done(name: PatternName, focus: LayerRow, why: str) -> Pattern:
+        signal = _signal(focus, layer_precision(focus.layer, by_key).mixed)
+        return Pattern(name, focus, [r.layer for r in beyond], why, signal)
+
+    top = max(beyond, key=own)
+    others = [own(r) for r in beyond if r is not top]
+    ratio = own(top) / max(others) if others and max(others) > 0 else float("inf")
+    if ratio >= JUMP_RATIO:
+        why = (
+            "the only layer whose block, re-run on the reference's input, differs (attribution)"
+            if not others
+            else f"its block, re-run on the reference's input, errs {ratio:.3g}x the next (attribution)"
+        )
+        return done(PatternName.JUMP, top, why + _also(beyond, top))
+    big = [r for r in beyond if own(r) * JUMP_RATIO > own(top)]
+    small = [str(r.layer) for r in beyond if r not in big]
+    smaller = f"; smaller error of its own at layer {', '.join(small)}" if small else ""
+    classes = {r.layer_class for r in beyond}
+    if len(classes) == 1:
+        cls = big[0].layer_class
+        n_cls = sum(1 for r in rows if r.layer_class == cls)
+        why = (
+            f"{len(beyond)} of the {n_cls} {cls} layers err by themselves on the reference's input "
+            f"(attribution, comparable sizes from layer {big[0].layer} on){smaller}"
+        )
+        return done(PatternName.LAYER_CLASS, big[0], why)
+    names = ", ".join(sorted(str(c) for c in classes))
+    why = (
+        f"layers of several classes ({names}) err by themselves on the reference's input, by "
+        f"comparable amounts from layer {big[0].layer} on (attribution){smaller}: no one layer and no "
+        "one class"
+    )
+    return done(PatternName.UNDETERMINED, big[0], why)
 
 
 def _localise(
@@ -427,8 +493,8 @@ def _localise(
     classes = {r.layer_class for r in judged}
     beyond_classes = {r.layer_class for r in beyond}
 
-    def done(name: PatternName, focus: LayerRow, why: str) -> Pattern:
-        return _localised(name, focus, beyond, why, sat, precision_signal(focus))
+    def done(name: PatternName, focus: LayerRow, why: str, decided: bool = True) -> Pattern:
+        return _localised(name, focus, beyond, why, sat, precision_signal(focus), decided)
 
     top = max(beyond, key=lambda r: r.added or 0.0)
     ratio = _jump_ratio(top, beyond)
@@ -441,7 +507,8 @@ def _localise(
         return done(PatternName.LAYER_CLASS, first, why)
     if first.exact_in and first is not rows[0]:
         why = "the first layer to show any error, after exactly equal layers"
-        return done(PatternName.JUMP, first, why + _also(beyond, first))
+        decided = len(beyond) == 1 and not _unjudged_after(rows, first)
+        return done(PatternName.JUMP, first, why + _also(beyond, first), decided)
     if len(beyond_classes) == 1:
         later = class_after_saturation(rows, sat, first.layer_class)
         if later is not None:
@@ -466,7 +533,7 @@ def _localise(
             f"whether the later layers add error of their own cannot be judged past layer {sat}; {DECIDING_RUN}"
         )
         return Pattern(
-            PatternName.UNDETERMINED, top, [top.layer], why, _signal(top, precision_signal(top)), sat
+            PatternName.UNDETERMINED, top, [top.layer], why, _signal(top, precision_signal(top)), sat, False
         )
     if ratio >= JUMP_RATIO:
         if len(beyond) == 1:
@@ -475,7 +542,7 @@ def _localise(
             why = f"the only layer that {which}" if sat is None else f"the first layer that {which}"
         else:
             why = f"adds {ratio:.3g}x the next"
-        return done(PatternName.JUMP, top, why + _also(beyond, top))
+        return done(PatternName.JUMP, top, why + _also(beyond, top), not _unjudged_after(rows, top))
     big = [r for r in beyond if (r.added or 0.0) * JUMP_RATIO > (top.added or 0.0)]
     small = [str(r.layer) for r in beyond if r not in big]
     smaller = f"; smaller error added by layer {', '.join(small)}" if small else ""
@@ -485,11 +552,11 @@ def _localise(
             f"{len(beyond)} of the {n_cls} {first.layer_class} layers add comparable error beyond "
             f"precision from layer {big[0].layer} on{smaller}"
         )
-        return done(PatternName.LAYER_CLASS, big[0], why)
+        return done(PatternName.LAYER_CLASS, big[0], why, not _inherit(beyond))
     names = ", ".join(sorted(str(c) for c in beyond_classes))
     after = f"layer {sat}" if sat is not None else f"layer {big[-1].layer}"
     why = (
         f"layers of several classes ({names}) add comparable error beyond precision from layer "
         f"{big[0].layer} on{smaller}: the budget cannot judge past {after}; {DECIDING_RUN}"
     )
-    return done(PatternName.UNDETERMINED, big[0], why)
+    return done(PatternName.UNDETERMINED, big[0], why, False)

@@ -25,7 +25,10 @@ class LayerRow:
     exact_out: bool = False
     noise_added: float | None = None
     noise_rel_out: float | None = None
-    local: str | None = None  # attribution verdict: "local" | "inherited" | None (not run)
+    local: str | None = None  # attribution verdict: "local" | "inherited" | "clean" | None (not run)
+    local_rel: float | None = None  # attribution: the block's own error, re-run on the reference's input
+    judged: bool = True  # False: the budget could not judge the layer (after a decorrelation, a
+    # routing flip or an underflow), and attribution did not run
     introduces: bool = False
     beyond_precision: bool = False  # adds more than the dtypes' precision allows one block
     precision_budget: float | None = None  # that allowance (rel), when the layer was judged
@@ -100,6 +103,7 @@ class BisectResult(CoveredVerdict):
     fail_on: Severity = Severity.DIVERGE
     signal: str | None = None
     saturated_after: int | None = None  # the layer where the target decorrelated; later ones not judged
+    decided: bool = True  # False: the budget leaves one layer vs one class open (attribution decides)
     shards: list[dict] = field(default_factory=list)
     attribution: list[dict] | None = None
     warmup_skipped: int = 0
@@ -138,6 +142,13 @@ class BisectResult(CoveredVerdict):
             out.append(f"pattern {self.pattern.value} but no layer introduces error")
         return out
 
+    def attribution_decides(self) -> bool:
+        """The error budget could not tell one layer from one class (`decided` False: layers it
+        could not judge after a decorrelation or a routing flip, layers beyond precision that
+        inherit error, `undetermined`) and attribution has not run: the run that decides is
+        `bisect --model-ref ... --model-target ...` (README "Bisecting")."""
+        return self.attribution is None and not self.decided
+
     def failed(self, fail_on: Severity | str | None = None) -> bool:
         return fails(self.generation, at_least(self.judgement, fail_on or self.fail_on))
 
@@ -160,6 +171,7 @@ class BisectResult(CoveredVerdict):
             "sub_stage": sub,
             "reason": self.reason,
             "saturated_after": self.saturated_after,
+            "decided": self.decided,
             "signal": self.signal,
             "judgement": self.judgement.value,
             "layers": [r.to_json() for r in self.layers],

@@ -82,6 +82,7 @@ class CaseResult:
     stage: str | None = None
     sub_stage: str | None = None
     head: int | None = None  # the sub-stage's worst head (per-head error), where it has heads
+    attributed: bool = False  # bisect could not judge every layer, and its deciding run answered
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -127,12 +128,19 @@ def _cast(values: dict[str, Any], dtype) -> dict[str, Any]:
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in values.items()}
 
 
+def _dtype(model: Any):
+    """The model's floating dtype (its first floating parameter's)."""
+    import torch
+
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _dump(model: Any, values: dict[str, Any], directory: Path, side: str) -> str:
     import torch
 
     import ffdebug
 
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = _dtype(model)
     with ffdebug.capture(model, dir=str(directory), side=side, substages=True), torch.no_grad():
         model(**_cast(values, dtype))
     return str(directory / side)
@@ -248,6 +256,20 @@ class Runner:
 
         return ffdebug.bisect(self.ref, _dump(target, self.ids, self.root, side))
 
+    def _attribute(self, target: Any, side: str):
+        """The deciding run a user is told to make when the budget cannot judge every layer: bisect
+        again with each block of `target` re-run on the reference's inputs, the reference replayed
+        the same way as the control (`ffdebug/bisection/attribution.py`)."""
+        import ffdebug
+
+        dtype = _dtype(target)
+        return ffdebug.bisect(
+            self.ref,
+            str(self.root / side),
+            model_ref=(self.model, _cast(self.ids, _dtype(self.model))),
+            model_target=(target, _cast(self.ids, dtype)),
+        )
+
     def copy_case(self) -> CaseResult:
         import ffdebug
 
@@ -298,7 +320,11 @@ class Runner:
         import ffdebug
 
         side = "m_" + "".join(ch if ch.isalnum() else "_" for ch in mutation.kind)
-        result = self._bisect(mutation.target(self.model), side)
+        target = mutation.target(self.model)
+        result = self._bisect(target, side)
+        attributed = result.attribution_decides()
+        if attributed:  # what bisect tells the user to run next, and what they would read
+            result = self._attribute(target, side)
         compared = ffdebug.compare(self.ref, str(self.root / side))
         expected = mutation.expected.describe()
         if compared.stages and all((s.bit_equal or 0.0) == 1.0 for s in compared.stages):
@@ -317,8 +343,9 @@ class Runner:
             mutation.kind,
             expected,
             HOLDS if holds else FAILS,
-            _got(said),
+            _got(said) + (" (after attribution)" if attributed else ""),
             mutation.where,
+            attributed=attributed,
             **said,
         )
 
