@@ -112,6 +112,7 @@ BISECT_TOP = {
     # extras
     "reason": str,
     "saturated_after": OPT_INT,
+    "decided": bool,
     "signal": OPT_STR,
     "judgement": str,
     "layers": list,

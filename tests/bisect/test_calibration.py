@@ -108,6 +108,23 @@ def test_gemma3_with_the_sliding_window_ignored_is_a_layer_class_of_the_sliding_
     assert classes["sliding_attention"].first_bad_layer == 0
     assert classes["full_attention"].first_bad_layer is None
     assert set(sliding) >= {0, 1, 3, 4} and "still add error" in r.reason
+    assert r.decided  # the full-attention layers past saturation are the contrast
+
+    # the deciding run: each target block re-run on the reference's input (in-memory models). Every
+    # sliding layer errs by itself, every full-attention layer reproduces the reference bit for bit,
+    # and saturation no longer hides anything: the class is every sliding layer, from layer 0
+    a = ffdebug.bisect(
+        f"{tmp_path}/ref", f"{tmp_path}/window", model_ref=model, model_target=(target, {"input_ids": ids})
+    )
+    types = model.config.layer_types
+    assert {row["layer"]: row["verdict"] == "local" for row in a.attribution} == {
+        i: t == "sliding_attention" for i, t in enumerate(types)
+    }
+    assert all(row["local_rel"] == 0.0 for row in a.attribution if types[row["layer"]] == "full_attention")
+    assert (a.pattern, a.first_divergence.layer, a.saturated_after) == ("layer_class", 0, None), a.reason
+    assert a.decided and "attribution" in a.reason and a.exit_code() == 1
+    sliding_class = next(c for c in a.per_class if c.layer_class == "sliding_attention")
+    assert sliding_class.introducing == [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 
 def test_a_correct_port_that_rounds_differently_passes_with_and_without_a_noise_run(tmp_path):

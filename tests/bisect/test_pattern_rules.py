@@ -1,5 +1,6 @@
 """The pattern's rules on hand-made layer budgets (no model): a layer that dominates its class is a
-jump, not the class's pattern; a decoder block inherits the error of its encoder input.
+jump, not the class's pattern; a decoder block inherits the error of its encoder input; the budget
+says when it cannot tell one layer from one class (`decided`), and attribution's own errors decide.
 
 Numbers are chosen against the documented constants (`pattern.JUMP_RATIO` = 4, `INHERIT_SHARE` =
 10%), not read back from the code: a class-mate adding a tenth of the first layer's error is
@@ -70,3 +71,55 @@ def test_an_exact_encoder_input_leaves_the_decoder_stream_in_charge():
     ]
     (row,) = pat.layer_rows(stages)
     assert row.exact_in and row.rel_in == 0.0 and row.added == 0.1
+
+
+def test_comparable_class_mates_with_no_other_class_to_contrast_are_not_decided():
+    """Every layer of one class; layer 0 adds 30%, the later ones 10-12% each on what they inherit:
+    a class-wide bug, or a one-layer bug that a healthy layer amplifies (12-33% of it on the zoo)?
+    `layer_class` by size, but not decided; the reason names the deciding run."""
+    rows = _rows([0.30, 0.10, 0.12, 0.11], ["a"] * 4)
+    p = pat.decide(rows)
+    assert p.name is PatternName.LAYER_CLASS and not p.decided
+    assert pat.DECIDING_RUN in p.reason
+
+
+def test_a_class_told_apart_by_its_contrast_is_decided():
+    rows = _rows([0.0, 0.30, 0.002, 0.15], ["b", "a", "b", "a"])
+    assert pat.decide(rows).decided
+
+
+def _attributed(local: list[float], classes: list[str], rel_out: list[float]) -> list[LayerRow]:
+    """Rows as attribution leaves them: each block's own error re-run on the reference's input
+    (`local_rel`), the dumped outputs `rel_out` (saturated from 50%)."""
+    rows, carried = [], 0.0
+    for layer, (own, cls, out) in enumerate(zip(local, classes, rel_out, strict=True)):
+        row = LayerRow(layer, cls, rel_in=carried, rel_out=out, added=out - carried, cos_out=1 - out)
+        row.local, row.local_rel = ("local" if own > 0 else "clean"), own
+        rows.append(row)
+        carried = out
+    pat.mark_introducing(rows, {})
+    return rows
+
+
+def test_attribution_judges_past_saturation_one_layer_is_a_jump():
+    """Layer 1 decorrelates the target (rel 80%); by the budget nothing after it is judged. Re-run on
+    the reference's input, only layer 1 errs: a jump there, decided."""
+    rows = _attributed([0.0, 0.6, 0.0, 0.0], ["a", "a", "b", "a"], [0.0, 0.8, 0.85, 0.9])
+    p = pat.decide(rows)
+    assert (p.name, p.focus.layer, p.decided, p.saturated_after) == (PatternName.JUMP, 1, True, None)
+    assert all(r.judged for r in rows)
+
+
+def test_attribution_finds_the_class_the_saturation_hid():
+    """The same dumps, but layers 1 and 3 (class a) err by themselves by comparable amounts and the
+    b layer does not: the class, from layer 1."""
+    rows = _attributed([0.0, 0.6, 0.0, 0.4], ["b", "a", "b", "a"], [0.0, 0.8, 0.85, 0.9])
+    p = pat.decide(rows)
+    assert (p.name, p.focus.layer, p.introducing) == (PatternName.LAYER_CLASS, 1, [1, 3]), p.reason
+    assert p.signal is not None and "re-run on the reference's input" in p.signal
+
+
+def test_attribution_over_several_classes_is_undetermined_but_decided():
+    rows = _attributed([0.0, 0.6, 0.5, 0.4], ["b", "a", "b", "a"], [0.0, 0.8, 0.85, 0.9])
+    p = pat.decide(rows)
+    assert p.name is PatternName.UNDETERMINED and p.decided and pat.DECIDING_RUN not in p.reason
