@@ -173,7 +173,26 @@ class Planner:
         """The block stage (attn_out, ffn_out, ...) whose module holds `module_path` (an output
         stage: the block's `hidden_in` is what feeds the block, not what one of its modules made)."""
         found = self.owning_stage(layer, module_path, children=False)
+        if found and found[0].startswith("hidden_out") and module_path is not None:
+            return self._first_stage_after(layer, module_path) or found[0]
         return found[0] if found else None
+
+    def _first_stage_after(self, layer: int, module_path: str) -> str | None:
+        """When only the block itself holds `module_path` (zaya's `ffn_out` is a residual scale after
+        the MLP, not the MLP), the block stage its output reaches first: the first block output stage
+        recorded (execution order) after the module's own records."""
+        mine = [
+            i
+            for i, r in enumerate(self.records)
+            if r.layer == layer
+            and r.module_path
+            and (r.module_path == module_path or r.module_path.startswith(module_path + "."))
+        ]
+        for r in self.records[mine[-1] + 1 :] if mine else ():
+            stage = _output_stage(r.key, children=False) if r.layer == layer else None
+            if stage is not None and not stage.endswith("_in"):
+                return stage
+        return None
 
     def owning_stage(
         self, layer: int, module_path: str | None, children: bool = True
