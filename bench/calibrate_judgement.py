@@ -41,14 +41,14 @@ def _eps(dtype: str | None) -> float:
 def side_rows(ref: str, side: str) -> dict:
     """Per-stage and per-layer measures of one side against the reference."""
     import ffdebug
-    from ffdebug.bisection import pattern as pat
+    from ffdebug.bisection import budget
 
     result = ffdebug.compare(ref, side)
     stages = [e for e in result.stages if e.rel is not None and (e.invocation or 0) == 0]
     low = max((_eps(e.dtype_target) for e in stages), default=_eps(None))
     from ffdebug.bisection.substage import largest_step
 
-    rows = pat.layer_rows(stages)
+    rows = budget.layer_rows(stages)
     steps = [largest_step([e for e in stages if e.layer == r.layer]) for r in rows]
     added = [r.added for r in rows if r.added is not None]
     pos = sorted(added, reverse=True)

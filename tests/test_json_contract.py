@@ -164,6 +164,8 @@ LAYER_ROW = {
     "noise_added": OPT_NUM,
     "noise_rel_out": OPT_NUM,
     "local": OPT_STR,
+    "local_rel": OPT_NUM,
+    "judged": bool,
     "introduces": bool,
     "beyond_precision": bool,
     "precision_budget": OPT_NUM,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 
 from ffdebug import verdict as V
-from ffdebug.bisection.pattern import noise_factor
+from ffdebug.bisection.budget import noise_factor
 from ffdebug.errors import FFDebugError
 
 _KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out)$")

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ffdebug import verdict as V
+from ffdebug.bisection import budget, training
 from ffdebug.bisection import pattern as pat
-from ffdebug.bisection import training
 from ffdebug.bisection.substage import first_lossy, largest_scale_step, largest_step
 from ffdebug.models.blocks import declared_class, parse_layer_class_spec
 from ffdebug.progress_hook import ProgressHook
@@ -54,7 +54,7 @@ def break_in_exact_prefix(stages: list[StageResult]) -> StageResult | None:
     stage. Nothing upstream differs, so this stage's own computation does: a bug signal however
     small its error (README "Bisecting")."""
     e = V.exact_prefix_end(stages)
-    return e if e is not None and not pat.within_noise(e) else None
+    return e if e is not None and not budget.within_noise(e) else None
 
 
 def _not_drift_with(
@@ -93,7 +93,7 @@ class CallAnalysis:
 
 
 def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> CallAnalysis:
-    rows = pat.layer_rows(stages)
+    rows = budget.layer_rows(stages)
     by_key = {e.key: e for e in stages}
     for row in rows:
         step_at, row.max_step = largest_step(_in_layer(stages, row.layer))
@@ -104,7 +104,7 @@ def _analyse_call(stages: list[StageResult], attribution: list[dict] | None) -> 
         row = next((r for r in rows if r.layer == a["layer"]), None)
         if row is not None:
             row.local, row.local_rel = a["verdict"], a["local_rel"]
-    pat.mark_introducing(rows, by_key)
+    budget.mark_introducing(rows, by_key)
     _inside_an_exact_layer(stages, rows)
     p = pat.decide(rows, by_key)
     signal = p.signal
@@ -162,13 +162,13 @@ def _entered_between(stages: list[StageResult], layer: int) -> StageResult | Non
     by_key = {e.key: e for e in stages if (e.invocation or 0) == 0}
     hidden_in = by_key.get(f"L{layer:03d}.hidden_in")
     before = by_key.get(f"L{layer - 1:03d}.hidden_out") if layer > 0 else by_key.get("embed.out")
-    if hidden_in is None or before is None or not pat.is_exact(before) or pat.is_exact(hidden_in):
+    if hidden_in is None or before is None or not budget.is_exact(before) or budget.is_exact(hidden_in):
         return None
     if not hidden_in.same_dtype or not V.above_rounding(
         hidden_in.rel, hidden_in.dtype_ref, hidden_in.dtype_target
     ):
         return None
-    return None if pat.within_noise(hidden_in) else hidden_in
+    return None if budget.within_noise(hidden_in) else hidden_in
 
 
 def _per_class(rows: list[LayerRow], p: pat.Pattern) -> list[ClassSummary]:

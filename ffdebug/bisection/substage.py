@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from ffdebug import verdict as V
-from ffdebug.bisection.pattern import is_exact, within_noise
+from ffdebug.bisection.budget import is_exact, within_noise
 from ffdebug.models.blocks import is_block_stage
 from ffdebug.results import StageResult
 
@@ -99,7 +99,7 @@ def largest_step(entries: list[StageResult]) -> tuple[StageResult | None, float 
     error: rel(stage) - rel(its input) - `INHERIT_SHARE` x rel(its input) (the input as
     `first_lossy` takes it). A bug inside a sub-stage whose effect on the block's output is small
     (q scaled: the attention output barely moves) still shows here."""
-    from ffdebug.bisection.pattern import INHERIT_SHARE
+    from ffdebug.bisection.budget import INHERIT_SHARE
 
     hidden_in = next((e for e in entries if e.stage == "hidden_in"), None)
     pool = [e for e in entries if e.stage != "hidden_in"]

@@ -3,7 +3,7 @@
 `verdict.below_range` marks a stage where the two sides differ in dtype, one is low-precision, and
 the reference's rms is below that dtype's smallest normal (bf16 1.2e-38, fp16 6.1e-5): there the
 low-precision side keeps fewer mantissa bits or, on CPU kernels, flushes the values to zero. The
-stage is at most `drift` and its layer is not judged (`bisection.pattern.mark_introducing`).
+stage is at most `drift` and its layer is not judged (`bisection.budget.mark_introducing`).
 
 What the low-precision side computes from such values is not its code's doing either: a norm
 after a flushed convolution renormalises zeros into zeros while the reference renormalises its

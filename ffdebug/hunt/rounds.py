@@ -282,7 +282,7 @@ def _state_of(e) -> str:
 
 def _input_exact(result, layer: int) -> bool:
     """The layer's `hidden_in` was compared and is bit-equal (same dtype) on both sides."""
-    from ffdebug.bisection.pattern import is_exact
+    from ffdebug.bisection.budget import is_exact
 
     key = f"L{layer:03d}.hidden_in"
     return is_exact(next((e for e in result.stages if e.key == key), None))

@@ -8,6 +8,7 @@ inherited-looking, one adding half of it is a class of its own."""
 
 from __future__ import annotations
 
+from ffdebug.bisection import budget
 from ffdebug.bisection import pattern as pat
 from ffdebug.results import LayerRow, StageResult
 from ffdebug.results.stages import TensorMeta
@@ -57,7 +58,7 @@ def test_a_decoder_block_inherits_the_error_of_its_encoder_input():
         _stage("L004.encoder_hidden_in", 0.20),
         _stage("L004.hidden_out", 0.15),
     ]
-    (row,) = pat.layer_rows(stages)
+    (row,) = budget.layer_rows(stages)
     assert not row.exact_in
     assert row.rel_in == 0.20 and abs(row.added - (0.15 - 0.20)) < 1e-12
     assert any("encoder input" in n for n in row.notes)
@@ -69,7 +70,7 @@ def test_an_exact_encoder_input_leaves_the_decoder_stream_in_charge():
         _stage("L004.encoder_hidden_in", 0.0),
         _stage("L004.hidden_out", 0.1),
     ]
-    (row,) = pat.layer_rows(stages)
+    (row,) = budget.layer_rows(stages)
     assert row.exact_in and row.rel_in == 0.0 and row.added == 0.1
 
 
@@ -97,7 +98,7 @@ def _attributed(local: list[float], classes: list[str], rel_out: list[float]) ->
         row.local, row.local_rel = ("local" if own > 0 else "clean"), own
         rows.append(row)
         carried = out
-    pat.mark_introducing(rows, {})
+    budget.mark_introducing(rows, {})
     return rows
 
 
