@@ -149,7 +149,10 @@ def _dump(model: Any, values: dict[str, Any], directory: Path, side: str) -> str
 def _records(side_dir: str) -> list[Dumped]:
     from ffdebug.store.reader import open_side
 
-    return [Dumped(r.key, r.layer, r.module_path, dict(r.extra or {})) for r in open_side(side_dir).records]
+    return [
+        Dumped(r.key, r.layer, r.module_path, dict(r.extra or {}), tuple(r.shape or ()))
+        for r in open_side(side_dir).records
+    ]
 
 
 def _sub_name(result) -> str | None:
@@ -228,7 +231,12 @@ def _matches(expected: Expected, said: dict, failed: bool) -> bool:
         or (said["sub_stage"] or "") == within
         or (said["sub_stage"] or "").startswith(within + ".")
     )  # a finer first divergence, or a block stage whose sub-stage is the planted module
-    if expected.stage is not None and said["stage"] != expected.stage and not (at_planted or inside):
+    elsewhere = said["stage"] in expected.streams  # another output of the planted module's stage
+    if (
+        expected.stage is not None
+        and said["stage"] != expected.stage
+        and not (at_planted or inside or elsewhere)
+    ):
         return False  # the planted sub-stage itself is a first divergence finer than its block stage
     if expected.sub_stage is not None:
         sub = said["sub_stage"] or ""

@@ -64,11 +64,17 @@ class Expected:
     within: str | None = None  # the planted module's child below its block (`layer.0`, `norm1`): a
     # stage inside it (a T5 norm's first reader, `layer.0.SelfAttention.q.in`), or a block stage
     # whose sub-stage is it (`ffn_out`, sub-stage `norm1`), holds too
+    streams: tuple[str, ...] = ()  # other stages that hold: where a module of several outputs
+    # (a dual-stream attention's text output) sends the planted stream instead (`Planner.streams`)
 
     def describe(self) -> str:
         parts = [f"layer {self.layer}"]
         parts += (
-            [self.stage + (f" (or a stage inside {self.within})" if self.within else "")]
+            [
+                self.stage
+                + (f" (or a stage inside {self.within})" if self.within else "")
+                + (f" (or {' / '.join(self.streams)})" if self.streams else "")
+            ]
             if self.stage
             else []
         )
@@ -101,6 +107,7 @@ class Dumped:
     layer: int | None
     module_path: str | None
     extra: dict
+    shape: tuple[int, ...] = ()
 
 
 def _columns(extra: dict) -> list[tuple[int, int]] | None:
@@ -214,6 +221,34 @@ class Planner:
                 best = (stage, r.module_path)
         return best
 
+    def streams(self, layer: int, stage: str | None) -> tuple[str, ...]:
+        """When `stage` is one output of several (`attn_out`, `attn_out.1`: a dual-stream attention
+        returning the image and the text stream), a module inside it may feed only a later one, which
+        reaches the block's outputs without passing `stage`: those later outputs and the block's
+        outputs (`hidden_out`, `hidden_out.1`, ...) hold too. Empty for a one-output stage."""
+        if stage is None:
+            return ()
+        prefix = f"L{layer:03d}."
+        own = self.by_key.get(prefix + stage)
+        if own is None or not own.shape:
+            return ()
+
+        def stream(r: Dumped) -> bool:  # hidden states like its own: not attention probabilities
+            tail = r.key[len(prefix) + len(stage) + 1 :]
+            return tail.isdigit() and len(r.shape) == len(own.shape) and r.shape[-1:] == own.shape[-1:]
+
+        later = [
+            r.key[len(prefix) :] for r in self.records if r.key.startswith(f"{prefix}{stage}.") and stream(r)
+        ]
+        if not later:
+            return ()
+        outs = [
+            r.key[len(prefix) :]
+            for r in self.records
+            if r.layer == layer and re.fullmatch(rf"{re.escape(prefix)}hidden_out(\.\d+)?", r.key)
+        ]
+        return tuple(dict.fromkeys(later + outs))
+
     def sub(self, layer: int, kind: str) -> Dumped | None:
         return self.by_key.get(f"L{layer:03d}.{kind}.out")
 
@@ -244,7 +279,9 @@ class Planner:
                 Mutation(
                     f"{kind} scaled",
                     f"layer {ONE_LAYER}: {r.module_path} x {SCALE}",
-                    Expected(ONE_LAYER, stage, kind, PatternName.JUMP),
+                    Expected(
+                        ONE_LAYER, stage, kind, PatternName.JUMP, streams=self.streams(ONE_LAYER, stage)
+                    ),
                     _scale_output(r.module_path, _columns(r.extra), SCALE),
                 )
             )
@@ -265,7 +302,14 @@ class Planner:
             Mutation(
                 "head zeroed",
                 f"layer {ONE_LAYER}: head 1 of {r.module_path}'s input",
-                Expected(ONE_LAYER, stage, "attn.context", PatternName.JUMP, head=1),
+                Expected(
+                    ONE_LAYER,
+                    stage,
+                    "attn.context",
+                    PatternName.JUMP,
+                    head=1,
+                    streams=self.streams(ONE_LAYER, stage),
+                ),
                 _zero_input_head(r.module_path, 1, width // heads),
             )
         ]
