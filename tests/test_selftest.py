@@ -115,6 +115,10 @@ def test_the_expected_result_rule():
     head = Expected(1, "attn_out", "attn.context", PatternName.JUMP, head=1)
     assert _matches(head, _said(sub_stage="attn.context", head=1), failed=True)
     assert not _matches(head, _said(sub_stage="attn.context", head=2), failed=True)
+    # a dual-stream attention: the text stream's projection surfaces at the block's text output
+    joint = Expected(1, "attn_out", "attn.o", PatternName.JUMP, streams=("attn_out.1", "hidden_out.0"))
+    assert _matches(joint, _said(stage="hidden_out.0", sub_stage="attn.o"), failed=True)
+    assert not _matches(joint, _said(stage="ffn_out", sub_stage="attn.o"), failed=True)
 
 
 def test_a_mutation_that_changes_no_bit_is_no_effect(tmp_path):
@@ -126,6 +130,24 @@ def test_a_mutation_that_changes_no_bit_is_no_effect(tmp_path):
     nothing = Mutation("nothing", "no change", Expected(1, None, None, None), lambda m: None)
     case = run._mutation(nothing)
     assert case.status == NO_EFFECT and case.got == "bit-identical to the reference"
+
+
+@pytest.mark.integration
+def test_a_class_wide_moe_bug_the_budget_cannot_decide_is_decided_by_attribution():
+    """AX-K2 (a dense layer 0, MoE layers 1-3, one attention class): top-k normalisation off in
+    every MoE layer. By the budget layer 1 is the first to show any error after an exact layer 0,
+    and layer 2 adds error beyond precision too, a third of layer 1's on an inexact input: one
+    layer amplified or the same bug again? The first bisect says `jump` at layer 1, not decided;
+    the deciding run re-runs each block on the reference's input, and the MoE layers err by
+    themselves: `layer_class`. Two experts swapped in layer 1 only: that layer alone, `jump`."""
+    from ffdebug.selftest.cases import run_model
+
+    report = run_model("axk2", SelftestOptions(groups=("mutations",)))
+    cases = {c.name: c for c in report.cases}
+    topk, swapped = cases["top-k unnormalised"], cases["experts swapped"]
+    assert topk.status == HOLDS and topk.attributed, topk
+    assert (topk.layer, topk.pattern, topk.sub_stage) == (1, "layer_class", "moe.topk_weights")
+    assert swapped.status == HOLDS and (swapped.layer, swapped.pattern) == (1, "jump"), swapped
 
 
 @pytest.mark.integration
