@@ -223,6 +223,20 @@ def _attributed(rows: list[LayerRow], beyond: list[LayerRow], by_key: dict[str, 
             f"(attribution, comparable sizes from layer {big[0].layer} on){smaller}"
         )
         return done(PatternName.LAYER_CLASS, big[0], why)
+    own_layers = [r.layer for r in beyond]
+    if len(beyond) == len(rows):
+        why = (
+            f"every layer errs by itself on the reference's input (attribution, comparable sizes from "
+            f"layer {big[0].layer} on){smaller}: code every layer runs"
+        )
+        return done(PatternName.LAYER_CLASS, big[0], why)
+    kind = _shared_kind({r.layer for r in beyond}, rows, by_key)
+    if kind is not None:
+        why = (
+            f"the layers with {kind} ({', '.join(map(str, own_layers))}) err by themselves on the "
+            f"reference's input and the others do not (attribution){smaller}"
+        )
+        return done(PatternName.LAYER_CLASS, big[0], why)
     names = ", ".join(sorted(str(c) for c in classes))
     why = (
         f"layers of several classes ({names}) err by themselves on the reference's input, by "
@@ -230,6 +244,32 @@ def _attributed(rows: list[LayerRow], beyond: list[LayerRow], by_key: dict[str, 
         "one class"
     )
     return done(PatternName.UNDETERMINED, big[0], why)
+
+
+ROLE_FAMILIES = ("attn", "mlp", "moe")  # role sub-stage families: `L001.moe.topk_weights.out` has moe
+
+
+def _kinds(row: LayerRow, by_key: dict[str, StageResult]) -> set[str]:
+    """What a layer is made of: the parts of its class label (`sliding_attention+moe`: a joined
+    label names the attention and the MLP kind) and the role families of its sub-stages."""
+    kinds = {k for k in (row.layer_class or "").split("+") if k}
+    prefix = f"L{row.layer:03d}."
+    for key in by_key:
+        family = key[len(prefix) :].split(".", 1)[0] if key.startswith(prefix) else None
+        if family in ROLE_FAMILIES and key.count(".") >= 2:
+            kinds.add(f"{family} sub-stages")
+    return kinds
+
+
+def _shared_kind(own: set[int], rows: list[LayerRow], by_key: dict[str, StageResult]) -> str | None:
+    """A kind every layer in `own` has and no other layer has (a top-k bug in the MoE layers of a
+    model whose classes are its attention kinds), else None."""
+    kinds = {r.layer: _kinds(r, by_key) for r in rows}
+    shared = set.intersection(*(kinds[layer] for layer in own))
+    for layer, k in kinds.items():
+        if layer not in own:
+            shared -= k
+    return min(shared) if shared else None
 
 
 def _localise(

@@ -513,7 +513,9 @@ class Planner:
             Mutation(
                 "top-k unnormalised",
                 f"norm_topk_prob off in {len(layers)} MoE layer(s)",
-                Expected(layers[0], stage, None, PatternName.LAYER_CLASS),
+                Expected(
+                    layers[0], stage, None, PatternName.LAYER_CLASS if len(layers) > 1 else PatternName.JUMP
+                ),
                 plant,
             )
         ]
@@ -526,6 +528,7 @@ class Planner:
             return []
         first = types.index("sliding_attention")
         mixed = any(t != "sliding_attention" for t in types)
+        pattern = PatternName.LAYER_CLASS if types.count("sliding_attention") > 1 else PatternName.JUMP
 
         def plant(model: Any) -> None:
             model.config.sliding_window = 10**6
@@ -534,7 +537,7 @@ class Planner:
             Mutation(
                 "window ignored",
                 f"sliding_window {window} -> past the input",
-                Expected(first, None, None, PatternName.LAYER_CLASS if mixed else None),
+                Expected(first, None, None, pattern if mixed else None),
                 plant,
             )
         ]

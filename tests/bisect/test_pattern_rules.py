@@ -124,3 +124,26 @@ def test_attribution_over_several_classes_is_undetermined_but_decided():
     rows = _attributed([0.0, 0.6, 0.5, 0.4], ["b", "a", "b", "a"], [0.0, 0.8, 0.85, 0.9])
     p = pat.decide(rows)
     assert p.name is PatternName.UNDETERMINED and p.decided and pat.DECIDING_RUN not in p.reason
+
+
+def test_attribution_over_the_moe_layers_of_a_model_classed_by_attention_is_their_class():
+    """Classes joined from two kinds (`sliding_attention+moe`): a top-k bug errs in the MoE layers of
+    both attention kinds and in no dense layer; the kind they share and no other layer has is the
+    class. Every layer erring is code every layer runs: one class too."""
+    labels = [
+        "full_attention+dense",
+        "sliding_attention+moe",
+        "full_attention+moe",
+        "sliding_attention+dense",
+    ]
+    rows = _attributed([0.0, 0.3, 0.25, 0.0], labels, [0.0, 0.6, 0.7, 0.7])
+    p = pat.decide(rows)
+    assert (p.name, p.focus.layer, p.introducing) == (PatternName.LAYER_CLASS, 1, [1, 2]), p.reason
+    assert "layers with moe" in p.reason
+    every = pat.decide(_attributed([0.2, 0.3, 0.25, 0.2], labels, [0.2, 0.6, 0.7, 0.7]))
+    assert (every.name, every.focus.layer) == (PatternName.LAYER_CLASS, 0) and "every layer" in every.reason
+    # an attention kind across MLP kinds is the same rule; a set no kind covers stays undetermined
+    sliding = pat.decide(_attributed([0.0, 0.3, 0.0, 0.25], labels, [0.0, 0.6, 0.7, 0.7]))
+    assert sliding.name is PatternName.LAYER_CLASS and "sliding_attention" in sliding.reason
+    neither = pat.decide(_attributed([0.2, 0.3, 0.0, 0.0], labels, [0.2, 0.6, 0.7, 0.7]))
+    assert neither.name is PatternName.UNDETERMINED
