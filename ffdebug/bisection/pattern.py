@@ -35,6 +35,7 @@ the less precise dtype's budget.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ffdebug.bisection.budget import layer_precision, saturated_after
@@ -60,11 +61,44 @@ def _unjudged_after(rows: list[LayerRow], focus: LayerRow) -> bool:
     return any(not r.judged for r in rows if r.layer > focus.layer)
 
 
-def _inherit(beyond: list[LayerRow]) -> bool:
-    """A layer beyond precision after the first was fed an inexact input: what it adds may be the
-    inherited error amplified (a healthy layer after a one-layer bug adds 12-33% of it), so one
-    layer and one class read alike by the budget."""
-    return any(not r.exact_in for r in beyond[1:])
+_BLOCK_STAGE = re.compile(r"^L(\d{3})\.[a-z_]+$")  # a block stage (attn_out), not a sub-stage or `.1`
+
+
+def _stage_jump(layer: int, by_key: dict[str, StageResult]) -> bool:
+    """One block stage of `layer` errs `JUMP_RATIO` x the block stage before it (execution order):
+    the demo's MoE output, 55% after its input's 2.8%. A healthy stage fed a wrong input amplifies
+    it less as a rule (Jamba's MoE output 2.3x its input, a layer after a zeroed head); a selection
+    that flips can amplify more (DeepSeek-V3.2's sparse attention 5.2x after an expert swap two
+    layers up, read as the layer's own: docs/bisect.md "The zoo" lists it)."""
+    before = None
+    for key, e in by_key.items():
+        m = _BLOCK_STAGE.match(key)
+        if m is None or int(m.group(1)) != layer or e.rel is None:
+            continue
+        if before is not None and before > 0 and e.rel > JUMP_RATIO * before:
+            return True
+        before = e.rel
+    return False
+
+
+def _inherit(beyond: list[LayerRow], by_key: dict[str, StageResult]) -> bool:
+    """A layer beyond precision after the first was fed an inexact input and no block stage of it
+    jumps (`_stage_jump`): what it adds may be the inherited error amplified (a healthy layer after
+    a one-layer bug adds 12-33% of it), so one layer and one class read alike by the budget."""
+    return any(not r.exact_in and not _stage_jump(r.layer, by_key) for r in beyond[1:])
+
+
+def _contrast_after(rows: list[LayerRow], first: LayerRow) -> bool:
+    """A layer of another class after `first`, judged, fed an inexact input, that stays within
+    precision: a healthy layer does not amplify the error, so the class-mates that do are the class."""
+    return any(
+        r.layer > first.layer
+        and r.layer_class != first.layer_class
+        and r.judged
+        and not r.exact_in
+        and not r.beyond_precision
+        for r in rows
+    )
 
 
 def _also(intro: list[LayerRow], focus: LayerRow) -> str:
@@ -295,7 +329,9 @@ def _localise(
             f"{len(beyond)} of the {n_cls} {first.layer_class} layers add error beyond precision "
             "while the other classes stay within it"
         )
-        return done(PatternName.LAYER_CLASS, first, why)
+        return done(
+            PatternName.LAYER_CLASS, first, why, _contrast_after(rows, first) or not _inherit(beyond, by_key)
+        )
     if first.exact_in and first is not rows[0]:
         why = "the first layer to show any error, after exactly equal layers"
         decided = len(beyond) == 1 and not _unjudged_after(rows, first)
@@ -343,7 +379,7 @@ def _localise(
             f"{len(beyond)} of the {n_cls} {first.layer_class} layers add comparable error beyond "
             f"precision from layer {big[0].layer} on{smaller}"
         )
-        return done(PatternName.LAYER_CLASS, big[0], why, not _inherit(beyond))
+        return done(PatternName.LAYER_CLASS, big[0], why, not _inherit(beyond, by_key))
     names = ", ".join(sorted(str(c) for c in beyond_classes))
     after = f"layer {sat}" if sat is not None else f"layer {big[-1].layer}"
     why = (
