@@ -28,7 +28,7 @@ from ffdebug import verdict as V
 from ffdebug.bisection.budget import noise_factor
 from ffdebug.errors import FFDebugError
 
-_KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out)$")
+_KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out|encoder_hidden_in)$")
 LOCAL_SHARE = 0.1  # local error must be at least this share of the dumped output error
 
 
@@ -73,20 +73,25 @@ def _ids_call(model, ids, keyword: str | None) -> tuple[tuple, dict]:
     return (ids,), {}
 
 
-def _block_inputs(records: list[tuple]) -> tuple[dict, dict, object]:
-    """Reference hidden_in / hidden_out records per layer (first invocation) and the input ids."""
-    ins, outs, ids = {}, {}, None
+def _block_inputs(records: list[tuple]) -> tuple[dict, dict, object, dict]:
+    """Reference hidden_in / hidden_out records per layer (first invocation), the input ids, and a
+    decoder block's encoder_hidden_in records."""
+    ins, outs, ids, encs = {}, {}, None, {}
     for r, _t in records:
         if r.key == "embed.input_ids":
             ids = r
         m = _KEY.match(r.key)
         if m and r.invocation == 0:
-            (ins if m.group(2) == "hidden_in" else outs).setdefault(int(m.group(1)), r)
-    return ins, outs, ids
+            into = {"hidden_in": ins, "hidden_out": outs, "encoder_hidden_in": encs}[m.group(2)]
+            into.setdefault(int(m.group(1)), r)
+    return ins, outs, ids, encs
 
 
-def replay(model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target") -> dict:
-    """Each block's output when fed the reference's hidden_in (layer -> tensor)."""
+def replay(
+    model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target", ref_enc: dict | None = None
+) -> dict:
+    """Each block's output when fed the reference's hidden_in, and a decoder block the reference's
+    encoder_hidden_in (`ref_enc`) too (layer -> tensor)."""
     from ffdebug.models.blocks import find_blocks
 
     blocks = find_blocks(model)
@@ -96,7 +101,7 @@ def replay(model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target"
             "blocks were dumped"
         )
     outs: dict[int, object] = {}
-    hooks = _replay_hooks(blocks, ref_in, outs)
+    hooks = _replay_hooks(blocks, ref_in, outs, ref_enc or {})
     try:
         _forward(model, kwargs, ids_record, flag)
     finally:
@@ -105,9 +110,12 @@ def replay(model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target"
     return outs
 
 
-def _replay_hooks(blocks, ref_in: dict, outs: dict) -> list:
+def _replay_hooks(blocks, ref_in: dict, outs: dict, ref_enc: dict) -> list:
     """Hooks on every block: its first call gets the reference's hidden_in in place of its own input
-    (same shape only), and its first output tensor lands in `outs[layer]`."""
+    (same shape only), a decoder block the reference's encoder output in place of the one its own
+    encoder made (`encoder_hidden_states`, by keyword or by position: an encoder bug is not the
+    decoder's own), and its first output tensor lands in `outs[layer]`."""
+    from ffdebug.capture.hooks import positional_index
     from ffdebug.capture.outputs import first_tensor, tensors_of
 
     seen: set[int] = set()
@@ -126,7 +134,23 @@ def _replay_hooks(blocks, ref_in: dict, outs: dict) -> list:
                 kw = dict(kw, hidden_states=sub)
             else:
                 args = tuple(sub if a is h else a for a in args)
-            return args, kw
+            return _encoder_input(module, layer, args, kw)
+
+        def _encoder_input(module, layer, args, kw):
+            if layer not in ref_enc:
+                return args, kw
+            at = positional_index(module, "encoder_hidden_states")
+            own = kw.get("encoder_hidden_states")
+            if own is None and at is not None and at < len(args):
+                own = args[at]
+            if not hasattr(own, "shape"):
+                return args, kw
+            enc = ref_enc[layer].load().to(dtype=own.dtype, device=own.device)
+            if tuple(enc.shape) != tuple(own.shape):
+                return args, kw
+            if "encoder_hidden_states" in kw:
+                return args, dict(kw, encoder_hidden_states=enc)
+            return tuple(enc if i == at else a for i, a in enumerate(args)), kw
 
         def post(module, args, kw, output):
             if layer not in seen:
@@ -184,15 +208,15 @@ def attribute(
     """Per layer: local error of the target block on the reference input, and the verdict."""
     from ffdebug.comparison.metrics import compare_tensors
 
-    ref_in, ref_out, ids = _block_inputs(records)
+    ref_in, ref_out, ids, ref_enc = _block_inputs(records)
     if not ref_in:
         raise FFDebugError("attribution needs L*.hidden_in dumps on the reference side; dump whole blocks")
     t_model, t_kwargs = load_entry(model_target, "--model-target")
-    t_outs = replay(t_model, t_kwargs, ref_in, ids)
+    t_outs = replay(t_model, t_kwargs, ref_in, ids, ref_enc=ref_enc)
     c_outs = {}
     if model_ref:
         r_model, r_kwargs = load_entry(model_ref, "--model-ref")
-        c_outs = replay(r_model, r_kwargs, ref_in, ids, "--model-ref")
+        c_outs = replay(r_model, r_kwargs, ref_in, ids, "--model-ref", ref_enc)
     by_key = {e.key: e for e in stages}
     rows = []
     for layer in sorted(ref_out):
@@ -200,6 +224,8 @@ def attribute(
             continue
         ref = ref_out[layer].load()
         local = compare_tensors(ref, t_outs[layer])
+        if local.rel is None:  # not comparable (another shape, another first output): no verdict
+            continue
         control = compare_tensors(ref, c_outs[layer]) if layer in c_outs else None
         dumped = by_key.get(f"L{layer:03d}.hidden_out")
         k = noise_factor(dumped) if dumped is not None else V.noise_factor()

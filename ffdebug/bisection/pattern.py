@@ -225,8 +225,10 @@ def decide(rows: list[LayerRow], by_key: dict[str, StageResult] | None = None) -
 def _attributed(rows: list[LayerRow], beyond: list[LayerRow], by_key: dict[str, StageResult]) -> Pattern:
     """Every layer re-run on the reference's input (attribution): the error each block shows there
     is its own (`local_rel`), whatever it inherited, saturation and routing flips included. One
-    layer, or one adding `JUMP_RATIO` x every other: `jump`; layers of comparable own error, all of
-    one class: `layer_class`; of several classes: `undetermined` (no one layer, no one class)."""
+    layer, or one adding `JUMP_RATIO` x every other: `jump`; else the layers erring by themselves, all
+    of one class (or every layer, or the layers sharing a kind): `layer_class` at the first of them,
+    where the bug first shows however small its error there; of several classes: `undetermined` (no
+    one layer, no one class)."""
 
     def own(r: LayerRow) -> float:
         return r.local_rel or 0.0
@@ -256,21 +258,21 @@ def _attributed(rows: list[LayerRow], beyond: list[LayerRow], by_key: dict[str, 
             f"{len(beyond)} of the {n_cls} {cls} layers err by themselves on the reference's input "
             f"(attribution, comparable sizes from layer {big[0].layer} on){smaller}"
         )
-        return done(PatternName.LAYER_CLASS, big[0], why)
+        return done(PatternName.LAYER_CLASS, beyond[0], why)
     own_layers = [r.layer for r in beyond]
     if len(beyond) == len(rows):
         why = (
             f"every layer errs by itself on the reference's input (attribution, comparable sizes from "
             f"layer {big[0].layer} on){smaller}: code every layer runs"
         )
-        return done(PatternName.LAYER_CLASS, big[0], why)
+        return done(PatternName.LAYER_CLASS, beyond[0], why)
     kind = _shared_kind({r.layer for r in beyond}, rows, by_key)
     if kind is not None:
         why = (
             f"the layers with {kind} ({', '.join(map(str, own_layers))}) err by themselves on the "
             f"reference's input and the others do not (attribution){smaller}"
         )
-        return done(PatternName.LAYER_CLASS, big[0], why)
+        return done(PatternName.LAYER_CLASS, beyond[0], why)
     names = ", ".join(sorted(str(c) for c in classes))
     why = (
         f"layers of several classes ({names}) err by themselves on the reference's input, by "

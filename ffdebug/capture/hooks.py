@@ -182,7 +182,7 @@ def _hook_block_io(
 
     meta = dict(base, module_class=block.class_name, module_path=block.path)
     state: dict = {}  # invocation index and input shape of the call in flight
-    enc_at = _positional_index(block.module, "encoder_hidden_states")
+    enc_at = positional_index(block.module, "encoder_hidden_states")
 
     def pre(module, args, kwargs):
         state["foreign"] = capture.foreign()
@@ -220,7 +220,7 @@ def _hook_block_io(
     handle.add(block.module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
 
-def _positional_index(module, name: str) -> int | None:
+def positional_index(module, name: str) -> int | None:
     """Where parameter `name` of `module.forward` sits among the positional arguments (None when
     it has none or cannot be passed by position)."""
     import inspect
