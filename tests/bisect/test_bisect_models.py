@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import TESTS
@@ -127,3 +129,28 @@ def test_identical_runs_match(llama_dumps):
     r = ffdebug.bisect(f"{llama_dumps}/ref", f"{llama_dumps}/ref")
     assert (r.pattern, r.verdict, r.first_divergence, r.sub_stage) == ("match", "ok", None, None)
     assert r.conclusion.endswith("PASSED")
+
+
+def test_attribution_feeds_a_decoder_block_the_reference_encoder_output(tmp_path):
+    """Blenderbot (encoder layers 0-1, decoder layers 2-3): v scaled in encoder layer 1. Every decoder
+    block reads that encoder's output through cross-attention; re-run on the reference's decoder
+    input but its own encoder's output, each would err by itself. Fed the reference's encoder output
+    too (`encoder_hidden_in`), only layer 1 errs: a jump there."""
+    from ffdebug.selftest.models import build, resolve
+
+    model = build(resolve("BlenderbotForConditionalGeneration"))
+    ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(3))
+    values = {"input_ids": ids, "decoder_input_ids": ids}
+    target = copy.deepcopy(model)
+    with torch.no_grad():
+        target.model.encoder.layers[1].self_attn.v_proj.weight.mul_(1.5)
+    for side, m in (("ref", model), ("target", target)):
+        with ffdebug.capture(m, dir=str(tmp_path), side=side), torch.no_grad():
+            m(**values)
+    r = ffdebug.bisect(
+        f"{tmp_path}/ref", f"{tmp_path}/target", model_ref=(model, values), model_target=(target, values)
+    )
+    verdicts = {a["layer"]: a["verdict"] for a in r.attribution}
+    assert verdicts[1] == "local" and verdicts[0] == "clean"
+    assert all(verdicts[layer] != "local" for layer in (2, 3)), r.attribution
+    assert (r.pattern, r.first_divergence.layer, r.decided) == ("jump", 1, True), r.reason
