@@ -1,7 +1,8 @@
 """The zoo tables of docs/bisect.md ("The zoo") from `ffdebug selftest --zoo --json` output.
 
 ffdebug selftest --zoo --json > zoo.json
-python bench/zoo_table.py zoo.json            # per case, pooled, per architecture
+python bench/zoo_table.py zoo.json            # per case (and how many the deciding attribution run
+                                               # answered), pooled, per architecture
 python bench/zoo_table.py zoo.json --failing  # also the failing cases, one line each
 """
 
@@ -28,8 +29,10 @@ def main() -> None:
     cases: dict[str, list[int]] = {}
     groups: dict[str, list[int]] = {}
     no_effect: Counter = Counter()
+    attributed: Counter = Counter()  # cases whose first bisect was not decided (attribution answered)
     for m in built:
         for c in m["cases"]:
+            attributed[c["name"]] += bool(c.get("attributed"))
             if c["status"] in ("holds", "fails"):
                 for d, k in ((cases, c["name"]), (groups, c["group"])):
                     d.setdefault(k, [0, 0])
@@ -38,11 +41,11 @@ def main() -> None:
             else:
                 no_effect[c["name"]] += 1
     print(f"{len(models)} architectures attempted, {len(built)} built and run\n")
-    print("| case | holds / counted | no effect or skipped |\n|---|---|---|")
+    print("| case | holds / counted | no effect or skipped | after attribution |\n|---|---|---|---|")
     for name, (h, n) in cases.items():
-        print(f"| {name} | {_rate(h, n)} | {no_effect[name]} |")
+        print(f"| {name} | {_rate(h, n)} | {no_effect[name]} | {attributed[name]} |")
     for name, (h, n) in groups.items():
-        print(f"| **{name}** (pooled) | {_rate(h, n)} | |")
+        print(f"| **{name}** (pooled) | {_rate(h, n)} | | |")
     print("\nPer architecture (holds / counted; the failing cases named):\n")
     print("| architecture | class | copy | precision | mutations | failing |\n|---|---|---|---|---|---|")
     for m in built:
