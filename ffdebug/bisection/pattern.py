@@ -342,18 +342,14 @@ def _localise(
         later = class_after_saturation(rows, sat, first.layer_class)
         if later is not None:
             why = f"the {first.layer_class} layers introduce error before the target decorrelates; {later}"
+            past = [
+                r.layer
+                for r in rows
+                if sat is not None and r.layer > sat and r.layer_class == first.layer_class
+            ]
+            intro = [r.layer for r in beyond] + past
             return Pattern(
-                PatternName.LAYER_CLASS,
-                first,
-                [r.layer for r in beyond]
-                + [
-                    r.layer
-                    for r in rows
-                    if sat is not None and r.layer > sat and r.layer_class == first.layer_class
-                ],
-                why,
-                _signal(first, precision_signal(first)),
-                sat,
+                PatternName.LAYER_CLASS, first, intro, why, _signal(first, precision_signal(first)), sat
             )
     several_classes = len({r.layer_class for r in rows}) >= 2
     if len(beyond) == 1 and sat == top.layer and several_classes and any(r.layer > sat for r in rows):

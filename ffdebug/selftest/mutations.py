@@ -23,11 +23,11 @@ every layer saturates after the first, so `jump` and `drift` are both honest rea
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ffdebug.selftest.stages import BLOCK_STAGE, Dumped, DumpedStages, output_stage
 from ffdebug.verdict import PatternName
 
 ONE_LAYER = 1  # one-layer mutations go here: layer 0 is then an exactly equal prefix
@@ -35,21 +35,6 @@ SCALE = 1.5
 EPS = 0.1
 ROPE_EXPONENT = 0.75
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_BLOCK_STAGE = re.compile(r"^L(\d{3})\.([a-z_]+)$")  # a block stage (attn_out), not a sub-stage
-_CHILD_STAGE = re.compile(r"^L\d{3}\.(.+)\.out$")  # an unplaced child's output (`L000.norm1.out`)
-_ROLE_PREFIXES = ("attn.", "mlp.", "moe.")  # role sub-stages, not children
-
-
-def _output_stage(key: str, children: bool) -> str | None:
-    """The stage a record key names below its layer prefix: a block stage (`attn_out`) or, with
-    `children`, an unplaced child's output (`norm1.out`; a role sub-stage is none); else None."""
-    m = _BLOCK_STAGE.match(key)
-    if m:
-        return m.group(2)
-    child = _CHILD_STAGE.match(key) if children else None
-    if child is None or child.group(1).startswith(_ROLE_PREFIXES):
-        return None
-    return child.group(1) + ".out"
 
 
 @dataclass(frozen=True)
@@ -97,17 +82,6 @@ class Mutation:
         model = copy.deepcopy(reference)
         self.plant(model)
         return model
-
-
-@dataclass(frozen=True)
-class Dumped:
-    """What the reference dump says about one record: the part the planting reads."""
-
-    key: str
-    layer: int | None
-    module_path: str | None
-    extra: dict
-    shape: tuple[int, ...] = ()
 
 
 def _columns(extra: dict) -> list[tuple[int, int]] | None:
@@ -167,90 +141,13 @@ def _zero_input_head(path: str, head: int, head_dim: int) -> Callable[[Any], Non
     return plant
 
 
-class Planner:
+class Planner(DumpedStages):
     """The mutations of one model, from the records of its reference dump."""
 
     def __init__(self, model: Any, records: list[Dumped]) -> None:
+        super().__init__(records)
         self.model = model
-        self.records = records
-        self.by_key = {r.key: r for r in records}
         self.layers = sorted({r.layer for r in records if r.layer is not None})
-
-    def block_stage(self, layer: int, module_path: str | None) -> str | None:
-        """The block stage (attn_out, ffn_out, ...) whose module holds `module_path` (an output
-        stage: the block's `hidden_in` is what feeds the block, not what one of its modules made)."""
-        found = self.owning_stage(layer, module_path, children=False)
-        if found and found[0].startswith("hidden_out") and module_path is not None:
-            return self._first_stage_after(layer, module_path) or found[0]
-        return found[0] if found else None
-
-    def _first_stage_after(self, layer: int, module_path: str) -> str | None:
-        """When only the block itself holds `module_path` (zaya's `ffn_out` is a residual scale after
-        the MLP, not the MLP), the block stage its output reaches first: the first block output stage
-        recorded (execution order) after the module's own records."""
-        mine = [
-            i
-            for i, r in enumerate(self.records)
-            if r.layer == layer
-            and r.module_path
-            and (r.module_path == module_path or r.module_path.startswith(module_path + "."))
-        ]
-        for r in self.records[mine[-1] + 1 :] if mine else ():
-            stage = _output_stage(r.key, children=False) if r.layer == layer else None
-            if stage is not None and not stage.endswith("_in"):
-                return stage
-        return None
-
-    def owning_stage(
-        self, layer: int, module_path: str | None, children: bool = True
-    ) -> tuple[str, str] | None:
-        """(stage, its module path) of the most specific output stage of `layer` whose module holds
-        `module_path`: a block stage (`attn_out`) or, with `children`, an unplaced child's
-        (`norm1.out`, `resnets.0.out`; never a role sub-stage such as `attn.q.out`); input stages
-        (`hidden_in`, `encoder_hidden_in`) are what feeds a block, never what one of its modules made."""
-        best = None
-        for r in self.records:
-            stage = _output_stage(r.key, children)
-            if r.layer != layer or stage is None or not r.module_path or module_path is None:
-                continue
-            if stage.endswith("_in"):
-                continue
-            if (module_path == r.module_path or module_path.startswith(r.module_path + ".")) and (
-                best is None or len(r.module_path) > len(best[1])
-            ):
-                best = (stage, r.module_path)
-        return best
-
-    def streams(self, layer: int, stage: str | None) -> tuple[str, ...]:
-        """When `stage` is one output of several (`attn_out`, `attn_out.1`: a dual-stream attention
-        returning the image and the text stream), a module inside it may feed only a later one, which
-        reaches the block's outputs without passing `stage`: those later outputs and the block's
-        outputs (`hidden_out`, `hidden_out.1`, ...) hold too. Empty for a one-output stage."""
-        if stage is None:
-            return ()
-        prefix = f"L{layer:03d}."
-        own = self.by_key.get(prefix + stage)
-        if own is None or not own.shape:
-            return ()
-
-        def stream(r: Dumped) -> bool:  # hidden states like its own: not attention probabilities
-            tail = r.key[len(prefix) + len(stage) + 1 :]
-            return tail.isdigit() and len(r.shape) == len(own.shape) and r.shape[-1:] == own.shape[-1:]
-
-        later = [
-            r.key[len(prefix) :] for r in self.records if r.key.startswith(f"{prefix}{stage}.") and stream(r)
-        ]
-        if not later:
-            return ()
-        outs = [
-            r.key[len(prefix) :]
-            for r in self.records
-            if r.layer == layer and re.fullmatch(rf"{re.escape(prefix)}hidden_out(\.\d+)?", r.key)
-        ]
-        return tuple(dict.fromkeys(later + outs))
-
-    def sub(self, layer: int, kind: str) -> Dumped | None:
-        return self.by_key.get(f"L{layer:03d}.{kind}.out")
 
     def all(self) -> list[Mutation]:
         return [
@@ -339,7 +236,7 @@ class Planner:
         from ffdebug.models.roles import is_norm_type, norm_shaped
 
         blocks = {
-            r.module_path for r in self.records if _BLOCK_STAGE.match(r.key) and r.key.endswith(".hidden_out")
+            r.module_path for r in self.records if BLOCK_STAGE.match(r.key) and r.key.endswith(".hidden_out")
         }
         names = []
         for name, module in self.model.named_modules():
@@ -361,7 +258,7 @@ class Planner:
             return []
         blocks0 = self._blocks().get(0)
         in_block0 = [n for n, _ in names if blocks0 and n.startswith(blocks0 + ".")]
-        order = [st for r in self.records if r.layer == 0 and (st := _output_stage(r.key, True))]
+        order = [st for r in self.records if r.layer == 0 and (st := output_stage(r.key, True))]
         # the block stage owning the first broken norm, or a stage inside the child that holds it
         block_owned = {self.block_stage(0, n) for n in in_block0}
         first_norm = next((st for st in order if st in block_owned), None)  # in execution order
