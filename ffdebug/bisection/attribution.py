@@ -22,13 +22,10 @@ or the same `(model, "keyword")` / `(model, forward_kwargs)` pair the function w
 
 from __future__ import annotations
 
-import re
-
 from ffdebug import verdict as V
-from ffdebug.bisection.budget import noise_factor
+from ffdebug.bisection.budget import LAYER_KEY, noise_factor
 from ffdebug.errors import FFDebugError
 
-_KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out|encoder_hidden_in)$")
 LOCAL_SHARE = 0.1  # local error must be at least this share of the dumped output error
 
 
@@ -80,7 +77,7 @@ def _block_inputs(records: list[tuple]) -> tuple[dict, dict, object, dict]:
     for r, _t in records:
         if r.key == "embed.input_ids":
             ids = r
-        m = _KEY.match(r.key)
+        m = LAYER_KEY.match(r.key)
         if m and r.invocation == 0:
             into = {"hidden_in": ins, "hidden_out": outs, "encoder_hidden_in": encs}[m.group(2)]
             into.setdefault(int(m.group(1)), r)

@@ -51,7 +51,7 @@ INHERIT_SHARE = 0.1  # a layer must add more than this share of the error it inh
 SATURATED_COS = 0.5  # a block output at or below this cos has decorrelated (the scramble band)
 SATURATED_REL = 0.5  # or whose error is half its norm: later layers' own error is lost in it
 
-_LAYER_KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out|encoder_hidden_in)$")
+LAYER_KEY = re.compile(r"^L(\d+)\.(hidden_in|hidden_out|encoder_hidden_in)$")  # a block's inputs and output
 
 
 def noise_factor(stage: StageResult) -> float:
@@ -75,7 +75,7 @@ def layer_rows(stages: list[StageResult]) -> list[LayerRow]:
     outs: dict[int, StageResult] = {}
     encs: dict[int, StageResult] = {}  # a decoder block's other input: the encoder's output
     for e in stages:
-        m = _LAYER_KEY.match(e.key)
+        m = LAYER_KEY.match(e.key)
         if not m or (e.invocation or 0) != 0:
             continue
         target = {"hidden_in": ins, "hidden_out": outs, "encoder_hidden_in": encs}[m.group(2)]

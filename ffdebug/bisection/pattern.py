@@ -36,6 +36,7 @@ the less precise dtype's budget.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ffdebug.bisection.budget import layer_precision, saturated_after
@@ -152,10 +153,15 @@ def _localised(
     )
 
 
-def _jump_ratio(top: LayerRow, intro: list[LayerRow]) -> float:
-    """How many times more `top` adds than the next introducing layer (inf when it is alone)."""
-    others = [max(r.added or 0.0, 0.0) for r in intro if r is not top]
-    return (top.added or 0.0) / max(others) if others and max(others) > 0 else float("inf")
+def _added(r: LayerRow) -> float:
+    return r.added or 0.0
+
+
+def _jump_ratio(top: LayerRow, intro: list[LayerRow], size: Callable[[LayerRow], float] = _added) -> float:
+    """How many times more `top` adds (`size`: what the budget says it adds, or attribution's own
+    error) than the next introducing layer (inf when it is alone)."""
+    others = [max(size(r), 0.0) for r in intro if r is not top]
+    return size(top) / max(others) if others and max(others) > 0 else float("inf")
 
 
 def _pct(x: float | None) -> str:
@@ -238,12 +244,11 @@ def _attributed(rows: list[LayerRow], beyond: list[LayerRow], by_key: dict[str, 
         return Pattern(name, focus, [r.layer for r in beyond], why, signal)
 
     top = max(beyond, key=own)
-    others = [own(r) for r in beyond if r is not top]
-    ratio = own(top) / max(others) if others and max(others) > 0 else float("inf")
+    ratio = _jump_ratio(top, beyond, own)
     if ratio >= JUMP_RATIO:
         why = (
             "the only layer whose block, re-run on the reference's input, differs (attribution)"
-            if not others
+            if len(beyond) == 1
             else f"its block, re-run on the reference's input, errs {ratio:.3g}x the next (attribution)"
         )
         return done(PatternName.JUMP, top, why + _also(beyond, top))
