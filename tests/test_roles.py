@@ -106,12 +106,19 @@ def test_a_rotary_convention_swap_is_located_at_layer_0_q_rot(hf, tmp_path):
 
 
 @pytest.mark.integration
-def test_without_the_tap_function_line_the_missing_rotary_taps_are_named(hf, tmp_path):
-    """The port's q_rot / k_rot are not dumped: coverage says so (exit 4), it does not pass."""
+def test_without_the_tap_function_line_the_ports_rotary_q_k_are_read_at_the_kernel(hf, tmp_path):
+    """The port calls its own rope function (no tap line): its q_rot / k_rot are the q / k its
+    SDPA reads, with k's GQA repetition undone, and pair with HF's; a rotary bug in it is found."""
     ref = dump(hf, tmp_path, "ref")
     tgt = dump(make_port(hf, OPAQUE), tmp_path, "target")
     res = ffdebug.compare(ref, tgt)
-    assert res.exit_code() == 4 and set(res.coverage.only_ref) == {"attn.q_rot", "attn.k_rot"}
+    assert res.exit_code() == 0 and set(open_side(tgt).keys()) == expected_keys(3)
+    k = next(r for r in open_side(tgt).records if r.key == "L000.attn.k_rot")
+    assert tuple(k.shape) == (2, 12, hf.config.num_key_value_heads, 8)  # its own KV heads, seq-major
+    assert k.extra["read_at"] == "attention kernel" and k.extra["kv_repeat"] == 2
+    bad = dump(make_port(hf, OPAQUE, rotary=rope_interleaved), tmp_path, "bad")
+    r = ffdebug.bisect(ref, bad)
+    assert (r.exit_code(), r.first_divergence.layer, r.sub_stage.stage) == (1, 0, "attn.q_rot")
 
 
 @pytest.mark.integration
@@ -315,19 +322,27 @@ def test_tap_function_restores_what_it_replaced(tmp_path):
 
 
 @pytest.mark.integration
-def test_rotary_taps_in_either_layout_pair_as_batch_seq_heads_dim(hf, tmp_path):
-    """HF rotates [B, heads, S, D]; this port rotates [B, S, heads, D]: both are stored seq-major."""
+@pytest.mark.parametrize("einsum", [False, True], ids=["sdpa", "einsum-attention"])
+def test_rotary_taps_in_either_layout_pair_as_batch_seq_heads_dim(hf, tmp_path, einsum):
+    """HF rotates [B, heads, S, D]; this port rotates [B, S, heads, D]: both are stored seq-major.
+    With SDPA both are read at the kernel; with an einsum attention (a kernel ffdebug does not
+    read) the port's tapped rope function stands in, seq-major as it returned it."""
     from helpers.llama_ports import rope_via_seq_major
 
     ref = dump(hf, tmp_path, "ref")
-    port = make_port(hf, OPAQUE, rotary=rope_via_seq_major)
+    port = make_port(hf, OPAQUE, rotary=rope_via_seq_major, einsum=einsum)
     tgt = dump_port(port, tmp_path, "target", "helpers.llama_ports:rope_seq_major")
     r_rec = next(r for r in open_side(ref).records if r.key == "L000.attn.k_rot")
     t_rec = next(r for r in open_side(tgt).records if r.key == "L000.attn.k_rot")
     assert list(r_rec.shape) == list(t_rec.shape) == [2, 12, 2, 8]
-    assert r_rec.extra["orig_shape"] == [2, 2, 12, 8] and "orig_shape" not in t_rec.extra
+    assert r_rec.extra["orig_shape"] == [2, 2, 12, 8] and r_rec.extra["read_at"] == "attention kernel"
+    if einsum:
+        assert "orig_shape" not in t_rec.extra and "read_at" not in t_rec.extra
+    else:
+        assert t_rec.extra["read_at"] == "attention kernel"
     res = ffdebug.compare(ref, tgt)
     assert res.exit_code() == 0 and all(s.ok for s in res.stages)
+    assert [r.key for r in open_side(tgt).records].count("L000.attn.q_rot") == 1
 
 
 def test_a_one_branch_block_is_neither_attention_nor_mlp_by_order(tmp_path):

@@ -6,9 +6,11 @@ in order under the given stage names (inside a block they get its `L{NNN}.` pref
 tap). The environment form is `FFDEBUG_FWD_DUMP_TAP_FUNCTIONS='pkg.mod:fn=stage,stage;...'`,
 applied by `ffdebug.install`. Functions are named exactly; none is matched by words in its name.
 
-Known without a line: transformers' modelling modules define `apply_rotary_pos_emb(q, k, ...)`
-returning the rotated (q, k); `install` taps it as `attn.q_rot` / `attn.k_rot` for the blocks of
-a transformers model (`known_function_taps`).
+Known without a line: the rotary functions of a transformers model's modelling module (functions
+of a query, a key and a rotary table, found by their signatures: `rotary_functions`) are tapped as
+`attn.q_rot` / `attn.k_rot` for its blocks (`known_function_taps`). These are the fallback of the
+q / k the attention kernel reads (`capture.kernel_taps`): inside a block child, a function tap of
+a rotary stage is written only when no kernel call is seen there.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import importlib
 import sys
 from dataclasses import dataclass, field
 
+from ffdebug.capture import kernel_taps
+from ffdebug.capture.kernel_taps import ROTARY_STAGES
 from ffdebug.errors import FFDebugError
 
-TRANSFORMERS_ROTARY = ("apply_rotary_pos_emb", ("attn.q_rot", "attn.k_rot"))
 
 
 @dataclass
@@ -82,8 +85,10 @@ def tap_function(spec: str, stages: tuple[str, ...] | list[str]) -> FunctionTap:
         from ffdebug.capture.outputs import tensors_of
 
         out = original(*args, **kwargs)
+        watcher = kernel_taps.active()  # inside a watched branch the kernel's q / k come first
         for stage, (_, tensor) in zip(stages, tensors_of(out)):
-            ffdebug.tap(stage, tensor)
+            if watcher is None or not watcher.defer(stage, tensor):
+                ffdebug.tap(stage, tensor)
         return out
 
     tapped.__ffdebug_tap__ = True
@@ -107,16 +112,43 @@ def _bindings(module, fn) -> list[str]:
     return [attr for attr, value in list(namespace.items()) if value is fn]
 
 
+def rotary_functions(module) -> list[str]:
+    """Names of the module-level functions `module` defines that rotate a (query, key) pair: the
+    first two parameters are a query and a key, and a rotary table follows (`cos` and `sin`, or
+    `freqs…`). Read from the signatures, not from a list of names: transformers has
+    `apply_rotary_pos_emb`, `…_interleave`, `…_vision`, `…_2d`, `apply_rotary_emb(xq, xk,
+    freqs_cis)`, …"""
+    import inspect
+
+    out = []
+    for name, fn in list(vars(module).items()):
+        if not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+            continue
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            continue
+        table = {"cos", "sin"} <= set(params) or any(p.startswith("freqs") for p in params[2:])
+        if len(params) >= 3 and params[0] in _QUERY and params[1] in _KEY and table:
+            out.append(name)
+    return out
+
+
+_QUERY = ("q", "query", "xq", "query_states", "q_states")
+_KEY = ("k", "key", "xk", "key_states", "k_states")
+
+
 def known_function_taps(block_modules: list[object]) -> list[tuple[str, tuple[str, ...]]]:
-    """(spec, stages) for the functions ffdebug knows in the blocks' modelling modules."""
+    """(spec, stages) for the rotary functions of the blocks' transformers modelling modules
+    (`rotary_functions`); the attention kernel's q / k come first (`capture.kernel_taps`)."""
     out = []
     seen = set()
-    fn_name, stages = TRANSFORMERS_ROTARY
     for block in block_modules:
         mod_name = type(block).__module__
         if mod_name in seen or not mod_name.startswith("transformers.models."):
             continue
         seen.add(mod_name)
-        if callable(getattr(sys.modules.get(mod_name), fn_name, None)):
-            out.append((f"{mod_name}:{fn_name}", stages))
+        module = sys.modules.get(mod_name)
+        if module is not None:
+            out += [(f"{mod_name}:{fn}", ROTARY_STAGES) for fn in rotary_functions(module)]
     return out

@@ -150,15 +150,17 @@ def _install_block(
     """Hooks of one block: its input/output, its direct children (with their role sub-stages when
     `substages`; `dims` is the model config they read head and expert counts from), and sub-stage
     classes inside it."""
+    from ffdebug.capture.kernel_taps import KernelWatcher
     from ffdebug.capture.substages import BranchRecorder, RoleTensors
 
     base = {"layer": block.layer, "layer_class": block.layer_class}
     prefix = f"L{block.layer:03d}"
     children = ChildRoles(session, capture, block, prefix, base)
     written = RoleTensors(_sub_paths(block, sub_globs))
-    if substages:  # registered first: a branch's sub-stages are written before its output
-        for name, child, _ in role_children(block.module):
-            if has_role(child) and not is_norm_type(child) and not norm_shaped(child):
+    for name, child, _ in role_children(block.module):
+        if has_role(child) and not is_norm_type(child) and not norm_shaped(child):
+            KernelWatcher(session, child).install(handle)  # attn.q_rot / k_rot at the kernel
+            if substages:  # registered first: a branch's sub-stages are written before its output
                 path = f"{block.path}.{name}"
                 recorder = BranchRecorder(
                     session, capture, name, child, path, prefix, base, children, dims, written

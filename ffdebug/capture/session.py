@@ -15,6 +15,7 @@ import sys
 
 from ffdebug._env import DumpConfig
 from ffdebug.capture.inputs import GATED
+from ffdebug.capture.kernel_taps import ROTARY_STAGES
 from ffdebug.capture.sinks import StoreSink
 
 # the capture state (tags, layers, sessions) lives in capture/state.py
@@ -245,6 +246,13 @@ class Session:
                 meta["extra"] = {**meta.get("extra", {}), **layout}
         self.capture(stage, tensor, tags=tags, free=True, **meta)
 
+    def tap_placed(self, stage: str, tensor, extra: dict) -> None:
+        """A stage ffdebug found inside the running block (the rotary q / k at the attention kernel,
+        `capture.kernel_taps`), already in its stored layout; `extra` goes to the record."""
+        layer = current_layer()
+        key = f"L{layer:03d}.{stage}" if layer is not None else stage
+        self.capture(key, tensor, free=True, io="out", layer=layer, extra=dict(extra))
+
     def close(self) -> None:
         if self.closed:
             return
@@ -280,9 +288,6 @@ class Session:
             why = "ffdebug.install(model) was never called and no ffdebug.tap ran"
         done = f"captured {self.captured} tensor(s)" if self.captured else "captured nothing"
         get_logger("capture").warning("side '%s' %s: %s", self.config.side, done, why)
-
-
-ROTARY_STAGES = ("attn.q_rot", "attn.k_rot")
 
 
 def heads_last(t, ids_shape):

@@ -115,8 +115,11 @@ class BranchRecorder:
         self._fingerprint = None
 
     def install(self, handle) -> None:
-        handle.add(self.module.register_forward_pre_hook(self.pre, with_kwargs=True))
-        handle.add(self.module.register_forward_hook(self.post, with_kwargs=True, always_call=True))
+        # plain functions, not bound methods: a deep copy of the model shares them (capture/copies.py)
+        handle.add(self.module.register_forward_pre_hook(lambda *a: self.pre(*a), with_kwargs=True))
+        handle.add(
+            self.module.register_forward_hook(lambda *a: self.post(*a), with_kwargs=True, always_call=True)
+        )
 
     # -- hooks -------------------------------------------------------------------------------
     def _selected(self) -> bool:

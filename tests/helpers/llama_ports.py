@@ -86,6 +86,7 @@ class _Attention(nn.Module):
         self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.dim, bias=False)
         self.wo = nn.Linear(heads * self.dim, hidden, bias=False)
         self.rotary = rotary.__name__  # called by its module-level name, as a port's code would
+        self.einsum = False
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
@@ -98,8 +99,16 @@ class _Attention(nn.Module):
         q, k = globals()[self.rotary](q, k, cos, sin)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = einsum_attention(q, k, v) if self.einsum else F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def einsum_attention(q, k, v):
+    """Causal attention written with einsum: a kernel ffdebug does not read q / k at."""
+    s = q.shape[-2]
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v)
 
 
 class _FeedForward(nn.Module):
@@ -137,9 +146,10 @@ class _Net(nn.Module):
         return head(final(x))
 
 
-def make_port(hf, names: dict = CONVENTIONAL, rotary=rope, up_first: bool = False):
+def make_port(hf, names: dict = CONVENTIONAL, rotary=rope, up_first: bool = False, einsum: bool = False):
     """A port of the HF Llama `hf` with its weights loaded (`rotary` computes the rotated q, k;
-    `up_first` stores the fused gate-up weight as [up | gate])."""
+    `up_first` stores the fused gate-up weight as [up | gate]; `einsum`: attention by
+    `einsum_attention`, not SDPA)."""
     cfg = hf.config
     hidden, heads, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     eps = cfg.rms_norm_eps
@@ -172,6 +182,9 @@ def make_port(hf, names: dict = CONVENTIONAL, rotary=rope, up_first: bool = Fals
     setattr(net, names["head"], nn.Linear(hidden, cfg.vocab_size, bias=False))
     net.register_buffer("inv_freq", hf.model.rotary_emb.inv_freq.detach().clone(), persistent=False)
     _load(net, hf, names)
+    for m in net.modules():
+        if isinstance(m, _Attention):
+            m.einsum = einsum
     return net.eval()
 
 

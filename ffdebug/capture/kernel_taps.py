@@ -1,0 +1,255 @@
+"""`attn.q_rot` / `attn.k_rot` as the attention kernel reads them (README "Stage names by role").
+
+Two codebases rarely call their rotary embedding by one name (transformers alone has
+`apply_rotary_pos_emb`, `apply_rotary_pos_emb_interleave`, `apply_multimodal_rotary_pos_emb`, …;
+an engine port has its own), but every attention hands its rotated q and k to a kernel. While a
+block child runs, a `KernelWatcher` sees the first attention kernel call it makes:
+
+| kernel | q, k read as | scale |
+|---|---|---|
+| `F.scaled_dot_product_attention(q, k, v, …, scale=s)` | `[..., heads, S, D]` (its contract) | a non-default `s` is folded into q: `q · s · √D` |
+| eager `q @ kᵀ` (`torch.matmul` / `@` of two 4-D activations) | `[..., heads, S, D]` and the transposed second operand | a scalar `· s` (or `/ s`) taken of the scores right after is folded the same way |
+
+Those q / k are written as `attn.q_rot` / `attn.k_rot`, `[batch, seq, heads, head_dim]` like the role
+sub-stages, when both of them are more than a projection's output moved around (views, splits,
+copies, casts, GQA repetition: the "plain" lineage below), i.e. when something (rotary, q / k
+norms) computed them; a model without either writes no rotary stage, as before. k repeated for GQA
+(each KV head copied to its group's query heads, `repeat_kv`) is stored with its own KV heads. A
+call whose k holds more positions than q (a decode step reading a cache) writes q only: the cache's
+layout is the engine's, not the model's.
+
+Function taps of a rotary stage (transformers' own rotary functions, listed by introspection in
+`capture.functions`, and `ffdebug.tap_function(..., ("attn.q_rot", "attn.k_rot"))`) are the
+fallback: inside a watched child they are deferred, dropped when the kernel is seen and written when
+it is not (a fused kernel such as flash-attention's is no torch call) — just before the next
+projection, so records keep execution order.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+ROTARY_STAGES = ("attn.q_rot", "attn.k_rot")
+_LOCAL = threading.local()  # the stack of watchers whose child is running on this thread
+
+_PLAIN: tuple = ()
+
+
+def active():
+    """The watcher of the innermost watched child running now, or None."""
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _plain_calls() -> tuple:
+    """Calls that only move a tensor's elements (views, splits, copies, casts, repetition)."""
+    global _PLAIN
+    if not _PLAIN:
+        import torch
+
+        from ffdebug.capture.branch_calls import casts, splits, views
+
+        T = torch.Tensor
+        _PLAIN = (*views(), *splits(), *casts()) + (
+            T.transpose, torch.transpose, T.permute, torch.permute, T.contiguous, T.clone, torch.clone,
+            T.expand, T.expand_as, T.repeat, T.repeat_interleave, torch.repeat_interleave, T.flatten,
+            torch.flatten, T.squeeze, T.unsqueeze, torch.squeeze, torch.unsqueeze, T.movedim,
+            torch.movedim, T.select, T.detach,
+        )  # fmt: skip
+    return _PLAIN
+
+
+def _projections() -> tuple:
+    import torch
+    import torch.nn.functional as F
+
+    return (F.linear, torch.addmm)
+
+
+def _tensors(obj):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+
+
+def _kv_repeat(k):
+    """(k with its own KV heads, the repetition) for a `[..., heads, S, D]` k whose consecutive
+    heads repeat in groups (`repeat_kv`); (k, 1) when they do not."""
+    import torch
+
+    heads = k.shape[-3]
+    if heads < 2 or not torch.equal(k[..., 0, :, :], k[..., 1, :, :]):
+        return k, 1
+    for n in sorted((d for d in range(2, heads + 1) if heads % d == 0), reverse=True):
+        own = k[..., ::n, :, :]
+        if torch.equal(own.repeat_interleave(n, dim=-3), k):
+            return own, n
+    return k, 1
+
+
+class KernelWatcher:
+    """Hooks of one block child: watch its call for the first attention kernel (module doc)."""
+
+    def __init__(self, session, module) -> None:
+        self.session, self.module = session, module
+        self.mode = None
+
+    def install(self, handle) -> None:
+        # plain functions, not bound methods: a deep copy of the model shares them, so install on
+        # the copy drops them as inherited (capture/copies.py)
+        handle.add(self.module.register_forward_pre_hook(lambda m, a: self.pre(m, a)))
+        handle.add(self.module.register_forward_hook(lambda m, a, o: self.post(m, a, o), always_call=True))
+
+    def _wanted(self) -> bool:
+        from ffdebug.capture.state import current_layer
+
+        s = self.session
+        if not s.enabled_rank or s.closed or (s.call_depth > 0 and not s.call_selected):
+            return False
+        layer = current_layer()
+        prefix = f"L{layer:03d}." if layer is not None else ""
+        return any(s.wants(prefix + stage, layer) for stage in ROTARY_STAGES)
+
+    def pre(self, module, args) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        if self.mode is not None or not self._wanted():
+            return
+        self.seen = False  # the kernel was seen (written or not)
+        self.pending = None  # an eager q @ kᵀ waiting for its scale: (q, k, scores)
+        self.deferred: list = []  # function taps of a rotary stage: (stage, tensor copy)
+        self.plain: dict[int, object] = {}  # storage -> a live tensor of the plain lineage
+        watcher = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                watcher.before(func)
+                out = func(*args, **kwargs)
+                watcher.after(func, args, kwargs, out)
+                return out
+
+        self.mode = _Mode()
+        self.mode.__enter__()
+        _LOCAL.stack = [*getattr(_LOCAL, "stack", []), self]
+
+    def post(self, module, args, output) -> None:
+        if self.mode is None:
+            return
+        mode, self.mode = self.mode, None
+        mode.__exit__(None, None, None)
+        _LOCAL.stack = _LOCAL.stack[:-1]
+        if self.pending is not None:
+            self._write_pending(1.0)
+        self._flush()
+        self.plain = {}
+
+    # -- function taps (the fallback) --------------------------------------------------------------
+    def defer(self, stage: str, tensor) -> bool:
+        """Take a function tap's rotary stage (True), or leave it to the caller (False)."""
+        if stage not in ROTARY_STAGES:
+            return False
+        if not self.seen:
+            self.deferred.append((stage, tensor.detach().clone()))
+        return True
+
+    def _flush(self) -> None:
+        import ffdebug
+
+        deferred, self.deferred = self.deferred, []
+        if not self.seen:
+            for stage, tensor in deferred:
+                ffdebug.tap(stage, tensor)
+
+    # -- the trace ---------------------------------------------------------------------------------
+    def before(self, func) -> None:
+        if self.deferred and not self.seen and func in _projections():
+            self._flush()  # no kernel before the next projection: the function taps stand
+
+    def after(self, func, args, kwargs, out) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        if self.pending is not None:
+            self._scale_of_scores(func, args, out)
+        if func in _projections():
+            self._mark_plain(out)
+            return
+        if func in _plain_calls() and any(
+            t.untyped_storage().data_ptr() in self.plain for t in _tensors(args[:1])
+        ):
+            self._mark_plain(out)
+            return
+        if self.seen:
+            return
+        if func is F.scaled_dot_product_attention:
+            q = args[0] if args else kwargs.get("query")
+            k = args[1] if len(args) > 1 else kwargs.get("key")
+            scale = args[6] if len(args) > 6 else kwargs.get("scale")
+            if self._is_kernel(q, k):
+                self.seen = True
+                d = q.shape[-1]
+                self._write(q, k, 1.0 if scale is None else float(scale) * math.sqrt(d))
+        elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) >= 2:
+            q, kt = args[0], args[1]
+            if isinstance(kt, torch.Tensor) and kt.dim() == 4 and self._is_kernel(q, kt.transpose(-1, -2)):
+                self.seen = True
+                self.pending = (q, kt.transpose(-1, -2), out)
+
+    def _mark_plain(self, out) -> None:
+        for t in _tensors(out):
+            self.plain[t.untyped_storage().data_ptr()] = t  # kept alive: its address is not reused
+
+    def _is_kernel(self, q, k) -> bool:
+        import torch
+
+        return (
+            isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor)
+            and q.dim() == 4
+            and k.dim() == 4
+            and q.is_floating_point()
+            and not isinstance(q, torch.nn.Parameter)
+            and not isinstance(k, torch.nn.Parameter)
+            and q.shape[-1] == k.shape[-1]
+            and q.shape[0] == k.shape[0]
+        )
+
+    def _scale_of_scores(self, func, args, out) -> None:
+        """The op right after an eager `q @ kᵀ`: a scalar multiple of the scores is the scale."""
+        import torch
+
+        q, k, scores = self.pending
+        factor = 1.0
+        if len(args) >= 2 and args[0] is scores and isinstance(args[1], (int, float)):
+            d = math.sqrt(q.shape[-1])
+            if func in (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__):
+                factor = float(args[1]) * d
+            elif func in (torch.div, torch.Tensor.div, torch.Tensor.__truediv__) and args[1]:
+                factor = d / float(args[1])
+        self._write_pending(factor)
+
+    def _write_pending(self, factor: float) -> None:
+        q, k, _ = self.pending
+        self.pending = None
+        self._write(q, k, factor)
+
+    def _write(self, q, k, factor: float) -> None:
+        """Write q / k of the kernel (module doc) unless both are plain projection outputs."""
+        self.deferred = []
+        plain = self.plain
+        if q.untyped_storage().data_ptr() in plain or k.untyped_storage().data_ptr() in plain:
+            return  # no rotary (nor norm) computed q and k: nothing a projection stage does not hold
+        if abs(factor - 1.0) > 1e-6:
+            q = q * factor
+        own, rep = _kv_repeat(k.detach())
+        extra = {"read_at": "attention kernel", "orig_shape": list(q.shape), "layout": "B,H,S,D"}
+        self.session.tap_placed("attn.q_rot", q.detach().transpose(-3, -2), extra)
+        if k.shape[-2] == q.shape[-2]:  # a decode step's k is a cache: its layout is the engine's
+            k_extra = dict(extra, orig_shape=list(k.shape), **({"kv_repeat": rep} if rep > 1 else {}))
+            self.session.tap_placed("attn.k_rot", own.transpose(-3, -2), k_extra)
