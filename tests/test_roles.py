@@ -394,3 +394,32 @@ def test_a_one_branch_block_is_neither_attention_nor_mlp_by_order(tmp_path):
     first = result.first_divergence
     assert (first.layer, first.key) == (1, "L001.branch_out")
     assert result.sub_stage is not None and result.sub_stage.key == "L001.mlp.act.out"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("form", ["tuple", "dataclass"])
+def test_a_ports_logits_under_another_name_are_final_logits(hf, tmp_path, form):
+    """The port returns (aux, logits) or a dataclass whose logits are called `scores`: the
+    output whose last dim is the vocabulary is `final.logits` and pairs with HF's."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        hidden: torch.Tensor
+        scores: torch.Tensor
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, port):
+            super().__init__()
+            self.inner = port
+
+        def forward(self, input_ids):
+            logits = self.inner(input_ids)
+            hidden = logits[..., :8].sum(-1)  # another output, first, and not vocabulary-sized
+            return (hidden, logits) if form == "tuple" else Out(hidden, logits)
+
+    ref = dump(hf, tmp_path, "ref")
+    tgt = dump(Wrapped(make_port(hf, OPAQUE)), tmp_path, "target")
+    assert "final.logits" in open_side(tgt).keys() and "final.out" not in open_side(tgt).keys()
+    res = ffdebug.compare(ref, tgt)
+    assert res.exit_code() == 0 and res.coverage.final_compared

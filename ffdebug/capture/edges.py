@@ -4,6 +4,7 @@ Blocks and their children are capture/hooks.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,16 +90,27 @@ def hook_root(handle: Handle, session, capture, model, root: RootState, order: E
 
 
 def _capture_final(capture, module, output, vocab: int | None, topk: int) -> None:
-    """The root's output: its logits (an output whose last dim is the vocabulary), else its
-    `sample`, else its first tensor as `final.out`."""
+    """The root's output: its logits (`.logits`, else the first floating tensor of the output —
+    a tensor, a tuple, a dict or a dataclass, under any name — whose last dim is the vocabulary),
+    else its `sample`, else its first tensor as `final.out`."""
     import torch
 
     meta = dict(module_class=type(module).__name__, module_path="")
     logits = getattr(output, "logits", None)
     if logits is None and isinstance(output, dict):
         logits = output.get("logits")
-    if logits is None and isinstance(output, torch.Tensor) and vocab and output.dim() >= 1:
-        logits = output if output.shape[-1] == vocab else None
+    if logits is None and vocab:
+        fields = output
+        if dataclasses.is_dataclass(output) and not isinstance(output, type):
+            fields = {f.name: getattr(output, f.name, None) for f in dataclasses.fields(output)}
+        logits = next(
+            (
+                t
+                for _, t in tensors_of(fields)
+                if t.is_floating_point() and t.dim() >= 1 and t.shape[-1] == vocab
+            ),
+            None,
+        )
     if isinstance(logits, torch.Tensor):
         capture("final.logits", logits, **meta)
         if topk:

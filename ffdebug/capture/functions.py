@@ -25,7 +25,6 @@ from ffdebug.capture.kernel_taps import ROTARY_STAGES
 from ffdebug.errors import FFDebugError
 
 
-
 @dataclass
 class FunctionTap:
     """An installed function tap; `remove()` puts back what each binding held before, where the

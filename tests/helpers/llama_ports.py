@@ -99,7 +99,11 @@ class _Attention(nn.Module):
         q, k = globals()[self.rotary](q, k, cos, sin)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = einsum_attention(q, k, v) if self.einsum else F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = (
+            einsum_attention(q, k, v)
+            if self.einsum
+            else F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
