@@ -116,6 +116,7 @@ class KernelWatcher:
         return any(s.wants(prefix + stage, layer) for stage in ROTARY_STAGES)
 
     def pre(self, module, args) -> None:
+        import torch
         from torch.overrides import TorchFunctionMode
 
         if self.mode is not None or not self._wanted():
@@ -129,9 +130,11 @@ class KernelWatcher:
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                watcher.before(func)
+                with torch._C.DisableTorchFunction():  # no mode sees the watcher's own ops
+                    watcher.before(func)
                 out = func(*args, **kwargs)
-                watcher.after(func, args, kwargs, out)
+                with torch._C.DisableTorchFunction():
+                    watcher.after(func, args, kwargs, out)
                 return out
 
         self.mode = _Mode()

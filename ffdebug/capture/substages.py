@@ -129,6 +129,7 @@ class BranchRecorder:
         return s.config.layers.contains(self.base["layer"], s.num_layers)
 
     def pre(self, module, args, kwargs) -> None:
+        import torch
         from torch.overrides import TorchFunctionMode
 
         from ffdebug.capture.outputs import first_tensor
@@ -151,7 +152,8 @@ class BranchRecorder:
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                recorder.observe(func, args, kwargs or {}, out)
+                with torch._C.DisableTorchFunction():  # no mode sees the recorder's own ops
+                    recorder.observe(func, args, kwargs or {}, out)
                 return out
 
         self.session.begin_hold()
