@@ -20,9 +20,10 @@ layout is the engine's, not the model's.
 
 Function taps of a rotary stage (transformers' own rotary functions, listed by introspection in
 `capture.functions`, and `ffdebug.tap_function(..., ("attn.q_rot", "attn.k_rot"))`) are the
-fallback: inside a watched child they are deferred, dropped when the kernel is seen and written when
-it is not (a fused kernel such as flash-attention's is no torch call) — just before the next
-projection, so records keep execution order.
+fallback: inside a watched child each is held in its place among the captures and written only if
+that call of the child sees no kernel it reads (flash-attention's fused kernel, an einsum
+attention). MLA runs a projection (kv_b) between its rotary and its kernel, so the decision waits
+for the child's return.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def _kv_repeat(k):
     return k, 1
 
 
+class _Call:
+    """One call of a watched child."""
+
+    seen = False  # the kernel was seen (its q / k written or not): function taps stand down
+
+
 class KernelWatcher:
     """Hooks of one block child: watch its call for the first attention kernel (module doc)."""
 
@@ -121,19 +128,17 @@ class KernelWatcher:
 
         if self.mode is not None or not self._wanted():
             return
-        self.seen = False  # the kernel was seen (written or not)
+        self.call = _Call()  # this call of the child: whether the kernel was seen
         self.pending = None  # an eager q @ kᵀ waiting for its scale: (q, k, scores)
-        self.deferred: list = []  # function taps of a rotary stage: (stage, tensor copy)
+        self.deferred: list = []  # function taps of a rotary stage not held: written at the return
         self.plain: dict[int, object] = {}  # storage -> a live tensor of the plain lineage
         watcher = self
 
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                with torch._C.DisableTorchFunction():  # no mode sees the watcher's own ops
-                    watcher.before(func)
                 out = func(*args, **kwargs)
-                with torch._C.DisableTorchFunction():
+                with torch._C.DisableTorchFunction():  # no mode sees the watcher's own ops
                     watcher.after(func, args, kwargs, out)
                 return out
 
@@ -154,25 +159,26 @@ class KernelWatcher:
 
     # -- function taps (the fallback) --------------------------------------------------------------
     def defer(self, stage: str, tensor) -> bool:
-        """Take a function tap's rotary stage (True), or leave it to the caller (False)."""
+        """Take a function tap's rotary stage (True), or leave it to the caller (False). It is
+        written, in its place among the captures, only if this call of the child sees no kernel."""
+        import ffdebug
+
         if stage not in ROTARY_STAGES:
             return False
-        if not self.seen:
-            self.deferred.append((stage, tensor.detach().clone()))
+        call, copy = self.call, tensor.detach().clone()
+
+        def write():
+            if not call.seen:
+                ffdebug.tap(stage, copy)
+
+        if not self.session.hold(write):  # captures held (a block's first call, sub-stages): in place
+            self.deferred.append(write)  # else at the child's return, before its output is written
         return True
 
     def _flush(self) -> None:
-        import ffdebug
-
         deferred, self.deferred = self.deferred, []
-        if not self.seen:
-            for stage, tensor in deferred:
-                ffdebug.tap(stage, tensor)
-
-    # -- the trace ---------------------------------------------------------------------------------
-    def before(self, func) -> None:
-        if self.deferred and not self.seen and func in _projections():
-            self._flush()  # no kernel before the next projection: the function taps stand
+        for write in deferred:
+            write()
 
     def after(self, func, args, kwargs, out) -> None:
         import torch
@@ -188,20 +194,20 @@ class KernelWatcher:
         ):
             self._mark_plain(out)
             return
-        if self.seen:
+        if self.call.seen:
             return
         if func is F.scaled_dot_product_attention:
             q = args[0] if args else kwargs.get("query")
             k = args[1] if len(args) > 1 else kwargs.get("key")
             scale = args[6] if len(args) > 6 else kwargs.get("scale")
             if self._is_kernel(q, k):
-                self.seen = True
+                self.call.seen = True
                 d = q.shape[-1]
                 self._write(q, k, 1.0 if scale is None else float(scale) * math.sqrt(d))
         elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) >= 2:
             q, kt = args[0], args[1]
             if isinstance(kt, torch.Tensor) and kt.dim() == 4 and self._is_kernel(q, kt.transpose(-1, -2)):
-                self.seen = True
+                self.call.seen = True
                 self.pending = (q, kt.transpose(-1, -2), out)
 
     def _mark_plain(self, out) -> None:
@@ -244,7 +250,6 @@ class KernelWatcher:
 
     def _write(self, q, k, factor: float) -> None:
         """Write q / k of the kernel (module doc) unless both are plain projection outputs."""
-        self.deferred = []
         plain = self.plain
         if q.untyped_storage().data_ptr() in plain or k.untyped_storage().data_ptr() in plain:
             return  # no rotary (nor norm) computed q and k: nothing a projection stage does not hold

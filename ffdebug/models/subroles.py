@@ -213,6 +213,11 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     ins = [c for c in calls if c.from_input]
     outs = [c for c in calls if not c.from_input and c.out_features == trace.hidden]
     h, kv, d = _head_counts(trace, dims)
+    inner = [c for c in calls if not c.from_input and (not outs or c is not outs[-1])]
+    if _low_rank(ins, inner, trace.hidden):  # MLA: latents projected up before the heads
+        from ffdebug.models.mla_roles import mla_substages
+
+        return mla_substages(trace, ins, inner, outs[-1] if outs else None, h)
     out: list[SubStage] = []
     roles = ("attn.q", "attn.k", "attn.v")
     if len(ins) == 3:
@@ -233,6 +238,14 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
         out.append(_stage("attn.context", o.x, o, trace, h, d, reads=False))
         out.append(_stage("attn.o", o.y, o, trace))
     return out
+
+
+def _low_rank(ins: list[LinearCall], inner: list[LinearCall], hidden: int) -> bool:
+    """A low-rank (MLA) attention: an input projection the branch splits into pieces, one of which
+    is as wide as the input of a projection up from a latent narrower than the hidden size
+    (`ffdebug.models.mla_roles`). Cross-attention's k / v read the encoder's states, not a piece."""
+    widths = {p.cols.numel() for c in ins if len(c.pieces) >= 2 for p in c.pieces}
+    return any(c.in_features < hidden and c.in_features in widths for c in inner)
 
 
 def _gate_first(ptrs: list[int], act_ptrs: list[int]) -> bool:
@@ -393,12 +406,20 @@ def with_inputs(stages: list[SubStage], trace: BranchTrace, group: bool = True) 
         if c is None or s.io != "out":
             continue
         parent, leaf = s.kind.rsplit(".", 1) if "." in s.kind else ("", s.kind)
+        named = s.extra.pop("in_name", None)  # one record for readers of one tensor, so named
         sibling = group and c.from_input and leaf in _ROLE_ORDER
-        groups.setdefault((parent, c.x_id) if sibling else (id(s),), []).append(s)
+        key = (named, c.x_id) if named else (parent, c.x_id) if sibling else (id(s),)
+        groups.setdefault(key, []).append(s)
+        if named:
+            s.extra["in_name"] = named
     before: dict[int, SubStage] = {}  # id(first reader) -> the `.in` stage written just before it
     for members in groups.values():
         c = members[0].source
-        name = _group_name([m.kind for m in members]) if len(members) > 1 else members[0].kind
+        name = members[0].extra.pop("in_name", None)
+        for m in members[1:]:
+            m.extra.pop("in_name", None)
+        if name is None:
+            name = _group_name([m.kind for m in members]) if len(members) > 1 else members[0].kind
         extra: dict = {"orig_shape": list(c.x.shape)}
         if len(members) > 1:
             extra["read_by"] = [m.kind for m in members]

@@ -1,0 +1,116 @@
+"""Role sub-stages of a low-rank (multi-head latent, MLA) attention branch (README "Role sub-stages").
+
+DeepSeek-V2 / V3-style attention projects its input down to latents before the heads:
+
+    q_latent          = W_qa · x                      [B, S, r_q]      (absent without a q latent: q = W_q · x)
+    kv_latent, k_rope = split(W_kva · x)              [B, S, r_kv], [B, S, d_rope]
+    q                 = W_qb · norm(q_latent)         [B, S, H, d_nope + d_rope]
+    k_nope, v         = split(W_kvb · norm(kv_latent)) [B, S, H, d_nope], [B, S, H, d_v]
+
+`attention_substages` hands a branch here when it runs projections of something other than its
+input before the output projection (the up-projections `W_qb`, `W_kvb`). Which is which is read
+from the structure, never from names: the projection of the input whose output the branch splits
+into two or more pieces carries the kv latent and, as its last piece, the rotary part of the key
+(HF's `kv_a_proj_with_mqa` → [kv_latent | k_rope]; an engine's fused `q_a | kv_a` → [q_latent |
+kv_latent | k_rope]); `W_kvb` is the up-projection that reads the kv latent's width (the later one
+when both latents have it), `W_qb` the other, and the q latent the input piece of `W_qb`'s width.
+
+| key | what it is |
+|---|---|
+| `attn.latent.in` | what the input projections read (one record for `q_a` and `kv_a`, fused or not) |
+| `attn.q_latent`, `attn.kv_latent`, `attn.k_rope` | the down-projections' outputs (pieces of a fused one) |
+| `attn.q_latent_norm`, `attn.kv_latent_norm` | the normalised latents the up-projections read |
+| `attn.q` | the up-projected q, `[B, S, H, d_nope + d_rope]` |
+| `attn.k_nope`, `attn.v` | the pieces of the kv up-projection, split the way the branch splits it |
+| `attn.context`, `attn.o` | as for any attention |
+
+An absorbed port (the kv up-projection folded into q and the output, `W_kc` / `W_vc` applied to the
+latent) never makes per-head k_nope / v: those keys are then absent on that side (coverage says so).
+"""
+
+from __future__ import annotations
+
+from ffdebug.models.subroles import (
+    BranchTrace,
+    LinearCall,
+    SubStage,
+    _heads_of,
+    _parts,
+    _stage,
+    leading_shape,
+)
+
+LATENT_INPUT = "attn.latent"  # the `.in` name the down-projections share
+_LATENT_LEAVES = ("q_latent", "kv_latent", "k_rope", "q")
+
+
+def is_low_rank(trace: BranchTrace, ins: list[LinearCall], inner: list[LinearCall]) -> bool:
+    """Whether the branch projects latents up before its output projection (`inner`: projections
+    neither of the branch input nor back to the hidden size)."""
+    return bool(ins) and bool(inner)
+
+
+def _segments(ins: list[LinearCall]) -> list[tuple[object, dict, LinearCall, int]]:
+    """Each input projection's output, or its pieces when the branch split it: (tensor, split
+    fields, call, number of pieces of that call)."""
+    out = []
+    for c in ins:
+        parts = _parts(c, len(c.pieces)) if len(c.pieces) >= 2 else None
+        if parts is None:
+            out.append((c.y, {}, c, 1))
+        else:
+            out += [(t, split, c, len(parts)) for t, split, _ in parts]
+    return out
+
+
+def mla_substages(
+    trace: BranchTrace, ins: list[LinearCall], inner: list[LinearCall], o: LinearCall | None, heads: int | None
+) -> list[SubStage]:
+    """The module table's stages for one call of a low-rank attention branch."""
+    segs = _segments(ins)
+    split_calls = [c for c in ins if any(s[2] is c and s[3] >= 2 for s in segs)]
+    if not split_calls:
+        trace.notes.append("a low-rank attention whose kv latent and rotary key part were not split apart")
+        return []
+    carrier = split_calls[-1]
+    own = [s for s in segs if s[2] is carrier]
+    kv_seg, rope_seg = own[-2], own[-1]
+    kv_width = kv_seg[0].shape[-1]
+    kv_b = [c for c in inner if c.in_features == kv_width][-1:] or inner[-1:]
+    kv_b = kv_b[0]
+    q_b = next((c for c in inner if c is not kv_b), None)
+    out: list[SubStage] = []
+
+    def down(kind, seg):
+        t, split, call, _ = seg
+        s = _stage(kind, t, call, trace, split=split or None)
+        s.extra["in_name"] = LATENT_INPUT
+        out.append(s)
+
+    q_seg = None
+    if q_b is not None:
+        q_seg = next((s for s in segs if s is not kv_seg and s[0].shape[-1] == q_b.in_features), None)
+    elif len(segs) > 2:  # no q latent: q is a projection of the input itself
+        q_seg = next((s for s in segs if s is not kv_seg and s is not rope_seg), None)
+    if q_seg is not None:
+        down("attn.q_latent" if q_b is not None else "attn.q", q_seg)
+    down("attn.kv_latent", kv_seg)
+    down("attn.k_rope", rope_seg)
+    if q_b is not None:
+        out.append(SubStage("attn.q_latent_norm", leading_shape(q_b.x, trace), q_b.index, q_b.path, {}))
+        out.append(_stage("attn.q", q_b.y, q_b, trace, heads, _per_head(q_b.out_features, heads), reads=False))
+    out.append(SubStage("attn.kv_latent_norm", leading_shape(kv_b.x, trace), kv_b.index, kv_b.path, {}))
+    parts = _parts(kv_b, 2)
+    if parts is None:
+        trace.notes.append(f"{kv_b.path}: its k_nope / v pieces were not taken apart by a split the branch made")
+    else:
+        for kind, (t, split, piece) in zip(("attn.k_nope", "attn.v"), parts):
+            out.append(_stage(kind, t, kv_b, trace, *_heads_of(piece, heads, None), split=split, reads=False))
+    if o is not None:
+        out.append(_stage("attn.context", o.x, o, trace, heads, _per_head(o.in_features, heads), reads=False))
+        out.append(_stage("attn.o", o.y, o, trace))
+    return out
+
+
+def _per_head(width: int, heads: int | None) -> int | None:
+    return width // heads if heads and width % heads == 0 else None

@@ -1,0 +1,120 @@
+"""An engine-style MLA port (DeepSeek-V3: fused q_a | kv_a, kv_b split per head, grouped routing with
+a correction bias, a shared expert, a dense first layer; tests/helpers/mla_port.py) against HF: the
+correct port pairs every role sub-stage and passes; each planted bug is named at its layer and role."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import mla_port
+from helpers.mla_port import make_mla_port, tiny_deepseek_v3
+
+import ffdebug
+from ffdebug.store.reader import open_side
+
+pytestmark = pytest.mark.integration
+
+MLA_KEYS = {
+    "attn.latent.in", "attn.q_latent.out", "attn.kv_latent.out", "attn.k_rope.out",
+    "attn.q_latent_norm.out", "attn.q.out", "attn.kv_latent_norm.out", "attn.k_nope.out",
+    "attn.v.out", "attn.q_rot", "attn.k_rot", "attn.context.out", "attn.o.in", "attn.o.out",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_deepseek_v3()
+
+
+@pytest.fixture(scope="module")
+def ref(hf, tmp_path_factory):
+    return _dump(hf, tmp_path_factory.mktemp("mla"), "ref")
+
+
+def _ids():
+    return torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _dump(model, root, side):
+    with ffdebug.capture(model, dir=root, side=side, substages=True), torch.no_grad():
+        if side == "ref":
+            model(input_ids=_ids())
+        else:
+            model(_ids())
+    return root / side
+
+
+def test_the_correct_port_pairs_every_mla_role_and_passes(hf, ref, tmp_path):
+    tgt = _dump(make_mla_port(hf), tmp_path, "target")
+    res = ffdebug.compare(ref, tgt)
+    assert res.exit_code() == 0 and not res.coverage.only_ref and not res.coverage.only_target
+    keys = {k.split(".", 1)[1] for k in open_side(tgt).keys() if k.startswith("L001.")}
+    assert MLA_KEYS <= keys and not any("kv_up" in k or "q_up" in k for k in keys)
+    assert ffdebug.bisect(ref, tgt).exit_code() == 0
+
+
+def _attn(port, layer):
+    return port.stack[layer].mix
+
+
+def _no_kv_norm(port, layer):
+    _attn(port, layer).c_norm.forward = lambda x: x  # the kv latent norm skipped
+
+
+def _kv_swap(port, layer):
+    a = _attn(port, layer)
+    assert a.nope == a.dv  # the swap keeps shapes: k_nope and v read each other's columns
+    w = a.kv_up.weight.data.view(a.h, a.nope + a.dv, -1)
+    a.kv_up.weight.data = torch.cat([w[:, a.nope :], w[:, : a.nope]], dim=1).reshape(a.kv_up.weight.shape)
+
+
+def _rope_on_nope(port, layer):
+    a = _attn(port, layer)
+
+    def forward(self, x, cos, sin):  # rotates the first d_rope columns of q (nope), not the last
+        b, s, _ = x.shape
+        q_lat, c, k_pe = self.down(x).split([self.rq, self.rkv, self.rope], dim=-1)
+        q = self.q_up(self.q_norm(q_lat)).view(b, s, self.h, self.nope + self.rope)
+        q = torch.cat([mla_port.rope_pairs(q[..., : self.rope], cos[:, :, None], sin[:, :, None]), q[..., self.rope :]], -1)
+        kv = self.kv_up(self.c_norm(c)).view(b, s, self.h, self.nope + self.dv)
+        k_nope, v = kv.split([self.nope, self.dv], dim=-1)
+        k_pe = mla_port.rope_pairs(k_pe[:, :, None], cos[:, :, None], sin[:, :, None])
+        k = torch.cat([k_nope, k_pe.expand(b, s, self.h, self.rope)], dim=-1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+        return self.out(o.transpose(1, 2).reshape(b, s, -1))
+
+    a.forward = types.MethodType(forward, a)
+
+
+def _bias_in_weights(port, layer):
+    moe = port.stack[layer].ff
+    plain = moe.route
+
+    def route(flat):
+        ids, _ = plain(flat)
+        scores = F.linear(flat.float(), moe.score.weight.float()).sigmoid() + moe.bias  # bias kept
+        w = scores.gather(1, ids)
+        return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * moe.factor
+
+    moe.route = route
+
+
+BUGS = [  # (plant, layer, the role sub-stage bisect must name)
+    (_no_kv_norm, 1, "attn.kv_latent_norm"),
+    (_kv_swap, 2, "attn.k_nope"),
+    (_rope_on_nope, 0, "attn.q_rot"),
+    (_bias_in_weights, 2, "moe.topk_weights"),
+]
+
+
+@pytest.mark.parametrize("plant, layer, role", BUGS, ids=[b[0].__name__.strip("_") for b in BUGS])
+def test_a_planted_port_bug_is_named_at_its_layer_and_role(hf, ref, tmp_path, plant, layer, role):
+    port = copy.deepcopy(make_mla_port(hf))
+    plant(port, layer)
+    r = ffdebug.bisect(ref, _dump(port, tmp_path, "target"))
+    assert r.exit_code() == 1
+    assert (r.first_divergence.layer, r.sub_stage.stage.removesuffix(".out")) == (layer, role), r.conclusion
