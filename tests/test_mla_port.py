@@ -79,12 +79,17 @@ def _rope_on_nope(port, layer):
         b, s, _ = x.shape
         q_lat, c, k_pe = self.down(x).split([self.rq, self.rkv, self.rope], dim=-1)
         q = self.q_up(self.q_norm(q_lat)).view(b, s, self.h, self.nope + self.rope)
-        q = torch.cat([mla_port.rope_pairs(q[..., : self.rope], cos[:, :, None], sin[:, :, None]), q[..., self.rope :]], -1)
+        q = torch.cat(
+            [mla_port.rope_pairs(q[..., : self.rope], cos[:, :, None], sin[:, :, None]), q[..., self.rope :]],
+            -1,
+        )
         kv = self.kv_up(self.c_norm(c)).view(b, s, self.h, self.nope + self.dv)
         k_nope, v = kv.split([self.nope, self.dv], dim=-1)
         k_pe = mla_port.rope_pairs(k_pe[:, :, None], cos[:, :, None], sin[:, :, None])
         k = torch.cat([k_nope, k_pe.expand(b, s, self.h, self.rope)], dim=-1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v.transpose(1, 2), is_causal=True, scale=self.scale
+        )
         return self.out(o.transpose(1, 2).reshape(b, s, -1))
 
     a.forward = types.MethodType(forward, a)

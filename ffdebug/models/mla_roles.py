@@ -64,7 +64,11 @@ def _segments(ins: list[LinearCall]) -> list[tuple[object, dict, LinearCall, int
 
 
 def mla_substages(
-    trace: BranchTrace, ins: list[LinearCall], inner: list[LinearCall], o: LinearCall | None, heads: int | None
+    trace: BranchTrace,
+    ins: list[LinearCall],
+    inner: list[LinearCall],
+    o: LinearCall | None,
+    heads: int | None,
 ) -> list[SubStage]:
     """The module table's stages for one call of a low-rank attention branch."""
     segs = _segments(ins)
@@ -98,11 +102,15 @@ def mla_substages(
     down("attn.k_rope", rope_seg)
     if q_b is not None:
         out.append(SubStage("attn.q_latent_norm", leading_shape(q_b.x, trace), q_b.index, q_b.path, {}))
-        out.append(_stage("attn.q", q_b.y, q_b, trace, heads, _per_head(q_b.out_features, heads), reads=False))
+        out.append(
+            _stage("attn.q", q_b.y, q_b, trace, heads, _per_head(q_b.out_features, heads), reads=False)
+        )
     out.append(SubStage("attn.kv_latent_norm", leading_shape(kv_b.x, trace), kv_b.index, kv_b.path, {}))
     parts = _parts(kv_b, 2)
     if parts is None:
-        trace.notes.append(f"{kv_b.path}: its k_nope / v pieces were not taken apart by a split the branch made")
+        trace.notes.append(
+            f"{kv_b.path}: its k_nope / v pieces were not taken apart by a split the branch made"
+        )
     else:
         for kind, (t, split, piece) in zip(("attn.k_nope", "attn.v"), parts):
             out.append(_stage(kind, t, kv_b, trace, *_heads_of(piece, heads, None), split=split, reads=False))

@@ -168,7 +168,10 @@ class GroupedMoE(nn.Module):
 class Layer(nn.Module):
     def __init__(self, cfg, scale: float, dense: bool) -> None:
         super().__init__()
-        self.pre_mix, self.pre_ff = Rms(cfg.hidden_size, cfg.rms_norm_eps), Rms(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_mix, self.pre_ff = (
+            Rms(cfg.hidden_size, cfg.rms_norm_eps),
+            Rms(cfg.hidden_size, cfg.rms_norm_eps),
+        )
         self.mix = LatentAttention(cfg, scale)
         self.ff = Dense(cfg.hidden_size, cfg.intermediate_size) if dense else GroupedMoE(cfg)
 
