@@ -23,6 +23,13 @@ MLA_KEYS = {
     "attn.q_latent_norm.out", "attn.q.out", "attn.kv_latent_norm.out", "attn.k_nope.out",
     "attn.v.out", "attn.q_rot", "attn.k_rot", "attn.context.out", "attn.o.in", "attn.o.out",
 }  # fmt: skip
+ROUTING_KEYS = {
+    "moe.router.out",
+    "moe.group_scores.out",
+    "moe.group_topk_ids.out",
+    "moe.topk_ids.out",
+    "moe.topk_weights.out",
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +61,7 @@ def test_the_correct_port_pairs_every_mla_role_and_passes(hf, ref, tmp_path):
     assert res.exit_code() == 0 and not res.coverage.only_ref and not res.coverage.only_target
     keys = {k.split(".", 1)[1] for k in open_side(tgt).keys() if k.startswith("L001.")}
     assert MLA_KEYS <= keys and not any("kv_up" in k or "q_up" in k for k in keys)
+    assert ROUTING_KEYS <= keys and "moe.shared.out" in keys
     assert ffdebug.bisect(ref, tgt).exit_code() == 0
 
 
@@ -108,11 +116,17 @@ def _bias_in_weights(port, layer):
     moe.route = route
 
 
+def _groups_ignored(port, layer):
+    moe = port.stack[layer].ff
+    moe.keep = moe.groups  # node-limited routing off: every group stays eligible
+
+
 BUGS = [  # (plant, layer, the role sub-stage bisect must name)
     (_no_kv_norm, 1, "attn.kv_latent_norm"),
     (_kv_swap, 2, "attn.k_nope"),
     (_rope_on_nope, 0, "attn.q_rot"),
     (_bias_in_weights, 2, "moe.topk_weights"),
+    (_groups_ignored, 2, "moe.group_topk_ids"),
 ]
 
 

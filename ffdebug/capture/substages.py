@@ -200,7 +200,10 @@ class BranchRecorder:
             self._batched(args[0], args[1], out)
         elif func in (torch.topk, torch.Tensor.topk):
             if not any(c.expert is not None for c in trace.calls):  # the last before the experts:
-                trace.topk = (trace.events, out[0].detach().clone(), out[1].detach().clone())
+                if trace.topk is not None and trace.topk[3] is not None:  # an earlier level
+                    trace.group_topk = trace.topk[3], trace.topk[2]
+                scores = args[0].detach().clone() if args[0].dim() == 2 else None
+                trace.topk = (trace.events, out[0].detach().clone(), out[1].detach().clone(), scores)
                 trace.weights = None  # grouped routing takes a group-level top-k first
         elif func in activations():
             if isinstance(args[0], torch.Tensor):

@@ -17,7 +17,8 @@ counts and the expert count:
 | MLP | `mlp.act` | the input of the down projection (act(gate) · up for a gated MLP) |
 | MLP | `mlp.down` | the last projection back to the hidden size |
 | MoE | `moe.router` | the first projection of the branch input to E outputs (E: config, else the stacked expert weights' first dim, else the expert list's length) |
-| MoE | `moe.topk_ids`, `moe.topk_weights` | the indices of the last `topk` before the first expert runs (grouped routing takes a group-level top-k first); the last float tensor of their shape made before the first expert runs (renormalised / cast weights) |
+| MoE | `moe.topk_ids`, `moe.topk_weights` | the indices of the last `topk` before the first expert runs: the level that selects experts; the last float tensor of their shape made before the first expert runs (renormalised / cast weights) |
+| MoE | `moe.group_scores`, `moe.group_topk_ids` | grouped routing's first level: the `[tokens, G]` group strengths a top-k before the expert-selecting one ranks (G a proper divisor of E) and the groups it keeps, ascending |
 | MoE | `moe.expertNNN` | expert NNN's last projection back to the hidden size, its rows sorted by token (a slice `W[e]` of a stacked `[E, ...]` weight, a projection of the e-th module of an expert list, or expert e's block of rows in a grouped matmul); an expert no token reached has no rows |
 | MoE | `moe.shared`, `moe.shared.gate` / `.up` / `.act` | a shared expert: the MLP rules on the projections that are neither the router's nor an expert's |
 
@@ -108,6 +109,7 @@ class BranchTrace:
     hidden: int
     calls: list[LinearCall] = field(default_factory=list)
     topk: tuple | None = None  # (index after which it ran, values, indices)
+    group_topk: tuple | None = None  # (scores it ranked, indices) of a top-k over expert groups
     weights: tuple | None = None  # (index, tensor): last float [*, k] before the first expert
     act_ptrs: list[int] = field(default_factory=list)  # data_ptrs of activation inputs
     head_shapes: list[tuple[int, int]] = field(default_factory=list)  # (heads, head_dim) reshapes
@@ -299,7 +301,8 @@ def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     out = [_stage("moe.router", router.y, router, trace)] if router is not None else []
     first_expert = experts[0].index
     if trace.topk is not None and router is not None:
-        at, _values, ids = trace.topk
+        at, _values, ids, _scores = trace.topk
+        out += _group_levels(trace, dims, first_expert, router.path)  # the level before, first
         out.append(SubStage("moe.topk_ids", leading_shape(ids, trace), first_expert, router.path, {}))
         w = trace.weights[1] if trace.weights is not None else trace.topk[1]
         out.append(SubStage("moe.topk_weights", leading_shape(w, trace), first_expert, router.path, {}))
@@ -331,6 +334,23 @@ def moe_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
         s.kind = "moe.shared" if s.kind == "mlp.down" else s.kind.replace("mlp.", "moe.shared.")
         out.append(s)
     return out
+
+
+def _group_levels(trace: BranchTrace, dims: Dims, at: int, path: str) -> list[SubStage]:
+    """Grouped (node-limited) routing's first level: `moe.group_scores` (each expert group's
+    strength) and `moe.group_topk_ids` (the groups kept, ascending: a set), from the last top-k
+    before the expert-selecting one over a `[tokens, G]` tensor with G a proper divisor of E."""
+    if trace.group_topk is None:
+        return []
+    scores, ids = trace.group_topk
+    groups = scores.shape[-1]
+    if not dims.experts or groups >= dims.experts or dims.experts % groups:
+        return []
+    extra = {"groups": groups}
+    return [
+        SubStage("moe.group_scores", leading_shape(scores, trace), at, path, dict(extra)),
+        SubStage("moe.group_topk_ids", leading_shape(ids.sort(-1).values, trace), at, path, dict(extra)),
+    ]
 
 
 def _idle_experts(by_expert: dict, count: int | None, placed: list[SubStage]) -> list[SubStage]:

@@ -49,10 +49,13 @@ def bisect_sentence(result: BisectResult) -> str:
         where += f" on target rank {first.rank}"
     sub = result.sub_stage
     inside = ""
-    if sub is not None and first.layer is not None and sub.stage != first.stage:
-        inside = f"; inside it, {sub.stage} is the first sub-stage to lose accuracy ({numbers(sub)})"
-    elif sub is not None and first.layer is not None:
-        inside = f" is the first sub-stage to lose accuracy ({numbers(sub)})"
+    if sub is not None and first.layer is not None:
+        said = numbers(sub) or "; ".join(sub.notes[:1])  # a shape mismatch has no numbers
+        said = f" ({said})" if said else ""
+        if sub.stage != first.stage:
+            inside = f"; inside it, {sub.stage} is the first sub-stage to lose accuracy{said}"
+        else:
+            inside = f" is the first sub-stage to lose accuracy{said}"
     if p is PatternName.LAYER_CLASS:
         pattern = f"pattern layer_class: {result.reason}, so the {first.layer_class} code path is implicated"
     elif p is PatternName.JUMP:
