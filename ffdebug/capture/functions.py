@@ -86,7 +86,7 @@ def tap_function(spec: str, stages: tuple[str, ...] | list[str]) -> FunctionTap:
         out = original(*args, **kwargs)
         watcher = kernel_taps.active()  # inside a watched branch the kernel's q / k come first
         for stage, (_, tensor) in zip(stages, tensors_of(out)):
-            if watcher is None or not watcher.defer(stage, tensor):
+            if watcher is None or not watcher.defer(stage, tensor, spec):
                 ffdebug.tap(stage, tensor)
         return out
 

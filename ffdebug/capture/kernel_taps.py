@@ -97,6 +97,7 @@ class _Call:
     """One call of a watched child."""
 
     seen = False  # the kernel was seen (its q / k written or not): function taps stand down
+    function = ""  # the rotary function tapped in this call before the kernel, if any
 
 
 class KernelWatcher:
@@ -158,7 +159,7 @@ class KernelWatcher:
         self.plain = {}
 
     # -- function taps (the fallback) --------------------------------------------------------------
-    def defer(self, stage: str, tensor) -> bool:
+    def defer(self, stage: str, tensor, source: str = "") -> bool:
         """Take a function tap's rotary stage (True), or leave it to the caller (False). It is
         written, in its place among the captures, only if this call of the child sees no kernel."""
         import ffdebug
@@ -166,6 +167,7 @@ class KernelWatcher:
         if stage not in ROTARY_STAGES:
             return False
         call, copy = self.call, tensor.detach().clone()
+        call.function = call.function or source  # named in the kernel's records (`rotary_function`)
 
         def write():
             if not call.seen:
@@ -257,6 +259,8 @@ class KernelWatcher:
             q = q * factor
         own, rep = _kv_repeat(k.detach())
         extra = {"read_at": "attention kernel", "orig_shape": list(q.shape), "layout": "B,H,S,D"}
+        if self.call.function:
+            extra["rotary_function"] = self.call.function
         self.session.tap_placed("attn.q_rot", q.detach().transpose(-3, -2), extra)
         if k.shape[-2] == q.shape[-2]:  # a decode step's k is a cache: its layout is the engine's
             k_extra = dict(extra, orig_shape=list(k.shape), **({"kv_repeat": rep} if rep > 1 else {}))

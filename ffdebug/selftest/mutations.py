@@ -9,7 +9,7 @@ itself defines for the behaviour mutated (`norm_topk_prob`, `sliding_window`).
 |---|---|---|
 | `attn.q` / `attn.k` / `attn.v` / `attn.o` scaled | that projection's weight rows (its columns of a fused one) and bias × 1.5 in layer `ONE_LAYER` | that layer, its attention stage, the sub-stage, `jump` |
 | `head zeroed` | head 1 of the attention context set to 0 where the output projection reads it, in layer `ONE_LAYER` | that layer, its attention stage, `attn.context` with head 1 its worst head, `jump` |
-| `rope base` | every rotary table built from base^0.75 (its `inv_freq` ^ 0.75) | layer 0, `attn.q_rot`, any pattern |
+| `rope base` | every rotary table built from base^0.75 (its `inv_freq` ^ 0.75) | the first layer a rotary function rotates q in (its kernel record names the function; else the first with an `attn.q_rot`), `attn.q_rot`, any pattern |
 | `norm eps` | every norm inside the blocks with eps 0.1 | layer 0, the first of its stages that holds such a norm, any pattern |
 | `mlp.act` swapped | the MLP activation of layer `ONE_LAYER` replaced (one computing SiLU by GELU, any other by SiLU) | that layer, its MLP stage, `mlp.act`, `jump` |
 | `experts swapped` | experts 0 and 1 of the first MoE layer exchanged (the container: parameters stacked over the config's E, or a list of E modules) | that layer, its MoE stage, a `moe.` sub-stage, `jump` |
@@ -213,8 +213,8 @@ class Planner(DumpedStages):
 
     def rope_base(self) -> list[Mutation]:
         tables = [name for name, buf in self.model.named_buffers() if name.endswith("inv_freq")]
-        first = self.sub(0, "attn.q_rot") or self.by_key.get("L000.attn.q_rot")
-        if not tables or first is None:
+        rotated = self._first_rotated()
+        if not tables or rotated is None:
             return []
 
         def plant(model: Any) -> None:
@@ -227,10 +227,19 @@ class Planner(DumpedStages):
             Mutation(
                 "rope base",
                 f"{len(tables)} rotary table(s), inv_freq ^ {ROPE_EXPONENT}",
-                Expected(0, None, "attn.q_rot", None),
+                Expected(rotated, None, "attn.q_rot", None),
                 plant,
             )
         ]
+
+    def _first_rotated(self) -> int | None:
+        """The first layer whose `attn.q_rot` a rotary function made (the kernel's record names the
+        function: a hybrid's linear-attention layers read q / k at a kernel without rotating them),
+        else the first layer that has one."""
+        rot = [r for r in self.records if r.key.endswith(".attn.q_rot") and r.layer is not None]
+        named = [r.layer for r in rot if (r.extra or {}).get("rotary_function")]
+        layers = named or [r.layer for r in rot]
+        return min(layers) if layers else None
 
     def norm_eps(self) -> list[Mutation]:
         from ffdebug.models.roles import is_norm_type, norm_shaped
