@@ -61,6 +61,9 @@ def _at_most(attr: str):
     return lambda value, s: min(value, getattr(s, attr))
 
 
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k")
+
 SIZES: dict[str, Any] = {
     # widths
     **dict.fromkeys(
@@ -135,10 +138,8 @@ SIZES: dict[str, Any] = {
         _fixed("moe_intermediate"),
     ),  # fmt: skip
     # experts and routing
-    **dict.fromkeys(
-        ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), _fixed("experts")
-    ),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k"), _at_most("top_k")),
+    **dict.fromkeys(EXPERT_COUNTS, _fixed("experts")),
+    **dict.fromkeys(TOP_K_FIELDS, _at_most("top_k")),
     "n_group": lambda value, s: min(value, 2),
     "num_expert_group": lambda value, s: min(value, 2),
     "topk_group": lambda value, s: 1,
@@ -267,6 +268,10 @@ def _shrink_one(cfg: Any, sizes: Sizes, prefix: str, changes: list[str]) -> None
         value = _get(cfg, name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             put(name, rule(value, sizes))
+    experts = any(isinstance(_get(cfg, n), int) and _get(cfg, n) > 1 for n in EXPERT_COUNTS)
+    for name in TOP_K_FIELDS:  # a config that leaves its top-k unset (DeepSeek-V2's defaults) routes none
+        if experts and hasattr(cfg, name) and _get(cfg, name) is None:
+            put(name, sizes.top_k)
     for name, rule in LIST_SIZES.items():
         value = _get(cfg, name)
         if (
