@@ -237,6 +237,9 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
             _undetermined(trace, fused, "k / v" if len(ins) == 2 else "q / k / v")
     if outs:
         o = outs[-1]
+        q = next((x for x in out if x.kind == "attn.q"), None)
+        if (h is None or d is None) and q is not None and "heads" in q.extra:  # the heads q was split into
+            h, d = q.tensor.shape[-2], q.tensor.shape[-1]
         out.append(_stage("attn.context", o.x, o, trace, h, d, reads=False))
         out.append(_stage("attn.o", o.y, o, trace))
     return out
