@@ -114,15 +114,16 @@ def test_missing_rank_exit_4(model, tmp_path, monkeypatch):
 
 
 class TuplePort(torch.nn.Module):
-    """A port whose forward takes the ids and returns its logits in a tuple (no `.logits`, not a
-    vocabulary-sized tensor): its output is dumped as `final.out.0`."""
+    """A port whose forward takes the ids and returns its logits vocabulary-first (`[B, V, S]`) in
+    a tuple: no `.logits` and no tensor whose last dim is the vocabulary, so its output is dumped
+    as `final.out.0` (logits in any other form are found by their width: tests/test_roles.py)."""
 
     def __init__(self, inner) -> None:
         super().__init__()
         self.inner = inner
 
     def forward(self, input_ids):
-        return (self.inner(input_ids=input_ids).logits,)
+        return (self.inner(input_ids=input_ids).logits.transpose(1, 2),)
 
 
 def test_port_whose_final_stages_do_not_pair_exit_4(model, tmp_path):
@@ -136,11 +137,13 @@ def test_port_whose_final_stages_do_not_pair_exit_4(model, tmp_path):
     assert cov["only_ref"] == ["final.logits"] and cov["only_target"] == ["final.out.0"]
     assert not cov["final_compared"]
     assert "stage kinds dumped by the reference only: final.logits" in cov["missing"]
-    # the stage map pairs them, and the run is complete
+    # the stage map pairs them: the run is complete, and the other layout is named, not passed
     code, data = run(
         "compare", "ref-vs-target", "--dir", str(tmp_path), "--map", r"final\.out\.0=final.logits"
     )
-    assert code == 0 and data["coverage"]["final_compared"]
+    assert code == 1 and data["coverage"]["final_compared"] and data["complete"]
+    final = next(s for s in data["stages"] if s["key"] == "final.logits")
+    assert final["finding"] == "shape_mismatch"
 
 
 def test_correct_single_layer_selection_on_both_sides_exit_0(tmp_path):
