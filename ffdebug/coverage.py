@@ -271,6 +271,7 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
     cov.kinds = _kind_counts(inp)
     cov.only_ref = [k.kind for k in cov.kinds if k.ref and not k.target]
     cov.only_target = [k.kind for k in cov.kinds if k.target and not k.ref]
+    excused, excused_kinds = _form_excuses(ref, target, cov)
     cov.final_compared = any(is_final_output(e.key) for e in inp.results)
     cov.sides = {"ref": side_coverage(ref), "target": side_coverage(target)}
     cov.stats_only = sum(1 for e in inp.results if e.stats_only)
@@ -282,7 +283,7 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
     cov.calls_only_ref = [{"call": g.call, "step": dict(g.tags)} for g in inp.unpaired_ref]
     cov.calls_only_target = [{"call": g.call, "step": dict(g.tags)} for g in inp.unpaired_target]
     selected, differing = selection_sentences(ref, target)
-    cov.selected_out = selected + inp.filters + _unplaced_sentences(ref, target)
+    cov.selected_out = selected + inp.filters + _unplaced_sentences(ref, target) + excused
     if cov.unified_shapes:
         shown = [
             f"{u['key']} (ref {u['shape_ref']} vs target {u['shape_target']})" for u in cov.unified_shapes
@@ -296,7 +297,7 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
         missing.append(f"stage kinds dumped by the reference only: {_names(cov.only_ref)}")
     if cov.only_target:
         missing.append(f"stage kinds dumped by the target only: {_names(cov.only_target)}")
-    one_sided_kinds = set(cov.only_ref) | set(cov.only_target)
+    one_sided_kinds = set(cov.only_ref) | set(cov.only_target) | excused_kinds
     for label, records in (("reference", inp.only_ref), ("target", inp.only_target)):
         extra = sorted({r.key for r in records if kind_of(r.key) not in one_sided_kinds})
         setattr(cov, "stages_only_ref" if label == "reference" else "stages_only_target", extra)
@@ -323,6 +324,36 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
         )
     cov.missing = missing
     return cov
+
+
+def _form_excuses(ref: SideStore, target: SideStore, cov: Coverage) -> tuple[list[str], set[str]]:
+    """Kinds one side holds or lacks because of a branch form it declared in run.json's
+    `form_stages` (an absorbed MLA attention: `models/mla_roles.py`): taken off `only_ref` /
+    `only_target` and said as one sentence per form; returns the sentences and those kinds."""
+    out: list[str] = []
+    kinds: set[str] = set()
+    for label, store, other_only, own_only in (
+        ("reference", ref, "only_target", "only_ref"),
+        ("target", target, "only_ref", "only_target"),
+    ):
+        forms = store.run.get("form_stages")
+        if not isinstance(forms, dict):
+            continue
+        for branch, form in sorted(forms.items()):
+            if not isinstance(form, dict):
+                continue
+            lacks = {k for k in form.get("lacks", []) if k in getattr(cov, other_only)}
+            adds = {k for k in form.get("adds", []) if k in getattr(cov, own_only)}
+            if not lacks and not adds:
+                continue
+            kinds |= lacks | adds
+            setattr(cov, other_only, [k for k in getattr(cov, other_only) if k not in lacks])
+            setattr(cov, own_only, [k for k in getattr(cov, own_only) if k not in adds])
+            out.append(
+                f"{label}: {branch} is an {form.get('form')}: it holds {_names(sorted(adds)) or 'nothing more'} "
+                f"instead of {_names(sorted(lacks)) or 'nothing'} (README \"Role sub-stages\")"
+            )
+    return out, kinds
 
 
 def _unplaced_sentences(ref: SideStore, target: SideStore) -> list[str]:

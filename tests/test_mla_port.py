@@ -137,3 +137,34 @@ def test_a_planted_port_bug_is_named_at_its_layer_and_role(hf, ref, tmp_path, pl
     r = ffdebug.bisect(ref, _dump(port, tmp_path, "target"))
     assert r.exit_code() == 1
     assert (r.first_divergence.layer, r.sub_stage.stage.removesuffix(".out")) == (layer, role), r.conclusion
+
+
+@pytest.mark.parametrize("substages", [False, True], ids=["blocks", "substages"])
+def test_the_absorbed_port_passes_with_its_form_declared(hf, ref, tmp_path, substages):
+    """kv_b folded into W_kc / W_vc (per-head batched matmuls; the kernel attends over the latent,
+    one kv head): no per-head k_nope / v exist there. The side declares its form and coverage
+    excuses exactly those kinds; the rope parts read at the kernel pair with the unabsorbed ones."""
+    port = make_mla_port(hf, absorbed=True)
+    with ffdebug.capture(port, dir=tmp_path, side="target", substages=substages), torch.no_grad():
+        port(_ids())
+    if not substages:
+        with ffdebug.capture(hf, dir=tmp_path, side="ref"), torch.no_grad():
+            hf(input_ids=_ids())
+        ref = tmp_path / "ref"
+    res = ffdebug.compare(ref, tmp_path / "target")
+    assert res.exit_code() == 0 and res.complete, res.coverage.missing
+    rot = next(r for r in open_side(tmp_path / "target").records if r.key == "L000.attn.k_rot")
+    assert tuple(rot.shape) == (2, 12, 1, 4) and rot.extra["rope_part"] == [16, 20]  # [c | k_pe], one head
+    if substages:
+        said = [s for s in res.coverage.selected_out if "absorbed low-rank attention" in s]
+        assert said and "attn.k_nope.out" in said[0] and "attn.q_absorbed.out" in said[0]
+        assert ffdebug.bisect(ref, tmp_path / "target").exit_code() == 0
+
+
+def test_a_bug_in_the_absorbed_value_projection_is_named_after_the_kernel(hf, ref, tmp_path):
+    port = make_mla_port(hf, absorbed=True)
+    with torch.no_grad():
+        port.stack[1].mix.w_vc.mul_(1.5)
+    r = ffdebug.bisect(ref, _dump(port, tmp_path, "target"))
+    assert r.exit_code() == 1 and r.first_divergence.layer == 1
+    assert r.sub_stage.stage == "attn.context.out", r.conclusion  # W_vc's output: the context

@@ -93,6 +93,26 @@ def _kv_repeat(k):
     return k, 1
 
 
+def _rope_part(k, v) -> int:
+    """The width of an MLA key's rotary part, else 0: the trailing columns every head of k shares
+    (DeepSeek's k_pe is one head expanded to all: the unabsorbed form), or, for a one-head k whose
+    leading columns are v (the absorbed form attends over the latent: k = [c | k_pe], v = c), what
+    follows v."""
+    import torch
+
+    heads, d = k.shape[-3], k.shape[-1]
+    if heads > 1:
+        same = (k == k[..., :1, :, :]).flatten(0, -2).all(0) if k.dim() == 4 else None
+        if same is None or bool(same.all()):
+            return 0  # one head repeated (GQA with one KV head), or not 4-D
+        tail = int(torch.flip(same, [0]).int().cumprod(0).sum())
+        return tail if 0 < tail < d else 0
+    if isinstance(v, torch.Tensor) and v.shape[:-1] == k.shape[:-1] and 0 < v.shape[-1] < d:
+        if torch.equal(k[..., : v.shape[-1]], v):
+            return d - v.shape[-1]
+    return 0
+
+
 class _Call:
     """One call of a watched child."""
 
@@ -202,10 +222,11 @@ class KernelWatcher:
             q = args[0] if args else kwargs.get("query")
             k = args[1] if len(args) > 1 else kwargs.get("key")
             scale = args[6] if len(args) > 6 else kwargs.get("scale")
+            v = args[2] if len(args) > 2 else kwargs.get("value")
             if self._is_kernel(q, k):
                 self.call.seen = True
                 d = q.shape[-1]
-                self._write(q, k, 1.0 if scale is None else float(scale) * math.sqrt(d))
+                self._write(q, k, 1.0 if scale is None else float(scale) * math.sqrt(d), v)
         elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) >= 2:
             q, kt = args[0], args[1]
             if isinstance(kt, torch.Tensor) and kt.dim() == 4 and self._is_kernel(q, kt.transpose(-1, -2)):
@@ -250,15 +271,20 @@ class KernelWatcher:
         self.pending = None
         self._write(q, k, factor)
 
-    def _write(self, q, k, factor: float) -> None:
+    def _write(self, q, k, factor: float, v=None) -> None:
         """Write q / k of the kernel (module doc) unless both are plain projection outputs."""
         plain = self.plain
         if q.untyped_storage().data_ptr() in plain or k.untyped_storage().data_ptr() in plain:
             return  # no rotary (nor norm) computed q and k: nothing a projection stage does not hold
-        if abs(factor - 1.0) > 1e-6:
+        extra = {"read_at": "attention kernel", "orig_shape": list(q.shape), "layout": "B,H,S,D"}
+        rope = _rope_part(k.detach(), v)
+        if rope:  # MLA: the rotary part alone, unscaled (the two forms' kernels differ in width)
+            d = q.shape[-1]
+            q, k = q[..., d - rope :], k[..., d - rope :]
+            extra["rope_part"] = [d - rope, d]
+        elif abs(factor - 1.0) > 1e-6:
             q = q * factor
         own, rep = _kv_repeat(k.detach())
-        extra = {"read_at": "attention kernel", "orig_shape": list(q.shape), "layout": "B,H,S,D"}
         if self.call.function:
             extra["rotary_function"] = self.call.function
         self.session.tap_placed("attn.q_rot", q.detach().transpose(-3, -2), extra)

@@ -71,6 +71,7 @@ class Session:
         self.input_ids_sha: str | None = None
         self.ids_shape: tuple | None = None  # the root call's input ids shape ([B, S])
         self.unplaced: dict[str, list[str]] = {}  # block class -> children without a role
+        self.forms: dict[str, dict] = {}  # block class.child -> its form's held / lacked sub-stages
         self._held: list | None = None
         self._hold_depth = 0
         self.closed = False
@@ -220,6 +221,14 @@ class Session:
             return
         self.unplaced[block_class] = list(children)
         self.sink.update_run_info(unplaced_stages=dict(self.unplaced))
+
+    def note_form(self, branch: str, form: dict) -> None:
+        """Record in run.json a branch whose form holds other role sub-stages than the usual one
+        (an absorbed MLA attention: `models/mla_roles.py`); coverage excuses exactly those kinds."""
+        if not self.enabled_rank or self.forms.get(branch) == form:
+            return
+        self.forms[branch] = form
+        self.sink.update_run_info(form_stages=dict(self.forms))
 
     def tap(self, stage: str, tensor, tags: dict) -> None:
         """A free tap. Reserved tags describe the tensor (`io`, `shard`, `reduction`, `layer`,

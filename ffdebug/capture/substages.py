@@ -347,6 +347,8 @@ class BranchRecorder:
             stage = (self.roles.names or {}).get(self.name, "")
             stages = with_inputs(branch_substages(trace, stage, self.dims), trace)
             self.written.note(trace, stages)
+            if trace.form is not None:
+                self.session.note_form(f"{self.roles.block.class_name}.{self.name}", trace.form)
             trace.stages = stages + with_inputs(self._unmatched(trace, stages), trace, group=False)
         inv = self.session.invocations.get(self.roles.block.path, 1) - 1
         for s in trace.stages:
@@ -364,7 +366,7 @@ class BranchRecorder:
         relative to the block, warned about once per block class and listed in run.json. When a
         sub-stage class dumps the projection's owner module, that module's own in / out are its
         keys (the owner may do more than the projection, e.g. a router returning its top-k)."""
-        taken = {s.at for s in stages}
+        taken = {s.at for s in stages} | {i for s in stages for i in s.covers}
         experts_placed = any(s.kind.startswith("moe.expert") for s in stages)
         left = [c for c in trace.calls if (c.expert is None or not experts_placed) and c.index not in taken]
         block = self.roles.block

@@ -24,8 +24,13 @@ when both latents have it), `W_qb` the other, and the q latent the input piece o
 | `attn.k_nope`, `attn.v` | the pieces of the kv up-projection, split the way the branch splits it |
 | `attn.context`, `attn.o` | as for any attention |
 
-An absorbed port (the kv up-projection folded into q and the output, `W_kc` / `W_vc` applied to the
-latent) never makes per-head k_nope / v: those keys are then absent on that side (coverage says so).
+An absorbed port (the kv up-projection folded into q and the output: no projection reads the kv
+latent; per-head `W_kc` / `W_vc` batched matmuls map q_nope into the latent space and the latent
+attention back to values) never makes the normalised kv latent's up-projection, k_nope or v. That
+side holds `attn.q_absorbed` and `attn.context_latent` instead and declares the difference in
+run.json (`form_stages`: `ABSORBED`'s `lacks` / `adds`); coverage excuses exactly those kinds, and
+says so. `attn.q_rot` / `attn.k_rot` are the rope parts (`capture.kernel_taps`), which both forms
+hold alike.
 """
 
 from __future__ import annotations
@@ -80,8 +85,7 @@ def mla_substages(
     own = [s for s in segs if s[2] is carrier]
     kv_seg, rope_seg = own[-2], own[-1]
     kv_width = kv_seg[0].shape[-1]
-    kv_b = [c for c in inner if c.in_features == kv_width][-1:] or inner[-1:]
-    kv_b = kv_b[0]
+    kv_b = next((c for c in reversed(inner) if c.in_features == kv_width), None)  # None: absorbed
     q_b = next((c for c in inner if c is not kv_b), None)
     out: list[SubStage] = []
 
@@ -105,7 +109,32 @@ def mla_substages(
         out.append(
             _stage("attn.q", q_b.y, q_b, trace, heads, _per_head(q_b.out_features, heads), reads=False)
         )
-    out.append(SubStage("attn.kv_latent_norm", leading_shape(kv_b.x, trace), kv_b.index, kv_b.path, {}))
+    if kv_b is None:
+        out += _absorbed(trace, o)
+    else:
+        out += _kv_up(trace, kv_b, heads)
+    if o is not None:
+        out.append(_stage("attn.context", o.x, o, trace, heads, _per_head(o.in_features, heads), reads=False))
+        out.append(_stage("attn.o", o.y, o, trace))
+    return out
+
+
+def _tokenwise(t, trace: BranchTrace):
+    """A token-wise tensor with the branch input's leading shape (`[B·S, F]`, or HF's `[B, 1, S, F]`
+    single-head view of a latent)."""
+    import math
+
+    t = leading_shape(t, trace)
+    lead = tuple(t.shape[:-1])
+    if lead != trace.lead and math.prod(lead) == math.prod(trace.lead):
+        if [d for d in lead if d != 1] == [d for d in trace.lead if d != 1]:
+            return t.reshape(*trace.lead, t.shape[-1])
+    return t
+
+
+def _kv_up(trace: BranchTrace, kv_b: LinearCall, heads: int | None) -> list[SubStage]:
+    """The unabsorbed form: the normalised kv latent and the k_nope / v pieces of its up-projection."""
+    out = [SubStage("attn.kv_latent_norm", _tokenwise(kv_b.x, trace), kv_b.index, kv_b.path, {})]
     parts = _parts(kv_b, 2)
     if parts is None:
         trace.notes.append(
@@ -113,10 +142,53 @@ def mla_substages(
         )
     else:
         for kind, (t, split, piece) in zip(("attn.k_nope", "attn.v"), parts):
-            out.append(_stage(kind, t, kv_b, trace, *_heads_of(piece, heads, None), split=split, reads=False))
-    if o is not None:
-        out.append(_stage("attn.context", o.x, o, trace, heads, _per_head(o.in_features, heads), reads=False))
-        out.append(_stage("attn.o", o.y, o, trace))
+            s = _stage(
+                kind,
+                _tokenwise(t, trace),
+                kv_b,
+                trace,
+                *_heads_of(piece, heads, None),
+                split=split,
+                reads=False,
+            )
+            out.append(s)
+    return out
+
+
+ABSORBED = {
+    "form": "absorbed low-rank attention (the kv up-projection folded into q and the output)",
+    "lacks": ["attn.kv_latent_norm.out", "attn.k_nope.out", "attn.v.out"],
+    "adds": ["attn.q_absorbed.out", "attn.context_latent.out"],
+}
+
+
+def _absorbed(trace: BranchTrace, o: LinearCall | None) -> list[SubStage]:
+    """The absorbed form: no projection reads the kv latent; per-head projections (a batched
+    matmul over a `[H, ...]` weight, one call per head) map q_nope into the latent space before
+    the kernel (`attn.q_absorbed`, `[B, S, H, r_kv]`) and the attention over latents back to
+    values after it (`attn.context_latent`: what that second run reads). The stages the form
+    cannot hold are declared (`ABSORBED`, in run.json's `form_stages`), so coverage excuses them."""
+    import torch
+
+    runs: list[list[LinearCall]] = []
+    for c in trace.calls:
+        if c.expert is None or (o is not None and c.index > o.index):
+            continue
+        if not runs or c.expert <= runs[-1][-1].expert:
+            runs.append([])
+        runs[-1].append(c)
+    trace.form = ABSORBED
+    out = []
+    for kind, run, side in zip(("attn.q_absorbed", "attn.context_latent"), runs, ("y", "x")):
+        heads = torch.stack([getattr(c, side) for c in run], dim=-2)  # [T, H, width]
+        t = heads.reshape(*trace.lead, *heads.shape[-2:]) if heads.dim() == 3 else heads
+        covers = tuple(c.index for c in run)
+        extra = {"heads": len(run), "orig_shape": list(heads.shape)}
+        out.append(
+            SubStage(
+                kind, t, run[-1].index if side == "y" else run[0].index, run[0].path, extra, covers=covers
+            )
+        )
     return out
 
 

@@ -116,6 +116,7 @@ class BranchTrace:
     events: int = 0
     stages: list | None = None  # the sub-stages, decided once the branch's role is known
     notes: list[str] = field(default_factory=list)  # why a projection got no role (warned once)
+    form: dict | None = None  # a form that holds other stages than the usual one (`mla_roles.ABSORBED`)
 
 
 @dataclass
@@ -129,6 +130,7 @@ class SubStage:
     extra: dict
     source: LinearCall | None = None  # the projection whose input is this stage's `.in`
     io: str = "out"  # the key is L{NNN}.{kind}.{io}
+    covers: tuple[int, ...] = ()  # other branch events (projections) this stage holds
 
 
 def leading_shape(t, trace: BranchTrace):

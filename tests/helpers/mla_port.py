@@ -96,7 +96,18 @@ class LatentAttention(nn.Module):
         self.kv_up = nn.Linear(self.rkv, self.h * (self.nope + self.dv), bias=False)
         self.out = nn.Linear(self.h * self.dv, cfg.hidden_size, bias=False)
 
+    def absorb(self) -> None:
+        """Fold the kv up-projection into q and the output (the absorbed form engines decode with):
+        `W_kc` `[H, d_nope, r_kv]` maps q_nope into the latent space, `W_vc` `[H, r_kv, d_v]` maps
+        the attention over latents back to per-head values; `kv_b` itself is gone."""
+        w = self.kv_up.weight.detach().view(self.h, self.nope + self.dv, self.rkv)
+        self.w_kc = nn.Parameter(w[:, : self.nope].clone())
+        self.w_vc = nn.Parameter(w[:, self.nope :].transpose(1, 2).clone())
+        del self.kv_up
+
     def forward(self, x, cos, sin):
+        if hasattr(self, "w_kc"):
+            return self.absorbed(x, cos, sin)
         b, s, _ = x.shape
         q_lat, c, k_pe = self.down(x).split([self.rq, self.rkv, self.rope], dim=-1)
         q = self.q_up(self.q_norm(q_lat)).view(b, s, self.h, self.nope + self.rope)
@@ -109,6 +120,25 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(b, s, self.h, self.rope)], dim=-1).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
         return self.out(o.transpose(1, 2).reshape(b, s, -1))
+
+    def absorbed(self, x, cos, sin):
+        """softmax((W_kc q_nope)·c + q_pe·k_pe) over the latents c, then W_vc: one kv head (MQA)."""
+        b, s, _ = x.shape
+        q_lat, c, k_pe = self.down(x).split([self.rq, self.rkv, self.rope], dim=-1)
+        q = self.q_up(self.q_norm(q_lat)).view(b, s, self.h, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        c = self.c_norm(c)
+        q_pe = rope_pairs(q_pe, cos[:, :, None], sin[:, :, None])
+        k_pe = rope_pairs(k_pe, cos, sin)
+        q_lat_heads = torch.bmm(q_nope.reshape(b * s, self.h, self.nope).transpose(0, 1), self.w_kc)
+        q_lat_heads = q_lat_heads.transpose(0, 1).reshape(b, s, self.h, self.rkv)
+        qk = torch.cat([q_lat_heads, q_pe], dim=-1).transpose(1, 2)  # [B, H, S, r_kv + d_rope]
+        kk = torch.cat([c, k_pe], dim=-1)[:, None]  # [B, 1, S, r_kv + d_rope]
+        o = F.scaled_dot_product_attention(
+            qk, kk, c[:, None], is_causal=True, scale=self.scale, enable_gqa=True
+        )
+        o = torch.bmm(o.transpose(1, 2).reshape(b * s, self.h, self.rkv).transpose(0, 1), self.w_vc)
+        return self.out(o.transpose(0, 1).reshape(b, s, self.h * self.dv))
 
 
 class Dense(nn.Module):
@@ -200,8 +230,9 @@ class MlaNet(nn.Module):
 
 
 @torch.no_grad()
-def make_mla_port(hf) -> MlaNet:
-    """The port of `hf` (a `tiny_deepseek_v3()`) with its weights loaded."""
+def make_mla_port(hf, absorbed: bool = False) -> MlaNet:
+    """The port of `hf` (a `tiny_deepseek_v3()`) with its weights loaded; `absorbed`: every
+    attention in the absorbed form (`LatentAttention.absorb`)."""
     cfg = hf.config
     net = MlaNet(cfg, hf.model.layers[0].self_attn.scaling)
     net.register_buffer("inv_freq", hf.model.rotary_emb.inv_freq.detach().clone(), persistent=False)
@@ -227,6 +258,9 @@ def make_mla_port(hf) -> MlaNet:
         _load_dense(mine.ff.common, moe.shared_experts)
     net.last.g.copy_(hf.model.norm.weight)
     net.read.weight.copy_(hf.lm_head.weight)
+    if absorbed:
+        for layer in net.stack:
+            layer.mix.absorb()
     return net.eval()
 
 
