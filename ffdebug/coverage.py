@@ -351,7 +351,7 @@ def _form_excuses(ref: SideStore, target: SideStore, cov: Coverage) -> tuple[lis
             setattr(cov, own_only, [k for k in getattr(cov, own_only) if k not in adds])
             out.append(
                 f"{label}: {branch} is an {form.get('form')}: it holds {_names(sorted(adds)) or 'nothing more'} "
-                f"instead of {_names(sorted(lacks)) or 'nothing'} (README \"Role sub-stages\")"
+                f'instead of {_names(sorted(lacks)) or "nothing"} (README "Role sub-stages")'
             )
     return out, kinds
 

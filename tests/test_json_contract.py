@@ -109,6 +109,7 @@ BISECT_TOP = {
     "pattern": str,
     "per_class": list,
     "sub_stage": (dict, type(None)),
+    "missing_inside": list,
     # extras
     "reason": str,
     "saturated_after": OPT_INT,

@@ -168,3 +168,12 @@ def test_a_bug_in_the_absorbed_value_projection_is_named_after_the_kernel(hf, re
     r = ffdebug.bisect(ref, _dump(port, tmp_path, "target"))
     assert r.exit_code() == 1 and r.first_divergence.layer == 1
     assert r.sub_stage.stage == "attn.context.out", r.conclusion  # W_vc's output: the context
+
+
+def test_a_shared_expert_the_port_never_runs_is_named(hf, ref, tmp_path):
+    port = make_mla_port(hf)
+    port.stack[2].ff.common.forward = lambda x: torch.zeros_like(x)  # dropped: no projection runs
+    r = ffdebug.bisect(ref, _dump(port, tmp_path, "target"))
+    assert r.exit_code() == 1 and (r.first_divergence.layer, r.first_divergence.stage) == (2, "ffn_out")
+    assert "moe.shared.out" in r.missing_inside and not any(k.startswith("attn") for k in r.missing_inside)
+    assert "the target wrote none of moe.shared.* (6 stages) there" in r.conclusion

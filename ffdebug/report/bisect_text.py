@@ -56,6 +56,12 @@ def bisect_sentence(result: BisectResult) -> str:
             inside = f"; inside it, {sub.stage} is the first sub-stage to lose accuracy{said}"
         else:
             inside = f" is the first sub-stage to lose accuracy{said}"
+    if result.missing_inside:
+        families: dict[str, list[str]] = {}  # moe.shared.gate.out, moe.shared.out -> moe.shared.*
+        for k in result.missing_inside:
+            families.setdefault(".".join(k.split(".")[:2]), []).append(k)
+        shown = [ks[0] if len(ks) == 1 else f"{fam}.* ({len(ks)} stages)" for fam, ks in families.items()]
+        inside += f"; the target wrote none of {', '.join(shown[:4])} there (dumped by the reference only)"
     if p is PatternName.LAYER_CLASS:
         pattern = f"pattern layer_class: {result.reason}, so the {first.layer_class} code path is implicated"
     elif p is PatternName.JUMP:

@@ -112,6 +112,7 @@ class BisectResult(CoveredVerdict):
     coverage: Coverage = field(default_factory=Coverage)
     allow_partial: bool = False
     generation: GenerationDivergence | None = None  # token ids that differ after the first call
+    missing_inside: list[str] = field(default_factory=list)  # first layer's stages the target never wrote
 
     def __post_init__(self) -> None:
         broken = self.contradictions()
@@ -169,6 +170,7 @@ class BisectResult(CoveredVerdict):
             "pattern": self.pattern.value,
             "per_class": [c.to_json() for c in self.per_class],
             "sub_stage": sub,
+            "missing_inside": self.missing_inside,
             "reason": self.reason,
             "saturated_after": self.saturated_after,
             "decided": self.decided,
