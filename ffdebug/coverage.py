@@ -365,6 +365,10 @@ def _unplaced_sentences(ref: SideStore, target: SideStore) -> list[str]:
             for cls, children in sorted(unplaced.items()):
                 names = ", ".join(str(c) for c in children) if isinstance(children, list) else str(children)
                 out.append(f"{label}: {cls} children without a role, dumped by attribute name: {names}")
+        whole = store.run.get("compared_whole")
+        if isinstance(whole, dict):
+            for branch, why in sorted(whole.items()):
+                out.append(f"{label}: {branch} is {why}")
     return out
 
 

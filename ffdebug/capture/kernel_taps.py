@@ -10,7 +10,9 @@ block child runs, a `KernelWatcher` sees the first attention kernel call it make
 | `F.scaled_dot_product_attention(q, k, v, …, scale=s)` | `[..., heads, S, D]` (its contract) | a non-default `s` is folded into q: `q · s · √D` |
 | eager `q @ kᵀ` (`torch.matmul` / `@` of two 4-D activations) | `[..., heads, S, D]` and the transposed second operand | a scalar `· s` (or `/ s`) taken of the scores right after is folded the same way |
 
-Those q / k are written as `attn.q_rot` / `attn.k_rot`, `[batch, seq, heads, head_dim]` like the role
+A child that convolves over the sequence first (Mamba, gated delta nets: a sequence mixer compared
+as a whole, `models/subroles.branch_substages`) reads nothing. Those q / k are written as
+`attn.q_rot` / `attn.k_rot`, `[batch, seq, heads, head_dim]` like the role
 sub-stages, when both of them are more than a projection's output moved around (views, splits,
 copies, casts, GQA repetition: the "plain" lineage below), i.e. when something (rotary, q / k
 norms) computed them; a model without either writes no rotary stage, as before. k repeated for GQA
@@ -217,6 +219,9 @@ class KernelWatcher:
             self._mark_plain(out)
             return
         if self.call.seen:
+            return
+        if func in (F.conv1d, torch.conv1d):  # a sequence mixer (state-space, linear attention): its
+            self.call.seen = True  # products of q and k are no softmax attention's; nothing is read
             return
         if func is F.scaled_dot_product_attention:
             q = args[0] if args else kwargs.get("query")

@@ -72,6 +72,7 @@ class Session:
         self.ids_shape: tuple | None = None  # the root call's input ids shape ([B, S])
         self.unplaced: dict[str, list[str]] = {}  # block class -> children without a role
         self.forms: dict[str, dict] = {}  # block class.child -> its form's held / lacked sub-stages
+        self.whole: dict[str, str] = {}  # block class.child -> why it is compared as a whole
         self._held: list | None = None
         self._hold_depth = 0
         self.closed = False
@@ -221,6 +222,13 @@ class Session:
             return
         self.unplaced[block_class] = list(children)
         self.sink.update_run_info(unplaced_stages=dict(self.unplaced))
+
+    def note_whole(self, branch: str, why: str) -> None:
+        """Record in run.json a branch compared as a whole, without role sub-stages (coverage says so)."""
+        if not self.enabled_rank or self.whole.get(branch) == why:
+            return
+        self.whole[branch] = why
+        self.sink.update_run_info(compared_whole=dict(self.whole))
 
     def note_form(self, branch: str, form: dict) -> None:
         """Record in run.json a branch whose form holds other role sub-stages than the usual one

@@ -205,6 +205,8 @@ class BranchRecorder:
                 scores = args[0].detach().clone() if args[0].dim() == 2 else None
                 trace.topk = (trace.events, out[0].detach().clone(), out[1].detach().clone(), scores)
                 trace.weights = None  # grouped routing takes a group-level top-k first
+        elif func in (F.conv1d, torch.conv1d) and args and isinstance(args[0], torch.Tensor):
+            trace.sequence_mixer = True  # a convolution over the sequence (Mamba, gated delta nets)
         elif func in activations():
             if isinstance(args[0], torch.Tensor):
                 trace.act_ptrs.append(args[0].data_ptr())
@@ -366,6 +368,9 @@ class BranchRecorder:
         relative to the block, warned about once per block class and listed in run.json. When a
         sub-stage class dumps the projection's owner module, that module's own in / out are its
         keys (the owner may do more than the projection, e.g. a router returning its top-k)."""
+        if trace.whole is not None:  # no sub-stage by role and none by module path: said once
+            self.session.note_whole(f"{self.roles.block.class_name}.{self.name}", trace.whole)
+            return []
         taken = {s.at for s in stages} | {i for s in stages for i in s.covers}
         experts_placed = any(s.kind.startswith("moe.expert") for s in stages)
         left = [c for c in trace.calls if (c.expert is None or not experts_placed) and c.index not in taken]

@@ -117,6 +117,8 @@ class BranchTrace:
     stages: list | None = None  # the sub-stages, decided once the branch's role is known
     notes: list[str] = field(default_factory=list)  # why a projection got no role (warned once)
     form: dict | None = None  # a form that holds other stages than the usual one (`mla_roles.ABSORBED`)
+    sequence_mixer: bool = False  # the branch convolved over the sequence (state-space, linear attention)
+    whole: str | None = None  # why the branch has no sub-stages and is compared as a whole
 
 
 @dataclass
@@ -469,7 +471,15 @@ def branch_substages(trace: BranchTrace, stage: str, dims: Dims) -> list[SubStag
     """Role sub-stages of a branch placed as `stage` (`attn_out`, `ffn_out`, or a one-branch block's
     `branch_out`, whose trace decides: reshapes into heads and no activation read an attention, an
     activation or experts an MLP / MoE; a branch no role placed still gets its experts when it
-    takes a top-k); [] when no rule fits."""
+    takes a top-k); [] when no rule fits. A sequence mixer (it convolves over the sequence: Mamba,
+    Mamba-2, gated delta nets, hybrids' short convolutions) has no role sub-stages: it is compared
+    as a whole at its output (`trace.whole`, said in run.json's `compared_whole`)."""
+    if trace.sequence_mixer:
+        trace.whole = (
+            "a sequence mixer (it convolves over the sequence: state-space or linear attention) has no "
+            "role sub-stages; it is compared as a whole at its output"
+        )
+        return []
     if stage == "branch_out":
         mlp_like = bool(trace.act_ptrs) or any(c.expert is not None for c in trace.calls)
         stage = "ffn_out" if mlp_like else "attn_out" if trace.head_shapes else ""
