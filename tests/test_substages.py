@@ -488,3 +488,26 @@ def test_grouped_matmul_experts_record_what_the_per_expert_loop_records(hf_moe, 
         torch.testing.assert_close(tgt[key].load(), ref[key].load(), rtol=1e-5, atol=1e-6)
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.exit_code() == 0, (res.coverage.missing, [s.key for s in res.stages if not s.ok])
+
+
+def test_a_sequence_mixer_is_compared_as_a_whole(tmp_path):
+    """A Mamba block's mixer convolves over the sequence: no role sub-stage (its silu gate is no
+    MLP's) and no module-path one (a port's would never pair); run.json and the coverage say so."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    model = MambaForCausalLM(
+        MambaConfig(vocab_size=100, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2)
+    ).eval()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    for side in ("ref", "target"):
+        with ffdebug.capture(model, dir=tmp_path, side=side, substages=True), torch.no_grad():
+            model(input_ids=ids)
+    store = open_side(tmp_path / "ref")
+    assert {k.split(".", 1)[1] for k in store.keys() if k.startswith("L000.")} == {
+        "hidden_in", "branch_norm_out", "branch_out", "hidden_out",
+    }  # fmt: skip
+    assert "compared as a whole" in store.run["compared_whole"]["MambaBlock.mixer"]
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    assert res.exit_code() == 0
+    assert any("MambaBlock.mixer is a sequence mixer" in s for s in res.coverage.selected_out)
