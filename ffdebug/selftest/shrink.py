@@ -335,6 +335,7 @@ def _consistent(cfg: Any, original: Any, put) -> None:
         and isinstance(get("mamba_d_head"), int)
     ):
         put("mamba_d_ssm", get("mamba_n_heads") * get("mamba_d_head"))
+    _one_attention_layer(cfg, get, put)
     layers = _layer_count(cfg)
     if isinstance(get("attn_layer_period"), int) and isinstance(
         layers, int
@@ -343,6 +344,20 @@ def _consistent(cfg: Any, original: Any, put) -> None:
         put("attn_layer_period", period)
         if isinstance(get("attn_layer_offset"), int):
             put("attn_layer_offset", min(get("attn_layer_offset"), period - 1))
+
+
+def _one_attention_layer(cfg: Any, get, put) -> None:
+    """A hybrid whose default config has no attention layer (transformers' `layer_types` all
+    `linear_attention`, or `attn_layer_indices` unset: Bamba, GraniteMoeHybrid) gets one at layer
+    1, so the shrunk model mixes both kinds (an all-linear model's forward fails in transformers'
+    cache)."""
+    if hasattr(cfg, "attn_layer_indices") and get("attn_layer_indices") is None:
+        put("attn_layer_indices", [1])
+    for name in ("layer_types", "layers_block_type"):
+        kinds = get(name)
+        if isinstance(kinds, list) and len(kinds) > 1 and set(kinds) == {"linear_attention"}:
+            put(name, [kinds[0], "full_attention", *kinds[2:]])
+            return
 
 
 def shrink(config: Any, sizes: Sizes | None = None) -> Shrunk:
