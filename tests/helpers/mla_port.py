@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers.moe_port import Rms
+
 
 def tiny_deepseek_v3(num_layers: int = 3, seed: int = 0):
     """A seeded `DeepseekV3ForCausalLM`: hidden 32, 4 heads, q / kv latents of 24 / 16, nope 8,
@@ -65,17 +67,6 @@ def tiny_deepseek_v3(num_layers: int = 3, seed: int = 0):
     return model
 
 
-class Rms(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.g = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x):
-        h = x.float()
-        return self.g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 def rope_pairs(x, cos, sin):
     """Rotate interleaved pairs (x0, x1), (x2, x3), ... of the last dim by the angles in `cos` /
     `sin` (one per pair); the output lists the rotated first elements, then the second ones."""
@@ -91,7 +82,7 @@ class LatentAttention(nn.Module):
         )  # fmt: skip
         self.rq, self.rkv, self.scale = cfg.q_lora_rank, cfg.kv_lora_rank, scale
         self.down = nn.Linear(cfg.hidden_size, self.rq + self.rkv + self.rope, bias=False)  # q_a | kv_a
-        self.q_norm, self.c_norm = Rms(self.rq), Rms(self.rkv)
+        self.q_norm, self.c_norm = Rms(self.rq, 1e-6), Rms(self.rkv, 1e-6)
         self.q_up = nn.Linear(self.rq, self.h * (self.nope + self.rope), bias=False)
         self.kv_up = nn.Linear(self.rkv, self.h * (self.nope + self.dv), bias=False)
         self.out = nn.Linear(self.h * self.dv, cfg.hidden_size, bias=False)
