@@ -83,7 +83,7 @@ def _kv_swap(port, layer):
 def _rope_on_nope(port, layer):
     a = _attn(port, layer)
 
-    def forward(self, x, cos, sin):  # rotates the first d_rope columns of q (nope), not the last
+    def forward(self, x, cos, sin, mask=None):  # rotates the first d_rope columns of q (nope), not the last
         b, s, _ = x.shape
         q_lat, c, k_pe = self.down(x).split([self.rq, self.rkv, self.rope], dim=-1)
         q = self.q_up(self.q_norm(q_lat)).view(b, s, self.h, self.nope + self.rope)
@@ -177,3 +177,32 @@ def test_a_shared_expert_the_port_never_runs_is_named(hf, ref, tmp_path):
     assert r.exit_code() == 1 and (r.first_divergence.layer, r.first_divergence.stage) == (2, "ffn_out")
     assert "moe.shared.out" in r.missing_inside and not any(k.startswith("attn") for k in r.missing_inside)
     assert "the target wrote none of moe.shared.* (6 stages) there" in r.conclusion
+
+
+@pytest.mark.parametrize("substages", [False, True], ids=["blocks", "substages"])
+def test_a_packed_port_pairs_with_a_padded_reference_through_its_cu_seqlens(hf, tmp_path, substages):
+    """The port runs `[T, hidden]` tokens of two sequences (12 and 7) with `cu_seqlens`; HF runs
+    them right-padded with an attention mask. The layout comes from the forward's own `cu_seqlens`
+    (no tap): every stage, routing and per-expert rows included, pairs through it and passes."""
+    from helpers.mla_port import pack
+
+    ids = _ids()
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    packed, cu = pack(ids, mask)
+    port = make_mla_port(hf, packed=True)
+    with ffdebug.capture(hf, dir=tmp_path, side="ref", substages=substages), torch.no_grad():
+        hf(input_ids=ids, attention_mask=mask)
+    with ffdebug.capture(port, dir=tmp_path, side="target", substages=substages), torch.no_grad():
+        port(packed, cu)
+    lens = next(r for r in open_side(tmp_path / "target").records if r.key == "embed.seq_lens")
+    assert lens.load().tolist() == [12, 7]
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
+    assert res.exit_code() == 0 and res.complete, (
+        res.coverage.missing,
+        [s.key for s in res.stages if not s.ok],
+    )
+    routed = [s for s in res.stages if s.key.startswith("L002.moe.")]
+    assert not substages or {"L002.moe.topk_ids.out", "L002.moe.group_topk_ids.out"} <= {
+        s.key for s in routed
+    }

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ffdebug.capture.inputs import LATENTS_KEY, root_inputs
+from ffdebug.capture.inputs import LATENTS_KEY, SEQ_LENS_KEY, packed_lengths, root_inputs
 from ffdebug.capture.order import ExecutionOrder
 from ffdebug.capture.outputs import tensors_of
 from ffdebug.models.config_fields import config_field
@@ -61,7 +61,11 @@ def hook_root(handle: Handle, session, capture, model, root: RootState, order: E
         meta = dict(io="in", module_class=type(module).__name__, module_path="")
         if ids is not None:
             capture("embed.input_ids", ids, **meta)
-        for spec, t in root_inputs(_bind(forward_sig, args, kwargs), ids):
+        named = _bind(forward_sig, args, kwargs)
+        lens = packed_lengths(named)
+        if lens is not None:  # a packed forward's layout, from its own inputs
+            capture(SEQ_LENS_KEY, lens, **meta)
+        for spec, t in root_inputs(named, ids):
             if spec is None:
                 capture(LATENTS_KEY, t, **meta)
             elif spec.kwarg == "attention_mask" and ids is not None and tuple(t.shape) == tuple(ids.shape):

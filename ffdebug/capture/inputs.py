@@ -33,6 +33,9 @@ INPUTS = (
     InputStage("timestep", "embed.timestep", gated=False),
 )
 LATENT_KWARGS = ("sample", "hidden_states", "latents")  # a denoiser's noisy input
+SEQ_LENS_KEY = "embed.seq_lens"  # a packed side's sequence lengths (comparison/align.py)
+CU_SEQLENS_KWARGS = ("cu_seqlens", "cu_seq_lens", "cu_seqlens_q", "cu_seq_lens_q")  # [0, l0, l0 + l1, ...]
+SEQ_LENS_KWARGS = ("seq_lens", "seqlens", "seq_lengths")
 LATENTS_KEY = "embed.latents"
 GATED = {i.key: i for i in INPUTS if i.gated}
 
@@ -54,3 +57,21 @@ def root_inputs(named: dict, ids) -> list[tuple[InputStage | None, object]]:
         if latents is not None:
             out.append((None, latents))
     return out
+
+
+def packed_lengths(named: dict):
+    """A packed forward's sequence lengths, from its inputs: cumulative offsets (`cu_seqlens`, the
+    flash-attention varlen convention, `[0, l0, l0 + l1, ...]`) or the lengths themselves
+    (`seq_lens`); None when the forward takes neither. Recorded as `embed.seq_lens`, so a packed
+    side aligns with a padded one without a tap (README "Comparing", packed against padded)."""
+    import torch
+
+    for name in CU_SEQLENS_KWARGS:
+        v = named.get(name)
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() >= 2 and not v.is_floating_point():
+            return v.diff()
+    for name in SEQ_LENS_KWARGS:
+        v = named.get(name)
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and not v.is_floating_point():
+            return v
+    return None

@@ -120,6 +120,7 @@ class _Call:
 
     seen = False  # the kernel was seen (its q / k written or not): function taps stand down
     function = ""  # the rotary function tapped in this call before the kernel, if any
+    lead: tuple = ()  # the child input's token dims: `(T,)` for a packed `[T, hidden]` input
 
 
 class KernelWatcher:
@@ -152,6 +153,8 @@ class KernelWatcher:
         if self.mode is not None or not self._wanted():
             return
         self.call = _Call()  # this call of the child: whether the kernel was seen
+        x = next(_tensors(args), None)
+        self.call.lead = tuple(x.shape[:-1]) if x is not None else ()
         self.pending = None  # an eager q @ kᵀ waiting for its scale: (q, k, scores)
         self.deferred: list = []  # function taps of a rotary stage not held: written at the return
         self.plain: dict[int, object] = {}  # storage -> a live tensor of the plain lineage
@@ -292,7 +295,16 @@ class KernelWatcher:
         own, rep = _kv_repeat(k.detach())
         if self.call.function:
             extra["rotary_function"] = self.call.function
-        self.session.tap_placed("attn.q_rot", q.detach().transpose(-3, -2), extra)
+        self.session.tap_placed("attn.q_rot", self._tokens_first(q.detach()), extra)
         if k.shape[-2] == q.shape[-2]:  # a decode step's k is a cache: its layout is the engine's
             k_extra = dict(extra, orig_shape=list(k.shape), **({"kv_repeat": rep} if rep > 1 else {}))
-            self.session.tap_placed("attn.k_rot", own.transpose(-3, -2), k_extra)
+            self.session.tap_placed("attn.k_rot", self._tokens_first(own), k_extra)
+
+    def _tokens_first(self, t):
+        """`[..., heads, S, D]` as `[..., S, heads, D]`; a packed child (its input `[T, hidden]`)
+        that ran the kernel on one row of T tokens gives `[T, heads, D]`, like its other stages."""
+        t = t.transpose(-3, -2)
+        lead = self.call.lead
+        if len(lead) == 1 and t.dim() == 4 and t.shape[0] == 1 and t.shape[1] == lead[0]:
+            return t[0]
+        return t

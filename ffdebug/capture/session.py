@@ -14,7 +14,7 @@ import re
 import sys
 
 from ffdebug._env import DumpConfig
-from ffdebug.capture.inputs import GATED
+from ffdebug.capture.inputs import GATED, SEQ_LENS_KEY
 from ffdebug.capture.kernel_taps import ROTARY_STAGES
 from ffdebug.capture.sinks import StoreSink
 
@@ -159,6 +159,7 @@ class Session:
         # kept in full always, like the ids: the token mask (comparison/align.py), the inputs the gate
         # reads (capture/inputs.py, capture/trainer_inputs.py) and scalars judged near zero by a declared scale
         small = ids or bool(extra.get("token_mask")) or key in GATED or key in INPUT_KEYS or "scale" in extra
+        small = small or key == SEQ_LENS_KEY  # a packed side's layout: alignment data
         if not (free or self.sink.takes_module_stages) or not self.wants(key, meta.get("layer"), small):
             self.filtered += 1
             return

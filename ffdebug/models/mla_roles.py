@@ -119,22 +119,9 @@ def mla_substages(
     return out
 
 
-def _tokenwise(t, trace: BranchTrace):
-    """A token-wise tensor with the branch input's leading shape (`[B·S, F]`, or HF's `[B, 1, S, F]`
-    single-head view of a latent)."""
-    import math
-
-    t = leading_shape(t, trace)
-    lead = tuple(t.shape[:-1])
-    if lead != trace.lead and math.prod(lead) == math.prod(trace.lead):
-        if [d for d in lead if d != 1] == [d for d in trace.lead if d != 1]:
-            return t.reshape(*trace.lead, t.shape[-1])
-    return t
-
-
 def _kv_up(trace: BranchTrace, kv_b: LinearCall, heads: int | None) -> list[SubStage]:
     """The unabsorbed form: the normalised kv latent and the k_nope / v pieces of its up-projection."""
-    out = [SubStage("attn.kv_latent_norm", _tokenwise(kv_b.x, trace), kv_b.index, kv_b.path, {})]
+    out = [SubStage("attn.kv_latent_norm", leading_shape(kv_b.x, trace), kv_b.index, kv_b.path, {})]
     parts = _parts(kv_b, 2)
     if parts is None:
         trace.notes.append(
@@ -144,7 +131,7 @@ def _kv_up(trace: BranchTrace, kv_b: LinearCall, heads: int | None) -> list[SubS
         for kind, (t, split, piece) in zip(("attn.k_nope", "attn.v"), parts):
             s = _stage(
                 kind,
-                _tokenwise(t, trace),
+                leading_shape(t, trace),
                 kv_b,
                 trace,
                 *_heads_of(piece, heads, None),

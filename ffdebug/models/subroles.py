@@ -136,11 +136,15 @@ class SubStage:
 
 
 def leading_shape(t, trace: BranchTrace):
-    """A token-wise `[B·S, F]` output back to the branch input's leading shape."""
-    n = 1
-    for d in trace.lead:
-        n *= d
-    if len(trace.lead) > 1 and t.dim() == 2 and t.shape[0] == n:
+    """A token-wise output with the branch input's leading shape: `[B·S, F]` flattened, or leading
+    dims that differ from it by size-1 dims only (a packed `[T, hidden]` branch that runs on
+    `[1, T, ...]`, HF's `[B, 1, S, F]` single-head view of a latent)."""
+    import math
+
+    lead = tuple(t.shape[:-1])
+    if t.dim() < 2 or lead == tuple(trace.lead) or math.prod(lead) != math.prod(trace.lead):
+        return t
+    if t.dim() == 2 or [d for d in lead if d != 1] == [d for d in trace.lead if d != 1]:
         return t.reshape(*trace.lead, t.shape[-1])
     return t
 

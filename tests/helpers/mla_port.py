@@ -96,7 +96,9 @@ class LatentAttention(nn.Module):
         self.w_vc = nn.Parameter(w[:, self.nope :].transpose(1, 2).clone())
         del self.kv_up
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
+        if x.dim() == 2:  # packed [T, hidden]: one row of tokens, `mask` keeps sequences apart
+            return self.forward(x[None], cos, sin, mask)[0]
         if hasattr(self, "w_kc"):
             return self.absorbed(x, cos, sin)
         b, s, _ = x.shape
@@ -109,7 +111,8 @@ class LatentAttention(nn.Module):
         k_pe = rope_pairs(k_pe[:, :, None], cos[:, :, None], sin[:, :, None])
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
         k = torch.cat([k_nope, k_pe.expand(b, s, self.h, self.rope)], dim=-1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+        causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
+        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), scale=self.scale, **causal)
         return self.out(o.transpose(1, 2).reshape(b, s, -1))
 
     def absorbed(self, x, cos, sin):
@@ -172,7 +175,7 @@ class GroupedMoE(nn.Module):
         return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * self.factor
 
     def forward(self, x):
-        b, s, hid = x.shape
+        hid = x.shape[-1]
         flat = x.reshape(-1, hid)
         ids, w = self.route(flat)
         out = torch.zeros_like(flat)
@@ -183,7 +186,7 @@ class GroupedMoE(nn.Module):
             g, u = F.linear(flat[tok], self.w13[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(g) * u, self.w2[e]) * w[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
-        return (out + self.common(flat)).view(b, s, hid)
+        return (out + self.common(flat)).view(x.shape)
 
 
 class Layer(nn.Module):
@@ -196,8 +199,8 @@ class Layer(nn.Module):
         self.mix = LatentAttention(cfg, scale)
         self.ff = Dense(cfg.hidden_size, cfg.intermediate_size) if dense else GroupedMoE(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.mix(self.pre_mix(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        x = x + self.mix(self.pre_mix(x), cos, sin, mask)
         return x + self.ff(self.pre_ff(x))
 
 
@@ -220,12 +223,36 @@ class MlaNet(nn.Module):
         return self.read(self.last(x))
 
 
+class PackedMlaNet(MlaNet):
+    """The same model on packed tokens: `forward(ids [T], cu_seqlens [n + 1])`, every sequence's
+    tokens one after the other, positions restarting per sequence, attention kept inside each
+    sequence by a block-diagonal causal mask; block stages are `[T, hidden]`."""
+
+    def forward(self, ids, cu_seqlens):
+        x = self.tok(ids)
+        lens = cu_seqlens.diff()
+        seq = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+        pos = torch.arange(ids.numel()) - cu_seqlens[seq]
+        angles = pos[:, None].float() * self.inv_freq
+        cos, sin = angles.cos()[None], angles.sin()[None]
+        mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+        for layer in self.stack:
+            x = layer(x, cos, sin, mask)
+        return self.read(self.last(x))
+
+
+def pack(ids, mask):
+    """(packed ids [T], cu_seqlens) of a right-padded batch."""
+    lens = mask.sum(-1)
+    return ids[mask.bool()], torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+
+
 @torch.no_grad()
-def make_mla_port(hf, absorbed: bool = False) -> MlaNet:
+def make_mla_port(hf, absorbed: bool = False, packed: bool = False) -> MlaNet:
     """The port of `hf` (a `tiny_deepseek_v3()`) with its weights loaded; `absorbed`: every
-    attention in the absorbed form (`LatentAttention.absorb`)."""
+    attention in the absorbed form (`LatentAttention.absorb`); `packed`: a `PackedMlaNet`."""
     cfg = hf.config
-    net = MlaNet(cfg, hf.model.layers[0].self_attn.scaling)
+    net = (PackedMlaNet if packed else MlaNet)(cfg, hf.model.layers[0].self_attn.scaling)
     net.register_buffer("inv_freq", hf.model.rotary_emb.inv_freq.detach().clone(), persistent=False)
     net.tok.weight.copy_(hf.model.embed_tokens.weight)
     for mine, theirs in zip(net.stack, hf.model.layers):

@@ -220,11 +220,15 @@ def test_kl_under_no_grad_with_batched_encoding_is_located_beyond_noise(runs, tm
     ]
     assert not any(e.beyond_noise for e in before)  # the forwards differ, but no more than the noise
 
+    # Without the sampled gradients the scalar path lands at step 1 on the gradient's norm or on
+    # the update it makes: the missing KL term moves the norm by ~3e-4 relative, beyond the noise
+    # where the noise run's norm differs from the reference at all, but inside the ok band where
+    # that norm comes out bit-identical (so the noise gives no scale there: on AVX-512 at
+    # ATEN_CPU_CAPABILITY=default); the update then differs by ~3e-3, beyond the noise either way.
     scalar = ffdebug.bisect(dumps / "ref", tmp_path / "buggy", exclude=GROUP_GRADS, **opts)
-    assert (scalar.first_divergence.key, scalar.first_divergence.step["optimizer_step"]) == (
-        "grad_norm.policy",
-        1,
-    ), scalar.notes
+    first = scalar.first_divergence
+    assert first.key in ("grad_norm.policy", "update.policy"), scalar.notes
+    assert first.step["optimizer_step"] == 1 and first.beyond_noise, scalar.notes
 
 
 def test_another_schedule_shift_stops_at_the_gate_naming_the_schedule(tmp_path):
