@@ -94,6 +94,8 @@ STAGE_OPTIONAL = {
     "per_token_rel",
     "per_head_rel",
     "rise_from",
+    "token_runs",
+    "token_runs_left_out",
     "finding",
     "stats_only",
     "nan_mismatch",

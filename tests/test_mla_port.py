@@ -206,3 +206,25 @@ def test_a_packed_port_pairs_with_a_padded_reference_through_its_cu_seqlens(hf, 
     assert not substages or {"L002.moe.topk_ids.out", "L002.moe.group_topk_ids.out"} <= {
         s.key for s in routed
     }
+
+
+def test_a_leak_across_packed_sequences_names_the_sequence_and_its_tokens(hf, tmp_path):
+    """Causal attention over the whole pack: sequence 0 is untouched, sequence 1 (7 tokens) reads
+    sequence 0. Bisect names layer 0's attention and, in the reference's coordinates, which
+    sequence and tokens are wrong."""
+    from helpers.mla_port import pack
+
+    ids = _ids()
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    port = make_mla_port(hf, packed=True)
+    port.leak = True
+    with ffdebug.capture(hf, dir=tmp_path, side="ref"), torch.no_grad():
+        hf(input_ids=ids, attention_mask=mask)
+    with ffdebug.capture(port, dir=tmp_path, side="target"), torch.no_grad():
+        port(*pack(ids, mask))
+    r = ffdebug.bisect(tmp_path / "ref", tmp_path / "target")
+    assert r.exit_code() == 1 and (r.first_divergence.layer, r.first_divergence.stage) == (0, "attn_out")
+    runs = r.first_divergence.token_runs
+    assert [x for x in runs if x["state"] == "wrong"] == [{"sequence": 1, "tokens": [0, 6], "state": "wrong"}]
+    assert "sequence 1, tokens 0-6 wrong; sequence 0 " in r.conclusion

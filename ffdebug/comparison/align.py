@@ -61,14 +61,17 @@ def packed_view(padded, packed, mask):
 
 
 def align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
-    """(ref, target, note) with the padded side reduced to its tokens, or None."""
+    """(ref, target, note, coords) with the padded side reduced to its tokens, or None; `coords`
+    `[T, 2]` is each packed row's (sequence, position) in the padded side's batch."""
     for side, padded, packed, layout in (("reference", r, t, ref_layout), ("target", t, r, tgt_layout)):
         if not layout or padded.dim() < 2:
             continue
-        sel = packed_view(padded, packed, layout.mask_for(padded.shape[0], padded.shape[1]))
+        mask = layout.mask_for(padded.shape[0], padded.shape[1])
+        sel = packed_view(padded, packed, mask)
         if sel is not None:
             note = f"aligned: {side} {list(padded.shape)} padded -> {list(sel.shape)} packed"
-            return (sel, t, note) if side == "reference" else (r, sel, note)
+            coords = mask.bool().nonzero()
+            return (sel, t, note, coords) if side == "reference" else (r, sel, note, coords)
     return None
 
 

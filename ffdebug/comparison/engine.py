@@ -144,14 +144,20 @@ def compare_records(
     if key.endswith("logits") and rt.is_floating_point() and rt.dim() >= 1:
         e.logits = logits_metrics(rt, tt)
     if (m.bit_equal or 0.0) < 1.0 and rt.is_floating_point():
-        _locate(e, rt, tt)
+        coords = aligned[3] if aligned is not None and len(aligned) > 3 else None
+        _locate(e, rt, tt, coords)
     return e
 
 
-def _locate(e: StageResult, rt, tt) -> None:
-    """Where inside the tensor the error sits: per token / head, the named max-error coordinate."""
-    from ffdebug.comparison.where import breakdown, named
+def _locate(e: StageResult, rt, tt, coords=None) -> None:
+    """Where inside the tensor the error sits: per token / head, the named max-error coordinate,
+    and the runs of wrong tokens per sequence (`coords`: a packed pair's rows in the padded
+    reference's (sequence, position), `comparison/align.py`)."""
+    from ffdebug.comparison.where import breakdown, named, token_runs
 
+    runs = token_runs(e.key, rt, tt, coords)
+    if runs is not None:
+        e.token_runs, e.token_runs_left_out = runs
     w = breakdown(e.key, rt, tt)
     if w is None:
         return

@@ -86,6 +86,29 @@ def breakdown(key: str, ref, target) -> Where | None:
     return Where(axes, per_token, per_head, _rise(per_token))
 
 
+def token_runs(key: str, ref, target, coords=None) -> tuple[list[dict], int] | None:
+    """(runs, left out) of exact / ok / wrong tokens per sequence of a layer stage
+    (`comparison/token_runs.py`): a `[batch, token, ...]` pair, or a packed `[T, ...]` pair whose
+    rows `coords` places in the reference's batch; None for other stages and layouts."""
+    from ffdebug.comparison import token_runs as runs
+
+    shape = tuple(ref.shape)
+    if not key.startswith("L") or shape != tuple(target.shape) or 0 in shape or len(shape) < 2:
+        return None
+    if coords is not None:
+        if coords.shape[0] != shape[0]:
+            return None
+        sums = row_sums(ref.detach().reshape(-1), target.detach().reshape(-1), ref.numel() // shape[0])
+        return None if sums is None else runs.capped(runs.of_packed(*sums, coords))
+    if axes_of(key, list(shape)) is None:
+        return None
+    width = ref.numel() // (shape[0] * shape[1])
+    sums = row_sums(ref.detach().reshape(-1), target.detach().reshape(-1), width)
+    if sums is None:
+        return None
+    return runs.capped(runs.of_padded(*(x.view(shape[0], shape[1]) for x in sums)))
+
+
 def row_sums(r, t, width: int):
     """(Σ (t − r)², Σ r²) of each `width`-element row of the flat tensors, in float64 (a vector of
     numel / width each); None when a sum is not finite (NaN / Inf, or squares past float64)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from ffdebug.comparison.token_runs import sentence as token_sentence
 from ffdebug.report.safe_text import esc, key_markup
 from ffdebug.report.text import (
     compare_table,
@@ -47,6 +48,9 @@ def bisect_sentence(result: BisectResult) -> str:
         where = f"layer {first.layer} ({first.layer_class or 'no class'}), {first.stage}"
     if first.per_rank:
         where += f" on target rank {first.rank}"
+    tokens = token_sentence(first.token_runs)
+    if tokens:
+        where += f" ({tokens})"
     sub = result.sub_stage
     inside = ""
     if sub is not None and first.layer is not None:

@@ -146,9 +146,14 @@ def coverage_word(result) -> str:
 
 
 def _at(result: CompareResult, e) -> str:
-    """`describe_stage`, with the call named when the comparison holds more than one call."""
+    """`describe_stage`, with the call named when the comparison holds more than one call, and
+    which sequences' tokens are wrong when some are not (`comparison/token_runs.py`)."""
+    from ffdebug.comparison.token_runs import sentence
+
     calls = {(s.call, tuple(sorted(s.step.items()))) for s in result.stages}
-    return (f"call {e.call}, " if len(calls) > 1 and e.call is not None else "") + describe_stage(e)
+    tokens = sentence(e.token_runs)
+    at = (f"call {e.call}, " if len(calls) > 1 and e.call is not None else "") + describe_stage(e)
+    return at + (f" ({tokens})" if tokens else "")
 
 
 def generation_sentence(gen, stages) -> str:

@@ -73,6 +73,10 @@ class StageResult:
     unified_shape: bool = False  # the shapes differed by size-1 dims only and were unified
     max_abs_where: dict | None = None  # max_abs_at named by the stage's axes (batch, token, head, channel)
     per_token_rel: list | None = None  # rel per token position (layer stages)
+    token_runs: list | None = (
+        None  # runs of exact / ok / wrong tokens per sequence (comparison/token_runs.py)
+    )
+    token_runs_left_out: int | None = None  # runs past the cap
     per_head_rel: list | None = None  # rel per head ([batch, token, head, head_dim] attention stages)
     rise_from: int | None = None  # the token from which the error rises, when it does
     unsharded_ref: dict | None = None  # {"how", "ranks"}: ffdebug folded this side's ranks
@@ -168,6 +172,8 @@ class StageResult:
             "unified_shape": self.unified_shape or None,
             "max_abs_where": self.max_abs_where,
             "per_token_rel": self.per_token_rel,
+            "token_runs": self.token_runs,
+            "token_runs_left_out": self.token_runs_left_out or None,
             "per_head_rel": self.per_head_rel,
             "rise_from": self.rise_from,
             "severity_rank0": self.severity_rank0.value if self.severity_rank0 else None,

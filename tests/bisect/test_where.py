@@ -104,3 +104,32 @@ def test_breakdown_of_non_finite_or_overflowing_squares_is_none():
     t = r.clone()
     t[0, 3, 0] += 1.0
     assert breakdown("L000.mlp_out", r, t).per_token_rel[:3] == [0.0, 0.0, 0.0]
+
+
+def test_token_runs_name_the_wrong_tokens_of_each_sequence_in_the_references_coordinates():
+    from ffdebug.comparison.token_runs import sentence
+    from ffdebug.comparison.where import token_runs
+
+    ref = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(0))
+    tgt = ref.clone()
+    tgt[1, 2:5] *= 1.5  # sequence 1, tokens 2-4 wrong
+    tgt[0, 0] += 1e-4 * ref[0, 0]  # sequence 0, token 0 within 1%
+    runs, left = token_runs("L000.attn_out", ref, tgt)
+    assert left == 0 and runs == [
+        {"sequence": 0, "tokens": [0, 0], "state": "ok"},
+        {"sequence": 0, "tokens": [1, 5], "state": "exact"},
+        {"sequence": 1, "tokens": [0, 1], "state": "exact"},
+        {"sequence": 1, "tokens": [2, 4], "state": "wrong"},
+        {"sequence": 1, "tokens": [5, 5], "state": "exact"},
+    ]
+    assert sentence(runs) == "sequence 1, tokens 2-4 wrong; sequence 0 within 1%"
+    # packed rows: (sequence, position) of each row in the padded reference
+    coords = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1], [1, 2]])
+    packed_ref = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    packed_tgt = packed_ref.clone()
+    packed_tgt[2:] *= -1
+    runs, _ = token_runs("L001.ffn_out", packed_ref, packed_tgt, coords)
+    assert sentence(runs) == "sequence 1, tokens 0-2 wrong; sequence 0 exact"
+    assert token_runs("final.logits", ref, tgt) is None  # layer stages only
+    every = tgt.clone() * 2
+    assert sentence(token_runs("L000.attn_out", ref, every)[0]) is None  # all wrong: the numbers say it

@@ -226,7 +226,10 @@ class MlaNet(nn.Module):
 class PackedMlaNet(MlaNet):
     """The same model on packed tokens: `forward(ids [T], cu_seqlens [n + 1])`, every sequence's
     tokens one after the other, positions restarting per sequence, attention kept inside each
-    sequence by a block-diagonal causal mask; block stages are `[T, hidden]`."""
+    sequence by a block-diagonal causal mask (`leak = True`, a planted bug: causal over the whole
+    pack, so later sequences attend to earlier ones); block stages are `[T, hidden]`."""
+
+    leak = False
 
     def forward(self, ids, cu_seqlens):
         x = self.tok(ids)
@@ -235,7 +238,10 @@ class PackedMlaNet(MlaNet):
         pos = torch.arange(ids.numel()) - cu_seqlens[seq]
         angles = pos[:, None].float() * self.inv_freq
         cos, sin = angles.cos()[None], angles.sin()[None]
-        mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+        t = torch.arange(ids.numel())
+        mask = t[:, None] >= t[None, :]
+        if not self.leak:
+            mask &= seq[:, None] == seq[None, :]
         for layer in self.stack:
             x = layer(x, cos, sin, mask)
         return self.read(self.last(x))
