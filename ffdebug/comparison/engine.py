@@ -74,9 +74,6 @@ def stage_result(key: str, r: Record, t: Record) -> StageResult:
     )
 
 
-RISE_HEADS = 10.0  # heads within this factor of the worst head are named as the wrong ones
-
-
 def compare_records(
     r: Record,
     t: Record,
@@ -145,35 +142,10 @@ def compare_records(
         e.logits = logits_metrics(rt, tt)
     if (m.bit_equal or 0.0) < 1.0 and rt.is_floating_point():
         coords = aligned[3] if aligned is not None and len(aligned) > 3 else None
-        _locate(e, rt, tt, coords)
+        from ffdebug.comparison.where import locate
+
+        locate(e, rt, tt, coords)
     return e
-
-
-def _locate(e: StageResult, rt, tt, coords=None) -> None:
-    """Where inside the tensor the error sits: per token / head, the named max-error coordinate,
-    and the runs of wrong tokens per sequence (`coords`: a packed pair's rows in the padded
-    reference's (sequence, position), `comparison/align.py`)."""
-    from ffdebug.comparison.where import breakdown, named, token_runs
-
-    runs = token_runs(e.key, rt, tt, coords)
-    if runs is not None:
-        e.token_runs, e.token_runs_left_out = runs
-    w = breakdown(e.key, rt, tt)
-    if w is None:
-        return
-    e.max_abs_where = named(w.axes, e.max_abs_at)
-    e.per_token_rel, e.per_head_rel, e.rise_from = w.per_token_rel, w.per_head_rel, w.rise_from
-    if w.rise_from is not None:
-        e.notes.append(f"error rises from token {w.rise_from}")
-    if w.per_head_rel:
-        worst_rel = max((x for x in w.per_head_rel if x is not None), default=0.0)
-        bad = [
-            h
-            for h, x in enumerate(w.per_head_rel)
-            if x is None or (worst_rel > 0 and x >= worst_rel / RISE_HEADS)
-        ]
-        if worst_rel > 0 and len(bad) < len(w.per_head_rel):
-            e.notes.append(f"error in head(s) {', '.join(map(str, bad))} (rel per head: see per_head_rel)")
 
 
 def _log_pairing(ref_store, tgt_store, pairing, units, noise_store) -> None:

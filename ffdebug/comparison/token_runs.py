@@ -5,7 +5,7 @@ A token's error is taken over everything it holds at the stage (channels, heads)
 
     rel[b, s] = ‖t[b, s] − r[b, s]‖ / ‖r[b, s]‖
 
-and its state is `exact` (bit-equal), `ok` (rel within the ok band, `verdict.REL_BANDS`: 1%) or
+and its state is `exact` (bit-equal), `within` (rel within the ok band, `verdict.REL_BANDS`: 1%) or
 `wrong`. A packed side's rows are put back where the padded reference holds them (the token mask
 that aligned the two, `comparison/align.py`), so `sequence` is the reference's batch row and
 `tokens` its positions, whichever side is packed. Consecutive tokens of one sequence in one state
@@ -19,7 +19,7 @@ from __future__ import annotations
 from ffdebug import verdict as V
 
 CAP = 32
-EXACT, OK, WRONG = "exact", "ok", "wrong"
+EXACT, WITHIN, WRONG = "exact", "within", "wrong"
 
 
 def states(d2, r2) -> list[str]:
@@ -30,7 +30,7 @@ def states(d2, r2) -> list[str]:
         if d == 0.0:
             out.append(EXACT)
         else:
-            out.append(OK if r > 0 and (d / r) ** 0.5 <= ok_rel else WRONG)
+            out.append(WITHIN if r > 0 and (d / r) ** 0.5 <= ok_rel else WRONG)
     return out
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from ffdebug._chunks import CHUNK, copy_in, work_rows
 
 RISE = 10.0  # a token whose error is this many times every earlier token's starts a rise
+RISE_HEADS = 10.0  # heads within this factor of the worst head are named as the wrong ones
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def breakdown(key: str, ref, target) -> Where | None:
 
 
 def token_runs(key: str, ref, target, coords=None) -> tuple[list[dict], int] | None:
-    """(runs, left out) of exact / ok / wrong tokens per sequence of a layer stage
+    """(runs, left out) of exact / within / wrong tokens per sequence of a layer stage
     (`comparison/token_runs.py`): a `[batch, token, ...]` pair, or a packed `[T, ...]` pair whose
     rows `coords` places in the reference's batch; None for other stages and layouts."""
     from ffdebug.comparison import token_runs as runs
@@ -169,3 +170,28 @@ def named(axes: tuple[str, ...], at: list[int] | None) -> dict | None:
     if at is None or len(at) != len(axes):
         return None
     return dict(zip(axes, at))
+
+
+def locate(e, rt, tt, coords=None) -> None:
+    """Where inside the tensor the error of stage result `e` sits: per token / head, the named
+    max-error coordinate, and the runs of wrong tokens per sequence (`coords`: a packed pair's
+    rows in the padded reference's (sequence, position), `comparison/align.py`)."""
+    runs = token_runs(e.key, rt, tt, coords)
+    if runs is not None:
+        e.token_runs, e.token_runs_left_out = runs
+    w = breakdown(e.key, rt, tt)
+    if w is None:
+        return
+    e.max_abs_where = named(w.axes, e.max_abs_at)
+    e.per_token_rel, e.per_head_rel, e.rise_from = w.per_token_rel, w.per_head_rel, w.rise_from
+    if w.rise_from is not None:
+        e.notes.append(f"error rises from token {w.rise_from}")
+    if w.per_head_rel:
+        worst_rel = max((x for x in w.per_head_rel if x is not None), default=0.0)
+        bad = [
+            h
+            for h, x in enumerate(w.per_head_rel)
+            if x is None or (worst_rel > 0 and x >= worst_rel / RISE_HEADS)
+        ]
+        if worst_rel > 0 and len(bad) < len(w.per_head_rel):
+            e.notes.append(f"error in head(s) {', '.join(map(str, bad))} (rel per head: see per_head_rel)")

@@ -116,7 +116,7 @@ def test_token_runs_name_the_wrong_tokens_of_each_sequence_in_the_references_coo
     tgt[0, 0] += 1e-4 * ref[0, 0]  # sequence 0, token 0 within 1%
     runs, left = token_runs("L000.attn_out", ref, tgt)
     assert left == 0 and runs == [
-        {"sequence": 0, "tokens": [0, 0], "state": "ok"},
+        {"sequence": 0, "tokens": [0, 0], "state": "within"},
         {"sequence": 0, "tokens": [1, 5], "state": "exact"},
         {"sequence": 1, "tokens": [0, 1], "state": "exact"},
         {"sequence": 1, "tokens": [2, 4], "state": "wrong"},
