@@ -108,6 +108,8 @@ def _rope_part(k, v) -> int:
         if same is None or bool(same.all()):
             return 0  # one head repeated (GQA with one KV head), or not 4-D
         tail = int(torch.flip(same, [0]).int().cumprod(0).sum())
+        if tail and not bool(k[..., d - tail :].any()):
+            return 0  # zero columns every head shares: a head dim padded for a kernel, not rope
         return tail if 0 < tail < d else 0
     if isinstance(v, torch.Tensor) and v.shape[:-1] == k.shape[:-1] and 0 < v.shape[-1] < d:
         if torch.equal(k[..., : v.shape[-1]], v):
