@@ -423,3 +423,19 @@ def test_a_ports_logits_under_another_name_are_final_logits(hf, tmp_path, form):
     assert "final.logits" in open_side(tgt).keys() and "final.out" not in open_side(tgt).keys()
     res = ffdebug.compare(ref, tgt)
     assert res.exit_code() == 0 and res.coverage.final_compared
+
+
+def test_mla_rope_part_is_the_key_columns_every_head_shares_or_what_follows_v():
+    from ffdebug.capture.kernel_taps import _rope_part
+
+    g = torch.Generator().manual_seed(0)
+    nope, pe = torch.randn(1, 4, 3, 6, generator=g), torch.randn(1, 1, 3, 2, generator=g)
+    k = torch.cat([nope, pe.expand(1, 4, 3, 2)], -1)  # unabsorbed: k_pe expanded to every head
+    assert _rope_part(k, None) == 2
+    assert _rope_part(torch.randn(1, 4, 3, 8, generator=g), None) == 0  # plain multi-head k
+    assert _rope_part(k[:, :1].expand(1, 4, 3, 8), None) == 0  # one KV head repeated: GQA, not MLA
+    padded = torch.cat([nope, torch.zeros(1, 4, 3, 2)], -1)
+    assert _rope_part(padded, None) == 0  # a head dim padded with zeros for a kernel
+    c = torch.randn(1, 1, 3, 5, generator=g)
+    assert _rope_part(torch.cat([c, pe], -1), c) == 2  # absorbed: k = [c | k_pe] over v = c
+    assert _rope_part(torch.cat([c, pe], -1), torch.randn(1, 1, 3, 5, generator=g)) == 0
