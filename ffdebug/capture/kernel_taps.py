@@ -128,8 +128,8 @@ class _Call:
 class KernelWatcher:
     """Hooks of one block child: watch its call for the first attention kernel (module doc)."""
 
-    def __init__(self, session, module) -> None:
-        self.session, self.module = session, module
+    def __init__(self, session, module, path: str = "") -> None:
+        self.session, self.module, self.path = session, module, path
         self.mode = None
 
     def install(self, handle) -> None:
@@ -287,6 +287,7 @@ class KernelWatcher:
         if q.untyped_storage().data_ptr() in plain or k.untyped_storage().data_ptr() in plain:
             return  # no rotary (nor norm) computed q and k: nothing a projection stage does not hold
         extra = {"read_at": "attention kernel", "orig_shape": list(q.shape), "layout": "B,H,S,D"}
+        where = {"module_path": self.path, "module_class": type(self.module).__name__}
         rope = _rope_part(k.detach(), v)
         if rope:  # MLA: the rotary part alone, unscaled (the two forms' kernels differ in width)
             d = q.shape[-1]
@@ -297,10 +298,10 @@ class KernelWatcher:
         own, rep = _kv_repeat(k.detach())
         if self.call.function:
             extra["rotary_function"] = self.call.function
-        self.session.tap_placed("attn.q_rot", self._tokens_first(q.detach()), extra)
+        self.session.tap_placed("attn.q_rot", self._tokens_first(q.detach()), extra, **where)
         if k.shape[-2] == q.shape[-2]:  # a decode step's k is a cache: its layout is the engine's
             k_extra = dict(extra, orig_shape=list(k.shape), **({"kv_repeat": rep} if rep > 1 else {}))
-            self.session.tap_placed("attn.k_rot", self._tokens_first(own), k_extra)
+            self.session.tap_placed("attn.k_rot", self._tokens_first(own), k_extra, **where)
 
     def _tokens_first(self, t):
         """`[..., heads, S, D]` as `[..., S, heads, D]`; a packed child (its input `[T, hidden]`)

@@ -264,12 +264,13 @@ class Session:
                 meta["extra"] = {**meta.get("extra", {}), **layout}
         self.capture(stage, tensor, tags=tags, free=True, **meta)
 
-    def tap_placed(self, stage: str, tensor, extra: dict) -> None:
+    def tap_placed(self, stage: str, tensor, extra: dict, **where) -> None:
         """A stage ffdebug found inside the running block (the rotary q / k at the attention kernel,
-        `capture.kernel_taps`), already in its stored layout; `extra` goes to the record."""
+        `capture.kernel_taps`), already in its stored layout; `extra` goes to the record, `where`
+        (`module_path`, `module_class`: the child it was read in) too."""
         layer = current_layer()
         key = f"L{layer:03d}.{stage}" if layer is not None else stage
-        self.capture(key, tensor, free=True, io="out", layer=layer, extra=dict(extra))
+        self.capture(key, tensor, free=True, io="out", layer=layer, extra=dict(extra), **where)
 
     def close(self) -> None:
         if self.closed:

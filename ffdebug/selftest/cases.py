@@ -230,6 +230,7 @@ def _matches(expected: Expected, said: dict, failed: bool) -> bool:
         (said["stage"] or "").startswith(within + ".")
         or (said["sub_stage"] or "") == within
         or (said["sub_stage"] or "").startswith(within + ".")
+        or (said["sub_stage"] or "") in expected.within_keys
     )  # a finer first divergence, or a block stage whose sub-stage is the planted module
     elsewhere = said["stage"] in expected.streams  # another output of the planted module's stage
     if (

@@ -51,6 +51,7 @@ class Expected:
     # whose sub-stage is it (`ffn_out`, sub-stage `norm1`), holds too
     streams: tuple[str, ...] = ()  # other stages that hold: where a module of several outputs
     # (a dual-stream attention's text output) sends the planted stream instead (`Planner.streams`)
+    within_keys: tuple[str, ...] = ()  # role sub-stages read while `within` ran (its kernel's q_rot)
 
     def describe(self) -> str:
         parts = [f"layer {self.layer}"]
@@ -273,9 +274,17 @@ class Planner(DumpedStages):
         first_norm = next((st for st in order if st in block_owned), None)  # in execution order
         child_owned = {found[0]: found[1] for n in in_block0 if (found := self.owning_stage(0, n))}
         first_child = next((st for st in order if st in child_owned), None)
-        within = None
+        within, within_keys = None, ()
         if first_child is not None and child_owned[first_child].startswith(blocks0 + "."):
             within = child_owned[first_child][len(blocks0) + 1 :]
+            path = child_owned[first_child]
+            within_keys = tuple(  # sub-stages recorded inside that child (the q / k its kernel read)
+                r.key.split(".", 1)[1]
+                for r in self.records
+                if r.layer == 0
+                and r.module_path
+                and (r.module_path == path or r.module_path.startswith(path + "."))
+            )
 
         def plant(model: Any) -> None:
             for name, attr in names:
@@ -285,7 +294,7 @@ class Planner(DumpedStages):
             Mutation(
                 "norm eps",
                 f"{len(names)} norm(s) in the blocks, eps {EPS}",
-                Expected(0, first_norm, None, None, within=within),
+                Expected(0, first_norm, None, None, within=within, within_keys=within_keys),
                 plant,
             )
         ]
