@@ -228,3 +228,22 @@ def test_a_leak_across_packed_sequences_names_the_sequence_and_its_tokens(hf, tm
     runs = r.first_divergence.token_runs
     assert [x for x in runs if x["state"] == "wrong"] == [{"sequence": 1, "tokens": [0, 6], "state": "wrong"}]
     assert "sequence 1, tokens 0-6 wrong; sequence 0 " in r.conclusion
+
+
+def test_weights_diff_relates_an_absorbed_ports_per_head_split_and_names_a_swapped_layer(hf):
+    """kv_b is cut per head into W_kc [H, d_nope, r_kv] and W_vc [H, r_kv, d_v] (transposed): with
+    no map, every tensor relates by content, slot by slot; a k_nope / v swap in one layer is named
+    per head against the convention the other layers show."""
+    port = make_mla_port(hf, absorbed=True)
+    res = ffdebug.weights_diff(hf, port)
+    assert not res.failed() and not res.content["unmatched_ref"] and not res.content["unmatched_target"]
+    kv_b = "ref model.layers.#.self_attn.kv_b_proj.weight = stack.{0}.mix.w_kc[0] + stack.{0}.mix.w_vc[0].T"
+    assert any(rule.startswith(kv_b) for rule in res.content["rules"])
+    a = port.stack[1].mix
+    with torch.no_grad():
+        kc, vc = a.w_kc.detach().clone(), a.w_vc.detach().clone()
+        a.w_kc.copy_(vc.transpose(1, 2))
+        a.w_vc.copy_(kc.transpose(1, 2))
+    res = ffdebug.weights_diff(hf, port)
+    swapped = {t.name for t in res.tensors if t.finding == "swapped"}
+    assert res.failed() and swapped == {f"stack.1.mix.w_{x}c[{h}]" for x in "kv" for h in range(4)}

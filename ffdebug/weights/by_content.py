@@ -45,6 +45,27 @@ def _blocks(comp: Logical, rel, loader: TensorLoader) -> dict[str, Logical]:
     return out
 
 
+def _slots(cube: Logical, side: str, loader: TensorLoader) -> dict[str, Logical]:
+    """A 3-D tensor as one tensor per slot, `name[h]` (`relate`'s second pass related them)."""
+    from ffdebug.weights.content import Segment
+
+    out = {}
+    for h in range(cube.shape[0]):
+        seg = Segment(f"{cube.name}[{h}]", h, 0, 0, cube.shape[1])
+        out[seg.part] = Logical(
+            name=seg.part,
+            source_name=f"{cube.source_name}[{h}]",
+            entries=cube.entries,
+            shape=tuple(cube.shape[1:]),
+            dtype=cube.dtype,
+            layer=cube.layer,
+            build=loader.block(cube, side, seg),
+            stacked_from=cube.source_name,
+            segment=seg,
+        )
+    return out
+
+
 def pair_by_content(sides: Sides, only_ref: list[str], only_tgt: list[str], loader: TensorLoader) -> Related:
     """Each composite content matching related is replaced by its blocks (fp8 tensors are not
     sketched); the plan is kept for the JSON `content`."""
@@ -60,6 +81,10 @@ def pair_by_content(sides: Sides, only_ref: list[str], only_tgt: list[str], load
             lambda n: loader.load(tgt[n], "target"),
         )
     out = Related(dict(ref), dict(tgt), plan=plan)
+    for side, names in plan.split_slots.items():  # a 3-D tensor related slot by slot: its slots
+        mine, _ = out.of(side)
+        for name in names:
+            mine.update(_slots(mine.pop(name), side, loader))
     only = {"ref": set(only_ref), "target": set(only_tgt)}
     for rel in plan.relations:
         mine, _ = out.of(rel.side)

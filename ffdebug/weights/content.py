@@ -98,6 +98,7 @@ class ContentPlan:
     rules: list[str]
     seconds: float
     notes: list[str] = field(default_factory=list)
+    split_slots: dict[str, list[str]] = field(default_factory=dict)  # side -> 3-D tensors cut into `name[h]`
 
     def to_json(self) -> dict:
         return {

@@ -206,7 +206,50 @@ def _rule_lines(convention: dict) -> list[str]:
 
 def relate(ref_shapes: dict, tgt_shapes: dict, load_ref, load_tgt) -> ContentPlan:
     """Relations between the unpaired tensors of each side (names → shapes; `load_*(name)` reads
-    one tensor as the comparison would); the steps are `weights.content`'s docstring."""
+    one tensor as the comparison would); the steps are `weights.content`'s docstring. A 3-D
+    tensor still unmatched on one side while tensors are left on the other is then taken apart
+    into its slots (`name[h]`: a per-head split such as an absorbed MLA's `W_kc` / `W_vc` cut
+    from `kv_b`) and the leftovers are related again; `plan.split_slots` names those cut."""
+    plan = _relate_once(ref_shapes, tgt_shapes, load_ref, load_tgt)
+    left = {"ref": plan.unmatched_ref, "target": plan.unmatched_target}
+    shapes = {"ref": ref_shapes, "target": tgt_shapes}
+    cubes = {side: [n for n in left[side] if len(shapes[side][n]) == 3] for side in left}
+    if not (cubes["ref"] or cubes["target"]) or not (left["ref"] and left["target"]):
+        return plan
+    slotted, loads = {}, {}
+    for side, load in (("ref", load_ref), ("target", load_tgt)):
+        flat = {n: shapes[side][n] for n in left[side] if n not in cubes[side]}
+        owner: dict[str, tuple[str, int]] = {}
+        for n in cubes[side]:
+            for h in range(shapes[side][n][0]):
+                flat[f"{n}[{h}]"] = tuple(shapes[side][n][1:])
+                owner[f"{n}[{h}]"] = (n, h)
+        slotted[side] = (flat, owner)
+        loads[side] = lambda name, load=load, owner=owner: (
+            load(owner[name][0])[owner[name][1]] if name in owner else load(name)
+        )
+    again = _relate_once(slotted["ref"][0], slotted["target"][0], loads["ref"], loads["target"])
+    if not again.relations:
+        return plan
+    plan.relations += again.relations
+    plan.rules = sorted(set(plan.rules) | set(again.rules))
+    for side, attr in (("ref", "unmatched_ref"), ("target", "unmatched_target")):
+        flat, owner = slotted[side]
+        unmatched = set(getattr(again, attr))
+        whole = [
+            n for n in cubes[side] if not any(f"{n}[{h}]" in unmatched for h in range(shapes[side][n][0]))
+        ]
+        plan.split_slots[side] = whole
+        kept = [n for n in getattr(again, attr) if n not in owner] + [
+            n for n in cubes[side] if n not in whole
+        ]
+        setattr(plan, attr, kept)
+    plan.seconds += again.seconds
+    return plan
+
+
+def _relate_once(ref_shapes: dict, tgt_shapes: dict, load_ref, load_tgt) -> ContentPlan:
+    """One pass of the steps over these tensors."""
     t0 = time.perf_counter()
     ref = {n: s for n in ref_shapes if (s := sketch(n, load_ref(n))) is not None}
     tgt = {n: s for n in tgt_shapes if (s := sketch(n, load_tgt(n))) is not None}
