@@ -151,6 +151,9 @@ class Coverage:
     missing: list[str] = field(default_factory=list)
     stages_only_ref: list[str] = field(default_factory=list)  # keys of paired calls' one-sided stages
     stages_only_target: list[str] = field(default_factory=list)  # (in `missing`; not a JSON key)
+    keys_only_ref: list[str] = field(
+        default_factory=list
+    )  # every one-sided reference key (bisect's `missing_inside`)
 
     @property
     def complete(self) -> bool:
@@ -298,6 +301,9 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
     if cov.only_target:
         missing.append(f"stage kinds dumped by the target only: {_names(cov.only_target)}")
     one_sided_kinds = set(cov.only_ref) | set(cov.only_target) | excused_kinds
+    cov.keys_only_ref = [
+        k for k in dict.fromkeys(r.key for r in inp.only_ref) if kind_of(k) not in excused_kinds
+    ]
     for label, records in (("reference", inp.only_ref), ("target", inp.only_target)):
         extra = sorted({r.key for r in records if kind_of(r.key) not in one_sided_kinds})
         setattr(cov, "stages_only_ref" if label == "reference" else "stages_only_target", extra)

@@ -348,22 +348,12 @@ def _bisect_result(result, analyses, reported, attribution, notes, fail_on, allo
 
 def _missing_inside(result, first) -> list[str]:
     """Sub-stages of the first divergent layer the reference wrote and the target did not (a
-    shared expert the port never runs): their keys without the layer prefix, in the reference's
-    order. Read from the coverage's one-sided kinds and keys and the reference's key list."""
-    from ffdebug.coverage import kind_of
-    from ffdebug.store.reader import open_side
-
-    cov = result.coverage
-    if first is None or first.layer is None or not (cov.only_ref or cov.stages_only_ref):
+    shared expert the port never runs): their keys without the layer prefix (`coverage`'s
+    one-sided reference keys, form-excused kinds left out)."""
+    if first is None or first.layer is None:
         return []
     prefix = f"L{first.layer:03d}."
-    one_sided, keys = set(cov.only_ref), set(cov.stages_only_ref)
-    try:
-        ref_keys = open_side(result.ref_path).keys()
-    except Exception:  # noqa: BLE001 - the store was read a moment ago; nothing more to say then
-        return []
-    inside = [k for k in dict.fromkeys(ref_keys) if k.startswith(prefix)]
-    return [k[len(prefix) :] for k in inside if kind_of(k) in one_sided or k in keys]
+    return [k[len(prefix) :] for k in result.coverage.keys_only_ref if k.startswith(prefix)]
 
 
 def _before(generation, call: CallRef) -> bool:

@@ -159,11 +159,9 @@ def _install_block(
     written = RoleTensors(_sub_paths(block, sub_globs))
     for name, child, _ in role_children(block.module):
         if has_role(child) and not is_norm_type(child) and not norm_shaped(child):
-            KernelWatcher(session, child, f"{block.path}.{name}").install(
-                handle
-            )  # q_rot / k_rot at the kernel
+            path = f"{block.path}.{name}"
+            KernelWatcher(session, child, path).install(handle)  # attn.q_rot / k_rot at the kernel
             if substages:  # registered first: a branch's sub-stages are written before its output
-                path = f"{block.path}.{name}"
                 recorder = BranchRecorder(
                     session, capture, name, child, path, prefix, base, children, dims, written
                 )

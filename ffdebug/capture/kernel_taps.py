@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 import threading
 
+from ffdebug.capture.outputs import first_tensor, tensors_of
+
 ROTARY_STAGES = ("attn.q_rot", "attn.k_rot")
 _LOCAL = threading.local()  # the stack of watchers whose child is running on this thread
 
@@ -71,13 +73,8 @@ def _projections() -> tuple:
 
 
 def _tensors(obj):
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
+    """The tensors of a call's argument or output (a tensor, or a split's tuple of them)."""
+    return (t for _, t in tensors_of(obj))
 
 
 def _kv_repeat(k):
@@ -155,7 +152,7 @@ class KernelWatcher:
         if self.mode is not None or not self._wanted():
             return
         self.call = _Call()  # this call of the child: whether the kernel was seen
-        x = next(_tensors(args), None)
+        x = first_tensor(args, {})
         self.call.lead = tuple(x.shape[:-1]) if x is not None else ()
         self.pending = None  # an eager q @ kᵀ waiting for its scale: (q, k, scores)
         self.deferred: list = []  # function taps of a rotary stage not held: written at the return

@@ -219,25 +219,23 @@ class Session:
 
     def note_unplaced(self, block_class: str, children: tuple[str, ...]) -> None:
         """Record in run.json the block children role detection could not name (coverage lists them)."""
-        if not self.enabled_rank or self.unplaced.get(block_class) == list(children):
-            return
-        self.unplaced[block_class] = list(children)
-        self.sink.update_run_info(unplaced_stages=dict(self.unplaced))
+        self._note(self.unplaced, "unplaced_stages", block_class, list(children))
 
     def note_whole(self, branch: str, why: str) -> None:
         """Record in run.json a branch compared as a whole, without role sub-stages (coverage says so)."""
-        if not self.enabled_rank or self.whole.get(branch) == why:
-            return
-        self.whole[branch] = why
-        self.sink.update_run_info(compared_whole=dict(self.whole))
+        self._note(self.whole, "compared_whole", branch, why)
 
     def note_form(self, branch: str, form: dict) -> None:
         """Record in run.json a branch whose form holds other role sub-stages than the usual one
         (an absorbed MLA attention: `models/mla_roles.py`); coverage excuses exactly those kinds."""
-        if not self.enabled_rank or self.forms.get(branch) == form:
+        self._note(self.forms, "form_stages", branch, form)
+
+    def _note(self, table: dict, run_key: str, name: str, value) -> None:
+        """Set `table[name]` and write the table to run.json as `run_key` when it changed."""
+        if not self.enabled_rank or table.get(name) == value:
             return
-        self.forms[branch] = form
-        self.sink.update_run_info(form_stages=dict(self.forms))
+        table[name] = value
+        self.sink.update_run_info(**{run_key: dict(table)})
 
     def tap(self, stage: str, tensor, tags: dict) -> None:
         """A free tap. Reserved tags describe the tensor (`io`, `shard`, `reduction`, `layer`,

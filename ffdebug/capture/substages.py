@@ -121,6 +121,11 @@ class BranchRecorder:
             self.module.register_forward_hook(lambda *a: self.post(*a), with_kwargs=True, always_call=True)
         )
 
+    @property
+    def _branch_name(self) -> str:
+        """How run.json names this branch: `<block class>.<child>`."""
+        return f"{self.roles.block.class_name}.{self.name}"
+
     # -- hooks -------------------------------------------------------------------------------
     def _selected(self) -> bool:
         s = self.session
@@ -350,7 +355,7 @@ class BranchRecorder:
             stages = with_inputs(branch_substages(trace, stage, self.dims), trace)
             self.written.note(trace, stages)
             if trace.form is not None:
-                self.session.note_form(f"{self.roles.block.class_name}.{self.name}", trace.form)
+                self.session.note_form(self._branch_name, trace.form)
             trace.stages = stages + with_inputs(self._unmatched(trace, stages), trace, group=False)
         inv = self.session.invocations.get(self.roles.block.path, 1) - 1
         for s in trace.stages:
@@ -369,7 +374,7 @@ class BranchRecorder:
         sub-stage class dumps the projection's owner module, that module's own in / out are its
         keys (the owner may do more than the projection, e.g. a router returning its top-k)."""
         if trace.whole is not None:  # no sub-stage by role and none by module path: said once
-            self.session.note_whole(f"{self.roles.block.class_name}.{self.name}", trace.whole)
+            self.session.note_whole(self._branch_name, trace.whole)
             return []
         taken = {s.at for s in stages} | {i for s in stages for i in s.covers}
         experts_placed = any(s.kind.startswith("moe.expert") for s in stages)
@@ -383,7 +388,7 @@ class BranchRecorder:
             )
         if out:
             names = tuple(dict.fromkeys(s.kind for s in out))
-            self.session.note_unplaced(f"{block.class_name}.{self.name}", names)
+            self.session.note_unplaced(self._branch_name, names)
             if (block.class_name, self.name) not in _WARNED:
                 _WARNED.add((block.class_name, self.name))
                 get_logger("capture").warning(

@@ -37,6 +37,7 @@ class Where:
     per_token_rel: list[float | None]
     per_head_rel: list[float | None] | None
     rise_from: int | None
+    token_sums: tuple | None = None  # (Σ(t − r)², Σ r²) per [batch, token], for the token runs
 
 
 def axes_of(key: str, shape: list[int] | None) -> tuple[str, ...] | None:
@@ -84,30 +85,30 @@ def breakdown(key: str, ref, target) -> Where | None:
     per_head = None
     if "head" in axes:
         per_head = _rel(d2.sum((0, 1)), r2.sum((0, 1)))
-    return Where(axes, per_token, per_head, _rise(per_token))
+    by_token = (d2, r2) if d2.dim() == 2 else (d2.sum(-1), r2.sum(-1))
+    return Where(axes, per_token, per_head, _rise(per_token), by_token)
 
 
-def token_runs(key: str, ref, target, coords=None) -> tuple[list[dict], int] | None:
+def token_runs(key: str, ref, target, coords=None, where: Where | None = None):
     """(runs, left out) of exact / within / wrong tokens per sequence of a layer stage
-    (`comparison/token_runs.py`): a `[batch, token, ...]` pair, or a packed `[T, ...]` pair whose
-    rows `coords` places in the reference's batch; None for other stages and layouts."""
+    (`comparison/token_runs.py`): from the per-token sums of `where` (the stage's `breakdown`,
+    computed when not given) for a `[batch, token, ...]` pair, or, for a packed `[T, ...]` pair
+    whose rows `coords` places in the reference's batch, from its rows' sums; None for other
+    stages and layouts."""
     from ffdebug.comparison import token_runs as runs
 
     shape = tuple(ref.shape)
-    if not key.startswith("L") or shape != tuple(target.shape) or 0 in shape or len(shape) < 2:
-        return None
     if coords is not None:
-        if coords.shape[0] != shape[0]:
+        if not key.startswith("L") or shape != tuple(target.shape) or 0 in shape or len(shape) < 2:
+            return None
+        if coords.shape[0] != shape[0]:  # the mask's tokens are not this stage's rows
             return None
         sums = row_sums(ref.detach().reshape(-1), target.detach().reshape(-1), ref.numel() // shape[0])
         return None if sums is None else runs.capped(runs.of_packed(*sums, coords))
-    if axes_of(key, list(shape)) is None:
+    where = where if where is not None else breakdown(key, ref, target)
+    if where is None or where.token_sums is None:
         return None
-    width = ref.numel() // (shape[0] * shape[1])
-    sums = row_sums(ref.detach().reshape(-1), target.detach().reshape(-1), width)
-    if sums is None:
-        return None
-    return runs.capped(runs.of_padded(*(x.view(shape[0], shape[1]) for x in sums)))
+    return runs.capped(runs.of_padded(*where.token_sums))
 
 
 def row_sums(r, t, width: int):
@@ -176,10 +177,10 @@ def locate(e, rt, tt, coords=None) -> None:
     """Where inside the tensor the error of stage result `e` sits: per token / head, the named
     max-error coordinate, and the runs of wrong tokens per sequence (`coords`: a packed pair's
     rows in the padded reference's (sequence, position), `comparison/align.py`)."""
-    runs = token_runs(e.key, rt, tt, coords)
+    w = breakdown(e.key, rt, tt)
+    runs = token_runs(e.key, rt, tt, coords, w)
     if runs is not None:
         e.token_runs, e.token_runs_left_out = runs
-    w = breakdown(e.key, rt, tt)
     if w is None:
         return
     e.max_abs_where = named(w.axes, e.max_abs_at)

@@ -46,13 +46,6 @@ from ffdebug.models.subroles import (
 )
 
 LATENT_INPUT = "attn.latent"  # the `.in` name the down-projections share
-_LATENT_LEAVES = ("q_latent", "kv_latent", "k_rope", "q")
-
-
-def is_low_rank(trace: BranchTrace, ins: list[LinearCall], inner: list[LinearCall]) -> bool:
-    """Whether the branch projects latents up before its output projection (`inner`: projections
-    neither of the branch input nor back to the hidden size)."""
-    return bool(ins) and bool(inner)
 
 
 def _segments(ins: list[LinearCall]) -> list[tuple[object, dict, LinearCall, int]]:
@@ -129,16 +122,7 @@ def _kv_up(trace: BranchTrace, kv_b: LinearCall, heads: int | None) -> list[SubS
         )
     else:
         for kind, (t, split, piece) in zip(("attn.k_nope", "attn.v"), parts):
-            s = _stage(
-                kind,
-                leading_shape(t, trace),
-                kv_b,
-                trace,
-                *_heads_of(piece, heads, None),
-                split=split,
-                reads=False,
-            )
-            out.append(s)
+            out.append(_stage(kind, t, kv_b, trace, *_heads_of(piece, heads, None), split=split, reads=False))
     return out
 
 

@@ -73,9 +73,7 @@ class StageResult:
     unified_shape: bool = False  # the shapes differed by size-1 dims only and were unified
     max_abs_where: dict | None = None  # max_abs_at named by the stage's axes (batch, token, head, channel)
     per_token_rel: list | None = None  # rel per token position (layer stages)
-    token_runs: list | None = (
-        None  # runs of exact / ok / wrong tokens per sequence (comparison/token_runs.py)
-    )
+    token_runs: list | None = None  # exact / within / wrong runs per sequence (comparison/token_runs.py)
     token_runs_left_out: int | None = None  # runs past the cap
     per_head_rel: list | None = None  # rel per head ([batch, token, head, head_dim] attention stages)
     rise_from: int | None = None  # the token from which the error rises, when it does
