@@ -247,3 +247,19 @@ def test_weights_diff_relates_an_absorbed_ports_per_head_split_and_names_a_swapp
     res = ffdebug.weights_diff(hf, port)
     swapped = {t.name for t in res.tensors if t.finding == "swapped"}
     assert res.failed() and swapped == {f"stack.1.mix.w_{x}c[{h}]" for x in "kv" for h in range(4)}
+
+
+def test_weights_diff_names_kv_b_of_every_layer_for_a_k_nope_v_swap(hf):
+    """A converter that wrote each head's `[k_nope | v]` rows of kv_b as `[v | k_nope]` in every
+    layer, under HF's names: kv_b of every layer is `permuted`, its rows named; nothing else."""
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    heads, nope, dv = 4, 8, 8
+    kv_b = [k for k in sd if k.endswith("kv_b_proj.weight")]
+    for k in kv_b:
+        w = sd[k].view(heads, nope + dv, -1)
+        sd[k] = torch.cat([w[:, nope:], w[:, :nope]], 1).reshape(sd[k].shape)
+    res = ffdebug.weights_diff(hf, sd)
+    probs = {t.name: t for t in res.tensors if t.finding != "equal"}
+    assert res.failed() and set(probs) == set(kv_b) and len(kv_b) == 3
+    # reference rows 0:8 (head 0's k_nope) are the port's rows 8:16, 8:16 are 0:8, per head of 16
+    assert {(t.finding, t.layout["rows"]) for t in probs.values()} == {("permuted", "8:16, 0:8 +16k (k<4)")}

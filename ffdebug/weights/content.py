@@ -47,8 +47,13 @@ class Segment:
     offset: int
     size: int
     transposed: bool = False
+    rows: tuple[int, ...] | None = None  # a gather: the composite's rows holding the part's, in order
 
     def where(self) -> str:
+        if self.rows is not None:
+            from ffdebug.weights.rows import describe
+
+            return f"[rows {describe(list(self.rows))}]"
         idx = [] if self.slot is None else [str(self.slot)]
         span = f"{self.offset}:{self.offset + self.size}"
         idx += [span] if self.axis == ROWS else [":", span]
@@ -62,7 +67,7 @@ class Relation:
     side: str  # "ref" | "target": the side holding the composite
     composite: str
     shape: tuple[int, ...]
-    kind: str  # whole | fused | stacked
+    kind: str  # whole | fused | stacked | gathered
     segments: tuple[Segment, ...]  # the layout compared: the convention of the port's names
     found: tuple[Segment, ...] | None = None  # the layout the content has, where it differs
     how: str = "content"  # content | name rule
@@ -114,12 +119,18 @@ class ContentPlan:
 def cut(x, seg: Segment):
     """The block of composite tensor `x` that `seg` describes, in the part's layout."""
     y = x[seg.slot] if seg.slot is not None else x
+    if seg.rows is not None:
+        import torch
+
+        return y.index_select(0, torch.tensor(seg.rows)).contiguous()
     y = y.narrow(seg.axis if y.dim() > 1 else 0, seg.offset, seg.size)
     return (y.t() if seg.transposed else y).contiguous()
 
 
 def cut_shape(shape: tuple[int, ...], seg: Segment) -> tuple[int, ...]:
     s = list(shape[1:] if seg.slot is not None else shape)
+    if seg.rows is not None:
+        return (len(seg.rows), *s[1:])
     s[seg.axis if len(s) > 1 else 0] = seg.size
     return tuple(s[::-1] if seg.transposed else s)
 

@@ -1,5 +1,6 @@
 """Naming a weight difference in the port's terms, after its finding: a block content matching
-found elsewhere in its composite (`swapped`, `permuted`), a tensor equal to the port's own
+found elsewhere in its composite (`swapped`, `permuted`), a tensor whose rows are the other side's
+reordered (`permuted`, `weights.rows`), a tensor equal to the port's own
 initialisation (`not_loaded`, with --init), or an uncorrelated tensor (a note)."""
 
 from __future__ import annotations
@@ -67,6 +68,28 @@ def _misplaced(entry: TensorDiff, r: Logical, t: Logical, loader: TensorLoader) 
     return False
 
 
+def _rows_reordered(entry: TensorDiff, r: Logical, t: Logical, loader: TensorLoader) -> bool:
+    """The target holds every reference row, each once, in another order (a per-head block swap,
+    a rotary re-ordering written by a converter): `permuted`, with where the rows went."""
+    from ffdebug.weights.rows import describe, permutation, rotary_note
+
+    rows = permutation(loader.load(r, "ref"), loader.load(t, "target"))
+    if rows is None:
+        return False
+    entry.notes = [n for n in entry.notes if not n.startswith(_LOADER_CHANGED)]
+    entry.finding = "permuted"
+    entry.severity = V.worst(entry.severity, Severity.SCRAMBLE)
+    rotary = rotary_note(rows)
+    entry.layout = {"tensor": t.source_name, "rows": describe(rows)}
+    if rotary:
+        entry.layout["rotary"] = rotary
+    entry.notes.append(
+        f"{t.source_name} holds every row of the reference, reordered: reference rows 0, 1, … are "
+        f"its rows {describe(rows)}" + (f" ({rotary})" if rotary else "")
+    )
+    return True
+
+
 def _never_loaded(entry: TensorDiff, lg: Logical, side: str, loader: TensorLoader, init: InitTensors) -> bool:
     x0 = init.of(lg)
     if x0 is None:
@@ -90,6 +113,8 @@ def explain(
     if entry.finding in LOADED or _misplaced(entry, r, t, loader):
         return
     if _never_loaded(entry, r if init_side == "ref" else t, init_side, loader, init):
+        return
+    if entry.finding == "mismatch" and _rows_reordered(entry, r, t, loader):
         return
     if entry.finding == "mismatch" and entry.cos is not None and abs(entry.cos) < UNCORRELATED:
         entry.notes.append(

@@ -210,7 +210,32 @@ def relate(ref_shapes: dict, tgt_shapes: dict, load_ref, load_tgt) -> ContentPla
     tensor still unmatched on one side while tensors are left on the other is then taken apart
     into its slots (`name[h]`: a per-head split such as an absorbed MLA's `W_kc` / `W_vc` cut
     from `kv_b`) and the leftovers are related again; `plan.split_slots` names those cut."""
-    plan = _relate_once(ref_shapes, tgt_shapes, load_ref, load_tgt)
+    plan = _by_slots(
+        _relate_once(ref_shapes, tgt_shapes, load_ref, load_tgt), ref_shapes, tgt_shapes, load_ref, load_tgt
+    )
+    return _by_rows(plan, ref_shapes, tgt_shapes, load_ref, load_tgt)
+
+
+def _by_rows(plan: ContentPlan, ref_shapes: dict, tgt_shapes: dict, load_ref, load_tgt) -> ContentPlan:
+    """The gather pass over what blocks and slots left (`weights.gather`)."""
+    from ffdebug.weights.gather import gathered
+
+    left = {"ref": plan.unmatched_ref, "target": plan.unmatched_target}
+    if not (left["ref"] and left["target"]):
+        return plan
+    t0 = time.perf_counter()
+    shapes = {"ref": ref_shapes, "target": tgt_shapes}
+    found = gathered(shapes, left, {"ref": load_ref, "target": load_tgt}, plan.relations)
+    plan.relations += found.relations
+    plan.rules = sorted(set(plan.rules) | set(found.rules))
+    plan.unmatched_ref = [n for n in plan.unmatched_ref if n not in found.used["ref"]]
+    plan.unmatched_target = [n for n in plan.unmatched_target if n not in found.used["target"]]
+    plan.seconds += time.perf_counter() - t0
+    return plan
+
+
+def _by_slots(plan: ContentPlan, ref_shapes: dict, tgt_shapes: dict, load_ref, load_tgt) -> ContentPlan:
+    """The slot pass: 3-D leftovers cut into `name[h]` and related again."""
     left = {"ref": plan.unmatched_ref, "target": plan.unmatched_target}
     shapes = {"ref": ref_shapes, "target": tgt_shapes}
     cubes = {side: [n for n in left[side] if len(shapes[side][n]) == 3] for side in left}

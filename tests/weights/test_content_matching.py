@@ -141,3 +141,102 @@ def test_unused_map_rule_warns(hf_dir, tmp_path):
     assert out["warnings"] == [
         "--map / alias rule '^nothing\\\\.here\\\\.=model.' matched no target name (it rewrites target names)"
     ]
+
+
+# --- gathered rows: parts that are not contiguous blocks (weights.gather, weights.rows) ---------
+
+_H, _D = 4, 8  # the heads and head size of `_mha_llama`
+
+
+@pytest.fixture(scope="module")
+def mha():
+    """A tiny HF Llama with as many kv heads as heads and a qkv bias (q, k, v of one shape)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=_H,
+        num_key_value_heads=_H,
+        head_dim=_D,
+        vocab_size=128,
+        attention_bias=True,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()  # HF starts biases at zero: every row would be the same
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _per_head(x):
+    return x.view(_H, _D, *x.shape[1:])
+
+
+def _halves_to_pairs(w):
+    """A q / k weight (or bias) in the rotary layout of interleaved pairs, from HF's halves."""
+    return w.view(_H, 2, _D // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _engine_checkpoint(sd, layout: str, swap_layer: int | None = None) -> dict:
+    """The port's own names; each layer's q / k / v fused (weight and bias) as `layout` says:
+    `heads` interleaved per head `[q_0, k_0, v_0, q_1, …]`, `rotary` `[q | k | v]` with q and k in
+    interleaved-pair rotary order; in `swap_layer` the converter put k where q goes."""
+    out = {}
+    for name, x in sd.items():
+        if not any(f".{p}_proj." in name for p in "qkv"):
+            out[name.replace("model.layers.", "blk.").replace("self_attn.o_proj", "attn.wo")] = x
+    for i in range(3):
+        for kind in ("weight", "bias"):
+            q, k, v = (sd[f"model.layers.{i}.self_attn.{p}_proj.{kind}"] for p in "qkv")
+            if i == swap_layer:
+                q, k = k, q
+            if layout == "heads":
+                fused = torch.stack([_per_head(q), _per_head(k), _per_head(v)], 1).reshape(
+                    3 * _H * _D, *q.shape[1:]
+                )
+            else:
+                fused = torch.cat([_halves_to_pairs(q), _halves_to_pairs(k), v])
+            out[f"blk.{i}.attn.wqkv.{kind}"] = fused
+    return out
+
+
+@pytest.mark.parametrize("layout", ["heads", "rotary"])
+def test_gathered_qkv_relates_without_a_map_and_a_swapped_layer_is_named(mha, layout):
+    """Per-head interleaved and rotary-permuted fused q / k / v (weights and biases) relate row by
+    row to HF's three tensors; the rule says which rows; a layer whose converter swapped q and k is
+    compared at the port's convention and named."""
+    res = ffdebug.weights_diff(mha, _engine_checkpoint(mha, layout))
+    assert res and not res.content["unmatched_ref"] and not res.content["unmatched_target"], res.to_json()
+    assert sorted(t.name for t in res.tensors) == sorted(mha)
+    rule = next(r for r in res.content["rules"] if r.startswith("target blk.#.attn.wqkv.weight"))
+    if layout == "heads":  # q's rows 0:8 of every 24 (one head's q, k, v), four heads
+        assert "q_proj.weight[rows 0:8 +24k (k<4)]" in rule and "v_proj.weight[rows 16:24 +24k (k<4)]" in rule
+    else:  # HF's halves [x0..x3 | x4..x7] of a head stored as pairs (x0, x4), (x1, x5), ...
+        assert "q_proj.weight[rows 0:7:2, 1:8:2 +8k (k<4)]" in rule
+        assert "rotary halves stored as interleaved pairs, per head of 8 rows" in rule
+    bad = ffdebug.weights_diff(mha, _engine_checkpoint(mha, layout, swap_layer=1))
+    probs = _problems(bad)
+    assert not bad and set(probs) == {
+        f"model.layers.1.self_attn.{p}_proj.{kind}" for p in "qk" for kind in ("weight", "bias")
+    }
+    q = probs["model.layers.1.self_attn.q_proj.weight"]
+    assert q.finding == "swapped" and q.layout["tensor"] == "blk.1.attn.wqkv.weight"
+    k_rows = {"heads": "[rows 8:16 +24k (k<4)]", "rotary": "[rows 32:39:2, 33:40:2 +8k (k<4)]"}[layout]
+    assert q.layout["found_at"] == k_rows
+
+
+def test_rows_reordered_under_the_same_name_are_named_permuted(mha):
+    """A converter that wrote q / k in the other rotary layout under HF's own names: each such
+    tensor is `permuted`, with the rows and the rotary re-ordering named; the rest equal."""
+    sd = {k: (_halves_to_pairs(v) if ".q_proj." in k or ".k_proj." in k else v) for k, v in mha.items()}
+    res = ffdebug.weights_diff(mha, sd)
+    probs = _problems(res)
+    assert not res and set(probs) == {k for k in mha if ".q_proj." in k or ".k_proj." in k}
+    w = probs["model.layers.2.self_attn.k_proj.weight"]
+    assert w.finding == "permuted" and w.layout["rows"] == "0:7:2, 1:8:2 +8k (k<4)"
+    assert w.layout["rotary"] == "rotary halves stored as interleaved pairs, per head of 8 rows"
+    assert {t.finding for t in res.tensors if t.name not in probs} == {"equal"}
