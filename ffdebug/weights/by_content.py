@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ffdebug.weights import quant
@@ -95,33 +94,4 @@ def pair_by_content(sides: Sides, only_ref: list[str], only_tgt: list[str], load
         f"content matching paired {sum(len(r.segments) for r in plan.relations)} tensor(s) the names "
         f"left unpaired ({plan.seconds:.2f} s)"
     )
-    return out
-
-
-def verified_fuse_orders(renames: list[dict], plan) -> list[dict]:
-    """Fuse suggestions (named parts in the order the names suggest) checked against the
-    content: a composite content matching related gets its parts in the order compared (the
-    port's convention, verified numerically); one it could not relate is marked unverified."""
-    by_comp = {r.composite: r for r in plan.relations if r.how == "content"}
-    by_part = {p: r for r in plan.relations if r.how == "content" for p in r.parts}
-    out = []
-    for s in renames:
-        if s["kind"] != "fused":
-            out.append(s)
-            continue
-        fused = s["from"] if isinstance(s["from"], str) else s["to"]
-        parts = s["to"] if isinstance(s["from"], str) else s["from"]
-        rel = by_comp.get(fused) or by_part.get(parts[0])
-        m = re.fullmatch(r"--fuse (\S+)=(\S+)", s["apply"])
-        if rel is None or m is None:
-            out.append(dict(s, verified=False))
-            continue
-        order = [p for p in rel.parts if p in parts] if fused == rel.composite else list(parts)
-        named = dict(zip(parts, m.group(2).split("+")))
-        if set(order) != set(parts):
-            out.append(dict(s, verified=False))
-            continue
-        new = dict(s, verified=True, apply=f"--fuse {m.group(1)}={'+'.join(named[p] for p in order)}")
-        new["to" if isinstance(s["from"], str) else "from"] = order
-        out.append(new)
     return out

@@ -23,7 +23,7 @@ from ffdebug.progress_hook import ProgressHook
 from ffdebug.results import TensorDiff, WeightsDiffResult
 from ffdebug.verdict import Severity
 from ffdebug.weights import plan
-from ffdebug.weights.by_content import pair_by_content, verified_fuse_orders
+from ffdebug.weights.by_content import pair_by_content
 from ffdebug.weights.explain import InitTensors, explain
 from ffdebug.weights.findings import FINDINGS, LOADED, compare_pair  # noqa: F401 (the public names)
 from ffdebug.weights.layout import Sides, attach_scales, auto_stack, fuse, stack
@@ -195,16 +195,15 @@ class WeightsDiff:
         self.buffers_not_in_checkpoint, self.renames = schema.buffers_not_in_checkpoint, schema.renames
 
     def _pair_by_content(self, by_name: Schema) -> Schema:
-        """Relate what the names left unpaired and redo the schema; the name suggestions stay (a
-        map to write down), fuse orders as the content has them."""
+        """Relate what the names left unpaired and redo the schema: rename / fuse / stack
+        suggestions are made for what content matching left unpaired only (what it related is
+        in `content.rules`, the map it applied)."""
         related = pair_by_content(
             Sides(self.ref, self.tgt), by_name.only_ref, by_name.only_target, self.loader
         )
         self.ref, self.tgt, self.content = related.ref, related.tgt, related.plan
         self.notes += related.notes
-        schema = self._schema()
-        schema.renames = verified_fuse_orders(by_name.renames, self.content) + schema.renames
-        return schema
+        return self._schema()
 
     # -- results --------------------------------------------------------------------------------
 
