@@ -60,7 +60,7 @@ class ChildRoles:
                 )
                 handle.add(
                     child.register_forward_hook(
-                        lambda m, a, o, n=name, meta=meta: self.on_output(n, m, o, meta)
+                        lambda m, a, o, n=name, meta=meta: self.on_output(n, m, o, meta, a)
                     )
                 )
 
@@ -74,7 +74,7 @@ class ChildRoles:
             self.holding = True
             self.session.begin_hold()
 
-    def on_output(self, name: str, module, output, meta: dict) -> None:
+    def on_output(self, name: str, module, output, meta: dict, args=()) -> None:
         # a child called twice in one call (a shared dropout) gets its own invocation index
         inv = self.session.next_invocation(meta["module_path"])
         if self.names is not None:
@@ -84,7 +84,8 @@ class ChildRoles:
         if not pairs:
             return
         if name not in {n for n, _ in self.called}:
-            kind = NORM if is_norm(module, pairs[0][1]) else CROSS if name in self.cross else BRANCH
+            x = args[0] if args else None
+            kind = NORM if is_norm(module, pairs[0][1], x) else CROSS if name in self.cross else BRANCH
             self.called.append((name, kind))
         held = [(sfx, t.detach().clone(), t) for sfx, t in pairs]
         if not self.session.hold(lambda: self.emit(name, held, inv, meta)):

@@ -170,7 +170,7 @@ def hook_final_norm(handle: Handle, session, capture, model, root: RootState, in
             out = o if isinstance(o, torch.Tensor) else next((t for _, t in tensors_of(o)), None)
             if session.call_depth != 1 or not root.in_flight or root.blocks_done == 0 or out is None:
                 return
-            if not is_norm(m, out):
+            if not is_norm(m, out, a[0] if a else None):
                 return
             meta = dict(module_class=type(m).__name__, module_path=p)
             root.final_norm = (out.detach().clone(), out, meta)

@@ -18,7 +18,9 @@ denoiser class (SD3Transformer2DModel, UNet2DConditionModel), a model_type (qwen
 the local Hugging Face cache; nothing is downloaded. --zoo runs every architecture of the families
 named by --family (default all: causal_lm, seq2seq_lm, image_classification, diffusers) that the
 installed transformers and diffusers ship (--sample N: a seeded N of each family); an architecture
-that cannot be built is listed with why.
+that cannot be built is listed with why. --engine runs (a) and (c) against an engine-style rewrite
+of each model instead: sibling projections fused, every module renamed, a causal LM's batch packed
+into one row with cu_seqlens where its attention allows it (docs/selftest.md).
 
 Exit 0 when every case holds, 1 when one does not (the table says which), 2 for a spec that names
 no model or a model the shrinker cannot build.
@@ -30,6 +32,7 @@ no model or a model the shrinker cannot build.
   ffdebug selftest SD3Transformer2DModel
   ffdebug selftest --zoo --sample 8 --seed 0 --json
   ffdebug selftest --zoo --family diffusers,seq2seq_lm --json
+  ffdebug selftest llama --engine
 """
 
 
@@ -58,6 +61,12 @@ def register(app: typer.Typer) -> None:
         keep: str = typer.Option(
             None, "--keep", help="Keep the dumps under this directory (one folder a model)."
         ),
+        engine: bool = typer.Option(
+            False,
+            "--engine",
+            help="Compare against an engine-style rewrite of each model (projections fused, modules "
+            "renamed, a causal LM packed with cu_seqlens): the copy and mutation cases.",
+        ),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output: every case."),
     ) -> None:
         from ffdebug.errors import FFDebugError
@@ -84,7 +93,9 @@ def register(app: typer.Typer) -> None:
         if family != "all" and not zoo:
             raise FFDebugError("--family chooses the zoo's families: add --zoo")
         groups = tuple(g.strip() for g in cases.split(",") if g.strip())
-        options = SelftestOptions(groups=groups, seed=seed, keep=keep)
+        if engine:
+            groups = tuple(g for g in groups if g != "precision")
+        options = SelftestOptions(groups=groups, seed=seed, keep=keep, engine=engine)
         if zoo:
             names = [n for f in families for n in zoo_sample(sample or 10**9, seed, f)]
         else:

@@ -6,7 +6,9 @@ call: the padded side's attention mask (`embed.attention_mask`, recorded from th
 `attention_mask`), else the packed side's sequence lengths (`ffdebug.tap("embed.seq_lens", lens)`;
 then each sequence fills the first `lens[b]` positions of its row). When the mask has T tokens and
 the trailing dims agree, the padded side's tokens (row-major: batch, then position) are compared
-with the packed side's rows. Any other shape difference stays a shape mismatch: nothing is
+with the packed side's rows (a packed side run as one batch row, `[1, T, ...]`, is read as
+`[T, ...]`), and a token-by-token stage (attention probabilities `[B, H, S, S]`) is compared on
+each sequence's diagonal block of the packed `[H, T, T]` (`diagonal_blocks`). Any other shape difference stays a shape mismatch: nothing is
 reshaped without a mask that explains it.
 """
 
@@ -49,6 +51,14 @@ def layouts(ref_group, tgt_group) -> tuple[TokenLayout, TokenLayout]:
     )
 
 
+def one_row(packed, padded):
+    """A packed side run as one batch row, `[1, T, ...]` (HF's padding-free form), as `[T, ...]`
+    against a padded `[B, S, ...]` of several rows; else `packed` as it is."""
+    if packed.dim() == padded.dim() and packed.dim() >= 3 and packed.shape[0] == 1 and padded.shape[0] > 1:
+        return packed[0]
+    return packed
+
+
 def packed_view(padded, packed, mask):
     """`padded`'s token rows in packed order, or None when `mask` does not explain the shapes."""
     if mask is None or mask.dim() != 2 or padded.dim() < 2 or tuple(padded.shape[:2]) != tuple(mask.shape):
@@ -60,6 +70,35 @@ def packed_view(padded, packed, mask):
     return padded[mask.bool()]
 
 
+def diagonal_blocks(padded, packed, mask):
+    """(padded, packed) as each sequence's `[…, l, l]` block, flattened and laid end to end, for a
+    token-by-token stage (attention probabilities `[B, H, S, S]` against a packed `[1, H, T, T]` or
+    `[H, T, T]`): sequence b's block of the packed side is rows and columns `o_b … o_b + l_b` of
+    its diagonal; None when the shapes are not that."""
+    import torch
+
+    if mask is None or mask.dim() != 2 or padded.dim() < 3 or tuple(padded.shape[:1]) != (mask.shape[0],):
+        return None
+    b, s = mask.shape
+    if tuple(padded.shape[-2:]) != (s, s):
+        return None
+    mid = tuple(padded.shape[1:-2])
+    if packed.dim() == padded.dim() and packed.shape[0] == 1:
+        packed = packed[0]
+    total = int(mask.sum())
+    if tuple(packed.shape) != (*mid, total, total):
+        return None
+    ref_blocks, tgt_blocks, offset = [], [], 0
+    for row in range(b):
+        idx = mask[row].bool().nonzero().reshape(-1)
+        n = idx.numel()
+        block = padded[row].index_select(-2, idx).index_select(-1, idx)
+        ref_blocks.append(block.reshape(*mid, n * n))
+        tgt_blocks.append(packed[..., offset : offset + n, offset : offset + n].reshape(*mid, n * n))
+        offset += n
+    return torch.cat(ref_blocks, -1), torch.cat(tgt_blocks, -1)
+
+
 def align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
     """(ref, target, note, coords) with the padded side reduced to its tokens, or None; `coords`
     `[T, 2]` is each packed row's (sequence, position) in the padded side's batch."""
@@ -67,11 +106,19 @@ def align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
         if not layout or padded.dim() < 2:
             continue
         mask = layout.mask_for(padded.shape[0], padded.shape[1])
+        packed = one_row(packed, padded)
         sel = packed_view(padded, packed, mask)
         if sel is not None:
             note = f"aligned: {side} {list(padded.shape)} padded -> {list(sel.shape)} packed"
             coords = mask.bool().nonzero()
-            return (sel, t, note, coords) if side == "reference" else (r, sel, note, coords)
+            return (sel, packed, note, coords) if side == "reference" else (packed, sel, note, coords)
+        blocks = diagonal_blocks(padded, packed, layout.mask_for(padded.shape[0], padded.shape[-1]))
+        if blocks is not None:
+            note = (
+                f"aligned: {side} {list(padded.shape)} padded -> each sequence's diagonal block of the "
+                f"packed {list(packed.shape)}"
+            )
+            return (*blocks, note, None) if side == "reference" else (blocks[1], blocks[0], note, None)
     return None
 
 

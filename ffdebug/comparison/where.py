@@ -177,14 +177,24 @@ def locate(e, rt, tt, coords=None) -> None:
     """Where inside the tensor the error of stage result `e` sits: per token / head, the named
     max-error coordinate, and the runs of wrong tokens per sequence (`coords`: a packed pair's
     rows in the padded reference's (sequence, position), `comparison/align.py`)."""
-    w = breakdown(e.key, rt, tt)
-    runs = token_runs(e.key, rt, tt, coords, w)
+    packed = coords is not None and rt.dim() >= 2 and coords.shape[0] == rt.shape[0]
+    # a packed pair [T, ...] is read as one row of T tokens: its heads are the stage's heads, its
+    # tokens are placed in the reference's (sequence, position) by `coords`
+    w = breakdown(e.key, rt[None], tt[None]) if packed else breakdown(e.key, rt, tt)
+    runs = token_runs(e.key, rt, tt, coords, None if packed else w)
     if runs is not None:
         e.token_runs, e.token_runs_left_out = runs
     if w is None:
         return
+    if packed and e.max_abs_at:
+        e.max_abs_at = [*coords[e.max_abs_at[0]].tolist(), *e.max_abs_at[1:]]  # the reference's
     e.max_abs_where = named(w.axes, e.max_abs_at)
-    e.per_token_rel, e.per_head_rel, e.rise_from = w.per_token_rel, w.per_head_rel, w.rise_from
+    e.per_head_rel = w.per_head_rel
+    if packed:  # per-token errors are the token runs' (per sequence); no rise across sequences
+        w = Where(w.axes, w.per_token_rel, w.per_head_rel, None)
+    else:
+        e.per_token_rel = w.per_token_rel
+    e.rise_from = w.rise_from
     if w.rise_from is not None:
         e.notes.append(f"error rises from token {w.rise_from}")
     if w.per_head_rel:

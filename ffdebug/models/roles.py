@@ -41,6 +41,7 @@ BRANCH = "branch"
 CROSS = "cross"  # a branch fed the encoder's states (cross-attention): `cross_attn_out`
 CROSS_INPUTS = ("encoder_hidden_states", "key_value_states", "encoder_outputs", "context")
 UNIT_TOL = 0.05  # |rms - 1| (or |std - 1|, |mean|) averaged over rows
+RESCALE_TOL = 0.02  # ‖z − c·x‖ / ‖z‖ averaged over rows (bf16 outputs round at ~4e-3)
 
 
 def _params(module) -> list:
@@ -95,11 +96,49 @@ def behaves_like_norm(module, output) -> bool:
     return False
 
 
-def is_norm(module, output) -> bool:
-    """A norm by type, or norm-shaped and behaving like one on this output."""
+def rescales_rows(module, x, output) -> bool:
+    """`module`'s output rows, its affine parameters undone, are its input's rows (or the rows less
+    their mean) each times its own positive factor, the factors not all 1: a norm whatever its eps
+    (a large eps on small activations leaves rows far from unit RMS), not a per-channel scale."""
+    import torch
+
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (x, output)):
+        return False
+    if tuple(x.shape) != tuple(output.shape) or output.dim() < 1 or output.shape[-1] < 2:
+        return False
+    own = list(module.parameters(recurse=False))
+    y = output.detach().double().reshape(-1, output.shape[-1])
+    xs = x.detach().double().reshape(-1, x.shape[-1])
+    bias = own[1].detach().double() if len(own) > 1 else None
+    centred = y - bias if bias is not None else y
+    scales = [own[0].detach().double(), 1.0 + own[0].detach().double()] if own else [1.0]
+    for scale in scales:
+        if isinstance(scale, torch.Tensor) and not bool((scale.abs() > 1e-6).all()):
+            continue
+        z = centred / scale
+        for base in (xs, xs - xs.mean(-1, keepdim=True)):
+            bb = (base * base).sum(-1)
+            if not bool((bb > 0).all()):
+                continue
+            ratio = (z * base).sum(-1) / bb
+            resid = (z - ratio[:, None] * base).norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-300)
+            if (
+                bool((ratio > 0).all())
+                and float(resid.mean()) < RESCALE_TOL
+                and float((ratio - 1).abs().max()) > 1e-3
+            ):
+                return True
+    return False
+
+
+def is_norm(module, output, x=None) -> bool:
+    """A norm by type, or norm-shaped and behaving like one on this output (with its input `x`
+    when known: rows rescaled, `rescales_rows`)."""
     if is_norm_type(module):
         return True
-    return norm_shaped(module) and behaves_like_norm(module, output)
+    if not norm_shaped(module):
+        return False
+    return behaves_like_norm(module, output) or (x is not None and rescales_rows(module, x, output))
 
 
 def role_children(module):

@@ -13,6 +13,11 @@ store with `ffdebug.capture(..., substages=True)` on the same input ids, then ru
   and a failing result. A mutation whose target is bit-identical to the reference on the tiny model
   (top-k normalisation at k = 1, a window longer than the input) is `no effect`, left out of the rates.
 
+With `SelftestOptions.engine` every target is first rewritten the way an inference engine ports
+the model (`selftest.rewrite`: projections fused, modules renamed, a causal LM's batch packed into
+one row with `cu_seqlens`), so copy and mutations measure pairing across two codebases; the
+precision group is the original's.
+
 A case that does not hold is `fails` with what bisect said; one that cannot run here (fp16 kernels
 missing, no sdpa support) is `skipped` with why.
 """
@@ -52,6 +57,7 @@ class SelftestOptions:
     seed: int = 0
     sizes: Sizes = field(default_factory=Sizes)
     keep: str | None = None  # a directory to keep the dumps in (else a temporary one)
+    engine: bool = False  # every target is an engine-style rewrite (`selftest.rewrite`): copy and mutations
 
     def __post_init__(self) -> None:
         unknown = [g for g in self.groups if g not in CASE_GROUPS]
@@ -101,6 +107,7 @@ class ModelReport:
     layers: int = 0
     shrunk: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # ffdebug's warnings while dumping / comparing
+    engine: str = ""  # with options.engine: what the rewrite did (`Rewrite.describe`)
     cases: list[CaseResult] = field(default_factory=list)
 
     @property
@@ -259,11 +266,24 @@ class Runner:
         self.ids = _inputs(spec, model, options)
         self.ref = _dump(model, self.ids, root, "ref")
         self.records = _records(self.ref)
+        self.rewrites: dict[str, Any] = {}  # side -> its engine rewrite (options.engine)
+
+    def _as_run(self, target: Any, side: str) -> tuple[Any, dict[str, Any]]:
+        """The module dumped for `side` and its inputs: `target`, or its engine rewrite."""
+        if not self.options.engine:
+            return target, self.ids
+        from ffdebug.selftest.families import CAUSAL_LM
+        from ffdebug.selftest.rewrite import engine_rewrite
+
+        rw = engine_rewrite(target, _cast(self.ids, _dtype(target)), self.spec.family == CAUSAL_LM)
+        self.rewrites[side] = rw
+        return rw.module, rw.feed
 
     def _bisect(self, target: Any, side: str):
         import ffdebug
 
-        return ffdebug.bisect(self.ref, _dump(target, self.ids, self.root, side))
+        module, feed = self._as_run(target, side)
+        return ffdebug.bisect(self.ref, _dump(module, feed, self.root, side))
 
     def _attribute(self, target: Any, side: str):
         """The deciding run a user is told to make when the budget cannot judge every layer: bisect
@@ -272,11 +292,12 @@ class Runner:
         import ffdebug
 
         dtype = _dtype(target)
+        rw = self.rewrites.get(side)
         return ffdebug.bisect(
             self.ref,
             str(self.root / side),
             model_ref=(self.model, _cast(self.ids, _dtype(self.model))),
-            model_target=(target, _cast(self.ids, dtype)),
+            model_target=(target, _cast(self.ids, dtype)) if rw is None else (rw.module, rw.feed),
         )
 
     def copy_case(self) -> CaseResult:
@@ -294,6 +315,9 @@ class Runner:
     def precision_cases(self) -> list[CaseResult]:
         import torch
 
+        if self.options.engine:
+            why = "the engine rewrite runs copy and mutations; precision is the original's sweep"
+            return [CaseResult("precision", "precision", "", SKIPPED, why)]
         out = []
         for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             try:
@@ -444,6 +468,8 @@ def _run_cases(
                 report.cases.extend(run())
             except Exception as e:  # noqa: BLE001 - recorded as the group's failing case
                 report.cases.append(_raised(group, group, e))
+    if runner.rewrites:
+        report.engine = next(iter(runner.rewrites.values())).describe()
     if "mutations" in options.groups:
         try:
             planted = Planner(model, runner.records).all()
