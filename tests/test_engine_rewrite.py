@@ -1,0 +1,154 @@
+"""The engine-style rewrite selftest --engine compares against (ffdebug/selftest/rewrite.py), and
+what it needs of the comparison: a packed `[1, T, ...]` side and its attention probabilities align
+with a padded reference, a packed pair's worst head and max-error coordinate read in the
+reference's terms, a norm is a norm whatever its eps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ffdebug
+from ffdebug.selftest.families import inputs
+from ffdebug.selftest.models import build, resolve
+from ffdebug.selftest.rewrite import engine_rewrite
+from ffdebug.selftest.shrink import Sizes
+
+
+@pytest.fixture(scope="module")
+def llama():
+    spec = resolve("llama")
+    model = build(spec, Sizes(), 0)
+    return model, inputs(spec.family, model, 2, 16, 0, 128)
+
+
+def test_the_rewrite_fuses_renames_and_packs_without_changing_the_logits(llama):
+    model, feed = llama
+    layers = model.config.num_hidden_layers
+    rw = engine_rewrite(model, feed, causal_lm=True)
+    # q / k / v and gate / up of every layer: found by what they read, not by their names
+    assert len(rw.fused) == 2 * layers
+    assert sorted({f.split(": ")[1] for f in rw.fused}) == ["gate_proj + up_proj", "q_proj + k_proj + v_proj"]
+    names = [n for n, _ in rw.module.named_modules()]
+    assert not any(word in n for n in names for word in ("layers", "self_attn", "q_proj", "mlp", "norm"))
+    linears = [m for m in rw.module.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * layers + 1  # qkv, o, gate_up, down per layer; the head
+    assert rw.packing.startswith("packed") and set(rw.feed) == {"input_ids", "cu_seqlens"}
+    assert rw.feed["input_ids"].shape == (32,) and rw.feed["cu_seqlens"].tolist() == [0, 16, 32]
+    with torch.no_grad():
+        want = model(**feed).logits
+        got = rw.module(**rw.feed).logits
+    assert got.shape == (1, 32, want.shape[-1])
+    torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-5, atol=1e-5)
+    assert len(list(model.named_modules())) > len(names) - 3  # the original is left as it was
+    assert any("q_proj" in n for n, _ in model.named_modules())
+
+
+def test_a_planted_projection_patch_is_not_fused_away(llama):
+    """A Linear with a hook (a planted mutation) keeps its own call: it is left out of its group."""
+    model, feed = llama
+    import copy
+
+    patched = copy.deepcopy(model)
+    patched.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, a, o: o * 2)
+    rw = engine_rewrite(patched, feed, causal_lm=False)
+    assert rw.fused.count("LlamaAttention: q_proj + v_proj") == 1  # layer 1's k_proj stays apart
+    assert rw.fused.count("LlamaAttention: q_proj + k_proj + v_proj") == model.config.num_hidden_layers - 1
+    with torch.no_grad():
+        torch.testing.assert_close(rw.module(**rw.feed).logits, patched(**feed).logits)
+
+
+@pytest.mark.integration
+def test_the_rewrite_of_a_correct_model_passes_and_a_head_bug_is_named_in_reference_terms(llama, tmp_path):
+    """Padded HF reference vs its packed, fused, renamed rewrite: exit 0, coverage complete; with
+    head 2 of layer 1's attention context zeroed, bisect names layer 1, attn.context, head 2, and
+    the largest error's sequence and token in the reference's batch."""
+    model, feed = llama
+    with ffdebug.capture(model, dir=tmp_path, side="ref", substages=True), torch.no_grad():
+        model(**feed)
+    rw = engine_rewrite(model, feed, causal_lm=True)
+    with ffdebug.capture(rw.module, dir=tmp_path, side="engine", substages=True), torch.no_grad():
+        rw.module(**rw.feed)
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "engine")
+    assert res.exit_code() == 0 and res.complete, [s.key for s in res.stages if not s.ok]
+    probs = [s for s in res.stages if s.key == "L001.attn_out.1"]
+    assert probs and any("diagonal block" in n for n in probs[0].notes)
+
+    head_dim = model.config.head_dim
+    o_proj = model.model.layers[1].self_attn.o_proj
+
+    def zero_head(m, args):
+        x = args[0].clone()
+        x[..., 2 * head_dim : 3 * head_dim] = 0
+        return (x,)
+
+    handle = o_proj.register_forward_pre_hook(zero_head)
+    try:
+        bad = engine_rewrite(model, feed, causal_lm=True)
+    finally:
+        handle.remove()
+    with ffdebug.capture(bad.module, dir=tmp_path, side="bad", substages=True), torch.no_grad():
+        bad.module(**bad.feed)
+    r = ffdebug.bisect(tmp_path / "ref", tmp_path / "bad")
+    assert r.exit_code() == 1 and r.first_divergence.layer == 1
+    sub = r.sub_stage
+    assert sub.stage.startswith("attn.context")
+    rels = sub.per_head_rel
+    assert max(range(len(rels)), key=lambda h: rels[h]) == 2 and sum(x > 0 for x in rels) == 1
+    seq, token = sub.max_abs_at[:2]  # the reference's [batch, token], not the packed row
+    assert 0 <= seq < 2 and 0 <= token < 16
+    assert sub.max_abs_where is not None
+
+
+def test_packed_attention_probabilities_compare_on_each_sequences_diagonal_block():
+    """[B, H, S, S] with padding against a packed [1, H, T, T]: each sequence's block is compared;
+    a query that reads another sequence's keys changes its block and fails."""
+    from ffdebug.comparison.align import TokenLayout, align
+
+    class Lens:
+        has_payload = True
+
+        def load(self):
+            return torch.tensor([5, 3])
+
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.softmax(torch.randn(4, n, n, generator=g), -1) for n in (5, 3)]
+    padded = torch.zeros(2, 4, 6, 6)
+    packed = torch.zeros(1, 4, 8, 8)
+    padded[0, :, :5, :5], packed[0, :, :5, :5] = blocks[0], blocks[0]
+    padded[1, :, :3, :3], packed[0, :, 5:, 5:] = blocks[1], blocks[1]
+    ref, tgt, note, coords = align(padded, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
+    assert torch.equal(ref, tgt) and ref.shape == (4, 25 + 9) and coords is None and "diagonal block" in note
+    leak = packed.clone()
+    leak[0, :, 5:, :] = torch.softmax(torch.randn(4, 3, 8, generator=g), -1)  # sequence 1 reads sequence 0
+    ref, tgt, _, _ = align(padded, leak, TokenLayout(peer_lens=Lens()), TokenLayout())
+    assert torch.equal(ref[:, :25], tgt[:, :25]) and not torch.allclose(ref[:, 25:], tgt[:, 25:])
+
+
+def test_a_norm_with_a_large_eps_is_still_a_norm_and_a_channel_scale_is_not():
+    from ffdebug.models.roles import is_norm
+
+    class Rms(torch.nn.Module):
+        def __init__(self, eps):
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(torch.rand(16) + 0.5), eps
+
+        def forward(self, x):
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gamma = torch.nn.Parameter(torch.rand(16) + 0.5)
+
+        def forward(self, x):
+            return self.gamma * x
+
+    x = 0.02 * torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))  # rms 0.02 << sqrt(eps)
+    norm = Rms(eps=0.1)
+    with torch.no_grad():
+        y = norm(x)
+        assert y.pow(2).mean(-1).sqrt().mean() < 0.5  # far from unit rows: behaviour alone says no
+        assert is_norm(norm, y, x) and not is_norm(norm, y)
+        scale = Scale()
+        assert not is_norm(scale, scale(x), x)
