@@ -42,6 +42,7 @@ CROSS = "cross"  # a branch fed the encoder's states (cross-attention): `cross_a
 CROSS_INPUTS = ("encoder_hidden_states", "key_value_states", "encoder_outputs", "context")
 UNIT_TOL = 0.05  # |rms - 1| (or |std - 1|, |mean|) averaged over rows
 RESCALE_TOL = 0.02  # ‖z − c·x‖ / ‖z‖ averaged over rows (bf16 outputs round at ~4e-3)
+EPS_FIT = 0.05  # the spread of a norm's implied eps, against the spread of its rows' mean squares
 
 
 def _params(module) -> list:
@@ -98,8 +99,8 @@ def behaves_like_norm(module, output) -> bool:
 
 def rescales_rows(module, x, output) -> bool:
     """`module`'s output rows, its affine parameters undone, are its input's rows (or the rows less
-    their mean) each times its own positive factor, the factors not all 1: a norm whatever its eps
-    (a large eps on small activations leaves rows far from unit RMS), not a per-channel scale."""
+    their mean) each times `1 / sqrt(ms + eps)` of that row, for one eps ≥ 0: a norm whatever its
+    eps (a large eps on small activations leaves rows far from unit RMS), not a fixed scale."""
     import torch
 
     if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (x, output)):
@@ -122,10 +123,16 @@ def rescales_rows(module, x, output) -> bool:
                 continue
             ratio = (z * base).sum(-1) / bb
             resid = (z - ratio[:, None] * base).norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-300)
+            if not (bool((ratio > 0).all()) and float(resid.mean()) < RESCALE_TOL):
+                continue
+            # a norm's factor is 1 / sqrt(ms + eps) of its row: 1 / factor² - ms is one eps ≥ 0
+            # for every row, while a fixed scale leaves it following ms
+            ms = (base * base).mean(-1)
+            eps = ratio.pow(-2) - ms
             if (
-                bool((ratio > 0).all())
-                and float(resid.mean()) < RESCALE_TOL
-                and float((ratio - 1).abs().max()) > 1e-3
+                ms.numel() > 1
+                and float(eps.std()) <= EPS_FIT * float(ms.std())
+                and float(eps.mean()) >= -1e-12
             ):
                 return True
     return False

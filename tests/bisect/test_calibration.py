@@ -250,16 +250,17 @@ def test_a_contradictory_result_is_refused_where_it_is_built(moe):
 
 
 def test_a_norm_broken_past_recognition_is_paired_by_its_module_path(tmp_path):
-    """eps 0.1 in every norm of the blocks of a tiny Apertus (the zoo's case): its rows are no longer unit RMS,
-    so the target's role naming does not see norms and keeps module paths
-    (`L000.attention_layernorm.out`); one module on both sides is one stage, so it pairs with
-    `L000.attn_norm_out`, the coverage is complete and the first divergence is the norm itself."""
+    """Every norm of the blocks of a tiny Apertus no longer normalises (it returns weight · x): its
+    rows are neither unit RMS nor its input's rescaled, so the target's role naming does not see
+    norms and keeps module paths (`L000.attention_layernorm.out`); one module on both sides is one
+    stage, so it pairs with `L000.attn_norm_out`, the coverage is complete and the first divergence
+    is the norm itself. (eps 0.1, the zoo's case, no longer breaks recognition: its rows are still
+    its input's rescaled, `roles.rescales_rows`.)"""
     model = build(resolve("apertus"), Sizes(), 0)
     target = copy.deepcopy(model)
-    for module in target.model.layers.modules():  # the blocks' norms, as the selftest plants it
-        for attr in ("eps", "variance_epsilon"):
-            if isinstance(getattr(module, attr, None), float):
-                setattr(module, attr, 0.1)
+    for module in target.model.layers.modules():  # the blocks' norms: the modules with an eps
+        if any(isinstance(getattr(module, a, None), float) for a in ("eps", "variance_epsilon")):
+            module.forward = lambda x, m=module: m.weight * x
     ids = _ids()
     ref, tgt = _dump(model, ids, tmp_path, "ref"), _dump(target, ids, tmp_path, "eps")
     from ffdebug.store.reader import open_side
