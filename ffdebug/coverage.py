@@ -255,10 +255,12 @@ def _kind_counts(inp: CoverageInput) -> list[KindCount]:
         k = counts.setdefault(kind_of(key), KindCount(kind_of(key)))
         setattr(k, attr, getattr(k, attr) + n)
 
+    by_key = {k: v for (k, _), v in inp.aliases.items()}  # a record's repeats share its alias
     for rg, tg in inp.pairs:
         for group, attr in ((rg, "ref"), (tg, "target")):
             for key, inv in {(sk[0], sk[1]) for sk in group.order}:
-                count(inp.aliases.get((key, inv), key) if attr == "target" else key, attr)
+                alias = inp.aliases.get((key, inv), by_key.get(key, key))
+                count(alias if attr == "target" else key, attr)
     paired = {
         (e.key, str(e.invocation), e.call, tuple(sorted((str(k), str(v)) for k, v in e.step.items())))
         for e in inp.results

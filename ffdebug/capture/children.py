@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ffdebug.models.blocks import CANONICAL_CHILDREN
 from ffdebug.models.roles import (
+    ATTENTION,
     BRANCH,
     CROSS,
     NORM,
@@ -44,6 +45,7 @@ class ChildRoles:
         self.cross: set[str] = set()  # children fed the encoder's states
         self.by_path: set[str] = set()  # members of a list of like parts: `{child}.out`
         self.holding = False
+        self.watchers: dict = {}  # child name -> its KernelWatcher (`kernel_taps`): did it attend
 
     def install(self, handle) -> None:
         for name, child, by_path in role_children(self.block.module):
@@ -86,6 +88,9 @@ class ChildRoles:
         if name not in {n for n, _ in self.called}:
             x = args[0] if args else None
             kind = NORM if is_norm(module, pairs[0][1], x) else CROSS if name in self.cross else BRANCH
+            watcher = self.watchers.get(name)
+            if kind == BRANCH and watcher is not None and watcher.attended():
+                kind = ATTENTION
             self.called.append((name, kind))
         held = [(sfx, t.detach().clone(), t) for sfx, t in pairs]
         if not self.session.hold(lambda: self.emit(name, held, inv, meta)):

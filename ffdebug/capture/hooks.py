@@ -160,7 +160,9 @@ def _install_block(
     for name, child, _ in role_children(block.module):
         if has_role(child) and not is_norm_type(child) and not norm_shaped(child):
             path = f"{block.path}.{name}"
-            KernelWatcher(session, child, path).install(handle)  # attn.q_rot / k_rot at the kernel
+            watcher = KernelWatcher(session, child, path)
+            watcher.install(handle)  # attn.q_rot / k_rot at the kernel
+            children.watchers[name] = watcher  # which child attends (role naming)
             if substages:  # registered first: a branch's sub-stages are written before its output
                 recorder = BranchRecorder(
                     session, capture, name, child, path, prefix, base, children, dims, written

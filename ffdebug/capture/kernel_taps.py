@@ -118,6 +118,7 @@ class _Call:
     """One call of a watched child."""
 
     seen = False  # the kernel was seen (its q / k written or not): function taps stand down
+    attended = False  # a softmax attention kernel ran in this call (role naming reads it)
     function = ""  # the rotary function tapped in this call before the kernel, if any
     lead: tuple = ()  # the child input's token dims: `(T,)` for a packed `[T, hidden]` input
 
@@ -128,6 +129,11 @@ class KernelWatcher:
     def __init__(self, session, module, path: str = "") -> None:
         self.session, self.module, self.path = session, module, path
         self.mode = None
+        self.call = _Call()
+
+    def attended(self) -> bool:
+        """An attention kernel ran in the child's last call (read by its output hook)."""
+        return self.call.attended
 
     def install(self, handle) -> None:
         # plain functions, not bound methods: a deep copy of the model shares them, so install on
@@ -231,13 +237,13 @@ class KernelWatcher:
             scale = args[6] if len(args) > 6 else kwargs.get("scale")
             v = args[2] if len(args) > 2 else kwargs.get("value")
             if self._is_kernel(q, k):
-                self.call.seen = True
+                self.call.seen = self.call.attended = True
                 d = q.shape[-1]
                 self._write(q, k, 1.0 if scale is None else float(scale) * math.sqrt(d), v)
         elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) >= 2:
             q, kt = args[0], args[1]
             if isinstance(kt, torch.Tensor) and kt.dim() == 4 and self._is_kernel(q, kt.transpose(-1, -2)):
-                self.call.seen = True
+                self.call.seen = self.call.attended = True
                 self.pending = (q, kt.transpose(-1, -2), out)
 
     def _mark_plain(self, out) -> None:

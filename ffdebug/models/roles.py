@@ -39,6 +39,7 @@ from dataclasses import dataclass
 NORM = "norm"
 BRANCH = "branch"
 CROSS = "cross"  # a branch fed the encoder's states (cross-attention): `cross_attn_out`
+ATTENTION = "attention"  # a branch in which a softmax attention kernel ran (`capture/kernel_taps.py`)
 CROSS_INPUTS = ("encoder_hidden_states", "key_value_states", "encoder_outputs", "context")
 UNIT_TOL = 0.05  # |rms - 1| (or |std - 1|, |mean|) averaged over rows
 RESCALE_TOL = 0.02  # ‖z − c·x‖ / ‖z‖ averaged over rows (bf16 outputs round at ~4e-3)
@@ -241,8 +242,12 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
         rest = place_children([(n, k) for n, k in called if k != CROSS], hints)
         if rest.by_order:
             return Placement({**rest.names, cross[0]: "cross_attn_out"}, rest.unplaced, True)
-    called = [(n, BRANCH if k == CROSS else k) for n, k in called]
+    attends = [n for n, k in called if k == ATTENTION]
+    called = [(n, BRANCH if k in (CROSS, ATTENTION) else k) for n, k in called]
     roles = _sequence_roles([k for _, k in called]) or _segment_roles(called)
+    if roles is not None:
+        return Placement(dict(zip((n for n, _ in called), roles)), (), True)
+    roles = _attention_first(called, attends)
     if roles is not None:
         return Placement(dict(zip((n for n, _ in called), roles)), (), True)
     names: dict[str, str] = {}
@@ -255,6 +260,26 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
         else:
             names[child] = stage
     return Placement(names, tuple(unplaced), False)
+
+
+def _attention_first(called: list[tuple[str, str]], attends: list[str]) -> list[str] | None:
+    """One branch attends (its kernel was seen) and is the first branch; the branches after it,
+    with no norm between them, are the MLP in parts (BERT's `intermediate` / `output`, BART's
+    `fc1` / `fc2`, whatever their names). Named as the two-branch forms of `_sequence_roles` name
+    the block with the parts taken as one branch: its last part is `ffn_out`, the others keep
+    `{child}.out` as parts of it."""
+    branches = [i for i, (_, k) in enumerate(called) if k == BRANCH]
+    if len(attends) != 1 or len(branches) < 3 or called[branches[0]][0] != attends[0]:
+        return None
+    parts = branches[1:]
+    if parts != list(range(parts[0], parts[-1] + 1)):
+        return None  # a norm among the MLP's parts: not this form
+    merged = [k for i, (_, k) in enumerate(called) if i not in parts[:-1]]
+    roles = _sequence_roles(merged)
+    if roles is None:
+        return None
+    it = iter(roles)
+    return [f"{child}.out" if i in parts[:-1] else next(it) for i, (child, _) in enumerate(called)]
 
 
 def _segment_roles(called: list[tuple[str, str]]) -> list[str] | None:
