@@ -104,10 +104,29 @@ class Output:
             view.copy_(torch.arange(t.numel()).view(t.shape))
         return self._index
 
-    def piece(self, view) -> Piece | None:
-        """The output columns a view of the output holds, when it keeps every token in order and
-        takes columns no earlier piece took; else None. Token dims are those along which the
-        column stays the same, feature dims those along which the token does."""
+    def refine(self, views) -> bool:
+        """A split of one piece into contiguous column runs that tile it exactly (an engine's fused
+        `q_a | kv_a` read as two slices, the second then split into the kv latent and the rotary
+        key): the piece is replaced by them, in place (True)."""
+        found = [self._columns(v) for v in views]
+        if len(found) < 2 or any(f is None for f in found):
+            return False
+        runs = [f[0] for f in found]
+        if any(bool((r.diff() != 1).any()) for r in runs):
+            return False  # a per-head split (a rotary part of every head) is no refinement
+        import torch
+
+        joined = torch.cat(runs)
+        pieces = self.call.pieces
+        for i, p in enumerate(pieces):
+            if p.cols.numel() == joined.numel() and torch.equal(p.cols, joined):
+                subs = [Piece(c, shape or (1,), v.data_ptr()) for (c, shape), v in zip(found, views)]
+                pieces[i : i + 1] = subs
+                return True
+        return False
+
+    def _columns(self, view) -> tuple | None:
+        """(output columns, feature shape) a view holds when it keeps every token in order."""
         import torch
 
         if view.dtype != self.live.dtype or view.numel() == 0:
@@ -129,7 +148,16 @@ class Output:
         tokens = self.live.numel() // self.width
         if rows.shape[0] != tokens or not torch.equal(rows[:, 0] // self.width, torch.arange(tokens)):
             return None
-        cols = rows[0] % self.width
+        return rows[0] % self.width, feat_shape
+
+    def piece(self, view) -> Piece | None:
+        """The output columns a view of the output holds, when it keeps every token in order and
+        takes columns no earlier piece took; else None. Token dims are those along which the
+        column stays the same, feature dims those along which the token does."""
+        found = self._columns(view)
+        if found is None:
+            return None
+        cols, feat_shape = found
         if cols.numel() == self.width or bool(self.taken[cols].any()):  # the whole output is no piece
             return None
         self.taken[cols] = True

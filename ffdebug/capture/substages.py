@@ -311,11 +311,16 @@ class BranchRecorder:
     def _pieces(self, source, out) -> None:
         """Views a split / chunk / unbind / slice took of a projection's output: its pieces, in the
         order taken, until they cover every column (later views of them, e.g. a partial rotary
-        slice of q, are not pieces)."""
+        slice of q, are not pieces, except a split of one piece into column runs that tile it:
+        `Output.refine`)."""
         import torch
 
         target = self._outputs.get(source.untyped_storage().data_ptr())
-        if target is None or bool(target.taken.all()):
+        if target is None:
+            return
+        if bool(target.taken.all()):  # covered: only a split of one piece into runs refines it
+            if isinstance(out, (tuple, list)):
+                target.refine([v for v in out if isinstance(v, torch.Tensor)])
             return
         for view in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(view, torch.Tensor) and view.untyped_storage().data_ptr() == target.storage:
