@@ -152,3 +152,21 @@ def test_a_norm_with_a_large_eps_is_still_a_norm_and_a_channel_scale_is_not():
         assert is_norm(norm, y, x) and not is_norm(norm, y)
         scale = Scale()
         assert not is_norm(scale, scale(x), x)
+
+
+def test_a_packed_row_with_heads_flattened_aligns_token_by_token():
+    """[1, T, H·D] (one packed row, heads not split) against [B, S, H, D]: each token's features in
+    the padded side's grouping; a different element count stays a mismatch."""
+    from ffdebug.comparison.align import TokenLayout, align
+
+    class Lens:
+        has_payload = True
+
+        def load(self):
+            return torch.tensor([3, 3])
+
+    padded = torch.randn(2, 3, 2, 4, generator=torch.Generator().manual_seed(1))
+    packed = padded.reshape(1, 6, 8).clone()
+    ref, tgt, note, coords = align(padded, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
+    assert torch.equal(ref, tgt) and tgt.shape == (6, 8) and coords.tolist()[3] == [1, 0]
+    assert align(padded, packed[..., :6], TokenLayout(peer_lens=Lens()), TokenLayout()) is None

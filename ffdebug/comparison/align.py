@@ -14,6 +14,7 @@ reshaped without a mask that explains it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MASK_KEY = "embed.attention_mask"
@@ -54,7 +55,7 @@ def layouts(ref_group, tgt_group) -> tuple[TokenLayout, TokenLayout]:
 def one_row(packed, padded):
     """A packed side run as one batch row, `[1, T, ...]` (HF's padding-free form), as `[T, ...]`
     against a padded `[B, S, ...]` of several rows; else `packed` as it is."""
-    if packed.dim() == padded.dim() and packed.dim() >= 3 and packed.shape[0] == 1 and padded.shape[0] > 1:
+    if packed.dim() >= 2 and padded.dim() >= 3 and packed.shape[0] == 1 and padded.shape[0] > 1:
         return packed[0]
     return packed
 
@@ -63,10 +64,14 @@ def packed_view(padded, packed, mask):
     """`padded`'s token rows in packed order, or None when `mask` does not explain the shapes."""
     if mask is None or mask.dim() != 2 or padded.dim() < 2 or tuple(padded.shape[:2]) != tuple(mask.shape):
         return None
-    if packed.dim() != padded.dim() - 1 or packed.shape[0] != int(mask.sum()):
+    if packed.dim() < 1 or packed.shape[0] != int(mask.sum()):
         return None
     if tuple(packed.shape[1:]) != tuple(padded.shape[2:]):
-        return None
+        if math.prod(packed.shape[1:]) != math.prod(padded.shape[2:]):
+            return None
+        # one token's features in another grouping ([T, H·D] against [B, S, H, D]): the same
+        # row-major elements, compared in the padded side's
+        return padded[mask.bool()].reshape(packed.shape)
     return padded[mask.bool()]
 
 
