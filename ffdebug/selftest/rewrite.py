@@ -219,6 +219,10 @@ def _packed_class():
             super().__init__()
             self.net, self.mask = net, mask
 
+        def get_input_embeddings(self):
+            """The token embedding, as engines expose it (vLLM's and SGLang's models do)."""
+            return self.net.get_input_embeddings()
+
         def forward(self, input_ids, cu_seqlens):
             lengths = cu_seqlens.diff().tolist()
             pos = torch.cat([torch.arange(n) for n in lengths])[None]
