@@ -293,7 +293,9 @@ def assess(ref: SideStore, target: SideStore, inp: CoverageInput) -> Coverage:
         shown = [
             f"{u['key']} (ref {u['shape_ref']} vs target {u['shape_target']})" for u in cov.unified_shapes
         ]
-        cov.selected_out.append(f"shapes unified over size-1 dims: {_names(shown, 4)}")
+        cov.selected_out.append(
+            f"shapes unified (size-1 dims, or a token's features grouped otherwise): {_names(shown, 4)}"
+        )
     missing: list[str] = []
     for label, side in (("reference", cov.sides["ref"]), ("target", cov.sides["target"])):
         missing.extend(side_sentences(label, side))

@@ -63,6 +63,7 @@ the machine epsilon of a dtype (`MACHINE_EPS`, 2^-mantissa bits; an ulp of a val
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from enum import Enum
 from typing import Protocol, TypeVar
@@ -319,6 +320,19 @@ def singleton_unifiable(ref_shape, target_shape) -> bool:
     if ref_shape is None or target_shape is None:
         return False
     return [d for d in ref_shape if d != 1] == [d for d in target_shape if d != 1]
+
+
+def features_regrouped(ref_shape, target_shape) -> bool:
+    """Shape rule's second exception: the same batch and token dims (the first two, both sides at
+    least 3-D) holding each token's features grouped otherwise (`[B, S, 128]` against
+    `[B, S, 8, 16]`: a q split into heads on one side only) hold the same elements in the same
+    order; they are unified too. Any other difference stays a mismatch."""
+    if ref_shape is None or target_shape is None or len(ref_shape) < 3 and len(target_shape) < 3:
+        return False
+    r, t = list(ref_shape), list(target_shape)
+    if len(r) < 2 or len(t) < 2 or r[:2] != t[:2] or r == t:
+        return False
+    return math.prod(r[2:]) == math.prod(t[2:])
 
 
 def shape_mismatch() -> Severity:

@@ -104,7 +104,8 @@ def test_size_one_dims_are_unified_not_broadcast_and_listed_in_coverage(tmp_path
         {"key": "a", "shape_ref": [1, 1, 4, 8], "shape_target": [4, 8]}
     ]
     assert (
-        "shapes unified over size-1 dims: a (ref [1, 1, 4, 8] vs target [4, 8])" in res.coverage.selected_out
+        "shapes unified (size-1 dims, or a token's features grouped otherwise): a (ref [1, 1, 4, 8] vs target [4, 8])"
+        in res.coverage.selected_out
     )
 
 

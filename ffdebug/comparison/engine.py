@@ -101,15 +101,16 @@ def compare_records(
         if r.has_payload and t.has_payload:
             aligned = align(load(r), load(t), *masks)
     if list(r.shape or []) != list(t.shape or []) and aligned is None:
-        if not V.singleton_unifiable(r.shape, t.shape):
+        regrouped = not V.singleton_unifiable(r.shape, t.shape) and V.features_regrouped(r.shape, t.shape)
+        if not (V.singleton_unifiable(r.shape, t.shape) or regrouped):
             e.severity = V.shape_mismatch()
             e.finding = "shape_mismatch"
             e.notes.append(f"shape mismatch: ref {e.ref.shape} vs target {e.target.shape}")
             return e
         e.unified_shape = True
+        how = "group each token's features otherwise" if regrouped else "differ by size-1 dims only"
         e.notes.append(
-            f"shapes differ by size-1 dims only (ref {e.ref.shape} vs target {e.target.shape}): "
-            "compared on the reference's shape"
+            f"shapes {how} (ref {e.ref.shape} vs target {e.target.shape}): compared on the reference's shape"
         )
     if sketch_of(r) is not None or sketch_of(t) is not None:
         if sketch_of(r) is not None and sketch_of(t) is not None:
