@@ -61,6 +61,33 @@ def _segments(ins: list[LinearCall]) -> list[tuple[object, dict, LinearCall, int
     return out
 
 
+def _normalised_from(piece, x) -> bool:
+    """`x` is `piece` normalised row by row with a per-channel weight (`w ⊙ piece / rms(row)`):
+    x / piece has rank one, every row the same profile across channels."""
+    import torch
+
+    if piece.numel() != x.numel() or piece.shape[-1] != x.shape[-1] or piece.shape[-1] < 2:
+        return False  # the same rows, whatever the leading dims (a `[B, 1, S, r]` latent)
+    p = piece.detach().double().reshape(-1, piece.shape[-1])
+    q = x.detach().double().reshape(-1, x.shape[-1])
+    if not bool((p.abs() > 1e-12).all()) or not bool((q[:, :1].abs() > 1e-300).all()):
+        return False
+    ratio = q / p
+    profile = ratio / ratio[:, :1]
+    return bool(torch.allclose(profile, profile[:1].expand_as(profile), rtol=1e-3, atol=1e-6))
+
+
+def _carrier(split_calls: list[LinearCall], segs: list, inner: list[LinearCall]) -> LinearCall:
+    """The split input projection that carries the kv latent: the last one whose next-to-last piece
+    an up-projection reads normalised (another split projection of the input, such as a sparse
+    attention's fused indexer keys | weights, is not it); else the last split one."""
+    for call in reversed(split_calls):
+        own = [s for s in segs if s[2] is call]
+        if len(own) >= 2 and any(_normalised_from(own[-2][0], c.x) for c in inner):
+            return call
+    return split_calls[-1]
+
+
 def mla_substages(
     trace: BranchTrace,
     ins: list[LinearCall],
@@ -74,7 +101,7 @@ def mla_substages(
     if not split_calls:
         trace.notes.append("a low-rank attention whose kv latent and rotary key part were not split apart")
         return []
-    carrier = split_calls[-1]
+    carrier = _carrier(split_calls, segs, inner)
     own = [s for s in segs if s[2] is carrier]
     kv_seg, rope_seg = own[-2], own[-1]
     kv_width = kv_seg[0].shape[-1]
