@@ -245,7 +245,7 @@ class CoverageInput:
     filters: list[str]  # compare's own selection, as sentences
     stage_filter: bool = False
     rank_filter: int | None = None
-    aliases: dict = field(default_factory=dict)  # (target key, invocation) -> the ref key it paired as
+    aliases: dict = field(default_factory=dict)  # (target key, invocation) -> the ref keys it paired as
 
 
 def _kind_counts(inp: CoverageInput) -> list[KindCount]:
@@ -259,8 +259,11 @@ def _kind_counts(inp: CoverageInput) -> list[KindCount]:
     for rg, tg in inp.pairs:
         for group, attr in ((rg, "ref"), (tg, "target")):
             for key, inv in {(sk[0], sk[1]) for sk in group.order}:
-                alias = inp.aliases.get((key, inv), by_key.get(key, key))
-                count(alias if attr == "target" else key, attr)
+                if attr == "ref":
+                    count(key, attr)
+                    continue
+                for alias in inp.aliases.get((key, inv), by_key.get(key, [key])):  # a fused one: each
+                    count(alias, attr)
     paired = {
         (e.key, str(e.invocation), e.call, tuple(sorted((str(k), str(v)) for k, v in e.step.items())))
         for e in inp.results

@@ -170,3 +170,33 @@ def test_a_packed_row_with_heads_flattened_aligns_token_by_token():
     ref, tgt, note, coords = align(padded, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
     assert torch.equal(ref, tgt) and tgt.shape == (6, 8) and coords.tolist()[3] == [1, 0]
     assert align(padded, packed[..., :6], TokenLayout(peer_lens=Lens()), TokenLayout()) is None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "bert-generation",  # attention / intermediate / output children: placed by the attending one
+        "bart",  # post-norm, the MLP as two Linear children (fc1, fc2)
+        "trocr",  # heads folded into the batch (bmm attention), q / k / v defined k, v, q
+        "megatron-bert",  # q / k / v no role names on the reference: the fused output column by column
+    ],
+)
+def test_the_rewrite_of_a_renamed_family_pairs_completely(spec, tmp_path):
+    """Families whose reference is named by attribute names: their renamed rewrite (nothing of
+    those names left) pairs every stage and passes."""
+    s = resolve(spec)
+    model = build(s, Sizes(), 0)
+    feed = inputs(s.family, model, 2, 16, 0, 128)
+    rw = engine_rewrite(model, feed, causal_lm=True)
+    for side, module, values in (("ref", model, feed), ("engine", rw.module, rw.feed)):
+        with ffdebug.capture(module, dir=tmp_path, side=side, substages=True), torch.no_grad():
+            module(**values)
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "engine")
+    assert res.exit_code() == 0 and res.complete, (
+        res.coverage.missing,
+        [x.key for x in res.stages if not x.ok],
+    )
+    notes = [n for x in res.stages for n in x.notes if n.startswith("paired by position")]
+    if spec == "megatron-bert":  # the reference's query / key / value outputs: columns of the fused one
+        assert any(n.endswith("q0.out[64:128]") for n in notes), notes

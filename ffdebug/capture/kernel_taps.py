@@ -114,6 +114,23 @@ def _rope_part(k, v) -> int:
     return 0
 
 
+def _scores_3d(q, kt) -> bool:
+    """A batched `q @ kᵀ` with the heads folded into the batch: two 3-D activations contracted over
+    the head size (the second no parameter)."""
+    import torch
+
+    return (
+        isinstance(q, torch.Tensor)
+        and isinstance(kt, torch.Tensor)
+        and q.dim() == 3
+        and kt.dim() == 3
+        and q.is_floating_point()
+        and not any(isinstance(t, torch.nn.Parameter) for t in (kt, getattr(kt, "_base", None)))
+        and q.shape[0] == kt.shape[0]
+        and q.shape[-1] == kt.shape[-2]
+    )  # stacked expert weights are parameters (or views of one): never keys
+
+
 class _Call:
     """One call of a watched child."""
 
@@ -240,6 +257,8 @@ class KernelWatcher:
                 self.call.seen = self.call.attended = True
                 d = q.shape[-1]
                 self._write(q, k, 1.0 if scale is None else float(scale) * math.sqrt(d), v)
+        elif func in (torch.bmm, torch.Tensor.bmm) and len(args) >= 2 and _scores_3d(args[0], args[1]):
+            self.call.attended = True  # heads folded into the batch (`[B·H, S, D] @ [B·H, D, S]`): not read
         elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) >= 2:
             q, kt = args[0], args[1]
             if isinstance(kt, torch.Tensor) and kt.dim() == 4 and self._is_kernel(q, kt.transpose(-1, -2)):

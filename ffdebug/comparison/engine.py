@@ -149,6 +149,17 @@ def compare_records(
     return e
 
 
+def _aliases(units) -> dict:
+    """(target key, invocation) -> the reference keys it paired as, for pairs not made by key; a
+    fused record's columns (`pairing._fused_parts`) count under their whole record's key."""
+    out: dict = {}
+    for u in units:
+        if u.note:
+            whole = getattr(u.target.source, "whole", u.target)
+            out.setdefault((whole.key, whole.invocation), []).append(u.ref.key)
+    return out
+
+
 def _log_pairing(ref_store, tgt_store, pairing, units, noise_store) -> None:
     """-v: the two stores, their record counts and what was paired."""
     _log.debug(
@@ -263,7 +274,7 @@ def _coverage(ref_store, tgt_store, pairing, run: UnitsRun, only: tuple, units, 
             filters=selection,
             stage_filter=bool(filters.stages or filters.exclude),
             rank_filter=filters.rank,
-            aliases={(u.target.key, u.target.invocation): u.ref.key for u in units if u.note},
+            aliases=_aliases(units),
         ),
     )
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import fnmatch
 import functools
 import hashlib
-import math
 from dataclasses import dataclass, field
 
 from ffdebug.comparison.align import LENS_KEY, MASK_KEY
@@ -308,117 +307,19 @@ def pair_stages(rg: CallGroup, tg: CallGroup) -> StagePairing:
     reference — never a target rank left out."""
     ref_ranks, tgt_ranks = rg.ranks(), tg.ranks()
     if ref_ranks == tgt_ranks:
-        return by_position(rg, by_module_path(rg, _pair_exact(rg, tg)))
+        return _leftovers(rg, _pair_exact(rg, tg))
     if len(ref_ranks) > 1:  # the reference folded to one rank by its manifest (replicated: rank 0)
         rg = fold_all(rg)
     if len(tgt_ranks) > 1:  # every target rank compared: declared folds, else each as a replica
         return _pair_replicas(rg, tg)
-    return by_position(rg, by_module_path(rg, _pair_by_stage(rg, tg)))
+    return _leftovers(rg, _pair_by_stage(rg, tg))
 
 
-def by_module_path(rg: CallGroup, sp: StagePairing) -> StagePairing:
-    """Records left on one side each that one module wrote on both (the same module path, layer,
-    invocation, rank and shape, one record per side) are one stage under two names: role naming
-    read the module's behaviour, and a target whose norm is broken (eps 0.1: rows no longer unit
-    RMS) keeps its module path (`L000.input_layernorm.out`) where the reference says
-    `L000.attn_norm_out`. They are paired, in the reference's order, and the pair's note says so;
-    a module path written more than once on either side stays unpaired."""
+def _leftovers(rg: CallGroup, sp: StagePairing) -> StagePairing:
+    """What the keys left, paired by module path, then by position (`comparison.leftovers`)."""
+    from ffdebug.comparison.leftovers import by_module_path, by_position
 
-    def ident(r: Record) -> tuple | None:
-        if not r.module_path:
-            return None
-        return (r.module_path, r.layer, r.invocation or 0, r.rank or 0, tuple(r.shape or ()), r.io)
-
-    def unique(records: list[Record]) -> dict[tuple, Record]:
-        seen: dict[tuple, list[Record]] = {}
-        for r in records:
-            if (k := ident(r)) is not None:
-                seen.setdefault(k, []).append(r)
-        return {k: v[0] for k, v in seen.items() if len(v) == 1}
-
-    refs, tgts = unique(sp.only_ref), unique(sp.only_target)
-    both = set(refs) & set(tgts)
-    if not both:
-        return sp
-    at = {id(rec): sk for sk, rec in rg.records.items()}
-    paired = {id(refs[k]): tgts[k] for k in both}
-    units = list(sp.units)
-    for k in both:
-        r, t = refs[k], tgts[k]
-        units.append(
-            StageUnit(rg, at[id(r)], r, t, note=f"paired by module path {r.module_path}: target {t.key}")
-        )
-    position = {sk: i for i, sk in enumerate(rg.order)}
-    units.sort(key=lambda u: position.get(u.sk, len(position)))
-    taken = {id(t) for t in paired.values()}
-    return StagePairing(
-        units,
-        [r for r in sp.only_ref if id(r) not in paired],
-        [t for t in sp.only_target if id(t) not in taken],
-    )
-
-
-def _fits(r: Record, t: Record) -> bool:
-    """Two records that can hold one tensor: the same io, shape (or, for a packed side, the same
-    element count and last dim), invocation and rank."""
-    rs, ts = tuple(r.shape or ()), tuple(t.shape or ())
-    same = rs == ts or (bool(rs) and bool(ts) and rs[-1] == ts[-1] and math.prod(rs) == math.prod(ts))
-    return (
-        same
-        and r.io == t.io
-        and (r.invocation or 0) == (t.invocation or 0)
-        and (r.rank or 0) == (t.rank or 0)
-    )
-
-
-def _common_order(refs: list[Record], tgts: list[Record]) -> list[tuple[Record, Record]]:
-    """The longest sequence of fitting pairs in both sides' capture order (LCS)."""
-    n, m = len(refs), len(tgts)
-    best = [[0] * (m + 1) for _ in range(n + 1)]
-    for i in range(n - 1, -1, -1):
-        for j in range(m - 1, -1, -1):
-            best[i][j] = (
-                best[i + 1][j + 1] + 1 if _fits(refs[i], tgts[j]) else max(best[i + 1][j], best[i][j + 1])
-            )
-    out, i, j = [], 0, 0
-    while i < n and j < m:
-        if _fits(refs[i], tgts[j]) and best[i][j] == best[i + 1][j + 1] + 1:
-            out.append((refs[i], tgts[j]))
-            i, j = i + 1, j + 1
-        elif best[i + 1][j] >= best[i][j + 1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def by_position(rg: CallGroup, sp: StagePairing) -> StagePairing:
-    """Records still left on both sides inside one layer, paired by where they were captured: in
-    each layer, the longest run of records that fit each other (`_fits`) in both sides' capture
-    order. Two codebases whose children role naming could not place by name (an engine's `a0`,
-    `i1`, `o2` where HF says `attention`, `intermediate`, `output`) still write the same tensors
-    in the same order; the pair's note names the target's key."""
-    by_layer: dict[int, tuple[list[Record], list[Record]]] = {}
-    for side, records in enumerate((sp.only_ref, sp.only_target)):
-        for r in {id(r): r for r in records}.values():  # a record listed twice is one record
-            if r.layer is not None and r.has_payload:
-                by_layer.setdefault(r.layer, ([], []))[side].append(r)
-    pairs = [p for refs, tgts in by_layer.values() if refs and tgts for p in _common_order(refs, tgts)]
-    if not pairs:
-        return sp
-    at = {id(rec): sk for sk, rec in rg.records.items()}
-    units = list(sp.units) + [
-        StageUnit(rg, at[id(r)], r, t, note=f"paired by position in layer {r.layer}: target {t.key}")
-        for r, t in pairs
-    ]
-    position = {sk: i for i, sk in enumerate(rg.order)}
-    units.sort(key=lambda u: position.get(u.sk, len(position)))
-    paired_r, paired_t = {id(r) for r, _ in pairs}, {id(t) for _, t in pairs}
-    return StagePairing(
-        units,
-        [r for r in sp.only_ref if id(r) not in paired_r],
-        [t for t in sp.only_target if id(t) not in paired_t],
-    )
+    return by_position(rg, by_module_path(rg, sp))
 
 
 def fold_all(group: CallGroup) -> CallGroup:

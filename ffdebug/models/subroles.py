@@ -209,12 +209,10 @@ def _undetermined(trace: BranchTrace, call: LinearCall, what: str) -> None:
 
 def _head_counts(trace: BranchTrace, dims: Dims) -> tuple[int | None, int | None, int | None]:
     """(heads, kv heads, head dim): the config's, unless the branch's first head reshape splits the
-    same width otherwise (a config whose head count is another stack's: Whisper's decoder reads
-    `decoder_attention_heads`, `num_attention_heads` is the encoder's); else the reshapes'."""
-    seen = trace.head_shapes[0] if trace.head_shapes else None
-    if dims.heads and dims.head_dim:
-        if seen is None or seen[0] * seen[1] != dims.heads * dims.head_dim:
-            return dims.heads, dims.kv_heads or dims.heads, dims.head_dim
+    same width otherwise (Whisper's decoder: the config's count is the encoder's); else its own."""
+    seen = trace.head_shapes[0] if trace.head_shapes else (0, 0)
+    if dims.heads and dims.head_dim and seen[0] * seen[1] != dims.heads * dims.head_dim:
+        return dims.heads, dims.kv_heads or dims.heads, dims.head_dim
     if trace.head_shapes:
         (h, d), rest = trace.head_shapes[0], trace.head_shapes[1:]
         kv = next((n for n, dd in rest if dd == d), h)

@@ -137,8 +137,8 @@ def _groups(model: Any, feed: dict[str, Any]) -> list[tuple[Any, list[str]]]:
     parents = {id(p): p for p in model.modules()}
     for (pid, _), names in by_input.items():
         parent = parents[pid]
-        order = [n for n, _ in parent.named_children() if n in names]
-        members = [getattr(parent, n) for n in order]
+        order = list(names)  # in the order the forward called them (q, k, v), not as defined
+        members = [parent._modules[n] for n in order]
         if len(members) < 2:
             continue
         first = members[0]
@@ -170,8 +170,9 @@ def _fuse(parent: Any, names: list[str]) -> None:
     group = _Group(fused, len(members))
     new = "_".join(names)
     children = {}
+    first_defined = next(n for n in parent._modules if n in names)
     for n, child in parent._modules.items():
-        if n == names[0]:
+        if n == first_defined:
             children[new] = fused
         if n not in names:
             children[n] = child

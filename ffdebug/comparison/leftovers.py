@@ -1,0 +1,225 @@
+"""Records the keys left unpaired on one side each, paired by what else says they are one stage
+(`comparison.pairing.pair_stages` runs these after pairing by key):
+
+- `by_module_path`: one module on both sides (the same path), named differently by role naming;
+- `by_position`: inside one layer, the longest run of records that fit each other in both capture
+  orders, one of each pair named after its module (two codebases whose children role naming could
+  not place by name), and a fused projection's output against the projections it fuses
+  (`_fused_parts`: each reference output with its columns of the fused one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ffdebug.comparison.pairing import CallGroup, StagePairing, StageUnit
+from ffdebug.io.record import Record
+
+
+def by_module_path(rg: CallGroup, sp: StagePairing) -> StagePairing:
+    """Records left on one side each that one module wrote on both (the same module path, layer,
+    invocation, rank and shape, one record per side) are one stage under two names: role naming
+    read the module's behaviour, and a target whose norm is broken (eps 0.1: rows no longer unit
+    RMS) keeps its module path (`L000.input_layernorm.out`) where the reference says
+    `L000.attn_norm_out`. They are paired, in the reference's order, and the pair's note says so;
+    a module path written more than once on either side stays unpaired."""
+
+    def ident(r: Record) -> tuple | None:
+        if not r.module_path:
+            return None
+        return (r.module_path, r.layer, r.invocation or 0, r.rank or 0, tuple(r.shape or ()), r.io)
+
+    def unique(records: list[Record]) -> dict[tuple, Record]:
+        seen: dict[tuple, list[Record]] = {}
+        for r in records:
+            if (k := ident(r)) is not None:
+                seen.setdefault(k, []).append(r)
+        return {k: v[0] for k, v in seen.items() if len(v) == 1}
+
+    refs, tgts = unique(sp.only_ref), unique(sp.only_target)
+    both = set(refs) & set(tgts)
+    if not both:
+        return sp
+    at = {id(rec): sk for sk, rec in rg.records.items()}
+    paired = {id(refs[k]): tgts[k] for k in both}
+    units = list(sp.units)
+    for k in both:
+        r, t = refs[k], tgts[k]
+        units.append(
+            StageUnit(rg, at[id(r)], r, t, note=f"paired by module path {r.module_path}: target {t.key}")
+        )
+    position = {sk: i for i, sk in enumerate(rg.order)}
+    units.sort(key=lambda u: position.get(u.sk, len(position)))
+    taken = {id(t) for t in paired.values()}
+    return StagePairing(
+        units,
+        [r for r in sp.only_ref if id(r) not in paired],
+        [t for t in sp.only_target if id(t) not in taken],
+    )
+
+
+def _by_path(r: Record) -> bool:
+    """A record named after its module (role naming placed nothing there: `a0.s1.q0.out`,
+    `intermediate.out`), not a role's stage (`attn.q.out`, `attn_out`)."""
+    kind = r.key.split(".", 1)[1] if r.key.startswith("L") and "." in r.key else r.key
+    parts = kind.split(".")
+    while parts and (parts[-1] in ("in", "out") or parts[-1].isdigit()):
+        parts.pop()
+    stem = ".".join(parts)
+    return (
+        bool(stem) and bool(r.module_path) and (r.module_path == stem or r.module_path.endswith("." + stem))
+    )
+
+
+def _fits(r: Record, t: Record) -> bool:
+    """Two records that can hold one tensor: one of them named after its module (two role stages
+    of different names are two roles: a form's own stages never pair so), the same io, shape (or,
+    for a packed side, the same element count and last dim), invocation and rank."""
+    if not (_by_path(r) or _by_path(t)):
+        return False
+    rs, ts = tuple(r.shape or ()), tuple(t.shape or ())
+    same = rs == ts or (bool(rs) and bool(ts) and rs[-1] == ts[-1] and math.prod(rs) == math.prod(ts))
+    return (
+        same
+        and r.io == t.io
+        and (r.invocation or 0) == (t.invocation or 0)
+        and (r.rank or 0) == (t.rank or 0)
+    )
+
+
+def _common_order(refs: list[Record], tgts: list[Record]) -> list[tuple[Record, Record]]:
+    """The longest sequence of fitting pairs in both sides' capture order (LCS)."""
+    n, m = len(refs), len(tgts)
+    best = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            best[i][j] = (
+                best[i + 1][j + 1] + 1 if _fits(refs[i], tgts[j]) else max(best[i + 1][j], best[i][j + 1])
+            )
+    out, i, j = [], 0, 0
+    while i < n and j < m:
+        if _fits(refs[i], tgts[j]) and best[i][j] == best[i + 1][j + 1] + 1:
+            out.append((refs[i], tgts[j]))
+            i, j = i + 1, j + 1
+        elif best[i + 1][j] >= best[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A source standing for columns `lo:hi` of a fused target record (`whole`)."""
+
+    whole: Record
+    lo: int
+    hi: int
+
+    @property
+    def origin(self) -> str:
+        return self.whole.origin
+
+    @property
+    def parts(self) -> tuple:
+        return ()
+
+    def load(self):
+        return self.whole.load()[..., self.lo : self.hi]
+
+    def verify(self) -> None:
+        self.whole.verify()
+
+
+def _fused_parts(
+    refs: list[Record], tgts: list[Record], layer_tgts: list[Record]
+) -> list[tuple[Record, Record]]:
+    """A target output (a fused projection's no role split) whose last dim is the sum of those of
+    consecutive reference outputs of the same leading shape (the projections it fuses, in capture
+    order): each reference output paired with its columns of it, and each of their inputs with the
+    fused projection's one input (`layer_tgts`: the layer's target records, paired or not)."""
+    import dataclasses
+
+    out, taken = [], set()
+    outs = [r for r in refs if r.io == "out"]
+    for t in tgts:
+        ts = tuple(t.shape or ())
+        if t.io != "out" or len(ts) < 2 or (t.extra or {}).get("sketch") is not None or not _by_path(t):
+            continue
+        for i in range(len(outs)):
+            run, width = [], 0
+            for r in outs[i:]:
+                rs = tuple(r.shape or ())
+                if id(r) in taken or not rs or rs[:-1] != ts[:-1]:
+                    break
+                run.append(r)
+                width += rs[-1]
+                if width >= ts[-1]:
+                    break
+            if len(run) < 2 or width != ts[-1]:
+                continue
+            lo = 0
+            for r in run:
+                hi = lo + r.shape[-1]
+                part = dataclasses.replace(
+                    t,
+                    key=f"{t.key}[{lo}:{hi}]",
+                    shape=(*ts[:-1], hi - lo),
+                    stats=None,
+                    source=_Part(t, lo, hi),
+                )
+                out.append((r, part))
+                taken.add(id(r))
+                lo = hi
+            t_in = next((x for x in layer_tgts if x.io == "in" and x.module_path == t.module_path), None)
+            paths = {r.module_path for r in run}
+            for r in refs:
+                if t_in is not None and r.io == "in" and r.module_path in paths and id(r) not in taken:
+                    if tuple(r.shape or ()) == tuple(t_in.shape or ()):
+                        out.append((r, t_in))
+                        taken.add(id(r))
+            break
+    return out
+
+
+def by_position(rg: CallGroup, sp: StagePairing) -> StagePairing:
+    """Records still left on both sides inside one layer, paired by where they were captured: in
+    each layer, the longest run of records that fit each other (`_fits`) in both sides' capture
+    order. Two codebases whose children role naming could not place by name (an engine's `a0`,
+    `i1`, `o2` where HF says `attention`, `intermediate`, `output`) still write the same tensors
+    in the same order; the pair's note names the target's key."""
+    by_layer: dict[int, tuple[list[Record], list[Record]]] = {}
+    layer_tgts: dict[int, list[Record]] = {}
+    for t in [u.target for u in sp.units] + list(sp.only_target):
+        if t.layer is not None:
+            layer_tgts.setdefault(t.layer, []).append(t)
+    for side, records in enumerate((sp.only_ref, sp.only_target)):
+        for r in {id(r): r for r in records}.values():  # a record listed twice is one record
+            if r.layer is not None and r.has_payload:
+                by_layer.setdefault(r.layer, ([], []))[side].append(r)
+    pairs = []
+    for layer, (refs, tgts) in by_layer.items():
+        if refs and tgts:
+            found = _common_order(refs, tgts)
+            used_r, used_t = {id(r) for r, _ in found}, {id(t) for _, t in found}
+            left_r = [r for r in refs if id(r) not in used_r]
+            left_t = [t for t in tgts if id(t) not in used_t]
+            found += _fused_parts(left_r, left_t, layer_tgts.get(layer, []))
+            pairs += found
+    if not pairs:
+        return sp
+    at = {id(rec): sk for sk, rec in rg.records.items()}
+    units = list(sp.units) + [
+        StageUnit(rg, at[id(r)], r, t, note=f"paired by position in layer {r.layer}: target {t.key}")
+        for r, t in pairs
+    ]
+    position = {sk: i for i, sk in enumerate(rg.order)}
+    units.sort(key=lambda u: position.get(u.sk, len(position)))
+    paired_r = {id(r) for r, _ in pairs}
+    paired_t = {id(getattr(t.source, "whole", t)) for _, t in pairs} | {id(t) for _, t in pairs}
+    return StagePairing(
+        units,
+        [r for r in sp.only_ref if id(r) not in paired_r],
+        [t for t in sp.only_target if id(t) not in paired_t],
+    )
