@@ -3,8 +3,8 @@
 
 - `by_module_path`: one module on both sides (the same path), named differently by role naming;
 - `by_position`: inside one layer, the longest run of records that fit each other in both capture
-  orders, one of each pair named after its module (two codebases whose children role naming could
-  not place by name), and a fused projection's output against the projections it fuses
+  orders, both named after their modules (two codebases whose children role naming could not
+  place by name), and a fused projection's output against the projections it fuses
   (`_fused_parts`: each reference output with its columns of the fused one).
 """
 
@@ -73,10 +73,11 @@ def _by_path(r: Record) -> bool:
 
 
 def _fits(r: Record, t: Record) -> bool:
-    """Two records that can hold one tensor: one of them named after its module (two role stages
-    of different names are two roles: a form's own stages never pair so), the same io, shape (or,
-    for a packed side, the same element count and last dim), invocation and rank."""
-    if not (_by_path(r) or _by_path(t)):
+    """Two records that can hold one tensor: both named after their modules (a role stage on either
+    side is that side's reading of the block, never paired by position: two readings that differ
+    stay unpaired), the same io, shape (or, for a packed side, the same element count and last
+    dim), invocation and rank."""
+    if not (_by_path(r) and _by_path(t)):
         return False
     rs, ts = tuple(r.shape or ()), tuple(t.shape or ())
     same = rs == ts or (bool(rs) and bool(ts) and rs[-1] == ts[-1] and math.prod(rs) == math.prod(ts))
@@ -142,7 +143,14 @@ def _fused_parts(
     import dataclasses
 
     out, taken = [], set()
-    outs = [r for r in refs if r.io == "out"]
+    outs, repeats = [], {}  # a key written twice (a child's output and its projection's): one tensor
+    for r in refs:
+        if r.io == "out":
+            first = next((o for o in outs if o.key == r.key and o.shape == r.shape), None)
+            if first is None:
+                outs.append(r)
+            else:
+                repeats.setdefault(id(first), []).append(r)
     for t in tgts:
         ts = tuple(t.shape or ())
         if t.io != "out" or len(ts) < 2 or (t.extra or {}).get("sketch") is not None or not _by_path(t):
@@ -151,7 +159,7 @@ def _fused_parts(
             run, width = [], 0
             for r in outs[i:]:
                 rs = tuple(r.shape or ())
-                if id(r) in taken or not rs or rs[:-1] != ts[:-1]:
+                if id(r) in taken or not rs or rs[:-1] != ts[:-1] or not _by_path(r):
                     break
                 run.append(r)
                 width += rs[-1]
@@ -169,8 +177,9 @@ def _fused_parts(
                     stats=None,
                     source=_Part(t, lo, hi),
                 )
-                out.append((r, part))
-                taken.add(id(r))
+                for same in [r, *repeats.get(id(r), [])]:
+                    out.append((same, part))
+                    taken.add(id(same))
                 lo = hi
             t_in = next((x for x in layer_tgts if x.io == "in" and x.module_path == t.module_path), None)
             paths = {r.module_path for r in run}
@@ -201,12 +210,17 @@ def by_position(rg: CallGroup, sp: StagePairing) -> StagePairing:
     pairs = []
     for layer, (refs, tgts) in by_layer.items():
         if refs and tgts:
-            found = _common_order(refs, tgts)
-            used_r, used_t = {id(r) for r, _ in found}, {id(t) for _, t in found}
+            # fused outputs first: their parts' shapes would otherwise pair with look-alikes
+            found = _fused_parts(refs, tgts, layer_tgts.get(layer, []))
+            used_r = {id(r) for r, _ in found}
+            used_t = {id(getattr(t.source, "whole", t)) for _, t in found} | {id(t) for _, t in found}
             left_r = [r for r in refs if id(r) not in used_r]
             left_t = [t for t in tgts if id(t) not in used_t]
-            found += _fused_parts(left_r, left_t, layer_tgts.get(layer, []))
-            pairs += found
+            common = _common_order(left_r, left_t)
+            # only a whole alignment: the two layers' leftovers are one sequence of like records
+            # (a partial one pairs look-alikes where the two sides read the block differently)
+            whole = len(common) == len(left_r) == len(left_t)
+            pairs += found + (common if whole else [])
     if not pairs:
         return sp
     at = {id(rec): sk for sk, rec in rg.records.items()}

@@ -51,3 +51,21 @@ def test_the_architecture_is_understood_as_far_as_the_copy(name):
     assert cases["copy"].status == HOLDS, cases["copy"].got
     assert {c.status for c in report.cases} <= {HOLDS, FAILS, NO_EFFECT, SKIPPED}
     assert any(c.group == "mutations" for c in report.cases), f"{name}: no mutation could be planted"
+
+
+ENGINE_NAMES = architectures(CAUSAL_LM) if EVERY else sample(COUNTS[CAUSAL_LM], SEED, CAUSAL_LM)
+
+
+@pytest.mark.parametrize("name", ENGINE_NAMES)
+def test_the_engine_rewrite_of_the_architecture_passes_as_a_copy(name):
+    """(a) on the engine-style rewrite (`selftest --engine`: projections fused, every module
+    renamed, the batch packed where the model's logits allow it): a correct port passes with its
+    coverage complete, and the report says what the rewrite did."""
+    from ffdebug.selftest.cases import SelftestOptions
+
+    (report,) = selftest([name], SelftestOptions(groups=("copy",), engine=True), zoo=True).reports
+    if not report.built:
+        pytest.skip(f"not built: {report.error}")
+    (copy,) = report.cases
+    assert copy.status == HOLDS, (copy.got, report.engine)
+    assert report.engine.startswith("engine rewrite: ") and "renamed" in report.engine
