@@ -259,6 +259,12 @@ class KernelWatcher:
                 self._write(q, k, 1.0 if scale is None else float(scale) * math.sqrt(d), v)
         elif func in (torch.bmm, torch.Tensor.bmm) and len(args) >= 2 and _scores_3d(args[0], args[1]):
             self.call.attended = True  # heads folded into the batch (`[B·H, S, D] @ [B·H, D, S]`): not read
+        elif (
+            func in (torch.baddbmm, torch.Tensor.baddbmm) and len(args) >= 3 and _scores_3d(args[1], args[2])
+        ):
+            self.call.attended = True  # the scores as `β·bias + α·q @ kᵀ` (GPT-NeoX-Japanese): not read
+        elif self.call.attended:
+            return  # the scores were made: a later 4-D product is probabilities @ v, no kernel
         elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) >= 2:
             q, kt = args[0], args[1]
             if isinstance(kt, torch.Tensor) and kt.dim() == 4 and self._is_kernel(q, kt.transpose(-1, -2)):
