@@ -12,9 +12,11 @@ from ffdebug.models.roles import (
     BRANCH,
     CROSS,
     NORM,
+    NORM_SHAPED,
     fed_encoder_states,
     has_role,
     is_norm,
+    norm_shaped,
     place_children,
     role_children,
 )
@@ -91,6 +93,8 @@ class ChildRoles:
             watcher = self.watchers.get(name)
             if kind == BRANCH and watcher is not None and watcher.attended():
                 kind = ATTENTION
+            elif kind == BRANCH and norm_shaped(module):
+                kind = NORM_SHAPED
             self.called.append((name, kind))
         held = [(sfx, t.detach().clone(), t) for sfx, t in pairs]
         if not self.session.hold(lambda: self.emit(name, held, inv, meta)):

@@ -40,6 +40,7 @@ NORM = "norm"
 BRANCH = "branch"
 CROSS = "cross"  # a branch fed the encoder's states (cross-attention): `cross_attn_out`
 ATTENTION = "attention"  # a branch in which a softmax attention kernel ran (`capture/kernel_taps.py`)
+NORM_SHAPED = "norm_shaped"  # a branch with a norm's parameters whose rows did not read as one
 CROSS_INPUTS = ("encoder_hidden_states", "key_value_states", "encoder_outputs", "context")
 UNIT_TOL = 0.05  # |rms - 1| (or |std - 1|, |mean|) averaged over rows
 RESCALE_TOL = 0.02  # ‖z − c·x‖ / ‖z‖ averaged over rows (bf16 outputs round at ~4e-3)
@@ -236,18 +237,26 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
     A cross-attention branch (`CROSS`) is `cross_attn_out` and the others are placed without it.
     Order decides when it is one of the known forms, or pre-norm segments (each norm followed by
     its branches: ViT's `intermediate`, `output` after `layernorm_after`); otherwise the
-    attribute-name hints name what they can and the rest is unplaced (it keeps `{child}.out`)."""
+    attribute-name hints name what they can; when they cannot name every child and no child is a
+    norm by its parameters only (low precision can hide a norm's rows), an attending first branch
+    and the MLP in parts after it (`_attention_first`) decide; else the rest is unplaced (it keeps
+    `{child}.out`)."""
     cross = [n for n, k in called if k == CROSS]
     if len(cross) == 1:  # a joint block (SD3: one attention over both streams) does not place by order
         rest = place_children([(n, k) for n, k in called if k != CROSS], hints)
         if rest.by_order:
             return Placement({**rest.names, cross[0]: "cross_attn_out"}, rest.unplaced, True)
     attends = [n for n, k in called if k == ATTENTION]
-    called = [(n, BRANCH if k in (CROSS, ATTENTION) else k) for n, k in called]
+    shaped = {n for n, k in called if k == NORM_SHAPED}
+    if shaped:  # a norm's parameters whose rows low precision or a large eps hid: a norm first
+        as_norms = [
+            (n, NORM if k == NORM_SHAPED else BRANCH if k in (CROSS, ATTENTION) else k) for n, k in called
+        ]
+        roles = _sequence_roles([k for _, k in as_norms]) or _segment_roles(as_norms)
+        if roles is not None:
+            return Placement(dict(zip((n for n, _ in as_norms), roles)), (), True)
+    called = [(n, BRANCH if k in (CROSS, ATTENTION, NORM_SHAPED) else k) for n, k in called]
     roles = _sequence_roles([k for _, k in called]) or _segment_roles(called)
-    if roles is not None:
-        return Placement(dict(zip((n for n, _ in called), roles)), (), True)
-    roles = _attention_first(called, attends)
     if roles is not None:
         return Placement(dict(zip((n for n, _ in called), roles)), (), True)
     names: dict[str, str] = {}
@@ -259,6 +268,10 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
             unplaced.append(child)
         else:
             names[child] = stage
+    if unplaced and not shaped:  # names that do not place every child: what the children did
+        roles = _attention_first(called, attends)
+        if roles is not None:
+            return Placement(dict(zip((n for n, _ in called), roles)), (), True)
     return Placement(names, tuple(unplaced), False)
 
 
