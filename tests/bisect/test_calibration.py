@@ -250,21 +250,31 @@ def test_a_contradictory_result_is_refused_where_it_is_built(moe):
 
 
 def test_a_norm_broken_past_recognition_is_paired_by_its_module_path(tmp_path):
-    """Every norm of the blocks of a tiny Apertus no longer normalises (it returns weight · x): its
-    rows are neither unit RMS nor its input's rescaled, so the target's role naming does not see
-    norms and keeps module paths (`L000.attention_layernorm.out`); one module on both sides is one
-    stage, so it pairs with `L000.attn_norm_out`, the coverage is complete and the first divergence
-    is the norm itself. (eps 0.1, the zoo's case, no longer breaks recognition: its rows are still
-    its input's rescaled, `roles.rescales_rows`.)"""
+    """Every norm of the blocks of a tiny Apertus no longer normalises (it returns weight · x):
+    with a norm's parameters it is still placed as a norm by the block's order. Given another
+    parameter too, nothing says it is a norm, so the target's role naming keeps module paths
+    (`L000.attention_layernorm.out`); one module on both sides is one stage, so it pairs with
+    `L000.attn_norm_out`, the coverage is complete and the first divergence is the norm itself."""
     model = build(resolve("apertus"), Sizes(), 0)
-    target = copy.deepcopy(model)
-    for module in target.model.layers.modules():  # the blocks' norms: the modules with an eps
-        if any(isinstance(getattr(module, a, None), float) for a in ("eps", "variance_epsilon")):
-            module.forward = lambda x, m=module: m.weight * x
-    ids = _ids()
-    ref, tgt = _dump(model, ids, tmp_path, "ref"), _dump(target, ids, tmp_path, "eps")
     from ffdebug.store.reader import open_side
 
+    ids = _ids()
+    ref = _dump(model, ids, tmp_path, "ref")
+    target = copy.deepcopy(model)
+    norms = [
+        m
+        for m in target.model.layers.modules()  # the blocks' norms: the modules with an eps
+        if any(isinstance(getattr(m, a, None), float) for a in ("eps", "variance_epsilon"))
+    ]
+    for module in norms:
+        module.forward = lambda x, m=module: m.weight * x
+    # still a norm by its parameters: placed by the block's order, under the reference's name
+    placed = _dump(target, ids, tmp_path, "scale")
+    assert "L000.attn_norm_out" in {r.key for r in open_side(placed).records}
+    assert ffdebug.bisect(ref, placed).first_divergence.key == "L000.attn_norm_out"
+    for module in norms:  # a second vector of another size: no longer a norm's parameters either
+        module.register_parameter("extra", torch.nn.Parameter(torch.ones(3)))
+    tgt = _dump(target, ids, tmp_path, "eps")
     assert "L000.attn_norm_out" not in {r.key for r in open_side(tgt).records}  # the premise
     r = ffdebug.bisect(ref, tgt)
     assert r.complete and r.exit_code() == 1, r.coverage.missing
