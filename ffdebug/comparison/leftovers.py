@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from ffdebug.comparison.pairing import CallGroup, StagePairing, StageUnit
 from ffdebug.io.record import Record
 
+INPUT_REL = 0.5  # a fused projection's input against its parts': further apart, they are not its parts
+
 
 def by_module_path(rg: CallGroup, sp: StagePairing) -> StagePairing:
     """Records left on one side each that one module wrote on both (the same module path, layer,
@@ -133,13 +135,61 @@ class _Part:
         self.whole.verify()
 
 
+def _one_input(run: list[Record], ref_ins: dict) -> bool:
+    """The reference projections of `run` are siblings (one parent module) that read one tensor:
+    what an engine fuses into one projection (q / k / v of one input, gate / up)."""
+    import torch
+
+    parents = {(r.module_path or "").rsplit(".", 1)[0] for r in run}
+    if len(parents) != 1:
+        return False
+    ins = [ref_ins[r.module_path] for r in run]
+    if not all(x.has_payload for x in ins):
+        return False
+    first = ins[0].load()
+    return all(torch.equal(first, x.load()) for x in ins[1:])
+
+
+def _runs(outs: list[Record], t: Record, t_in: Record, ref_ins: dict, taken: set) -> list[list[Record]]:
+    """Every run of consecutive reference projection outputs whose widths add up to `t`'s, of its
+    leading shape, each reading an input of `t_in`'s shape, siblings reading one tensor."""
+    ts, found = tuple(t.shape or ()), []
+    for i in range(len(outs)):
+        run, width = [], 0
+        for r in outs[i:]:
+            rs, r_in = tuple(r.shape or ()), ref_ins.get(r.module_path)
+            if id(r) in taken or not rs or rs[:-1] != ts[:-1] or not _by_path(r) or r_in is None:
+                break
+            if tuple(r_in.shape or ()) != tuple(t_in.shape or ()):
+                break  # a projection of another input
+            run.append(r)
+            width += rs[-1]
+            if width >= ts[-1]:
+                break
+        if len(run) >= 2 and width == ts[-1] and _one_input(run, ref_ins):
+            found.append(run)
+    return found
+
+
+def _input_gap(run: list[Record], t_in: Record, ref_ins: dict) -> float:
+    """How far the run's one input is from the fused projection's (rel), to choose among runs."""
+    from ffdebug.comparison.metrics import compare_tensors
+
+    if not t_in.has_payload:
+        return float("inf")
+    m = compare_tensors(ref_ins[run[0].module_path].load(), t_in.load())
+    return m.rel if m.rel is not None else float("inf")
+
+
 def _fused_parts(
     refs: list[Record], tgts: list[Record], layer_tgts: list[Record]
 ) -> list[tuple[Record, Record]]:
-    """A target output (a fused projection's no role split) whose last dim is the sum of those of
-    consecutive reference outputs of the same leading shape (the projections it fuses, in capture
-    order): each reference output paired with its columns of it, and each of their inputs with the
-    fused projection's one input (`layer_tgts`: the layer's target records, paired or not)."""
+    """A target projection's output (a fused one no role split: its input was dumped too) whose
+    last dim is the sum of those of consecutive reference projections' outputs (siblings reading
+    one tensor of the fused one's input shape: the projections it fuses, in capture order); of
+    several such runs, the one whose input is nearest the fused projection's, within `INPUT_REL`.
+    Each reference output is paired with its columns of the fused one, and each of their inputs
+    with its one input (`layer_tgts`: the layer's target records, paired or not)."""
     import dataclasses
 
     out, taken = [], set()
@@ -151,44 +201,38 @@ def _fused_parts(
                 outs.append(r)
             else:
                 repeats.setdefault(id(first), []).append(r)
+    ref_ins = {r.module_path: r for r in refs if r.io == "in"}
     for t in tgts:
         ts = tuple(t.shape or ())
         if t.io != "out" or len(ts) < 2 or (t.extra or {}).get("sketch") is not None or not _by_path(t):
             continue
-        for i in range(len(outs)):
-            run, width = [], 0
-            for r in outs[i:]:
-                rs = tuple(r.shape or ())
-                if id(r) in taken or not rs or rs[:-1] != ts[:-1] or not _by_path(r):
-                    break
-                run.append(r)
-                width += rs[-1]
-                if width >= ts[-1]:
-                    break
-            if len(run) < 2 or width != ts[-1]:
-                continue
-            lo = 0
-            for r in run:
-                hi = lo + r.shape[-1]
-                part = dataclasses.replace(
-                    t,
-                    key=f"{t.key}[{lo}:{hi}]",
-                    shape=(*ts[:-1], hi - lo),
-                    stats=None,
-                    source=_Part(t, lo, hi),
-                )
-                for same in [r, *repeats.get(id(r), [])]:
-                    out.append((same, part))
-                    taken.add(id(same))
-                lo = hi
-            t_in = next((x for x in layer_tgts if x.io == "in" and x.module_path == t.module_path), None)
-            paths = {r.module_path for r in run}
-            for r in refs:
-                if t_in is not None and r.io == "in" and r.module_path in paths and id(r) not in taken:
-                    if tuple(r.shape or ()) == tuple(t_in.shape or ()):
-                        out.append((r, t_in))
-                        taken.add(id(r))
-            break
+        t_in = next((x for x in layer_tgts if x.io == "in" and x.module_path == t.module_path), None)
+        if t_in is None:
+            continue  # no projection (its input was not dumped): nothing says what it fuses
+        runs = [
+            (g, run)
+            for run in _runs(outs, t, t_in, ref_ins, taken)
+            if (g := _input_gap(run, t_in, ref_ins)) <= INPUT_REL
+        ]
+        if not runs:
+            continue
+        run = min(runs, key=lambda x: x[0])[1]
+        lo = 0
+        for r in run:
+            hi = lo + r.shape[-1]
+            part = dataclasses.replace(
+                t, key=f"{t.key}[{lo}:{hi}]", shape=(*ts[:-1], hi - lo), stats=None, source=_Part(t, lo, hi)
+            )
+            for same in [r, *repeats.get(id(r), [])]:
+                out.append((same, part))
+                taken.add(id(same))
+            lo = hi
+        paths = {r.module_path for r in run}
+        for r in refs:
+            if r.io == "in" and r.module_path in paths and id(r) not in taken:
+                if tuple(r.shape or ()) == tuple(t_in.shape or ()):
+                    out.append((r, t_in))
+                    taken.add(id(r))
     return out
 
 
