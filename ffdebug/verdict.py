@@ -327,10 +327,10 @@ def features_regrouped(ref_shape, target_shape) -> bool:
     least 3-D) holding each token's features grouped otherwise (`[B, S, 128]` against
     `[B, S, 8, 16]`: a q split into heads on one side only) hold the same elements in the same
     order; they are unified too. Any other difference stays a mismatch."""
-    if ref_shape is None or target_shape is None or len(ref_shape) < 3 and len(target_shape) < 3:
+    if ref_shape is None or target_shape is None:
         return False
     r, t = list(ref_shape), list(target_shape)
-    if len(r) < 2 or len(t) < 2 or r[:2] != t[:2] or r == t:
+    if min(len(r), len(t)) < 3 or r[:2] != t[:2] or r == t:
         return False
     return math.prod(r[2:]) == math.prod(t[2:])
 

@@ -114,17 +114,26 @@ def _rope_part(k, v) -> int:
     return 0
 
 
+def _two_tensors(q, k, dims: int) -> bool:
+    """`q` and `k` tensors of `dims` dims, `q` floating: what a scores product's operands are."""
+    import torch
+
+    return (
+        isinstance(q, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and q.dim() == dims
+        and k.dim() == dims
+        and q.is_floating_point()
+    )
+
+
 def _scores_3d(q, kt) -> bool:
     """A batched `q @ kᵀ` with the heads folded into the batch: two 3-D activations contracted over
     the head size (the second no parameter)."""
     import torch
 
     return (
-        isinstance(q, torch.Tensor)
-        and isinstance(kt, torch.Tensor)
-        and q.dim() == 3
-        and kt.dim() == 3
-        and q.is_floating_point()
+        _two_tensors(q, kt, 3)
         and not any(isinstance(t, torch.nn.Parameter) for t in (kt, getattr(kt, "_base", None)))
         and q.shape[0] == kt.shape[0]
         and q.shape[-1] == kt.shape[-2]
@@ -279,11 +288,7 @@ class KernelWatcher:
         import torch
 
         return (
-            isinstance(q, torch.Tensor)
-            and isinstance(k, torch.Tensor)
-            and q.dim() == 4
-            and k.dim() == 4
-            and q.is_floating_point()
+            _two_tensors(q, k, 4)
             and not isinstance(q, torch.nn.Parameter)
             and not isinstance(k, torch.nn.Parameter)
             and q.shape[-1] == k.shape[-1]

@@ -77,8 +77,8 @@ def packed_view(padded, packed, mask):
 
 def diagonal_blocks(padded, packed, mask):
     """(padded, packed) as each sequence's `[…, l, l]` block, flattened and laid end to end, for a
-    token-by-token stage (attention probabilities `[B, H, S, S]` against a packed `[1, H, T, T]` or
-    `[H, T, T]`): sequence b's block of the packed side is rows and columns `o_b … o_b + l_b` of
+    token-by-token stage (attention probabilities `[B, H, S, S]` against a packed `[H, T, T]`, a
+    `[1, H, T, T]` read through `one_row`): sequence b's block of the packed side is rows and columns `o_b … o_b + l_b` of
     its diagonal; None when the shapes are not that."""
     import torch
 
@@ -88,8 +88,6 @@ def diagonal_blocks(padded, packed, mask):
     if tuple(padded.shape[-2:]) != (s, s):
         return None
     mid = tuple(padded.shape[1:-2])
-    if packed.dim() == padded.dim() and packed.shape[0] == 1:
-        packed = packed[0]
     total = int(mask.sum())
     if tuple(packed.shape) != (*mid, total, total):
         return None

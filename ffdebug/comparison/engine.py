@@ -101,8 +101,9 @@ def compare_records(
         if r.has_payload and t.has_payload:
             aligned = align(load(r), load(t), *masks)
     if list(r.shape or []) != list(t.shape or []) and aligned is None:
-        regrouped = not V.singleton_unifiable(r.shape, t.shape) and V.features_regrouped(r.shape, t.shape)
-        if not (V.singleton_unifiable(r.shape, t.shape) or regrouped):
+        size_one = V.singleton_unifiable(r.shape, t.shape)
+        regrouped = not size_one and V.features_regrouped(r.shape, t.shape)
+        if not (size_one or regrouped):
             e.severity = V.shape_mismatch()
             e.finding = "shape_mismatch"
             e.notes.append(f"shape mismatch: ref {e.ref.shape} vs target {e.target.shape}")
@@ -151,11 +152,13 @@ def compare_records(
 
 def _aliases(units) -> dict:
     """(target key, invocation) -> the reference keys it paired as, for pairs not made by key; a
-    fused record's columns (`pairing._fused_parts`) count under their whole record's key."""
+    fused record's columns (`leftovers._fused_parts`) count under their whole record's key."""
+    from ffdebug.comparison.leftovers import whole_of
+
     out: dict = {}
     for u in units:
         if u.note:
-            whole = getattr(u.target.source, "whole", u.target)
+            whole = whole_of(u.target)
             out.setdefault((whole.key, whole.invocation), []).append(u.ref.key)
     return out
 

@@ -2,10 +2,10 @@
 (`comparison.pairing.pair_stages` runs these after pairing by key):
 
 - `by_module_path`: one module on both sides (the same path), named differently by role naming;
-- `by_position`: inside one layer, the longest run of records that fit each other in both capture
-  orders, both named after their modules (two codebases whose children role naming could not
-  place by name), and a fused projection's output against the projections it fuses
-  (`_fused_parts`: each reference output with its columns of the fused one).
+- `by_position`: inside one layer, a fused projection's output against the projections it fuses
+  (`_fused_parts`: each reference output with its columns of the fused one), then the rest when
+  they align whole in both capture orders, both sides named after their modules (two codebases
+  whose children role naming could not place by name).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ INPUT_REL = 0.5  # a fused projection's input against its parts': further apart,
 def by_module_path(rg: CallGroup, sp: StagePairing) -> StagePairing:
     """Records left on one side each that one module wrote on both (the same module path, layer,
     invocation, rank and shape, one record per side) are one stage under two names: role naming
-    read the module's behaviour, and a target whose norm is broken (eps 0.1: rows no longer unit
-    RMS) keeps its module path (`L000.input_layernorm.out`) where the reference says
-    `L000.attn_norm_out`. They are paired, in the reference's order, and the pair's note says so;
-    a module path written more than once on either side stays unpaired."""
+    read the module's behaviour, and a target whose norm is broken past recognition keeps its
+    module path (`L000.input_layernorm.out`) where the reference says `L000.attn_norm_out`. They
+    are paired, in the reference's order, and the pair's note says so; a module path written more
+    than once on either side stays unpaired."""
 
     def ident(r: Record) -> tuple | None:
         if not r.module_path:
@@ -41,23 +41,32 @@ def by_module_path(rg: CallGroup, sp: StagePairing) -> StagePairing:
 
     refs, tgts = unique(sp.only_ref), unique(sp.only_target)
     both = set(refs) & set(tgts)
-    if not both:
+    pairs = [
+        (refs[k], tgts[k], f"paired by module path {refs[k].module_path}: target {tgts[k].key}") for k in both
+    ]
+    return _with_pairs(rg, sp, pairs)
+
+
+def whole_of(t: Record) -> Record:
+    """The record a target record stands for: a fused record's, for its columns (`_Part`)."""
+    return getattr(t.source, "whole", t)
+
+
+def _with_pairs(rg: CallGroup, sp: StagePairing, pairs: list[tuple[Record, Record, str]]) -> StagePairing:
+    """`sp` with `pairs` (reference record, target record, note) as units, in the reference's
+    order, and neither side's paired records left over (a fused record's columns take it)."""
+    if not pairs:
         return sp
     at = {id(rec): sk for sk, rec in rg.records.items()}
-    paired = {id(refs[k]): tgts[k] for k in both}
-    units = list(sp.units)
-    for k in both:
-        r, t = refs[k], tgts[k]
-        units.append(
-            StageUnit(rg, at[id(r)], r, t, note=f"paired by module path {r.module_path}: target {t.key}")
-        )
+    units = list(sp.units) + [StageUnit(rg, at[id(r)], r, t, note=note) for r, t, note in pairs]
     position = {sk: i for i, sk in enumerate(rg.order)}
     units.sort(key=lambda u: position.get(u.sk, len(position)))
-    taken = {id(t) for t in paired.values()}
+    paired_r = {id(r) for r, _, _ in pairs}
+    paired_t = {id(whole_of(t)) for _, t, _ in pairs}
     return StagePairing(
         units,
-        [r for r in sp.only_ref if id(r) not in paired],
-        [t for t in sp.only_target if id(t) not in taken],
+        [r for r in sp.only_ref if id(r) not in paired_r],
+        [t for t in sp.only_target if id(t) not in paired_t],
     )
 
 
@@ -171,13 +180,11 @@ def _runs(outs: list[Record], t: Record, t_in: Record, ref_ins: dict, taken: set
     return found
 
 
-def _input_gap(run: list[Record], t_in: Record, ref_ins: dict) -> float:
-    """How far the run's one input is from the fused projection's (rel), to choose among runs."""
+def _input_gap(run: list[Record], t_x, ref_ins: dict) -> float:
+    """How far the run's one input is from the fused projection's (`t_x`, rel), to choose among runs."""
     from ffdebug.comparison.metrics import compare_tensors
 
-    if not t_in.has_payload:
-        return float("inf")
-    m = compare_tensors(ref_ins[run[0].module_path].load(), t_in.load())
+    m = compare_tensors(ref_ins[run[0].module_path].load(), t_x)
     return m.rel if m.rel is not None else float("inf")
 
 
@@ -207,13 +214,11 @@ def _fused_parts(
         if t.io != "out" or len(ts) < 2 or (t.extra or {}).get("sketch") is not None or not _by_path(t):
             continue
         t_in = next((x for x in layer_tgts if x.io == "in" and x.module_path == t.module_path), None)
-        if t_in is None:
+        if t_in is None or not t_in.has_payload:
             continue  # no projection (its input was not dumped): nothing says what it fuses
-        runs = [
-            (g, run)
-            for run in _runs(outs, t, t_in, ref_ins, taken)
-            if (g := _input_gap(run, t_in, ref_ins)) <= INPUT_REL
-        ]
+        candidates = _runs(outs, t, t_in, ref_ins, taken)
+        t_x = t_in.load() if candidates else None
+        runs = [(g, run) for run in candidates if (g := _input_gap(run, t_x, ref_ins)) <= INPUT_REL]
         if not runs:
             continue
         run = min(runs, key=lambda x: x[0])[1]
@@ -237,11 +242,12 @@ def _fused_parts(
 
 
 def by_position(rg: CallGroup, sp: StagePairing) -> StagePairing:
-    """Records still left on both sides inside one layer, paired by where they were captured: in
-    each layer, the longest run of records that fit each other (`_fits`) in both sides' capture
-    order. Two codebases whose children role naming could not place by name (an engine's `a0`,
-    `i1`, `o2` where HF says `attention`, `intermediate`, `output`) still write the same tensors
-    in the same order; the pair's note names the target's key."""
+    """Records still left on both sides inside one layer, paired by where they were captured: a
+    fused projection's output first, column by column with the projections it fuses
+    (`_fused_parts`); then the rest, when the longest run of records that fit each other (`_fits`)
+    in both capture orders is all of them. Two codebases whose children role naming could not
+    place by name still write the same tensors in the same order; the pair's note names the
+    target's key."""
     by_layer: dict[int, tuple[list[Record], list[Record]]] = {}
     layer_tgts: dict[int, list[Record]] = {}
     for t in [u.target for u in sp.units] + list(sp.only_target):
@@ -256,8 +262,7 @@ def by_position(rg: CallGroup, sp: StagePairing) -> StagePairing:
         if refs and tgts:
             # fused outputs first: their parts' shapes would otherwise pair with look-alikes
             found = _fused_parts(refs, tgts, layer_tgts.get(layer, []))
-            used_r = {id(r) for r, _ in found}
-            used_t = {id(getattr(t.source, "whole", t)) for _, t in found} | {id(t) for _, t in found}
+            used_r, used_t = {id(r) for r, _ in found}, {id(whole_of(t)) for _, t in found}
             left_r = [r for r in refs if id(r) not in used_r]
             left_t = [t for t in tgts if id(t) not in used_t]
             common = _common_order(left_r, left_t)
@@ -265,19 +270,6 @@ def by_position(rg: CallGroup, sp: StagePairing) -> StagePairing:
             # (a partial one pairs look-alikes where the two sides read the block differently)
             whole = len(common) == len(left_r) == len(left_t)
             pairs += found + (common if whole else [])
-    if not pairs:
-        return sp
-    at = {id(rec): sk for sk, rec in rg.records.items()}
-    units = list(sp.units) + [
-        StageUnit(rg, at[id(r)], r, t, note=f"paired by position in layer {r.layer}: target {t.key}")
-        for r, t in pairs
-    ]
-    position = {sk: i for i, sk in enumerate(rg.order)}
-    units.sort(key=lambda u: position.get(u.sk, len(position)))
-    paired_r = {id(r) for r, _ in pairs}
-    paired_t = {id(getattr(t.source, "whole", t)) for _, t in pairs} | {id(t) for _, t in pairs}
-    return StagePairing(
-        units,
-        [r for r in sp.only_ref if id(r) not in paired_r],
-        [t for t in sp.only_target if id(t) not in paired_t],
+    return _with_pairs(
+        rg, sp, [(r, t, f"paired by position in layer {r.layer}: target {t.key}") for r, t in pairs]
     )

@@ -190,13 +190,10 @@ def locate(e, rt, tt, coords=None) -> None:
         e.max_abs_at = [*coords[e.max_abs_at[0]].tolist(), *e.max_abs_at[1:]]  # the reference's
     e.max_abs_where = named(w.axes, e.max_abs_at)
     e.per_head_rel = w.per_head_rel
-    if packed:  # per-token errors are the token runs' (per sequence); no rise across sequences
-        w = Where(w.axes, w.per_token_rel, w.per_head_rel, None)
-    else:
-        e.per_token_rel = w.per_token_rel
-    e.rise_from = w.rise_from
-    if w.rise_from is not None:
-        e.notes.append(f"error rises from token {w.rise_from}")
+    if not packed:  # a packed pair's per-token errors are its token runs; no rise across sequences
+        e.per_token_rel, e.rise_from = w.per_token_rel, w.rise_from
+    if e.rise_from is not None:
+        e.notes.append(f"error rises from token {e.rise_from}")
     if w.per_head_rel:
         worst_rel = max((x for x in w.per_head_rel if x is not None), default=0.0)
         bad = [

@@ -78,25 +78,30 @@ def _unit_rows(y) -> bool:
     return float(mean.abs().mean()) < UNIT_TOL and float((std - 1).abs().mean()) < UNIT_TOL
 
 
+def _affine_undone(module, y):
+    """`y` (float64) with `module`'s own affine parameters undone, once per reading of the weight
+    (`w` or Gemma's `1 + w`; a weight with a zero is no divisor); `y` itself without parameters."""
+    own = list(module.parameters(recurse=False))
+    if not own:
+        yield y
+        return
+    weight = own[0].detach().double()
+    centred = y - own[1].detach().double() if len(own) > 1 else y
+    for scale in (weight, 1.0 + weight):
+        if bool((scale.abs() > 1e-6).all()):
+            yield centred / scale
+
+
 def behaves_like_norm(module, output) -> bool:
     """`module`'s output rows, with its affine parameters undone, are normalised (see module doc)."""
     import torch
 
     if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.dim() < 1:
         return False
-    own = list(module.parameters(recurse=False))
     y = output.detach().double()
-    if own and any(p.numel() != y.shape[-1] for p in own):
+    if any(p.numel() != y.shape[-1] for p in module.parameters(recurse=False)):
         return False
-    if not own:
-        return _unit_rows(y)
-    weight = own[0].detach().double()
-    bias = own[1].detach().double() if len(own) > 1 else None
-    centred = y - bias if bias is not None else y
-    for scale in (weight, 1.0 + weight):
-        if bool((scale.abs() > 1e-6).all()) and _unit_rows(centred / scale):
-            return True
-    return False
+    return any(_unit_rows(z) for z in _affine_undone(module, y))
 
 
 def rescales_rows(module, x, output) -> bool:
@@ -109,16 +114,9 @@ def rescales_rows(module, x, output) -> bool:
         return False
     if tuple(x.shape) != tuple(output.shape) or output.dim() < 1 or output.shape[-1] < 2:
         return False
-    own = list(module.parameters(recurse=False))
     y = output.detach().double().reshape(-1, output.shape[-1])
     xs = x.detach().double().reshape(-1, x.shape[-1])
-    bias = own[1].detach().double() if len(own) > 1 else None
-    centred = y - bias if bias is not None else y
-    scales = [own[0].detach().double(), 1.0 + own[0].detach().double()] if own else [1.0]
-    for scale in scales:
-        if isinstance(scale, torch.Tensor) and not bool((scale.abs() > 1e-6).all()):
-            continue
-        z = centred / scale
+    for z in _affine_undone(module, y):
         for base in (xs, xs - xs.mean(-1, keepdim=True)):
             bb = (base * base).sum(-1)
             if not bool((bb > 0).all()):

@@ -110,7 +110,7 @@ def _groups(model: Any, feed: dict[str, Any]) -> list[tuple[Any, list[str]]]:
     parent_of = {
         id(child): (parent, name) for parent in model.modules() for name, child in parent.named_children()
     }
-    seen: dict[int, list] = {}  # id(linear) -> [calls, id(input)]
+    seen: dict[int, list] = {}  # id(linear) -> [calls, its input (held: its id is not reused)]
     handles = []
     for m in model.modules():
         if _plain_linear(m) and id(m) in parent_of:
@@ -118,7 +118,7 @@ def _groups(model: Any, feed: dict[str, Any]) -> list[tuple[Any, list[str]]]:
             def pre(mod, args, _seen=seen):
                 entry = _seen.setdefault(id(mod), [0, None])
                 entry[0] += 1
-                entry[1] = id(args[0]) if args and isinstance(args[0], torch.Tensor) else None
+                entry[1] = args[0] if args and isinstance(args[0], torch.Tensor) else None
 
             handles.append(m.register_forward_pre_hook(pre))
     try:
@@ -132,7 +132,7 @@ def _groups(model: Any, feed: dict[str, Any]) -> list[tuple[Any, list[str]]]:
         if calls != 1 or inp is None:
             continue
         parent, name = parent_of[mid]
-        by_input.setdefault((id(parent), inp), []).append(name)
+        by_input.setdefault((id(parent), id(inp)), []).append(name)
     out = []
     parents = {id(p): p for p in model.modules()}
     for (pid, _), names in by_input.items():

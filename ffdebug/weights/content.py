@@ -127,6 +127,25 @@ def cut(x, seg: Segment):
     return (y.t() if seg.transposed else y).contiguous()
 
 
+def segments_hold(x, segments, load_part, scale: float | None = None) -> bool:
+    """Every segment of composite tensor `x` within the ok band of its part (`load_part(name)`,
+    one part in memory), after dividing by `scale` for a scaled copy."""
+    from ffdebug import verdict as V
+    from ffdebug.comparison.metrics import compare_tensors
+
+    for seg in segments:
+        y = cut(x, seg)
+        p = load_part(seg.part)
+        if tuple(y.shape) != tuple(p.shape):
+            return False
+        if scale is not None:
+            y = y.double() / scale
+        m = compare_tensors(p, y)
+        if not V.is_ok(V.classify(m.cos, m.rel)):
+            return False
+    return True
+
+
 def cut_shape(shape: tuple[int, ...], seg: Segment) -> tuple[int, ...]:
     s = list(shape[1:] if seg.slot is not None else shape)
     if seg.rows is not None:

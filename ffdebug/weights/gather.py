@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ffdebug.weights.content import TOL, Relation, Segment, _fill, _numbers, _relative, cut
+from ffdebug.weights.content import TOL, Relation, Segment, _fill, _numbers, _relative, segments_hold
 from ffdebug.weights.rows import describe, fingerprints, match_rows, rotary_note
 
 _OTHER = {"ref": "target", "target": "ref"}
@@ -65,19 +65,7 @@ def _find(side: str, comps: dict, pool: dict, shapes: dict) -> list[_Gather]:
 
 
 def _verified(g: _Gather, loads: dict) -> bool:
-    from ffdebug import verdict as V
-    from ffdebug.comparison.metrics import compare_tensors
-
-    x = loads[g.side](g.composite)
-    for seg in g.segments():
-        p = loads[_OTHER[g.side]](seg.part)
-        y = cut(x, seg)
-        if tuple(y.shape) != tuple(p.shape):
-            return False
-        m = compare_tensors(p, y)
-        if not V.is_ok(V.classify(m.cos, m.rel)):
-            return False
-    return True
+    return segments_hold(loads[g.side](g.composite), g.segments(), loads[_OTHER[g.side]])
 
 
 def _at_convention(g: _Gather, conv: tuple | None) -> tuple[tuple[Segment, ...], tuple[Segment, ...] | None]:
