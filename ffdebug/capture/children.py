@@ -12,10 +12,12 @@ from ffdebug.models.roles import (
     BRANCH,
     CROSS,
     NORM,
+    NORM_LED,
     NORM_SHAPED,
     fed_encoder_states,
     has_role,
     is_norm,
+    is_norm_type,
     norm_shaped,
     place_children,
     role_children,
@@ -26,6 +28,11 @@ def tensors_of(obj, prefix: str = ""):
     from ffdebug.capture.outputs import tensors_of as tensors
 
     return tensors(obj, prefix)
+
+
+def _own_norms(child) -> list:
+    """The direct sub-modules of `child` that are norms by type or by their parameters."""
+    return [m for m in child.children() if is_norm_type(m) or norm_shaped(m)]
 
 
 class ChildRoles:
@@ -48,6 +55,8 @@ class ChildRoles:
         self.by_path: set[str] = set()  # members of a list of like parts: `{child}.out`
         self.holding = False
         self.watchers: dict = {}  # child name -> its KernelWatcher (`kernel_taps`): did it attend
+        self.inputs: dict[str, object] = {}  # child name -> its input on the first call (held until flush)
+        self.led: set[str] = set()  # children whose own norm reads their input first (`NORM_LED`)
 
     def install(self, handle) -> None:
         for name, child, by_path in role_children(self.block.module):
@@ -67,10 +76,22 @@ class ChildRoles:
                         lambda m, a, o, n=name, meta=meta: self.on_output(n, m, o, meta, a)
                     )
                 )
+                for norm in _own_norms(child):
+                    handle.add(norm.register_forward_pre_hook(lambda m, a, n=name: self.on_norm(n, a)))
 
     def on_input(self, name: str, args, kwargs) -> None:
-        if self.names is None and fed_encoder_states(args, kwargs):
-            self.cross.add(name)
+        if self.names is None:
+            if fed_encoder_states(args, kwargs):
+                self.cross.add(name)
+            if args and name not in self.inputs:
+                self.inputs[name] = args[0]
+
+    def on_norm(self, name: str, args) -> None:
+        """A norm of child `name` runs: the child is norm-led when it reads the child's own input
+        before anything else of the child ran (a gated norm: `norm(x) · σ(g(norm(x)))`)."""
+        if self.names is None and name not in {n for n, _ in self.called} and args:
+            if self.inputs.get(name) is args[0]:
+                self.led.add(name)
 
     def begin(self) -> None:
         """At the block's start (after its input was captured): hold until the names are known."""
@@ -95,6 +116,8 @@ class ChildRoles:
                 kind = ATTENTION
             elif kind == BRANCH and norm_shaped(module):
                 kind = NORM_SHAPED
+            elif kind == BRANCH and name in self.led:
+                kind = NORM_LED
             self.called.append((name, kind))
         held = [(sfx, t.detach().clone(), t) for sfx, t in pairs]
         if not self.session.hold(lambda: self.emit(name, held, inv, meta)):
@@ -113,6 +136,7 @@ class ChildRoles:
                 [c for c in self.called if c[0] not in self.by_path], CANONICAL_CHILDREN
             )
             self.names = {**placement.names, **{n: f"{n}.out" for n in self.by_path}}
+            self.inputs = {}
             if placement.unplaced:
                 self._warn(placement.unplaced)
         if self.holding:

@@ -22,6 +22,7 @@ from ffdebug.models.subroles import (
     LinearCall,
     SubStage,
     branch_substages,
+    untaken_piece,
     leading_shape,
     with_inputs,
 )
@@ -386,11 +387,22 @@ class BranchRecorder:
         left = [c for c in trace.calls if (c.expert is None or not experts_placed) and c.index not in taken]
         block = self.roles.block
         out = []
+
+        def rel_of(c) -> str:
+            return c.path[len(block.path) + 1 :] if c.path.startswith(f"{block.path}.") else c.path
+
         for c in left:
-            rel = c.path[len(block.path) + 1 :] if c.path.startswith(f"{block.path}.") else c.path
             out.append(
-                SubStage(rel, leading_shape(c.y, trace), c.index, c.path, {"orig_shape": list(c.y.shape)}, c)
+                SubStage(
+                    rel_of(c), leading_shape(c.y, trace), c.index, c.path, {"orig_shape": list(c.y.shape)}, c
+                )
             )
+        for c in trace.calls:
+            if c.index in taken and c.expert is None and (rest := untaken_piece(c, stages)) is not None:
+                piece, fields = rest  # a fused projection's columns no role took (a gate fused with q / kv)
+                extra = {"orig_shape": list(c.y.shape), **fields}
+                out.append(SubStage(rel_of(c), leading_shape(piece, trace), c.index, c.path, extra, c))
+        out.sort(key=lambda s: s.at)
         if out:
             names = tuple(dict.fromkeys(s.kind for s in out))
             self.session.note_unplaced(self._branch_name, names)

@@ -104,7 +104,34 @@ def diagonal_blocks(padded, packed, mask):
 
 def align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
     """(ref, target, note, coords) with the padded side reduced to its tokens, or None; `coords`
-    `[T, 2]` is each packed row's (sequence, position) in the padded side's batch."""
+    `[T, 2]` is each packed row's (sequence, position) in the padded side's batch.
+
+    Heads before tokens on either side (`[B, H, S, D]`, a packed `[1, H, T, D]`: the layout an
+    attention kernel reads) are read token first (`_heads_second`) when the shapes say so."""
+    found = _align(r, t, ref_layout, tgt_layout)
+    if found is not None or r.dim() != 4 or t.dim() != 4:
+        return found
+    for rr, tt, how in _heads_second(r, t):
+        found = _align(rr, tt, ref_layout, tgt_layout)
+        if found is not None:
+            return (*found[:2], f"{found[2]} ({how})", found[3])
+    return None
+
+
+def _heads_second(r, t):
+    """(ref, target, note) with one or both sides' dims 1 and 2 swapped, the head-first side read
+    as `[B, S, H, D]` / `[1, T, H, D]`: only where the swapped side's dim 1 is the other's head count
+    (dim 2 of a token-first side, dim 1 of a head-first one)."""
+    swapped = r.transpose(1, 2), t.transpose(1, 2)
+    if r.shape[1] == t.shape[2]:  # the reference head-first, the target token-first
+        yield swapped[0], t, "reference heads first"
+    if t.shape[1] == r.shape[2]:
+        yield r, swapped[1], "target heads first"
+    if r.shape[1] == t.shape[1]:
+        yield swapped[0], swapped[1], "both heads first"
+
+
+def _align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
     for side, padded, packed, layout in (("reference", r, t, ref_layout), ("target", t, r, tgt_layout)):
         if not layout or padded.dim() < 2:
             continue

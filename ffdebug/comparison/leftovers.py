@@ -159,17 +159,35 @@ def _one_input(run: list[Record], ref_ins: dict) -> bool:
     return all(torch.equal(first, x.load()) for x in ins[1:])
 
 
-def _runs(outs: list[Record], t: Record, t_in: Record, ref_ins: dict, taken: set) -> list[list[Record]]:
+def _same_tokens(rs: tuple, ts: tuple, packed: bool) -> bool:
+    """Leading (token) dims of a reference and a target record that hold the same tokens: equal, or,
+    when a token layout relates the two sides (`packed`), a packed target's `[T]` / `[1, T]` rows
+    of at most the padded reference's `B · S`."""
+    if rs[:-1] == ts[:-1]:
+        return True
+    lead = ts[1:-1] if len(ts) == 3 and ts[0] == 1 else ts[:-1]
+    return packed and len(rs) >= 3 and len(lead) == 1 and lead[0] <= math.prod(rs[:-1])
+
+
+def _runs(
+    outs: list[Record], t: Record, t_in: Record, ref_ins: dict, taken: set, packed: bool
+) -> list[list[Record]]:
     """Every run of consecutive reference projection outputs whose widths add up to `t`'s, of its
-    leading shape, each reading an input of `t_in`'s shape, siblings reading one tensor."""
+    tokens (`_same_tokens`), each reading an input of `t_in`'s, siblings reading one tensor."""
     ts, found = tuple(t.shape or ()), []
+    t_in_shape = tuple(t_in.shape or ())
     for i in range(len(outs)):
         run, width = [], 0
         for r in outs[i:]:
             rs, r_in = tuple(r.shape or ()), ref_ins.get(r.module_path)
-            if id(r) in taken or not rs or rs[:-1] != ts[:-1] or not _by_path(r) or r_in is None:
-                break
-            if tuple(r_in.shape or ()) != tuple(t_in.shape or ()):
+            if id(r) in taken or not rs or not _same_tokens(rs, ts, packed) or r_in is None:
+                break  # a role's projection counts too: the target's fused one has no role split
+            r_in_shape = tuple(r_in.shape or ())
+            if (
+                not r_in_shape
+                or r_in_shape[-1:] != t_in_shape[-1:]
+                or not _same_tokens(r_in_shape, t_in_shape, packed)
+            ):
                 break  # a projection of another input
             run.append(r)
             width += rs[-1]
@@ -180,23 +198,32 @@ def _runs(outs: list[Record], t: Record, t_in: Record, ref_ins: dict, taken: set
     return found
 
 
-def _input_gap(run: list[Record], t_x, ref_ins: dict) -> float:
-    """How far the run's one input is from the fused projection's (`t_x`, rel), to choose among runs."""
+def _input_gap(run: list[Record], t_x, ref_ins: dict, layouts: tuple) -> float:
+    """How far the run's one input is from the fused projection's (`t_x`, rel, through the token
+    layouts where one side is packed), to choose among runs."""
+    from ffdebug.comparison.align import align
     from ffdebug.comparison.metrics import compare_tensors
 
-    m = compare_tensors(ref_ins[run[0].module_path].load(), t_x)
+    r_x = ref_ins[run[0].module_path].load()
+    if tuple(r_x.shape) != tuple(t_x.shape):
+        aligned = align(r_x, t_x, *layouts)
+        if aligned is None:
+            return float("inf")
+        r_x, t_x = aligned[0], aligned[1]
+    m = compare_tensors(r_x, t_x)
     return m.rel if m.rel is not None else float("inf")
 
 
 def _fused_parts(
-    refs: list[Record], tgts: list[Record], layer_tgts: list[Record]
+    refs: list[Record], tgts: list[Record], layer_tgts: list[Record], layouts: tuple
 ) -> list[tuple[Record, Record]]:
     """A target projection's output (a fused one no role split: its input was dumped too) whose
     last dim is the sum of those of consecutive reference projections' outputs (siblings reading
     one tensor of the fused one's input shape: the projections it fuses, in capture order); of
     several such runs, the one whose input is nearest the fused projection's, within `INPUT_REL`.
     Each reference output is paired with its columns of the fused one, and each of their inputs
-    with its one input (`layer_tgts`: the layer's target records, paired or not)."""
+    with its one input (`layer_tgts`: the layer's target records, paired or not; `layouts`: the
+    call's token layouts, `comparison.align.layouts`)."""
     import dataclasses
 
     out, taken = [], set()
@@ -216,9 +243,9 @@ def _fused_parts(
         t_in = next((x for x in layer_tgts if x.io == "in" and x.module_path == t.module_path), None)
         if t_in is None or not t_in.has_payload:
             continue  # no projection (its input was not dumped): nothing says what it fuses
-        candidates = _runs(outs, t, t_in, ref_ins, taken)
+        candidates = _runs(outs, t, t_in, ref_ins, taken, any(layouts))
         t_x = t_in.load() if candidates else None
-        runs = [(g, run) for run in candidates if (g := _input_gap(run, t_x, ref_ins)) <= INPUT_REL]
+        runs = [(g, run) for run in candidates if (g := _input_gap(run, t_x, ref_ins, layouts)) <= INPUT_REL]
         if not runs:
             continue
         run = min(runs, key=lambda x: x[0])[1]
@@ -235,19 +262,22 @@ def _fused_parts(
         paths = {r.module_path for r in run}
         for r in refs:
             if r.io == "in" and r.module_path in paths and id(r) not in taken:
-                if tuple(r.shape or ()) == tuple(t_in.shape or ()):
+                if _same_tokens(tuple(r.shape or ()), tuple(t_in.shape or ()), any(layouts)):
                     out.append((r, t_in))
                     taken.add(id(r))
     return out
 
 
-def by_position(rg: CallGroup, sp: StagePairing) -> StagePairing:
+def by_position(rg: CallGroup, tg: CallGroup, sp: StagePairing) -> StagePairing:
     """Records still left on both sides inside one layer, paired by where they were captured: a
     fused projection's output first, column by column with the projections it fuses
     (`_fused_parts`); then the rest, when the longest run of records that fit each other (`_fits`)
     in both capture orders is all of them. Two codebases whose children role naming could not
     place by name still write the same tensors in the same order; the pair's note names the
     target's key."""
+    from ffdebug.comparison.align import layouts
+
+    token_layouts = layouts(rg, tg)
     by_layer: dict[int, tuple[list[Record], list[Record]]] = {}
     layer_tgts: dict[int, list[Record]] = {}
     for t in [u.target for u in sp.units] + list(sp.only_target):
@@ -261,7 +291,7 @@ def by_position(rg: CallGroup, sp: StagePairing) -> StagePairing:
     for layer, (refs, tgts) in by_layer.items():
         if refs and tgts:
             # fused outputs first: their parts' shapes would otherwise pair with look-alikes
-            found = _fused_parts(refs, tgts, layer_tgts.get(layer, []))
+            found = _fused_parts(refs, tgts, layer_tgts.get(layer, []), token_layouts)
             used_r, used_t = {id(r) for r, _ in found}, {id(whole_of(t)) for _, t in found}
             left_r = [r for r in refs if id(r) not in used_r]
             left_t = [t for t in tgts if id(t) not in used_t]

@@ -307,19 +307,19 @@ def pair_stages(rg: CallGroup, tg: CallGroup) -> StagePairing:
     reference — never a target rank left out."""
     ref_ranks, tgt_ranks = rg.ranks(), tg.ranks()
     if ref_ranks == tgt_ranks:
-        return _leftovers(rg, _pair_exact(rg, tg))
+        return _leftovers(rg, tg, _pair_exact(rg, tg))
     if len(ref_ranks) > 1:  # the reference folded to one rank by its manifest (replicated: rank 0)
         rg = fold_all(rg)
     if len(tgt_ranks) > 1:  # every target rank compared: declared folds, else each as a replica
         return _pair_replicas(rg, tg)
-    return _leftovers(rg, _pair_by_stage(rg, tg))
+    return _leftovers(rg, tg, _pair_by_stage(rg, tg))
 
 
-def _leftovers(rg: CallGroup, sp: StagePairing) -> StagePairing:
+def _leftovers(rg: CallGroup, tg: CallGroup, sp: StagePairing) -> StagePairing:
     """What the keys left, paired by module path, then by position (`comparison.leftovers`)."""
     from ffdebug.comparison.leftovers import by_module_path, by_position
 
-    return by_position(rg, by_module_path(rg, sp))
+    return by_position(rg, tg, by_module_path(rg, sp))
 
 
 def fold_all(group: CallGroup) -> CallGroup:

@@ -88,6 +88,16 @@ def _carrier(split_calls: list[LinearCall], segs: list, inner: list[LinearCall])
     return split_calls[-1]
 
 
+def _whole_q(ins: list[LinearCall], carrier: LinearCall, own: list) -> tuple | None:
+    """Without a q latent, q's segment: the piece before the kv latent when one projection makes
+    `[q | kv_latent | k_rope]` (an engine's fused one), else the first other input projection's
+    whole output — never a piece the branch cut it into afterwards (its per-head nope / rope split)."""
+    if len(own) >= 3:
+        return own[-3]
+    other = next((c for c in ins if c is not carrier), None)
+    return None if other is None else (other.y, {}, other, 1)
+
+
 def mla_substages(
     trace: BranchTrace,
     ins: list[LinearCall],
@@ -118,8 +128,8 @@ def mla_substages(
     q_seg = None
     if q_b is not None:
         q_seg = next((s for s in segs if s is not kv_seg and s[0].shape[-1] == q_b.in_features), None)
-    elif len(segs) > 2:  # no q latent: q is a projection of the input itself
-        q_seg = next((s for s in segs if s is not kv_seg and s is not rope_seg), None)
+    elif len(segs) > 2:  # no q latent: q is a projection of the input itself, whole
+        q_seg = _whole_q(ins, carrier, own)
     if q_seg is not None:
         down("attn.q_latent" if q_b is not None else "attn.q", q_seg)
     down("attn.kv_latent", kv_seg)

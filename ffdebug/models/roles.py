@@ -41,6 +41,7 @@ BRANCH = "branch"
 CROSS = "cross"  # a branch fed the encoder's states (cross-attention): `cross_attn_out`
 ATTENTION = "attention"  # a branch in which a softmax attention kernel ran (`capture/kernel_taps.py`)
 NORM_SHAPED = "norm_shaped"  # a branch with a norm's parameters whose rows did not read as one
+NORM_LED = "norm_led"  # a branch whose own norm reads its input first (a gated norm `norm(x) · σ(g(·))`)
 CROSS_INPUTS = ("encoder_hidden_states", "key_value_states", "encoder_outputs", "context")
 UNIT_TOL = 0.05  # |rms - 1| (or |std - 1|, |mean|) averaged over rows
 RESCALE_TOL = 0.02  # ‖z − c·x‖ / ‖z‖ averaged over rows (bf16 outputs round at ~4e-3)
@@ -246,14 +247,16 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
             return Placement({**rest.names, cross[0]: "cross_attn_out"}, rest.unplaced, True)
     attends = [n for n, k in called if k == ATTENTION]
     shaped = {n for n, k in called if k == NORM_SHAPED}
+    kinds = list(called)
     if shaped:  # a norm's parameters whose rows low precision or a large eps hid: a norm first
         as_norms = [
-            (n, NORM if k == NORM_SHAPED else BRANCH if k in (CROSS, ATTENTION) else k) for n, k in called
+            (n, NORM if k == NORM_SHAPED else BRANCH if k in (CROSS, ATTENTION, NORM_LED) else k)
+            for n, k in called
         ]
         roles = _sequence_roles([k for _, k in as_norms]) or _segment_roles(as_norms)
         if roles is not None:
             return Placement(dict(zip((n for n, _ in as_norms), roles)), (), True)
-    called = [(n, BRANCH if k in (CROSS, ATTENTION, NORM_SHAPED) else k) for n, k in called]
+    called = [(n, BRANCH if k in (CROSS, ATTENTION, NORM_SHAPED, NORM_LED) else k) for n, k in called]
     roles = _sequence_roles([k for _, k in called]) or _segment_roles(called)
     if roles is not None:
         return Placement(dict(zip((n for n, _ in called), roles)), (), True)
@@ -270,7 +273,45 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
         roles = _attention_first(called, attends)
         if roles is not None:
             return Placement(dict(zip((n for n, _ in called), roles)), (), True)
+    if unplaced and len(attends) == 1:
+        found = _around_attention(kinds, hints)
+        if found is not None:
+            return found
     return Placement(names, tuple(unplaced), False)
+
+
+def _around_attention(kinds: list[tuple[str, str]], hints: dict[str, str]) -> Placement | None:
+    """The attending child (its kernel was seen) with the norm right before it, and the first
+    norm-then-branch pair after it (the MLP and its norm), a norm-led child (a gated norm) standing
+    as a norm: the four pre-norm roles. Children outside those pairs (hyper-connection mixers,
+    extra gates) keep `{child}.out` and are listed as unplaced; hints name none of them, and a
+    hint that disagrees with this reading leaves the block to the hints."""
+    norms = (NORM, NORM_LED)
+    at = next(i for i, (_, k) in enumerate(kinds) if k == ATTENTION)
+    if at == 0 or kinds[at - 1][1] not in norms:
+        return None
+    after = next(
+        (
+            i
+            for i in range(at + 1, len(kinds) - 1)
+            if kinds[i][1] in norms and kinds[i + 1][1] in (BRANCH, NORM_LED)
+        ),
+        None,
+    )
+    if after is None:
+        return None
+    placed = {
+        kinds[at - 1][0]: "attn_norm_out",
+        kinds[at][0]: "attn_out",
+        kinds[after][0]: "ffn_norm_out",
+        kinds[after + 1][0]: "ffn_out",
+    }
+    if any(hints.get(child, stage) != stage for child, stage in placed.items()):
+        return None
+    rest = [n for n, _ in kinds if n not in placed]
+    if any(n in hints for n in rest):
+        return None
+    return Placement({**placed, **{n: f"{n}.out" for n in rest}}, tuple(rest), True)
 
 
 def _attention_first(called: list[tuple[str, str]], attends: list[str]) -> list[str] | None:

@@ -186,6 +186,35 @@ def _parts(call: LinearCall, n: int) -> list[tuple[object, dict, Piece]] | None:
     return [(flat[:, p.cols].reshape(*lead, p.cols.numel()), _split_fields(p.cols), p) for p in call.pieces]
 
 
+def untaken_piece(call: LinearCall, stages: list[SubStage]) -> tuple[object, dict] | None:
+    """The columns of a split projection's output that no stage of it holds, as (tensor, split
+    fields), when they are one contiguous run of whole pieces the branch took; else None (every
+    column held, a stage holding the whole output, or no split seen)."""
+    import torch
+
+    if len(call.pieces) < 2:
+        return None
+    held: set[int] = set()
+    for st in stages:
+        if st.at != call.index and call.index not in st.covers:
+            continue
+        if st.module_path != call.path or st.io != "out":
+            continue
+        runs = st.extra.get("split_cols") or ([st.extra["split"]] if "split" in st.extra else None)
+        if runs is None:
+            return None  # the whole output is a stage
+        held |= {c for lo, hi in runs for c in range(lo, hi)}
+    if not held:
+        return None
+    free = [p for p in call.pieces if not held & set(p.cols.tolist())]
+    cols = sorted(c for p in free for c in p.cols.tolist())
+    if not cols or cols != list(range(cols[0], cols[-1] + 1)):
+        return None
+    flat = call.y.reshape(-1, call.out_features)[:, cols[0] : cols[-1] + 1]
+    piece = flat.reshape(*call.y.shape[:-1], len(cols))
+    return piece, _split_fields(torch.tensor(cols))
+
+
 def _heads_of(piece: Piece, heads, head_dim) -> tuple:
     """(heads, head_dim) of a piece: the counts when they fit its width; else, with a known head
     dim, as many heads as fit; else the branch's own 2-D view of it (a per-group view such as
