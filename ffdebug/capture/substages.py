@@ -313,15 +313,17 @@ class BranchRecorder:
         """Views a split / chunk / unbind / slice took of a projection's output: its pieces, in the
         order taken, until they cover every column (later views of them, e.g. a partial rotary
         slice of q, are not pieces, except a split of one piece into column runs that tile it:
-        `Output.refine`)."""
+        `Output.refine`, also before the last piece is taken)."""
         import torch
 
         target = self._outputs.get(source.untyped_storage().data_ptr())
         if target is None:
             return
-        if bool(target.taken.all()):  # covered: only a split of one piece into runs refines it
-            if isinstance(out, (tuple, list)):
-                target.refine([v for v in out if isinstance(v, torch.Tensor)])
+        # a split of one piece into runs that tile it refines it, covered or not yet (an engine's
+        # fused `q | kv_a | g`: kv_a's split comes before g's slice is taken)
+        if isinstance(out, (tuple, list)) and target.refine([v for v in out if isinstance(v, torch.Tensor)]):
+            return
+        if bool(target.taken.all()):  # covered: only a refinement (above) changes the pieces
             return
         for view in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(view, torch.Tensor) and view.untyped_storage().data_ptr() == target.storage:

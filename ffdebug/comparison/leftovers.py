@@ -4,8 +4,8 @@
 - `by_module_path`: one module on both sides (the same path), named differently by role naming;
 - `by_position`: inside one layer, a fused projection's output against the projections it fuses
   (`_fused_parts`: each reference output with its columns of the fused one), then the rest when
-  they align whole in both capture orders, both sides named after their modules (two codebases
-  whose children role naming could not place by name).
+  they align whole in both capture orders, one side at least named after its modules (two
+  codebases whose children role naming could not place by name on one side or both).
 """
 
 from __future__ import annotations
@@ -84,11 +84,11 @@ def _by_path(r: Record) -> bool:
 
 
 def _fits(r: Record, t: Record) -> bool:
-    """Two records that can hold one tensor: both named after their modules (a role stage on either
-    side is that side's reading of the block, never paired by position: two readings that differ
-    stay unpaired), the same io, shape (or, for a packed side, the same element count and last
-    dim), invocation and rank."""
-    if not (_by_path(r) and _by_path(t)):
+    """Two records that can hold one tensor: at least one named after its module (a side that had
+    no reading of the block meets the other's; role stages on both sides are two readings of the
+    block, never paired by position: two readings that differ stay unpaired), the same io, shape
+    (or, for a packed side, the same element count and last dim), invocation and rank."""
+    if not (_by_path(r) or _by_path(t)):
         return False
     rs, ts = tuple(r.shape or ()), tuple(t.shape or ())
     same = rs == ts or (bool(rs) and bool(ts) and rs[-1] == ts[-1] and math.prod(rs) == math.prod(ts))
@@ -144,6 +144,16 @@ class _Part:
         self.whole.verify()
 
 
+def _input_of(r: Record, ref_ins: dict) -> Record | None:
+    """The `.in` record of the projection whose output `r` is: the input its reader names
+    (`extra["inputs"]`, a group's `attn.qkv.in`), else the same key's `.in`; None when there is none
+    left (an activation's output, `mlp.act.out`, is no projection's)."""
+    named = (r.extra or {}).get("inputs")
+    if isinstance(named, list) and named:
+        return ref_ins.get(named[0])
+    return ref_ins.get(r.key[: -len(".out")] + ".in") if r.key.endswith(".out") else None
+
+
 def _one_input(run: list[Record], ref_ins: dict) -> bool:
     """The reference projections of `run` are siblings (one parent module) that read one tensor:
     what an engine fuses into one projection (q / k / v of one input, gate / up)."""
@@ -152,7 +162,7 @@ def _one_input(run: list[Record], ref_ins: dict) -> bool:
     parents = {(r.module_path or "").rsplit(".", 1)[0] for r in run}
     if len(parents) != 1:
         return False
-    ins = [ref_ins[r.module_path] for r in run]
+    ins = [_input_of(r, ref_ins) for r in run]
     if not all(x.has_payload for x in ins):
         return False
     first = ins[0].load()
@@ -179,7 +189,7 @@ def _runs(
     for i in range(len(outs)):
         run, width = [], 0
         for r in outs[i:]:
-            rs, r_in = tuple(r.shape or ()), ref_ins.get(r.module_path)
+            rs, r_in = tuple(r.shape or ()), _input_of(r, ref_ins)
             if id(r) in taken or not rs or not _same_tokens(rs, ts, packed) or r_in is None:
                 break  # a role's projection counts too: the target's fused one has no role split
             r_in_shape = tuple(r_in.shape or ())
@@ -204,7 +214,7 @@ def _input_gap(run: list[Record], t_x, ref_ins: dict, layouts: tuple) -> float:
     from ffdebug.comparison.align import align
     from ffdebug.comparison.metrics import compare_tensors
 
-    r_x = ref_ins[run[0].module_path].load()
+    r_x = _input_of(run[0], ref_ins).load()
     if tuple(r_x.shape) != tuple(t_x.shape):
         aligned = align(r_x, t_x, *layouts)
         if aligned is None:
@@ -235,7 +245,7 @@ def _fused_parts(
                 outs.append(r)
             else:
                 repeats.setdefault(id(first), []).append(r)
-    ref_ins = {r.module_path: r for r in refs if r.io == "in"}
+    ref_ins = {r.key: r for r in refs if r.io == "in"}
     for t in tgts:
         ts = tuple(t.shape or ())
         if t.io != "out" or len(ts) < 2 or (t.extra or {}).get("sketch") is not None or not _by_path(t):
@@ -259,12 +269,12 @@ def _fused_parts(
                 out.append((same, part))
                 taken.add(id(same))
             lo = hi
-        paths = {r.module_path for r in run}
-        for r in refs:
-            if r.io == "in" and r.module_path in paths and id(r) not in taken:
-                if _same_tokens(tuple(r.shape or ()), tuple(t_in.shape or ()), any(layouts)):
-                    out.append((r, t_in))
-                    taken.add(id(r))
+        for r in {id(x): x for x in (_input_of(r, ref_ins) for r in run)}.values():
+            if id(r) not in taken and _same_tokens(
+                tuple(r.shape or ()), tuple(t_in.shape or ()), any(layouts)
+            ):
+                out.append((r, t_in))
+                taken.add(id(r))
     return out
 
 

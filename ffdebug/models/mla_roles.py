@@ -77,23 +77,28 @@ def _normalised_from(piece, x) -> bool:
     return bool(torch.allclose(profile, profile[:1].expand_as(profile), rtol=1e-3, atol=1e-6))
 
 
-def _carrier(split_calls: list[LinearCall], segs: list, inner: list[LinearCall]) -> LinearCall:
-    """The split input projection that carries the kv latent: the last one whose next-to-last piece
-    an up-projection reads normalised (another split projection of the input, such as a sparse
-    attention's fused indexer keys | weights, is not it); else the last split one."""
+def _carrier(split_calls: list[LinearCall], segs: list, inner: list[LinearCall]) -> tuple[LinearCall, int]:
+    """The split input projection that carries the kv latent, and the kv latent's place among its
+    pieces: the last projection with a piece (not its last) an up-projection reads normalised —
+    the rotary key is the piece after it (a gate fused after them stays a piece of its own; another
+    split projection of the input, such as a sparse attention's fused indexer keys | weights, is not
+    it); else the last split one, its next-to-last piece."""
     for call in reversed(split_calls):
         own = [s for s in segs if s[2] is call]
-        if len(own) >= 2 and any(_normalised_from(own[-2][0], c.x) for c in inner):
-            return call
-    return split_calls[-1]
+        for j in range(len(own) - 2, -1, -1):
+            if any(_normalised_from(own[j][0], c.x) for c in inner):
+                return call, j
+    call = split_calls[-1]
+    return call, len([s for s in segs if s[2] is call]) - 2
 
 
-def _whole_q(ins: list[LinearCall], carrier: LinearCall, own: list) -> tuple | None:
+def _whole_q(ins: list[LinearCall], carrier: LinearCall, before: list) -> tuple | None:
     """Without a q latent, q's segment: the piece before the kv latent when one projection makes
-    `[q | kv_latent | k_rope]` (an engine's fused one), else the first other input projection's
-    whole output — never a piece the branch cut it into afterwards (its per-head nope / rope split)."""
-    if len(own) >= 3:
-        return own[-3]
+    `[q | kv_latent | k_rope …]` (an engine's fused one; `before`: the carrier's pieces before the
+    kv latent), else the first other input projection's whole output — never a piece the branch
+    cut it into afterwards (its per-head nope / rope split)."""
+    if before:
+        return before[-1]
     other = next((c for c in ins if c is not carrier), None)
     return None if other is None else (other.y, {}, other, 1)
 
@@ -111,9 +116,9 @@ def mla_substages(
     if not split_calls:
         trace.notes.append("a low-rank attention whose kv latent and rotary key part were not split apart")
         return []
-    carrier = _carrier(split_calls, segs, inner)
+    carrier, at = _carrier(split_calls, segs, inner)
     own = [s for s in segs if s[2] is carrier]
-    kv_seg, rope_seg = own[-2], own[-1]
+    kv_seg, rope_seg = own[at], own[at + 1]
     kv_width = kv_seg[0].shape[-1]
     kv_b = next((c for c in reversed(inner) if c.in_features == kv_width), None)  # None: absorbed
     q_b = next((c for c in inner if c is not kv_b), None)
@@ -129,7 +134,7 @@ def mla_substages(
     if q_b is not None:
         q_seg = next((s for s in segs if s is not kv_seg and s[0].shape[-1] == q_b.in_features), None)
     elif len(segs) > 2:  # no q latent: q is a projection of the input itself, whole
-        q_seg = _whole_q(ins, carrier, own)
+        q_seg = _whole_q(ins, carrier, own[:at])
     if q_seg is not None:
         down("attn.q_latent" if q_b is not None else "attn.q", q_seg)
     down("attn.kv_latent", kv_seg)

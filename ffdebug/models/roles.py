@@ -273,23 +273,28 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
         roles = _attention_first(called, attends)
         if roles is not None:
             return Placement(dict(zip((n for n, _ in called), roles)), (), True)
-    if unplaced and len(attends) == 1:
-        found = _around_attention(kinds, hints)
+    if unplaced and len(unplaced) == len(called):  # hints placed nothing
+        found = _around_attention(kinds)
         if found is not None:
             return found
     return Placement(names, tuple(unplaced), False)
 
 
-def _around_attention(kinds: list[tuple[str, str]], hints: dict[str, str]) -> Placement | None:
-    """The attending child (its kernel was seen) with the norm right before it, and the first
+def _around_attention(kinds: list[tuple[str, str]]) -> Placement | None:
+    """The attending child (its kernel was seen) right after a norm, with that norm, and the first
     norm-then-branch pair after it (the MLP and its norm), a norm-led child (a gated norm) standing
     as a norm: the four pre-norm roles. Children outside those pairs (hyper-connection mixers,
-    extra gates) keep `{child}.out` and are listed as unplaced; hints name none of them, and a
-    hint that disagrees with this reading leaves the block to the hints."""
+    short convolutions, extra gates) keep `{child}.out` and are listed as unplaced. Where no child
+    attended (a linear-attention mixer), the first branch after a norm stands for it, and only
+    norms may be left over (an embedding norm of the first block). Only for a block no name hint
+    placed anything in."""
     norms = (NORM, NORM_LED)
-    at = next(i for i, (_, k) in enumerate(kinds) if k == ATTENTION)
-    if at == 0 or kinds[at - 1][1] not in norms:
+    attends = any(k == ATTENTION for _, k in kinds)
+    mixer = ATTENTION if attends else BRANCH
+    led = [i for i, (_, k) in enumerate(kinds) if k == mixer and i > 0 and kinds[i - 1][1] in norms]
+    if not led or (attends and len(led) != 1):
         return None
+    at = led[0]
     after = next(
         (
             i
@@ -306,10 +311,8 @@ def _around_attention(kinds: list[tuple[str, str]], hints: dict[str, str]) -> Pl
         kinds[after][0]: "ffn_norm_out",
         kinds[after + 1][0]: "ffn_out",
     }
-    if any(hints.get(child, stage) != stage for child, stage in placed.items()):
-        return None
     rest = [n for n, _ in kinds if n not in placed]
-    if any(n in hints for n in rest):
+    if not attends and any(k != NORM for n, k in kinds if n in rest):
         return None
     return Placement({**placed, **{n: f"{n}.out" for n in rest}}, tuple(rest), True)
 
