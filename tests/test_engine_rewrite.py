@@ -172,6 +172,70 @@ def test_a_packed_row_with_heads_flattened_aligns_token_by_token():
     assert align(padded, packed[..., :6], TokenLayout(peer_lens=Lens()), TokenLayout()) is None
 
 
+def test_heads_first_layouts_align_with_token_first_ones():
+    """A packed `[1, H, T, D]` (the layout a kernel reads) against a padded `[B, S, H, D]` or
+    `[B, H, S, D]`: token by token in the reference's coordinates; a changed head of one sequence
+    stays a difference."""
+    from ffdebug.comparison.align import TokenLayout, align
+
+    class Lens:
+        has_payload = True
+
+        def load(self):
+            return torch.tensor([3, 2])
+
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randn(5, 4, 8, generator=g)  # [T, H, D]
+    padded = torch.zeros(2, 3, 4, 8)
+    padded[0], padded[1, :2] = tokens[:3], tokens[3:]
+    packed = tokens.transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, T, D]
+    for ref in (padded, padded.transpose(1, 2).contiguous()):  # token first, heads first
+        r, t, note, coords = align(ref, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
+        assert torch.equal(r, t) and r.shape == (5, 4, 8) and "heads first" in note
+        assert coords.tolist()[3] == [1, 0]
+    broken = packed.clone()
+    broken[0, 2, 4] += 1.0  # head 2 of sequence 1's second token
+    r, t, _, _ = align(padded, broken, TokenLayout(peer_lens=Lens()), TokenLayout())
+    assert (r != t).nonzero()[:, :2].unique(dim=0).tolist() == [[4, 2]]
+
+
+def test_a_block_no_hint_places_reads_around_its_attending_child():
+    """Renamed children (no name hint): the norm right before the attending child and the first
+    norm-then-branch pair after it are the four pre-norm roles, a norm-led child (a gated norm)
+    standing as a norm; extra children keep their own names. Without an attention kernel only
+    norms may be left over. A block the hints placed keeps the hints' reading."""
+    from ffdebug.models.roles import ATTENTION, BRANCH, NORM, NORM_LED, place_children
+
+    hc = [("a4", BRANCH), ("i2", NORM), ("s0", ATTENTION), ("f5", BRANCH), ("p3", NORM), ("m1", BRANCH)]
+    got = place_children(hc, {})
+    assert got.names == {
+        "i2": "attn_norm_out",
+        "s0": "attn_out",
+        "p3": "ffn_norm_out",
+        "m1": "ffn_out",
+        "a4": "a4.out",
+        "f5": "f5.out",
+    }
+    assert set(got.unplaced) == {"a4", "f5"}
+    gated = [("i2", NORM_LED), ("s0", ATTENTION), ("p3", NORM_LED), ("m1", BRANCH)]
+    assert place_children(gated, {}).names == {
+        "i2": "attn_norm_out",
+        "s0": "attn_out",
+        "p3": "ffn_norm_out",
+        "m1": "ffn_out",
+    }
+    linear = [("p0", NORM), ("l1", NORM), ("a3", BRANCH), ("l2", NORM), ("f4", BRANCH)]
+    assert place_children(linear, {}).names["l1"] == "attn_norm_out"
+    assert place_children(
+        [*linear[:3], ("x9", BRANCH), *linear[3:]], {}
+    ).unplaced  # a branch left: no reading
+    hinted = place_children(
+        [("attn_hc", BRANCH), ("input_layernorm", NORM), ("self_attn", ATTENTION), ("mlp", BRANCH)],
+        {"input_layernorm": "attn_norm_out", "self_attn": "attn_out", "mlp": "ffn_out"},
+    )
+    assert hinted.names["mlp"] == "ffn_out" and hinted.unplaced == ("attn_hc",)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "spec",
@@ -180,6 +244,11 @@ def test_a_packed_row_with_heads_flattened_aligns_token_by_token():
         "bart",  # post-norm, the MLP as two Linear children (fc1, fc2)
         "trocr",  # heads folded into the batch (bmm attention), q / k / v defined k, v, q
         "megatron-bert",  # q / k / v no role names on the reference: the fused output column by column
+        "rwkv",  # no attention kernel, an embedding norm in block 0; a fused key | receptance
+        "axk2",  # gated norms (a norm child and a gate MLP), q_a fused with kv_a but read by no role
+        "bailing_hybrid",  # MLA without a q latent, the head gate fused after kv_a: [q | kv | k_rope | g]
+        "minimax",  # a role's q fused with a gate named by path
+        "gpt_neox_japanese",  # the rotary tap heads-first on the packed side only
     ],
 )
 def test_the_rewrite_of_a_renamed_family_pairs_completely(spec, tmp_path):

@@ -22,8 +22,8 @@ from ffdebug.models.subroles import (
     LinearCall,
     SubStage,
     branch_substages,
-    untaken_piece,
     leading_shape,
+    untaken_piece,
     with_inputs,
 )
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from ffdebug.models.subroles import (
     BranchTrace,
+    Dims,
     LinearCall,
     SubStage,
     _heads_of,
@@ -77,19 +78,27 @@ def _normalised_from(piece, x) -> bool:
     return bool(torch.allclose(profile, profile[:1].expand_as(profile), rtol=1e-3, atol=1e-6))
 
 
-def _carrier(split_calls: list[LinearCall], segs: list, inner: list[LinearCall]) -> tuple[LinearCall, int]:
+def _carrier(
+    split_calls: list[LinearCall], segs: list, inner: list[LinearCall], dims: Dims | None
+) -> tuple[LinearCall, int]:
     """The split input projection that carries the kv latent, and the kv latent's place among its
-    pieces: the last projection with a piece (not its last) an up-projection reads normalised —
-    the rotary key is the piece after it (a gate fused after them stays a piece of its own; another
-    split projection of the input, such as a sparse attention's fused indexer keys | weights, is not
-    it); else the last split one, its next-to-last piece."""
-    for call in reversed(split_calls):
-        own = [s for s in segs if s[2] is call]
-        for j in range(len(own) - 2, -1, -1):
-            if any(_normalised_from(own[j][0], c.x) for c in inner):
-                return call, j
-    call = split_calls[-1]
-    return call, len([s for s in segs if s[2] is call]) - 2
+    pieces (the rotary key is the piece after it): the last projection whose next-to-last piece an
+    up-projection reads normalised (another split projection of the input, such as a sparse
+    attention's fused indexer keys | weights, is not it); else, where the config gives the latent
+    and rotary widths, the piece of the latent's width followed by one of the rotary width (a gate
+    fused after them: `[q | kv_latent | k_rope | g]`); else the last split one, its next-to-last."""
+    owned = [(call, [s for s in segs if s[2] is call]) for call in reversed(split_calls)]
+    for call, own in owned:
+        if len(own) >= 2 and any(_normalised_from(own[-2][0], c.x) for c in inner):
+            return call, len(own) - 2
+    if dims is not None and dims.kv_rank and dims.rope_dim:
+        for call, own in owned:
+            widths = [s[0].shape[-1] for s in own]
+            for j in range(len(own) - 1):
+                if (widths[j], widths[j + 1]) == (dims.kv_rank, dims.rope_dim):
+                    return call, j
+    call, own = owned[0]
+    return call, len(own) - 2
 
 
 def _whole_q(ins: list[LinearCall], carrier: LinearCall, before: list) -> tuple | None:
@@ -109,6 +118,7 @@ def mla_substages(
     inner: list[LinearCall],
     o: LinearCall | None,
     heads: int | None,
+    dims: Dims | None = None,
 ) -> list[SubStage]:
     """The module table's stages for one call of a low-rank attention branch."""
     segs = _segments(ins)
@@ -116,7 +126,7 @@ def mla_substages(
     if not split_calls:
         trace.notes.append("a low-rank attention whose kv latent and rotary key part were not split apart")
         return []
-    carrier, at = _carrier(split_calls, segs, inner)
+    carrier, at = _carrier(split_calls, segs, inner, dims)
     own = [s for s in segs if s[2] is carrier]
     kv_seg, rope_seg = own[at], own[at + 1]
     kv_width = kv_seg[0].shape[-1]

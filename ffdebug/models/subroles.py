@@ -46,6 +46,8 @@ class Dims:
     kv_heads: int | None = None
     head_dim: int | None = None
     experts: int | None = None
+    kv_rank: int | None = None  # a low-rank attention's kv latent width (`kv_lora_rank`)
+    rope_dim: int | None = None  # its rotary key width (`qk_rope_head_dim`)
 
     @classmethod
     def of_config(cls, config, experts: int | None = None) -> Dims:
@@ -69,7 +71,7 @@ class Dims:
         if head_dim is None and heads and hidden and hidden % heads == 0:
             head_dim = hidden // heads
         n_exp = first_int("num_experts", "num_local_experts", "n_routed_experts") or experts
-        return cls(heads, kv, head_dim, n_exp)
+        return cls(heads, kv, head_dim, n_exp, first_int("kv_lora_rank"), first_int("qk_rope_head_dim"))
 
 
 @dataclass
@@ -259,7 +261,7 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     if _low_rank(ins, inner, trace.hidden):  # MLA: latents projected up before the heads
         from ffdebug.models.mla_roles import mla_substages
 
-        return mla_substages(trace, ins, inner, outs[-1] if outs else None, h)
+        return mla_substages(trace, ins, inner, outs[-1] if outs else None, h, dims)
     out: list[SubStage] = []
     roles = ("attn.q", "attn.k", "attn.v")
     if len(ins) == 3:
