@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ffdebug.capture.branch_calls import Output, activations, casts, grouped_mms, splits, views
 from ffdebug.logs import get_logger
+from ffdebug.models.pieces import untaken_piece
 from ffdebug.models.subroles import (
     BranchTrace,
     Dims,
@@ -23,7 +24,6 @@ from ffdebug.models.subroles import (
     SubStage,
     branch_substages,
     leading_shape,
-    untaken_piece,
     with_inputs,
 )
 

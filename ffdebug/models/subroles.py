@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ffdebug.models.config_fields import config_field
+from ffdebug.models.pieces import split_fields
 
 
 @dataclass(frozen=True)
@@ -165,18 +166,6 @@ def _stage(
     return SubStage(kind, t, call.index if at is None else at, call.path, extra, call if reads else None)
 
 
-def _split_fields(cols) -> dict:
-    """`split: [lo, hi]` for a contiguous block of output columns, else `split_cols`: the runs of
-    consecutive columns, in the piece's order (e.g. one [lo, hi] per head of a per-head layout)."""
-    runs: list[list[int]] = []
-    for c in cols.tolist():
-        if runs and runs[-1][1] == c:
-            runs[-1][1] = c + 1
-        else:
-            runs.append([c, c + 1])
-    return {"split": runs[0]} if len(runs) == 1 else {"split_cols": runs}
-
-
 def _parts(call: LinearCall, n: int) -> list[tuple[object, dict, Piece]] | None:
     """The `n` pieces the branch split a fused projection's output into, in the order it took them,
     as (tensor `[..., width]`, split fields, piece); None unless it took exactly `n` disjoint views
@@ -185,36 +174,7 @@ def _parts(call: LinearCall, n: int) -> list[tuple[object, dict, Piece]] | None:
         return None
     flat = call.y.reshape(-1, call.out_features)
     lead = tuple(call.y.shape[:-1])
-    return [(flat[:, p.cols].reshape(*lead, p.cols.numel()), _split_fields(p.cols), p) for p in call.pieces]
-
-
-def untaken_piece(call: LinearCall, stages: list[SubStage]) -> tuple[object, dict] | None:
-    """The columns of a split projection's output that no stage of it holds, as (tensor, split
-    fields), when they are one contiguous run of whole pieces the branch took; else None (every
-    column held, a stage holding the whole output, or no split seen)."""
-    import torch
-
-    if len(call.pieces) < 2:
-        return None
-    held: set[int] = set()
-    for st in stages:
-        if st.at != call.index and call.index not in st.covers:
-            continue
-        if st.module_path != call.path or st.io != "out":
-            continue
-        runs = st.extra.get("split_cols") or ([st.extra["split"]] if "split" in st.extra else None)
-        if runs is None:
-            return None  # the whole output is a stage
-        held |= {c for lo, hi in runs for c in range(lo, hi)}
-    if not held:
-        return None
-    free = [p for p in call.pieces if not held & set(p.cols.tolist())]
-    cols = sorted(c for p in free for c in p.cols.tolist())
-    if not cols or cols != list(range(cols[0], cols[-1] + 1)):
-        return None
-    flat = call.y.reshape(-1, call.out_features)[:, cols[0] : cols[-1] + 1]
-    piece = flat.reshape(*call.y.shape[:-1], len(cols))
-    return piece, _split_fields(torch.tensor(cols))
+    return [(flat[:, p.cols].reshape(*lead, p.cols.numel()), split_fields(p.cols), p) for p in call.pieces]
 
 
 def _heads_of(piece: Piece, heads, head_dim) -> tuple:
