@@ -168,7 +168,7 @@ def test_a_packed_row_with_heads_flattened_aligns_token_by_token():
     padded = torch.randn(2, 3, 2, 4, generator=torch.Generator().manual_seed(1))
     packed = padded.reshape(1, 6, 8).clone()
     ref, tgt, note, coords = align(padded, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
-    assert torch.equal(ref, tgt) and tgt.shape == (6, 8) and coords.tolist()[3] == [1, 0]
+    assert torch.equal(ref, tgt) and tgt.shape == (6, 2, 4) and coords.tolist()[3] == [1, 0]  # heads kept
     assert align(padded, packed[..., :6], TokenLayout(peer_lens=Lens()), TokenLayout()) is None
 
 

@@ -70,8 +70,8 @@ def packed_view(padded, packed, mask):
         if math.prod(packed.shape[1:]) != math.prod(padded.shape[2:]):
             return None
         # one token's features in another grouping ([T, H·D] against [B, S, H, D]): the same
-        # row-major elements, compared in the padded side's
-        return padded[mask.bool()].reshape(packed.shape)
+        # row-major elements, compared in the padded side's (its heads stay heads: `_align`
+        # reads the packed side in that grouping)
     return padded[mask.bool()]
 
 
@@ -139,6 +139,7 @@ def _align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
         packed = one_row(packed, padded)
         sel = packed_view(padded, packed, mask)
         if sel is not None:
+            packed = packed.reshape(sel.shape)
             note = f"aligned: {side} {list(padded.shape)} padded -> {list(sel.shape)} packed"
             coords = mask.bool().nonzero()
             return (sel, packed, note, coords) if side == "reference" else (packed, sel, note, coords)
