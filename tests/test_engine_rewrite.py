@@ -100,6 +100,39 @@ def test_the_rewrite_of_a_correct_model_passes_and_a_head_bug_is_named_in_refere
     assert sub.max_abs_where is not None
 
 
+@pytest.mark.integration
+def test_attribution_re_runs_a_packed_target_on_the_padded_references_inputs(llama, tmp_path):
+    """bisect --model-target on a packed rewrite: each block gets the reference's hidden_in as
+    packed rows; a bug planted in layer 1 is local there and inherited after it."""
+    model, feed = llama
+    with ffdebug.capture(model, dir=tmp_path, side="ref"), torch.no_grad():
+        model(**feed)
+    import copy
+
+    broken = copy.deepcopy(model)
+    broken.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, o: o * 1.5)
+    rw = engine_rewrite(broken, feed, causal_lm=True)
+    assert rw.packing.startswith("packed")
+    with ffdebug.capture(rw.module, dir=tmp_path, side="engine"), torch.no_grad():
+        rw.module(**rw.feed)
+    r = ffdebug.bisect(
+        tmp_path / "ref", tmp_path / "engine", model_ref=(model, feed), model_target=(rw.module, rw.feed)
+    )
+    rows = {a["layer"]: a["verdict"] for a in r.attribution}
+    assert rows == {0: "clean", 1: "local", 2: "inherited", 3: "inherited"}, r.attribution
+
+
+def test_a_padded_reference_input_is_laid_out_as_the_packed_blocks():
+    from ffdebug.bisection.attribution import as_packed
+
+    padded = torch.arange(2 * 3 * 4.0).reshape(2, 3, 4)
+    assert as_packed(padded, torch.zeros(1, 6, 4)).reshape(6, 4).tolist() == padded.reshape(6, 4).tolist()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    rows = as_packed(padded, torch.zeros(5, 4), mask)
+    assert rows.tolist() == padded.reshape(6, 4)[:5].tolist()
+    assert as_packed(padded, torch.zeros(1, 5, 4)) is None  # padding and no mask: no guess
+
+
 def test_packed_attention_probabilities_compare_on_each_sequences_diagonal_block():
     """[B, H, S, S] with padding against a packed [1, H, T, T]: each sequence's block is compared;
     a query that reads another sequence's keys changes its block and fails."""

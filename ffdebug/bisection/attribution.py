@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from ffdebug import verdict as V
 from ffdebug.bisection.budget import LAYER_KEY, noise_factor
+from ffdebug.comparison.align import MASK_KEY
 from ffdebug.errors import FFDebugError
 
 LOCAL_SHARE = 0.1  # local error must be at least this share of the dumped output error
@@ -75,7 +76,7 @@ def _block_inputs(records: list[tuple]) -> tuple[dict, dict, object, dict]:
     decoder block's encoder_hidden_in records."""
     ins, outs, ids, encs = {}, {}, None, {}
     for r, _t in records:
-        if r.key == "embed.input_ids":
+        if r.key == "embed.input_ids" and ids is None:
             ids = r
         m = LAYER_KEY.match(r.key)
         if m and r.invocation == 0:
@@ -85,10 +86,17 @@ def _block_inputs(records: list[tuple]) -> tuple[dict, dict, object, dict]:
 
 
 def replay(
-    model, kwargs, ref_in: dict, ids_record, flag: str = "--model-target", ref_enc: dict | None = None
+    model,
+    kwargs,
+    ref_in: dict,
+    ids_record,
+    flag: str = "--model-target",
+    ref_enc: dict | None = None,
+    mask=None,
 ) -> dict:
     """Each block's output when fed the reference's hidden_in, and a decoder block the reference's
-    encoder_hidden_in (`ref_enc`) too (layer -> tensor)."""
+    encoder_hidden_in (`ref_enc`) too (layer -> tensor); `mask`: the reference's `[B, S]` attention
+    mask, for a packed model (`as_packed`)."""
     from ffdebug.models.blocks import find_blocks
 
     blocks = find_blocks(model)
@@ -98,7 +106,7 @@ def replay(
             "blocks were dumped"
         )
     outs: dict[int, object] = {}
-    hooks = _replay_hooks(blocks, ref_in, outs, ref_enc or {})
+    hooks = _replay_hooks(blocks, ref_in, outs, ref_enc or {}, mask)
     try:
         _forward(model, kwargs, ids_record, flag)
     finally:
@@ -107,9 +115,25 @@ def replay(
     return outs
 
 
-def _replay_hooks(blocks, ref_in: dict, outs: dict, ref_enc: dict) -> list:
+def as_packed(padded, like, mask=None):
+    """The reference's `[B, S, ...]` rows in the layout of a block input `like`: as it is when the
+    shapes agree; for a packed `[T, ...]` / `[1, T, ...]` one (an engine's port of the padded
+    reference), the padded side's tokens in order — those of `mask` (`[B, S]`, the reference's
+    attention mask) when recorded, else every position when there are exactly T; else None."""
+    if tuple(padded.shape) == tuple(like.shape):
+        return padded
+    if padded.dim() < 3 or tuple(padded.shape[2:]) != tuple(like.shape[-(padded.dim() - 2) :]):
+        return None
+    if mask is not None and tuple(mask.shape) == tuple(padded.shape[:2]):
+        rows = padded[mask.bool()]
+    else:
+        rows = padded.reshape(-1, *padded.shape[2:])
+    return rows.reshape(like.shape) if rows.numel() == like.numel() else None
+
+
+def _replay_hooks(blocks, ref_in: dict, outs: dict, ref_enc: dict, mask=None) -> list:
     """Hooks on every block: its first call gets the reference's hidden_in in place of its own input
-    (same shape only), a decoder block the reference's encoder output in place of the one its own
+    (same shape, or its tokens in a packed block's layout: `as_packed`), a decoder block the reference's encoder output in place of the one its own
     encoder made (`encoder_hidden_states`, by keyword or by position: an encoder bug is not the
     decoder's own), and its first output tensor lands in `outs[layer]`."""
     from ffdebug.capture.hooks import positional_index
@@ -124,9 +148,10 @@ def _replay_hooks(blocks, ref_in: dict, outs: dict, ref_enc: dict) -> list:
             h = first_tensor(args, kw)
             if h is None:
                 return None
-            sub = ref_in[layer].load().to(dtype=h.dtype, device=h.device)
-            if tuple(sub.shape) != tuple(h.shape):
+            sub = as_packed(ref_in[layer].load(), h, mask)
+            if sub is None:
                 return None
+            sub = sub.to(dtype=h.dtype, device=h.device)
             if "hidden_states" in kw:
                 kw = dict(kw, hidden_states=sub)
             else:
@@ -208,8 +233,10 @@ def attribute(
     ref_in, ref_out, ids, ref_enc = _block_inputs(records)
     if not ref_in:
         raise FFDebugError("attribution needs L*.hidden_in dumps on the reference side; dump whole blocks")
+    masks = [r for r, _ in records if r.key == MASK_KEY and r.has_payload]
+    mask = masks[0].load() if masks else None
     t_model, t_kwargs = load_entry(model_target, "--model-target")
-    t_outs = replay(t_model, t_kwargs, ref_in, ids, ref_enc=ref_enc)
+    t_outs = replay(t_model, t_kwargs, ref_in, ids, ref_enc=ref_enc, mask=mask)
     c_outs = {}
     if model_ref:
         r_model, r_kwargs = load_entry(model_ref, "--model-ref")
@@ -220,7 +247,8 @@ def attribute(
         if layer not in t_outs:
             continue
         ref = ref_out[layer].load()
-        local = compare_tensors(ref, t_outs[layer])
+        ref_rows = as_packed(ref, t_outs[layer], mask)
+        local = compare_tensors(ref if ref_rows is None else ref_rows, t_outs[layer])
         if local.rel is None:  # not comparable (another shape, another first output): no verdict
             continue
         control = compare_tensors(ref, c_outs[layer]) if layer in c_outs else None
