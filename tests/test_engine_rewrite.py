@@ -282,6 +282,7 @@ def test_a_block_no_hint_places_reads_around_its_attending_child():
         "bailing_hybrid",  # MLA without a q latent, the head gate fused after kv_a: [q | kv | k_rope | g]
         "minimax",  # a role's q fused with a gate named by path
         "gpt_neox_japanese",  # the rotary tap heads-first on the packed side only
+        "xlm",  # an attention module standing as the block, its children bare projections
     ],
 )
 def test_the_rewrite_of_a_renamed_family_pairs_completely(spec, tmp_path):

@@ -14,6 +14,7 @@ from ffdebug.models.roles import (
     NORM,
     NORM_LED,
     NORM_SHAPED,
+    Placement,
     fed_encoder_states,
     has_role,
     is_norm,
@@ -28,6 +29,12 @@ def tensors_of(obj, prefix: str = ""):
     from ffdebug.capture.outputs import tensors_of as tensors
 
     return tensors(obj, prefix)
+
+
+def _is_linear(module) -> bool:
+    import torch.nn as nn
+
+    return isinstance(module, nn.Linear)
 
 
 def _own_norms(child) -> list:
@@ -57,6 +64,7 @@ class ChildRoles:
         self.watchers: dict = {}  # child name -> its KernelWatcher (`kernel_taps`): did it attend
         self.inputs: dict[str, object] = {}  # child name -> its input on the first call (held until flush)
         self.led: set[str] = set()  # children whose own norm reads their input first (`NORM_LED`)
+        self.bare: set[str] = set()  # children that are plain projections (`nn.Linear`)
 
     def install(self, handle) -> None:
         for name, child, by_path in role_children(self.block.module):
@@ -118,6 +126,8 @@ class ChildRoles:
                 kind = NORM_SHAPED
             elif kind == BRANCH and name in self.led:
                 kind = NORM_LED
+            if _is_linear(module):
+                self.bare.add(name)
             self.called.append((name, kind))
         held = [(sfx, t.detach().clone(), t) for sfx, t in pairs]
         if not self.session.hold(lambda: self.emit(name, held, inv, meta)):
@@ -132,9 +142,13 @@ class ChildRoles:
     def flush(self) -> None:
         """At the block's return: decide the names (first call) and write what was held."""
         if self.names is None:
-            placement = place_children(
-                [c for c in self.called if c[0] not in self.by_path], CANONICAL_CHILDREN
-            )
+            called = [c for c in self.called if c[0] not in self.by_path]
+            if called and all(n in self.bare for n, _ in called):
+                # a block of bare projections (an attention module standing as the block, its
+                # kernel in its own forward): no residual branches to read, named by path
+                placement = Placement({n: f"{n}.out" for n, _ in called}, tuple(n for n, _ in called), False)
+            else:
+                placement = place_children(called, CANONICAL_CHILDREN)
             self.names = {**placement.names, **{n: f"{n}.out" for n in self.by_path}}
             self.inputs = {}
             if placement.unplaced:

@@ -61,7 +61,14 @@ class ExecutionOrder:
         layer = meta.get("layer")
         if isinstance(layer, int) and layer in self.mapping:
             meta = dict(meta, layer=self.mapping[layer])
+        key = self._renamed(key)
+        extra = meta.get("extra")
+        if isinstance(extra, dict) and isinstance(extra.get("inputs"), list):  # the keys a stage reads
+            meta = dict(meta, extra=dict(extra, inputs=[self._renamed(k) for k in extra["inputs"]]))
+        return key, meta
+
+    def _renamed(self, key: str) -> str:
         m = _PREFIX.match(key)
         if m and int(m.group(1)) in self.mapping:
-            key = f"L{self.mapping[int(m.group(1))]:03d}.{key[m.end() :]}"
-        return key, meta
+            return f"L{self.mapping[int(m.group(1))]:03d}.{key[m.end() :]}"
+        return key

@@ -246,7 +246,15 @@ def _fused_parts(
             else:
                 repeats.setdefault(id(first), []).append(r)
     ref_ins = {r.key: r for r in refs if r.io == "in"}
+    t_repeats: dict[int, list[Record]] = {}  # the same on the target side: its k-th meets the k-th
+    firsts: list[Record] = []
     for t in tgts:
+        first = next((o for o in firsts if o.key == t.key and o.shape == t.shape and o.io == t.io), None)
+        if first is None:
+            firsts.append(t)
+        else:
+            t_repeats.setdefault(id(first), []).append(t)
+    for t in firsts:
         ts = tuple(t.shape or ())
         if t.io != "out" or len(ts) < 2 or (t.extra or {}).get("sketch") is not None or not _by_path(t):
             continue
@@ -259,13 +267,18 @@ def _fused_parts(
         if not runs:
             continue
         run = min(runs, key=lambda x: x[0])[1]
-        lo = 0
+        lo, writes = 0, [t, *t_repeats.get(id(t), [])]
         for r in run:
             hi = lo + r.shape[-1]
-            part = dataclasses.replace(
-                t, key=f"{t.key}[{lo}:{hi}]", shape=(*ts[:-1], hi - lo), stats=None, source=_Part(t, lo, hi)
-            )
-            for same in [r, *repeats.get(id(r), [])]:
+            for i, same in enumerate([r, *repeats.get(id(r), [])]):
+                w = writes[min(i, len(writes) - 1)]
+                part = dataclasses.replace(
+                    w,
+                    key=f"{w.key}[{lo}:{hi}]",
+                    shape=(*ts[:-1], hi - lo),
+                    stats=None,
+                    source=_Part(w, lo, hi),
+                )
                 out.append((same, part))
                 taken.add(id(same))
             lo = hi
