@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ffdebug.capture.inputs import LATENTS_KEY, SEQ_LENS_KEY, packed_lengths, root_inputs
 from ffdebug.capture.order import ExecutionOrder
 from ffdebug.capture.outputs import tensors_of
-from ffdebug.models.config_fields import config_field
+from ffdebug.models.config_fields import config_field, model_config
 from ffdebug.models.roles import is_norm, is_norm_type, norm_shaped
 
 if TYPE_CHECKING:
@@ -217,8 +217,7 @@ def _same_ids(x, ids) -> bool:
 
 def vocab_size(model) -> int | None:
     """The vocabulary size: config `vocab_size`, else the input embedding's `num_embeddings`."""
-    config = getattr(model, "config", None)
-    size = config_field(config, "vocab_size")
+    size = config_field(model_config(model), "vocab_size")
     if isinstance(size, int) and size > 1:
         return size
     emb = input_embedding(model)

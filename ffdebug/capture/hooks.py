@@ -25,6 +25,7 @@ from ffdebug.capture.outputs import first_tensor, tensors_of
 from ffdebug.capture.stage_map import StageMap
 from ffdebug.capture.state import pop_layer, push_layer
 from ffdebug.models.blocks import find_blocks
+from ffdebug.models.config_fields import model_config
 from ffdebug.models.roles import has_role, is_norm_type, norm_shaped, role_children
 
 
@@ -137,7 +138,7 @@ def _hook_blocks(
     for b in blocks:
         handle.add(b.module.register_forward_pre_hook(lambda m, a, b=b: order.enter(b.layer)))
     substages = bool(session.config.substages or sub_globs)
-    dims = getattr(model, "config", None)
+    dims = model_config(model)
     for b in blocks:
         _install_block(
             handle, session, capture, b, sub_globs, block_done, dims if substages else None, substages

@@ -75,7 +75,9 @@ def _by_path(r: Record) -> bool:
     `intermediate.out`), not a role's stage (`attn.q.out`, `attn_out`)."""
     kind = r.key.split(".", 1)[1] if r.key.startswith("L") and "." in r.key else r.key
     parts = kind.split(".")
-    while parts and (parts[-1] in ("in", "out") or parts[-1].isdigit()):
+    if len(parts) > 2 and parts[-1].isdigit() and parts[-2] in ("in", "out"):
+        parts.pop()  # a module's second output (`out.1`); a list member's index (`norm.0.out`) stays
+    if parts and parts[-1] in ("in", "out"):
         parts.pop()
     stem = ".".join(parts)
     return (
@@ -87,16 +89,30 @@ def _fits(r: Record, t: Record) -> bool:
     """Two records that can hold one tensor: at least one named after its module (a side that had
     no reading of the block meets the other's; role stages on both sides are two readings of the
     block, never paired by position: two readings that differ stay unpaired), the same io, shape
-    (or, for a packed side, the same element count and last dim), invocation and rank."""
+    (or, for a packed side, the same element count and last dim, or token blocks: `_token_blocks`),
+    invocation and rank."""
     if not (_by_path(r) or _by_path(t)):
         return False
     rs, ts = tuple(r.shape or ()), tuple(t.shape or ())
     same = rs == ts or (bool(rs) and bool(ts) and rs[-1] == ts[-1] and math.prod(rs) == math.prod(ts))
     return (
-        same
+        (same or _token_blocks(rs, ts))
         and r.io == t.io
         and (r.invocation or 0) == (t.invocation or 0)
         and (r.rank or 0) == (t.rank or 0)
+    )
+
+
+def _token_blocks(rs: tuple, ts: tuple) -> bool:
+    """A token-by-token stage of a padded `[B, …, S, S]` and a packed `[1, …, T, T]` side (attention
+    probabilities: compared on each sequence's diagonal block) with T = B·S tokens."""
+    return (
+        len(rs) == len(ts) >= 3
+        and rs[-1] == rs[-2]
+        and ts[-1] == ts[-2]
+        and ts[0] == 1
+        and rs[1:-2] == ts[1:-2]
+        and rs[0] * rs[-1] == ts[-1]
     )
 
 
@@ -182,8 +198,10 @@ def _same_tokens(rs: tuple, ts: tuple, packed: bool) -> bool:
 def _runs(
     outs: list[Record], t: Record, t_in: Record, ref_ins: dict, taken: set, packed: bool
 ) -> list[list[Record]]:
-    """Every run of consecutive reference projection outputs whose widths add up to `t`'s, of its
-    tokens (`_same_tokens`), each reading an input of `t_in`'s, siblings reading one tensor."""
+    """Every run of reference projection outputs in capture order whose widths add up to `t`'s, of
+    its tokens (`_same_tokens`), each reading an input of `t_in`'s, siblings reading one tensor;
+    projections of another input between them are passed over (an up-projection the reference
+    calls between the two down-projections an engine fuses)."""
     ts, found = tuple(t.shape or ()), []
     t_in_shape = tuple(t_in.shape or ())
     for i in range(len(outs)):
@@ -198,7 +216,7 @@ def _runs(
                 or r_in_shape[-1:] != t_in_shape[-1:]
                 or not _same_tokens(r_in_shape, t_in_shape, packed)
             ):
-                break  # a projection of another input
+                continue  # a projection of another input between the fused ones (q_b between q_a, kv_a)
             run.append(r)
             width += rs[-1]
             if width >= ts[-1]:
