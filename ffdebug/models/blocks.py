@@ -16,7 +16,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from ffdebug.errors import FFDebugError
-from ffdebug.models.config_fields import config_field
+from ffdebug.models.config_fields import config_field, model_config
 
 
 @dataclass
@@ -254,7 +254,7 @@ def find_blocks(
         layers.append(pos if idx is None else idx)
     if len(set(layers)) != len(layers):  # attributes that repeat (per-list counters): use position
         layers = list(range(len(mods)))
-    classes = config_layer_classes(getattr(model, "config", None), len(mods))
+    classes = config_layer_classes(model_config(model), len(mods))
     if classes is None:
         classes = stack_labels([p for p, _ in mods], structural_classes([m for _, m in mods]))
     if declared:
