@@ -95,8 +95,8 @@ class ChildRoles:
                 self.inputs[name] = args[0]
 
     def on_norm(self, name: str, args) -> None:
-        """A norm of child `name` runs: the child is norm-led when it reads the child's own input
-        before anything else of the child ran (a gated norm: `norm(x) · σ(g(norm(x)))`)."""
+        """A norm of child `name` runs: the child is norm-led when that norm reads the child's own
+        input tensor (a gated norm: `norm(x) · σ(g(norm(x)))`); only on the block's first call."""
         if self.names is None and name not in {n for n, _ in self.called} and args:
             if self.inputs.get(name) is args[0]:
                 self.led.add(name)

@@ -238,8 +238,9 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
     its branches: ViT's `intermediate`, `output` after `layernorm_after`); otherwise the
     attribute-name hints name what they can; when they cannot name every child and no child is a
     norm by its parameters only (low precision can hide a norm's rows), an attending first branch
-    and the MLP in parts after it (`_attention_first`) decide; else the rest is unplaced (it keeps
-    `{child}.out`)."""
+    and the MLP in parts after it (`_attention_first`) decide; where no hint placed anything, the
+    pre-norm pairs around the attending child (`_around_attention`); else the rest is unplaced (it
+    keeps `{child}.out`)."""
     cross = [n for n, k in called if k == CROSS]
     if len(cross) == 1:  # a joint block (SD3: one attention over both streams) does not place by order
         rest = place_children([(n, k) for n, k in called if k != CROSS], hints)
