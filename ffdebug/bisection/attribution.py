@@ -133,9 +133,10 @@ def as_packed(padded, like, mask=None):
 
 def _replay_hooks(blocks, ref_in: dict, outs: dict, ref_enc: dict, mask=None) -> list:
     """Hooks on every block: its first call gets the reference's hidden_in in place of its own input
-    (same shape, or its tokens in a packed block's layout: `as_packed`), a decoder block the reference's encoder output in place of the one its own
-    encoder made (`encoder_hidden_states`, by keyword or by position: an encoder bug is not the
-    decoder's own), and its first output tensor lands in `outs[layer]`."""
+    (same shape, or its tokens in a packed block's layout: `as_packed`), a decoder block the
+    reference's encoder output in place of the one its own encoder made (`encoder_hidden_states`,
+    by keyword or by position: an encoder bug is not the decoder's own), and its first output
+    tensor lands in `outs[layer]`."""
     from ffdebug.capture.hooks import positional_index
     from ffdebug.capture.outputs import first_tensor, tensors_of
 
