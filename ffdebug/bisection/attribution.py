@@ -23,7 +23,7 @@ or the same `(model, "keyword")` / `(model, forward_kwargs)` pair the function w
 from __future__ import annotations
 
 from ffdebug import verdict as V
-from ffdebug.bisection.budget import LAYER_KEY, noise_factor
+from ffdebug.bisection.budget import LAYER_KEY, Precision, noise_factor
 from ffdebug.comparison.align import MASK_KEY
 from ffdebug.errors import FFDebugError
 
@@ -256,6 +256,10 @@ def attribute(
         dumped = by_key.get(f"L{layer:03d}.hidden_out")
         k = noise_factor(dumped) if dumped is not None else V.noise_factor()
         floor = k * (control.rel or 0.0) if control is not None else 0.0
+        # and never below what rounding alone adds in the layer's dtypes: a block computed in
+        # another order (an engine's fused projections) reproduces the reference to the last bits
+        # only, and the control (the reference replaying itself) is exact
+        floor = max(floor, Precision.of(e for e in stages if e.layer == layer).floor())
         dumped_rel = (dumped.rel if dumped is not None else None) or 0.0
         is_local = (local.rel or 0.0) > floor and (local.rel or 0.0) >= LOCAL_SHARE * dumped_rel
         rows.append(
