@@ -122,6 +122,28 @@ def test_attribution_re_runs_a_packed_target_on_the_padded_references_inputs(lla
     assert rows == {0: "clean", 1: "local", 2: "inherited", 3: "inherited"}, r.attribution
 
 
+@pytest.mark.integration
+def test_attribution_does_not_call_a_block_local_for_its_rounding(llama, tmp_path):
+    """A block whose output differs from the reference's in the last bits only (an engine computing
+    it in another order; here one ulp-level scale) is not local; a real bug two layers on is."""
+    model, feed = llama
+    with ffdebug.capture(model, dir=tmp_path, side="ref"), torch.no_grad():
+        model(**feed)
+    import copy
+
+    target = copy.deepcopy(model)
+    target.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, o: o * (1 + 2**-22))
+    target.model.layers[2].mlp.down_proj.register_forward_hook(lambda m, a, o: o * 1.5)
+    with ffdebug.capture(target, dir=tmp_path, side="target"), torch.no_grad():
+        target(**feed)
+    r = ffdebug.bisect(
+        tmp_path / "ref", tmp_path / "target", model_ref=(model, feed), model_target=(target, feed)
+    )
+    rows = {a["layer"]: a for a in r.attribution}
+    assert 0 < rows[0]["local_rel"] < 1e-6 and rows[0]["verdict"] != "local", rows[0]
+    assert rows[2]["verdict"] == "local" and r.first_divergence.layer == 2, r.attribution
+
+
 def test_a_padded_reference_input_is_laid_out_as_the_packed_blocks():
     from ffdebug.bisection.attribution import as_packed
 
