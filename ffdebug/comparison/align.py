@@ -78,8 +78,8 @@ def packed_view(padded, packed, mask):
 def diagonal_blocks(padded, packed, mask):
     """(padded, packed) as each sequence's `[…, l, l]` block, flattened and laid end to end, for a
     token-by-token stage (attention probabilities `[B, H, S, S]` against a packed `[H, T, T]`, a
-    `[1, H, T, T]` read through `one_row`): sequence b's block of the packed side is rows and columns `o_b … o_b + l_b` of
-    its diagonal; None when the shapes are not that."""
+    `[1, H, T, T]` read through `one_row`): sequence b's block of the packed side is rows and
+    columns `o_b … o_b + l_b` of its diagonal; None when the shapes are not that."""
     import torch
 
     if mask is None or mask.dim() != 2 or padded.dim() < 3 or tuple(padded.shape[:1]) != (mask.shape[0],):

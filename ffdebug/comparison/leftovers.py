@@ -242,6 +242,20 @@ def _input_gap(run: list[Record], t_x, ref_ins: dict, layouts: tuple) -> float:
     return m.rel if m.rel is not None else float("inf")
 
 
+def _writes(records: list[Record]) -> tuple[list[Record], dict[int, list[Record]]]:
+    """The first record of each key (of one shape and io), and the later ones that write it again
+    (a child's output and its projection's: one tensor), by id of the first."""
+    firsts: list[Record] = []
+    again: dict[int, list[Record]] = {}
+    for r in records:
+        first = next((o for o in firsts if o.key == r.key and o.shape == r.shape and o.io == r.io), None)
+        if first is None:
+            firsts.append(r)
+        else:
+            again.setdefault(id(first), []).append(r)
+    return firsts, again
+
+
 def _fused_parts(
     refs: list[Record], tgts: list[Record], layer_tgts: list[Record], layouts: tuple
 ) -> list[tuple[Record, Record]]:
@@ -255,23 +269,10 @@ def _fused_parts(
     import dataclasses
 
     out, taken = [], set()
-    outs, repeats = [], {}  # a key written twice (a child's output and its projection's): one tensor
-    for r in refs:
-        if r.io == "out":
-            first = next((o for o in outs if o.key == r.key and o.shape == r.shape), None)
-            if first is None:
-                outs.append(r)
-            else:
-                repeats.setdefault(id(first), []).append(r)
+    packed = any(layouts)
+    outs, repeats = _writes([r for r in refs if r.io == "out"])
     ref_ins = {r.key: r for r in refs if r.io == "in"}
-    t_repeats: dict[int, list[Record]] = {}  # the same on the target side: its k-th meets the k-th
-    firsts: list[Record] = []
-    for t in tgts:
-        first = next((o for o in firsts if o.key == t.key and o.shape == t.shape and o.io == t.io), None)
-        if first is None:
-            firsts.append(t)
-        else:
-            t_repeats.setdefault(id(first), []).append(t)
+    firsts, t_repeats = _writes(tgts)  # the target's k-th write meets the reference's k-th
     for t in firsts:
         ts = tuple(t.shape or ())
         if t.io != "out" or len(ts) < 2 or (t.extra or {}).get("sketch") is not None or not _by_path(t):
@@ -279,7 +280,7 @@ def _fused_parts(
         t_in = next((x for x in layer_tgts if x.io == "in" and x.module_path == t.module_path), None)
         if t_in is None or not t_in.has_payload:
             continue  # no projection (its input was not dumped): nothing says what it fuses
-        candidates = _runs(outs, t, t_in, ref_ins, taken, any(layouts))
+        candidates = _runs(outs, t, t_in, ref_ins, taken, packed)
         t_x = t_in.load() if candidates else None
         runs = [(g, run) for run in candidates if (g := _input_gap(run, t_x, ref_ins, layouts)) <= INPUT_REL]
         if not runs:
@@ -301,9 +302,7 @@ def _fused_parts(
                 taken.add(id(same))
             lo = hi
         for r in {id(x): x for x in (_input_of(r, ref_ins) for r in run)}.values():
-            if id(r) not in taken and _same_tokens(
-                tuple(r.shape or ()), tuple(t_in.shape or ()), any(layouts)
-            ):
+            if id(r) not in taken and _same_tokens(tuple(r.shape or ()), tuple(t_in.shape or ()), packed):
                 out.append((r, t_in))
                 taken.add(id(r))
     return out

@@ -248,22 +248,18 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
             return Placement({**rest.names, cross[0]: "cross_attn_out"}, rest.unplaced, True)
     attends = [n for n, k in called if k == ATTENTION]
     shaped = {n for n, k in called if k == NORM_SHAPED}
-    kinds = list(called)
     if shaped:  # a norm's parameters whose rows low precision or a large eps hid: a norm first
-        as_norms = [
-            (n, NORM if k == NORM_SHAPED else BRANCH if k in (CROSS, ATTENTION, NORM_LED) else k)
-            for n, k in called
-        ]
+        as_norms = _plain_kinds(called, NORM)
         roles = _sequence_roles([k for _, k in as_norms]) or _segment_roles(as_norms)
         if roles is not None:
             return Placement(dict(zip((n for n, _ in as_norms), roles)), (), True)
-    called = [(n, BRANCH if k in (CROSS, ATTENTION, NORM_SHAPED, NORM_LED) else k) for n, k in called]
-    roles = _sequence_roles([k for _, k in called]) or _segment_roles(called)
+    plain = _plain_kinds(called, BRANCH)
+    roles = _sequence_roles([k for _, k in plain]) or _segment_roles(plain)
     if roles is not None:
-        return Placement(dict(zip((n for n, _ in called), roles)), (), True)
+        return Placement(dict(zip((n for n, _ in plain), roles)), (), True)
     names: dict[str, str] = {}
     unplaced = []
-    for child, _kind in called:
+    for child, _kind in plain:
         stage = hints.get(child)
         if stage is None or stage in names.values():
             names[child] = f"{child}.out"
@@ -271,14 +267,23 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
         else:
             names[child] = stage
     if unplaced and not shaped:  # names that do not place every child: what the children did
-        roles = _attention_first(called, attends)
+        roles = _attention_first(plain, attends)
         if roles is not None:
-            return Placement(dict(zip((n for n, _ in called), roles)), (), True)
+            return Placement(dict(zip((n for n, _ in plain), roles)), (), True)
     if unplaced and len(unplaced) == len(called):  # hints placed nothing
-        found = _around_attention(kinds)
+        found = _around_attention(called)
         if found is not None:
             return found
     return Placement(names, tuple(unplaced), False)
+
+
+def _plain_kinds(called: list[tuple[str, str]], shaped_as: str) -> list[tuple[str, str]]:
+    """`called` in the two kinds the order forms read: a cross-attention, attending or norm-led
+    child is a branch; a norm-shaped one is `shaped_as` (a norm when tried as one first)."""
+    return [
+        (n, shaped_as if k == NORM_SHAPED else BRANCH if k in (CROSS, ATTENTION, NORM_LED) else k)
+        for n, k in called
+    ]
 
 
 def _around_attention(kinds: list[tuple[str, str]]) -> Placement | None:
