@@ -306,6 +306,7 @@ def test_a_block_no_hint_places_reads_around_its_attending_child():
         "gpt_neox_japanese",  # the rotary tap heads-first on the packed side only
         "xlm",  # an attention module standing as the block, its children bare projections
         "longcat_flash",  # lists of like sublayers by path; q_a | kv_a fused around q_b; identity experts
+        "deepseek_v4",  # a q latent fused with one plain kv projection: [q_latent | kv], no kv latent
     ],
 )
 def test_the_rewrite_of_a_renamed_family_pairs_completely(spec, tmp_path):

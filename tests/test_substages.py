@@ -511,3 +511,32 @@ def test_a_sequence_mixer_is_compared_as_a_whole(tmp_path):
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.exit_code() == 0
     assert any("MambaBlock.mixer is a sequence mixer" in s for s in res.coverage.selected_out)
+
+
+def test_an_activation_before_a_projection_never_marks_it_the_gate():
+    """A shared expert runs after the routed experts; an expert's activation input, freed, may have
+    had the address the shared up-projection's output gets. Only an activation that ran after a
+    projection read its output: the gate stays the one activated after it (the first here), as a
+    live run of the same branch at other addresses reads it."""
+    from ffdebug.models.subroles import BranchTrace, LinearCall, mlp_substages
+
+    x = torch.randn(2, 3, 8)
+
+    def call(index, path, fan_out, y_ptr, from_input=True):
+        y = torch.randn(2, 3, fan_out)
+        return LinearCall(
+            index, path, None, from_input, x.shape[-1] if from_input else 4, fan_out, x, y, y_ptr, 4
+        )
+
+    gate, up = call(0, "shared.gate_proj", 4, 1000), call(1, "shared.up_proj", 4, 2000)
+    down = LinearCall(
+        2, "shared.down_proj", None, False, 4, 8, torch.randn(2, 3, 4), torch.randn(2, 3, 8), 3000, 4
+    )
+    freed_expert_act = (0, 2000)  # an expert's activation, before any shared projection ran
+    shared_act = (2, 5000)  # the shared gate, clamped (a new tensor) before its activation
+    trace = BranchTrace((2, 3), 8, [gate, up, down], act_ptrs=[freed_expert_act, shared_act])
+    kinds = {s.kind: s.module_path for s in mlp_substages(trace)}
+    assert kinds["mlp.gate"] == "shared.gate_proj" and kinds["mlp.up"] == "shared.up_proj"
+    trace.act_ptrs = [freed_expert_act, (2, 2000)]  # the activation read the second output: the gate
+    kinds = {s.kind: s.module_path for s in mlp_substages(trace)}
+    assert kinds["mlp.gate"] == "shared.up_proj" and kinds["mlp.up"] == "shared.gate_proj"

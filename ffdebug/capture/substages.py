@@ -215,7 +215,7 @@ class BranchRecorder:
             trace.sequence_mixer = True  # a convolution over the sequence (Mamba, gated delta nets)
         elif func in activations():
             if isinstance(args[0], torch.Tensor):
-                trace.act_ptrs.append(args[0].data_ptr())
+                trace.act_ptrs.append((trace.events, args[0].data_ptr()))
         elif func in views() and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
             self._head_shape(args[0], out)
         if (

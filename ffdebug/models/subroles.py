@@ -114,7 +114,9 @@ class BranchTrace:
     topk: tuple | None = None  # (index after which it ran, values, indices)
     group_topk: tuple | None = None  # (scores it ranked, indices) of a top-k over expert groups
     weights: tuple | None = None  # (index, tensor): last float [*, k] before the first expert
-    act_ptrs: list[int] = field(default_factory=list)  # data_ptrs of activation inputs
+    act_ptrs: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (events before, data_ptr) of activation inputs
     head_shapes: list[tuple[int, int]] = field(default_factory=list)  # (heads, head_dim) reshapes
     events: int = 0
     stages: list | None = None  # the sub-stages, decided once the branch's role is known
@@ -227,6 +229,8 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     if len(ins) == 3:
         for kind, c, n in zip(roles, ins, (h, kv, kv)):
             out.append(_stage(kind, c.y, c, trace, n, d))
+    elif len(ins) == 2 and _flat_split(ins[0]):  # "q" is itself fused: more than three projections
+        trace.notes.append(f"{ins[0].path}: its output is taken apart into projections; no q / k / v read")
     elif len(ins) in (1, 2):  # one fused [q | k | v], or q and a fused [k | v]: split as the branch does
         fused = ins[-1]
         parts = _parts(fused, 4 - len(ins))
@@ -250,16 +254,44 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
 def _low_rank(ins: list[LinearCall], inner: list[LinearCall], hidden: int) -> bool:
     """A low-rank (MLA) attention: an input projection the branch splits into pieces, one of which
     is as wide as the input of a projection up from a latent narrower than the hidden size
-    (`ffdebug.models.mla_roles`). Cross-attention's k / v read the encoder's states, not a piece."""
-    widths = {p.cols.numel() for c in ins if len(c.pieces) >= 2 for p in c.pieces}
-    return any(c.in_features < hidden and c.in_features in widths for c in inner)
+    (`ffdebug.models.mla_roles`), and which leaves a kv latent and its rotary key: two pieces after
+    it (it is the q latent of `[q_latent | kv_latent | k_rope]`), or one when a single projection
+    reads it up normalised and is split again (`W_kvb` into k_nope | v, from `[kv_latent |
+    k_rope]`; a latent two projections read up is a q latent, as q's and a sparse indexer's). A q
+    latent fused with one plain key projection (`[q_latent | kv]`, no kv latent) is not one:
+    unfused, the same branch is a low-rank q beside a plain kv, never split, and both readings
+    must agree. Cross-attention's k / v read the encoder's states, not a piece."""
+    from ffdebug.models.mla_roles import _normalised_from
+
+    for c in ins:
+        parts = _parts(c, len(c.pieces)) if len(c.pieces) >= 2 else None
+        for j, (t, _, _) in enumerate(parts or []):
+            w, after = t.shape[-1], len(parts) - j - 1
+            ups = [u for u in inner if u.in_features == w < hidden]
+            if ups and after >= 2:
+                return True
+            read = [u for u in ups if _normalised_from(t, u.x)]
+            if after == 1 and len(read) == 1 and len(read[0].pieces) >= 2:
+                return True
+    return False
 
 
-def _gate_first(ptrs: list[int], act_ptrs: list[int]) -> bool:
-    """Whether the first of two outputs (by data pointer) is the gate: the one an activation read;
-    else the first."""
-    for i, ptr in enumerate(ptrs):
-        if ptr in act_ptrs:
+def _flat_split(call: LinearCall) -> bool:
+    """The branch took `call`'s output apart into contiguous runs of columns before any head view
+    (a fused projection's members), every column in one of them."""
+    if len(call.pieces) < 2 or sum(p.cols.numel() for p in call.pieces) != call.out_features:
+        return False
+    return all(
+        len(p.feat_shape) == 1 and p.cols.numel() == int(p.cols[-1] - p.cols[0]) + 1 for p in call.pieces
+    )
+
+
+def _gate_first(outputs: list[tuple[int, int]], act_ptrs: list[tuple[int, int]]) -> bool:
+    """Whether the first of two outputs ((event index, data pointer) each) is the gate: the one an
+    activation read after it was made; else the first. An activation before it read another tensor
+    at that address (a routed expert's, freed before the shared expert ran)."""
+    for i, (at, ptr) in enumerate(outputs):
+        if any(ptr == p and seen > at for seen, p in act_ptrs):
             return i == 0
     return True
 
@@ -280,12 +312,13 @@ def mlp_substages(trace: BranchTrace) -> list[SubStage]:
         if parts is None:
             _undetermined(trace, c, "gate / up")
         else:
-            if not _gate_first([p.ptr for _, _, p in parts], trace.act_ptrs):
+            if not _gate_first([(c.index, p.ptr) for _, _, p in parts], trace.act_ptrs):
                 parts.reverse()
             out.append(_stage("mlp.gate", parts[0][0], c, trace, split=parts[0][1]))
             out.append(_stage("mlp.up", parts[1][0], c, trace, split=parts[1][1]))
     elif len(ins) == 2 and all(c.out_features == inner for c in ins):
-        gate, up = ins if _gate_first([ins[0].y_ptr, ins[1].y_ptr], trace.act_ptrs) else ins[::-1]
+        first = _gate_first([(c.index, c.y_ptr) for c in ins], trace.act_ptrs)
+        gate, up = ins if first else ins[::-1]
         out += [_stage("mlp.gate", gate.y, gate, trace), _stage("mlp.up", up.y, up, trace)]
         out.sort(key=lambda s: s.at)
     elif len(ins) == 1 and ins[0].out_features == inner:
