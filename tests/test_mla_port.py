@@ -263,3 +263,19 @@ def test_weights_diff_names_kv_b_of_every_layer_for_a_k_nope_v_swap(hf):
     assert res.failed() and set(probs) == set(kv_b) and len(kv_b) == 3
     # reference rows 0:8 (head 0's k_nope) are the port's rows 8:16, 8:16 are 0:8, per head of 16
     assert {(t.finding, t.layout["rows"]) for t in probs.values()} == {("permuted", "8:16, 0:8 +16k (k<4)")}
+
+
+def test_the_low_rank_reading_holds_in_bf16_as_in_fp32(hf, tmp_path):
+    """A bf16 model is read with the same role sub-stages as its fp32 original: the rules that
+    find the kv latent (the piece an up-projection reads normalised) allow bf16's rounding, so a
+    precision-only comparison pairs every stage (it once lost the low-rank reading in bf16 and
+    ended incomplete on every MLA family)."""
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    low = copy.deepcopy(hf).to(torch.bfloat16)
+    for side, model in (("ref", hf), ("bf16", low)):
+        with ffdebug.capture(model, dir=tmp_path, side=side, substages=True), torch.no_grad():
+            model(input_ids=ids)
+    keys = {side: {r.key for r in open_side(tmp_path / side).records} for side in ("ref", "bf16")}
+    assert {f"L001.{k}" for k in MLA_KEYS} <= keys["bf16"] and keys["ref"] == keys["bf16"]
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "bf16")
+    assert res.complete and res.exit_code() == 0

@@ -64,18 +64,21 @@ def _segments(ins: list[LinearCall]) -> list[tuple[object, dict, LinearCall, int
 
 def _normalised_from(piece, x) -> bool:
     """`x` is `piece` normalised row by row with a per-channel weight (`w ⊙ piece / rms(row)`):
-    x / piece has rank one, every row the same profile across channels."""
+    x / piece has rank one, every row the same profile across channels (to 1e-3, or to four
+    roundings of the coarser of the two dtypes: a bf16 latent and its bf16 norm differ by those)."""
     import torch
 
     if piece.numel() != x.numel() or piece.shape[-1] != x.shape[-1] or piece.shape[-1] < 2:
         return False  # the same rows, whatever the leading dims (a `[B, 1, S, r]` latent)
+    eps = max(torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0 for t in (piece, x))
+    rtol = max(1e-3, 4 * eps)
     p = piece.detach().double().reshape(-1, piece.shape[-1])
     q = x.detach().double().reshape(-1, x.shape[-1])
     if not bool((p.abs() > 1e-12).all()) or not bool((q[:, :1].abs() > 1e-300).all()):
         return False
     ratio = q / p
     profile = ratio / ratio[:, :1]
-    return bool(torch.allclose(profile, profile[:1].expand_as(profile), rtol=1e-3, atol=1e-6))
+    return bool(torch.allclose(profile, profile[:1].expand_as(profile), rtol=rtol, atol=1e-6))
 
 
 def _carrier(
