@@ -102,24 +102,31 @@ def build_demo() -> None:
     )
 
 
-def build_bf16() -> None:
-    import copy
-
+def _tiny_llama(seed: int, vocab: int, layers: int):
+    """A seeded Llama of hidden 32 (4 heads, 2 KV heads, MLP 64) in eval mode, built from its config."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=256,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=3,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
         tie_word_embeddings=False,
     )
-    ref = LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    return LlamaForCausalLM(config).eval()
+
+
+def build_bf16() -> None:
+    import copy
+
+    import torch
+
+    ref = _tiny_llama(0, 256, 3).to(torch.bfloat16)
     target = copy.deepcopy(ref)
     with torch.no_grad():
         target.model.layers[1].self_attn.o_proj.weight.mul_(1.05)
@@ -207,20 +214,8 @@ def build_ranks() -> None:
 def build_weights() -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(4)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    sd = {k: v.contiguous() for k, v in LlamaForCausalLM(config).state_dict().items()}
+    sd = {k: v.contiguous() for k, v in _tiny_llama(4, 128, 2).state_dict().items()}
     d = OUT / "weights"
     d.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(d / "ref.safetensors"))
