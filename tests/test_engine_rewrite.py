@@ -58,6 +58,30 @@ def test_a_planted_projection_patch_is_not_fused_away(llama):
         torch.testing.assert_close(rw.module(**rw.feed).logits, patched(**feed).logits)
 
 
+def test_the_rewrite_keeps_the_keys_a_forward_indexes_a_module_dict_with():
+    """Experts held in a `ModuleDict` and looked up by key (`experts[f"expert_{i}"]`, NLLB-MoE and
+    Switch Transformers) run as before; the modules around them are renamed."""
+
+    class Routed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(8, 2)
+            self.experts = torch.nn.ModuleDict({f"expert_{i}": torch.nn.Linear(8, 8) for i in range(2)})
+
+        def forward(self, x):
+            pick = self.gate(x).argmax(-1, keepdim=True)
+            outs = [self.experts[f"expert_{i}"](x) for i in range(2)]
+            return torch.where(pick == 0, outs[0], outs[1])
+
+    torch.manual_seed(0)
+    model, x = Routed().eval(), torch.randn(3, 8)
+    rw = engine_rewrite(model, {"x": x}, causal_lm=False)
+    names = {n for n, _ in rw.module.named_modules()}
+    assert "experts.expert_0" not in names and any(n.endswith(".expert_0") for n in names)
+    with torch.no_grad():
+        torch.testing.assert_close(rw.module(x), model(x))
+
+
 @pytest.mark.integration
 def test_the_rewrite_of_a_correct_model_passes_and_a_head_bug_is_named_in_reference_terms(llama, tmp_path):
     """Padded HF reference vs its packed, fused, renamed rewrite: exit 0, coverage complete; with

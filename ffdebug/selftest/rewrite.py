@@ -15,7 +15,9 @@ ffdebug, built automatically from the model itself, so the sweep measures pairin
 Expert weights are left as the model holds them (transformers stacks them per layer already).
 Nothing keys on a family's names: the groups come from one probe forward (which Linears read the
 same tensor object), and a group is fused only when each member is a plain `nn.Linear` called
-once, with no hooks and no per-instance forward (a planted mutation's patch stays in force).
+once, with no hooks and no per-instance forward (a planted mutation's patch stays in force), held
+as an attribute (a `ModuleList`'s, `Sequential`'s or `ModuleDict`'s members are indexed by the
+forward: they are neither fused nor, for a `ModuleDict`, renamed).
 """
 
 from __future__ import annotations
@@ -106,9 +108,14 @@ def _plain_linear(m: Any) -> bool:
 def _groups(model: Any, feed: dict[str, Any]) -> list[tuple[Any, list[str]]]:
     """(parent, child names) of every fusable group, from one probe forward."""
     import torch
+    import torch.nn as nn
 
+    containers = (nn.ModuleDict, nn.ModuleList, nn.Sequential)  # their members are indexed, not attributes
     parent_of = {
-        id(child): (parent, name) for parent in model.modules() for name, child in parent.named_children()
+        id(child): (parent, name)
+        for parent in model.modules()
+        if not isinstance(parent, containers)
+        for name, child in parent.named_children()
     }
     seen: dict[int, list] = {}  # id(linear) -> [calls, its input (held: its id is not reused)]
     handles = []
@@ -186,10 +193,14 @@ def _fuse(parent: Any, names: list[str]) -> None:
 
 def _rename(model: Any) -> int:
     """Every non-index child below the root renamed `<first letter><position>`; the old name stays
-    an attribute (not a child) so the model's forward reads it unchanged."""
+    an attribute (not a child) so the model's forward reads it unchanged. A `ModuleDict`'s keys
+    are left as they are: they are data the forward indexes with (`experts[f"expert_{i}"]`), like
+    a `ModuleList`'s indices."""
+    import torch.nn as nn
+
     count = 0
     for parent in list(model.modules()):
-        if not parent._modules:
+        if not parent._modules or isinstance(parent, nn.ModuleDict):
             continue
         children = {}
         for i, (name, child) in enumerate(parent._modules.items()):
