@@ -293,12 +293,21 @@ def _around_attention(kinds: list[tuple[str, str]]) -> Placement | None:
     short convolutions, extra gates) keep `{child}.out` and are listed as unplaced. Where no child
     attended (a linear-attention mixer), the first branch after a norm stands for it, and only
     norms may be left over (an embedding norm of the first block). Only for a block no name hint
-    placed anything in."""
+    placed anything in. With several attending children (a decoder's self-attention, then its
+    cross-attention) the first is the block's attention and every other child keeps its path: what
+    the names place in such a block (`self_attn` alone), so a renamed port reads as its original
+    (the cross-attention after its norm, taken for the attention, paired with the other side's
+    self-attention)."""
     norms = (NORM, NORM_LED)
-    attends = any(k == ATTENTION for _, k in kinds)
+    attending = [n for n, k in kinds if k in (ATTENTION, CROSS)]
+    first = next((n for n, k in kinds if k == ATTENTION), None)
+    if len(attending) > 1 and first is not None:
+        rest = [n for n, _ in kinds if n != first]
+        return Placement({n: "attn_out" if n == first else f"{n}.out" for n, _ in kinds}, tuple(rest), False)
+    attends = first is not None
     mixer = ATTENTION if attends else BRANCH
     led = [i for i, (_, k) in enumerate(kinds) if k == mixer and i > 0 and kinds[i - 1][1] in norms]
-    if not led or (attends and len(led) != 1):
+    if not led:
         return None
     at = led[0]
     after = next(
