@@ -353,3 +353,22 @@ def test_the_rewrite_of_a_renamed_family_pairs_completely(spec, tmp_path):
     notes = [n for x in res.stages for n in x.notes if n.startswith("paired by position")]
     if spec == "megatron-bert":  # the reference's query / key / value outputs: columns of the fused one
         assert any(n.endswith("q0.out[64:128]") for n in notes), notes
+
+
+@pytest.mark.integration
+def test_a_fused_projection_pairs_with_the_pieces_a_role_split_took_where_they_lie(tmp_path):
+    """Mochi's feed-forward is a SwiGLU whose gate is the second half of one projection (read
+    first): the renamed side's whole projection pairs with the reference's gate and up by the
+    columns each was split from, not in the order they were written (gate as the first half was a
+    false `scramble` on a correct copy)."""
+    s = resolve("MochiTransformer3DModel")
+    model = build(s, Sizes(), 0)
+    feed = inputs(s.family, model, 2, 16, 0, 128)
+    rw = engine_rewrite(model, feed, causal_lm=False)
+    for side, module, values in (("ref", model, feed), ("engine", rw.module, rw.feed)):
+        with ffdebug.capture(module, dir=tmp_path, side=side, substages=True), torch.no_grad():
+            module(**values)
+    res = ffdebug.compare(tmp_path / "ref", tmp_path / "engine")
+    gate = [x for x in res.stages if x.key == "L000.mlp.gate.out"]
+    assert gate and gate[0].ok and gate[0].bit_equal == 1.0
+    assert [x.key for x in res.stages if not x.ok] == [] and res.exit_code() != 1

@@ -256,6 +256,25 @@ def _writes(records: list[Record]) -> tuple[list[Record], dict[int, list[Record]
     return firsts, again
 
 
+def _own_columns(run: list[Record], width: int) -> list[tuple[int, int]] | None:
+    """The columns of a fused output of `width` each record of `run` stands for: one after the other
+    in capture order for separate projections; the columns a role split took (`split`) when the
+    records are pieces of one projection of that width (a SwiGLU's gate is its second half, read
+    first); None when such a piece holds several runs of columns (`split_cols`)."""
+    extras = [r.extra or {} for r in run]
+    if any("split_cols" in e for e in extras):
+        return None
+    splits = [e.get("split") for e in extras]
+    whole = [(e.get("orig_shape") or [None])[-1] for e in extras]
+    if all(isinstance(x, list) and len(x) == 2 for x in splits) and set(whole) == {width}:
+        return [(int(x[0]), int(x[1])) for x in splits]
+    out, lo = [], 0
+    for r in run:
+        out.append((lo, lo + r.shape[-1]))
+        lo += r.shape[-1]
+    return out
+
+
 def _fused_parts(
     refs: list[Record], tgts: list[Record], layer_tgts: list[Record], layouts: tuple
 ) -> list[tuple[Record, Record]]:
@@ -286,9 +305,11 @@ def _fused_parts(
         if not runs:
             continue
         run = min(runs, key=lambda x: x[0])[1]
-        lo, writes = 0, [t, *t_repeats.get(id(t), [])]
-        for r in run:
-            hi = lo + r.shape[-1]
+        cols = _own_columns(run, ts[-1])
+        if cols is None:
+            continue  # pieces of one projection in a layout of their own (per-head runs): not guessed
+        writes = [t, *t_repeats.get(id(t), [])]
+        for r, (lo, hi) in zip(run, cols):
             for i, same in enumerate([r, *repeats.get(id(r), [])]):
                 w = writes[min(i, len(writes) - 1)]
                 part = dataclasses.replace(
@@ -300,7 +321,6 @@ def _fused_parts(
                 )
                 out.append((same, part))
                 taken.add(id(same))
-            lo = hi
         for r in {id(x): x for x in (_input_of(r, ref_ins) for r in run)}.values():
             if id(r) not in taken and _same_tokens(tuple(r.shape or ()), tuple(t_in.shape or ()), packed):
                 out.append((r, t_in))
