@@ -356,12 +356,20 @@ def test_the_rewrite_of_a_renamed_family_pairs_completely(spec, tmp_path):
 
 
 @pytest.mark.integration
-def test_a_fused_projection_pairs_with_the_pieces_a_role_split_took_where_they_lie(tmp_path):
-    """Mochi's feed-forward is a SwiGLU whose gate is the second half of one projection (read
-    first): the renamed side's whole projection pairs with the reference's gate and up by the
-    columns each was split from, not in the order they were written (gate as the first half was a
-    false `scramble` on a correct copy)."""
-    s = resolve("MochiTransformer3DModel")
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "MochiTransformer3DModel",  # a SwiGLU whose gate is the second half of one projection
+        "Flux2Transformer2DModel",  # a joint block: one attention over both streams, an MLP per stream
+    ],
+)
+def test_a_correct_rewrite_of_a_denoiser_is_never_called_failing(spec, tmp_path):
+    """Renamed denoisers whose blocks the names no longer place: every stage paired is ok (what
+    pairing cannot relate stays unpaired, an incomplete comparison, never a failing one). Mochi's
+    renamed projection pairs with the reference's gate and up by the columns each was split from
+    (gate as the first half was a false `scramble`); Flux2's two MLPs around its joint attention are
+    not read as an attention and an MLP (its `ff` was the target's `attn_out`: a false `bug`)."""
+    s = resolve(spec)
     model = build(s, Sizes(), 0)
     feed = inputs(s.family, model, 2, 16, 0, 128)
     rw = engine_rewrite(model, feed, causal_lm=False)
@@ -369,6 +377,7 @@ def test_a_fused_projection_pairs_with_the_pieces_a_role_split_took_where_they_l
         with ffdebug.capture(module, dir=tmp_path, side=side, substages=True), torch.no_grad():
             module(**values)
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "engine")
-    gate = [x for x in res.stages if x.key == "L000.mlp.gate.out"]
-    assert gate and gate[0].ok and gate[0].bit_equal == 1.0
     assert [x.key for x in res.stages if not x.ok] == [] and res.exit_code() != 1
+    if spec == "MochiTransformer3DModel":
+        gate = [x for x in res.stages if x.key == "L000.mlp.gate.out"]
+        assert gate and gate[0].bit_equal == 1.0

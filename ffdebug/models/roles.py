@@ -230,7 +230,7 @@ def _single_branch_roles(kinds: list[str]) -> list[str] | None:
     return names + ["branch_post_norm_out" if at else "branch_norm_out"] * (len(kinds) - at - 1)
 
 
-def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Placement:
+def place_children(called: list[tuple[str, str]], hints: dict[str, str], around: bool = True) -> Placement:
     """Roles of a block's children from `called`: (attribute name, kind) in first-call order.
 
     A cross-attention branch (`CROSS`) is `cross_attn_out` and the others are placed without it.
@@ -240,10 +240,12 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
     norm by its parameters only (low precision can hide a norm's rows), an attending first branch
     and the MLP in parts after it (`_attention_first`) decide; where no hint placed anything, the
     pre-norm pairs around the attending child (`_around_attention`); else the rest is unplaced (it
-    keeps `{child}.out`)."""
+    keeps `{child}.out`). `around`: False for the children without the cross-attention, whose
+    branches read around no attention (the cross-attention was the block's only one: a joint
+    block's two MLPs are not its attention and MLP)."""
     cross = [n for n, k in called if k == CROSS]
     if len(cross) == 1:  # a joint block (SD3: one attention over both streams) does not place by order
-        rest = place_children([(n, k) for n, k in called if k != CROSS], hints)
+        rest = place_children([(n, k) for n, k in called if k != CROSS], hints, around=False)
         if rest.by_order:
             return Placement({**rest.names, cross[0]: "cross_attn_out"}, rest.unplaced, True)
     attends = [n for n, k in called if k == ATTENTION]
@@ -270,7 +272,7 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str]) -> Plac
         roles = _attention_first(plain, attends)
         if roles is not None:
             return Placement(dict(zip((n for n, _ in plain), roles)), (), True)
-    if unplaced and len(unplaced) == len(called):  # hints placed nothing
+    if around and unplaced and len(unplaced) == len(called):  # hints placed nothing
         found = _around_attention(called)
         if found is not None:
             return found
