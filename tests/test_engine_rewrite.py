@@ -331,7 +331,8 @@ def test_a_block_no_hint_places_reads_around_its_attending_child():
         "xlm",  # an attention module standing as the block, its children bare projections
         "longcat_flash",  # lists of like sublayers by path; q_a | kv_a fused around q_b; identity experts
         "deepseek_v4",  # a q latent fused with one plain kv projection: [q_latent | kv], no kv latent
-        "FSMTForConditionalGeneration",  # two attending children in a decoder block: the first is the attention
+        "FSMTForConditionalGeneration",  # a cross-attention fed the block's encoder states as `key=`
+        "inkling2_text",  # an input mixer that attends before the norm-led attention
         "MarianMTModel",  # a decoder's self-attention beside its cross-attention, post-norm
     ],
 )

@@ -59,6 +59,7 @@ class ChildRoles:
         self.names: dict[str, str] | None = None
         self.called: list[tuple[str, str]] = []
         self.cross: set[str] = set()  # children fed the encoder's states
+        self.encoder = None  # the encoder states of the block's call in flight (`begin`)
         self.by_path: set[str] = set()  # members of a list of like parts: `{child}.out`
         self.holding = False
         self.watchers: dict = {}  # child name -> its KernelWatcher (`kernel_taps`): did it attend
@@ -89,8 +90,10 @@ class ChildRoles:
 
     def on_input(self, name: str, args, kwargs) -> None:
         if self.names is None:
-            if fed_encoder_states(args, kwargs):
-                self.cross.add(name)
+            enc = self.encoder
+            given = (*args, *kwargs.values())
+            if fed_encoder_states(args, kwargs) or (enc is not None and any(t is enc for t in given)):
+                self.cross.add(name)  # the block's own encoder states, under any argument name (`key=`)
             if args and name not in self.inputs:
                 self.inputs[name] = args[0]
 
@@ -101,8 +104,11 @@ class ChildRoles:
             if self.inputs.get(name) is args[0]:
                 self.led.add(name)
 
-    def begin(self) -> None:
-        """At the block's start (after its input was captured): hold until the names are known."""
+    def begin(self, encoder=None) -> None:
+        """At the block's start (after its input was captured): hold until the names are known.
+        `encoder`: the encoder states the block was given, if any (a child passed that very tensor
+        is a cross-attention)."""
+        self.encoder = encoder
         if self.names is None and not self.holding:
             self.holding = True
             self.session.begin_hold()

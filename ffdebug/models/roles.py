@@ -295,21 +295,22 @@ def _around_attention(kinds: list[tuple[str, str]]) -> Placement | None:
     short convolutions, extra gates) keep `{child}.out` and are listed as unplaced. Where no child
     attended (a linear-attention mixer), the first branch after a norm stands for it, and only
     norms may be left over (an embedding norm of the first block). Only for a block no name hint
-    placed anything in. With several attending children (a decoder's self-attention, then its
-    cross-attention) the first is the block's attention and every other child keeps its path: what
-    the names place in such a block (`self_attn` alone), so a renamed port reads as its original
-    (the cross-attention after its norm, taken for the attention, paired with the other side's
-    self-attention)."""
+    placed anything in. A self-attention beside a cross-attention (a decoder's, fed the encoder's
+    states) is the block's attention and every other child keeps its path: what the names place in
+    such a block (`self_attn` alone), so a renamed port reads as its original. Of several children
+    that attend without encoder states, the one right after a norm is the attention (an input
+    mixer that attends before it keeps its path)."""
     norms = (NORM, NORM_LED)
-    attending = [n for n, k in kinds if k in (ATTENTION, CROSS)]
-    first = next((n for n, k in kinds if k == ATTENTION), None)
-    if len(attending) > 1 and first is not None:
-        rest = [n for n, _ in kinds if n != first]
-        return Placement({n: "attn_out" if n == first else f"{n}.out" for n, _ in kinds}, tuple(rest), False)
-    attends = first is not None
+    selfs = [n for n, k in kinds if k == ATTENTION]
+    if len(selfs) == 1 and any(k == CROSS for _, k in kinds):
+        rest = [n for n, _ in kinds if n != selfs[0]]
+        return Placement(
+            {n: "attn_out" if n == selfs[0] else f"{n}.out" for n, _ in kinds}, tuple(rest), False
+        )
+    attends = bool(selfs)
     mixer = ATTENTION if attends else BRANCH
     led = [i for i, (_, k) in enumerate(kinds) if k == mixer and i > 0 and kinds[i - 1][1] in norms]
-    if not led:
+    if not led or (attends and len(led) != 1):
         return None
     at = led[0]
     after = next(
