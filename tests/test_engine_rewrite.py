@@ -315,6 +315,18 @@ def test_a_block_no_hint_places_reads_around_its_attending_child():
     assert hinted.names["mlp"] == "ffn_out" and hinted.unplaced == ("attn_hc",)
 
 
+def _compare_with_its_rewrite(spec: str, tmp_path, causal_lm: bool):
+    """`spec` built tiny, dumped as the reference and as its engine rewrite, compared."""
+    s = resolve(spec)
+    model = build(s, Sizes(), 0)
+    feed = inputs(s.family, model, 2, 16, 0, 128)
+    rw = engine_rewrite(model, feed, causal_lm=causal_lm)
+    for side, module, values in (("ref", model, feed), ("engine", rw.module, rw.feed)):
+        with ffdebug.capture(module, dir=tmp_path, side=side, substages=True), torch.no_grad():
+            module(**values)
+    return ffdebug.compare(tmp_path / "ref", tmp_path / "engine")
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "spec",
@@ -339,14 +351,7 @@ def test_a_block_no_hint_places_reads_around_its_attending_child():
 def test_the_rewrite_of_a_renamed_family_pairs_completely(spec, tmp_path):
     """Families whose reference is named by attribute names: their renamed rewrite (nothing of
     those names left) pairs every stage and passes."""
-    s = resolve(spec)
-    model = build(s, Sizes(), 0)
-    feed = inputs(s.family, model, 2, 16, 0, 128)
-    rw = engine_rewrite(model, feed, causal_lm=True)
-    for side, module, values in (("ref", model, feed), ("engine", rw.module, rw.feed)):
-        with ffdebug.capture(module, dir=tmp_path, side=side, substages=True), torch.no_grad():
-            module(**values)
-    res = ffdebug.compare(tmp_path / "ref", tmp_path / "engine")
+    res = _compare_with_its_rewrite(spec, tmp_path, causal_lm=True)
     assert res.exit_code() == 0 and res.complete, (
         res.coverage.missing,
         [x.key for x in res.stages if not x.ok],
@@ -370,14 +375,7 @@ def test_a_correct_rewrite_of_a_denoiser_is_never_called_failing(spec, tmp_path)
     renamed projection pairs with the reference's gate and up by the columns each was split from
     (gate as the first half was a false `scramble`); Flux2's two MLPs around its joint attention are
     not read as an attention and an MLP (its `ff` was the target's `attn_out`: a false `bug`)."""
-    s = resolve(spec)
-    model = build(s, Sizes(), 0)
-    feed = inputs(s.family, model, 2, 16, 0, 128)
-    rw = engine_rewrite(model, feed, causal_lm=False)
-    for side, module, values in (("ref", model, feed), ("engine", rw.module, rw.feed)):
-        with ffdebug.capture(module, dir=tmp_path, side=side, substages=True), torch.no_grad():
-            module(**values)
-    res = ffdebug.compare(tmp_path / "ref", tmp_path / "engine")
+    res = _compare_with_its_rewrite(spec, tmp_path, causal_lm=False)
     assert [x.key for x in res.stages if not x.ok] == [] and res.exit_code() != 1
     if spec == "MochiTransformer3DModel":
         gate = [x for x in res.stages if x.key == "L000.mlp.gate.out"]
