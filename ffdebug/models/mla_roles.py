@@ -81,6 +81,29 @@ def _normalised_from(piece, x) -> bool:
     return bool(torch.allclose(profile, profile[:1].expand_as(profile), rtol=rtol, atol=1e-6))
 
 
+def low_rank(ins: list[LinearCall], inner: list[LinearCall], hidden: int) -> bool:
+    """A low-rank (MLA) attention: an input projection the branch splits into pieces, one of which
+    is as wide as the input of a projection up from a latent narrower than the hidden size
+    (`ffdebug.models.mla_roles`), and which leaves a kv latent and its rotary key: two pieces after
+    it (it is the q latent of `[q_latent | kv_latent | k_rope]`), or one when a single projection
+    reads it up normalised and is split again (`W_kvb` into k_nope | v, from `[kv_latent |
+    k_rope]`; a latent two projections read up is a q latent, as q's and a sparse indexer's). A q
+    latent fused with one plain key projection (`[q_latent | kv]`, no kv latent) is not one:
+    unfused, the same branch is a low-rank q beside a plain kv, never split, and both readings
+    must agree. Cross-attention's k / v read the encoder's states, not a piece."""
+    for c in ins:
+        parts = _parts(c, len(c.pieces)) if len(c.pieces) >= 2 else None
+        for j, (t, _, _) in enumerate(parts or []):
+            w, after = t.shape[-1], len(parts) - j - 1
+            ups = [u for u in inner if u.in_features == w < hidden]
+            if ups and after >= 2:
+                return True
+            read = [u for u in ups if _normalised_from(t, u.x)]
+            if after == 1 and len(read) == 1 and len(read[0].pieces) >= 2:
+                return True
+    return False
+
+
 def _carrier(
     split_calls: list[LinearCall], segs: list, inner: list[LinearCall], dims: Dims | None
 ) -> tuple[LinearCall, int]:

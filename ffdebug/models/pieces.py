@@ -49,3 +49,13 @@ def untaken_piece(call: LinearCall, stages: list[SubStage]) -> tuple[object, dic
     flat = call.y.reshape(-1, call.out_features)[:, cols[0] : cols[-1] + 1]
     piece = flat.reshape(*call.y.shape[:-1], len(cols))
     return piece, split_fields(torch.tensor(cols))
+
+
+def flat_split(call: LinearCall) -> bool:
+    """The branch took `call`'s output apart into contiguous runs of columns before any head view
+    (a fused projection's members), every column in one of them."""
+    if len(call.pieces) < 2 or sum(p.cols.numel() for p in call.pieces) != call.out_features:
+        return False
+    return all(
+        len(p.feat_shape) == 1 and p.cols.numel() == int(p.cols[-1] - p.cols[0]) + 1 for p in call.pieces
+    )

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ffdebug.models.config_fields import config_field
-from ffdebug.models.pieces import split_fields
+from ffdebug.models.pieces import flat_split, split_fields
 
 
 @dataclass(frozen=True)
@@ -220,16 +220,16 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     outs = [c for c in calls if not c.from_input and c.out_features == trace.hidden]
     h, kv, d = _head_counts(trace, dims)
     inner = [c for c in calls if not c.from_input and (not outs or c is not outs[-1])]
-    if _low_rank(ins, inner, trace.hidden):  # MLA: latents projected up before the heads
-        from ffdebug.models.mla_roles import mla_substages
+    from ffdebug.models.mla_roles import low_rank, mla_substages
 
+    if low_rank(ins, inner, trace.hidden):  # MLA: latents projected up before the heads
         return mla_substages(trace, ins, inner, outs[-1] if outs else None, h, dims)
     out: list[SubStage] = []
     roles = ("attn.q", "attn.k", "attn.v")
     if len(ins) == 3:
         for kind, c, n in zip(roles, ins, (h, kv, kv)):
             out.append(_stage(kind, c.y, c, trace, n, d))
-    elif len(ins) == 2 and _flat_split(ins[0]):  # "q" is itself fused: more than three projections
+    elif len(ins) == 2 and flat_split(ins[0]):  # "q" is itself fused: more than three projections
         trace.notes.append(f"{ins[0].path}: its output is taken apart into projections; no q / k / v read")
     elif len(ins) in (1, 2):  # one fused [q | k | v], or q and a fused [k | v]: split as the branch does
         fused = ins[-1]
@@ -249,41 +249,6 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
         out.append(_stage("attn.context", o.x, o, trace, h, d, reads=False))
         out.append(_stage("attn.o", o.y, o, trace))
     return out
-
-
-def _low_rank(ins: list[LinearCall], inner: list[LinearCall], hidden: int) -> bool:
-    """A low-rank (MLA) attention: an input projection the branch splits into pieces, one of which
-    is as wide as the input of a projection up from a latent narrower than the hidden size
-    (`ffdebug.models.mla_roles`), and which leaves a kv latent and its rotary key: two pieces after
-    it (it is the q latent of `[q_latent | kv_latent | k_rope]`), or one when a single projection
-    reads it up normalised and is split again (`W_kvb` into k_nope | v, from `[kv_latent |
-    k_rope]`; a latent two projections read up is a q latent, as q's and a sparse indexer's). A q
-    latent fused with one plain key projection (`[q_latent | kv]`, no kv latent) is not one:
-    unfused, the same branch is a low-rank q beside a plain kv, never split, and both readings
-    must agree. Cross-attention's k / v read the encoder's states, not a piece."""
-    from ffdebug.models.mla_roles import _normalised_from
-
-    for c in ins:
-        parts = _parts(c, len(c.pieces)) if len(c.pieces) >= 2 else None
-        for j, (t, _, _) in enumerate(parts or []):
-            w, after = t.shape[-1], len(parts) - j - 1
-            ups = [u for u in inner if u.in_features == w < hidden]
-            if ups and after >= 2:
-                return True
-            read = [u for u in ups if _normalised_from(t, u.x)]
-            if after == 1 and len(read) == 1 and len(read[0].pieces) >= 2:
-                return True
-    return False
-
-
-def _flat_split(call: LinearCall) -> bool:
-    """The branch took `call`'s output apart into contiguous runs of columns before any head view
-    (a fused projection's members), every column in one of them."""
-    if len(call.pieces) < 2 or sum(p.cols.numel() for p in call.pieces) != call.out_features:
-        return False
-    return all(
-        len(p.feat_shape) == 1 and p.cols.numel() == int(p.cols[-1] - p.cols[0]) + 1 for p in call.pieces
-    )
 
 
 def _gate_first(outputs: list[tuple[int, int]], act_ptrs: list[tuple[int, int]]) -> bool:

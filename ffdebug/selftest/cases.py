@@ -350,15 +350,13 @@ class Runner:
         return CaseResult("precision", name, expected, HOLDS if holds else FAILS, _got(said), **said)
 
     def _no_effect_before_rewrite(self, target: Any, side: str) -> bool:
-        """With --engine, whether the mutated model itself (not rewritten) dumps bit-identical to the
-        reference: a rewrite's fused projections differ in the last bits, so its own dump never is,
-        and a mutation the tiny model does not feel (top-k normalisation at k = 1) is not counted."""
+        """With --engine, whether the mutated model itself dumps bit-identical to the reference (a
+        rewrite's own dump never is: its fused projections differ in the last bits)."""
         import ffdebug
 
-        if not self.options.engine:
-            return False
-        plain = _dump(target, self.ids, self.root, side + "_plain")
-        return _bit_identical(ffdebug.compare(self.ref, plain))
+        return self.options.engine and _bit_identical(
+            ffdebug.compare(self.ref, _dump(target, self.ids, self.root, side + "_plain"))
+        )
 
     def _mutation(self, mutation: Mutation) -> CaseResult:
         import ffdebug
@@ -374,15 +372,10 @@ class Runner:
         said = _said(result)
         holds = _matches(mutation.expected, said, result.failed())
         if _bit_identical(compared) or (not holds and self._no_effect_before_rewrite(target, side)):
-            return CaseResult(
-                "mutations",
-                mutation.kind,
-                expected,
-                NO_EFFECT,
-                "bit-identical to the reference"
-                + (" (the model before the rewrite)" if self.options.engine else ""),
-                mutation.where,
+            why = "bit-identical to the " + (
+                "model before the rewrite" if self.options.engine else "reference"
             )
+            return CaseResult("mutations", mutation.kind, expected, NO_EFFECT, why, mutation.where)
         return CaseResult(
             "mutations",
             mutation.kind,
@@ -395,8 +388,7 @@ class Runner:
         )
 
 
-def _bit_identical(compared) -> bool:
-    """Every compared stage bit-equal (and at least one compared)."""
+def _bit_identical(compared) -> bool:  # every compared stage bit-equal, and at least one compared
     return bool(compared.stages) and all((s.bit_equal or 0.0) == 1.0 for s in compared.stages)
 
 
