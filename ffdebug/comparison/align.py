@@ -30,14 +30,14 @@ class TokenLayout:
 
     def mask_for(self, batch: int, seq: int):
         """A [batch, seq] bool mask, or None when nothing recorded gives one."""
-        import torch
+        import numpy as np
 
         if self.mask is not None and self.mask.has_payload:
-            return self.mask.load().bool()
+            return self.mask.load().astype(bool)
         if self.peer_lens is not None and self.peer_lens.has_payload:
-            lens = self.peer_lens.load().reshape(-1).long()
-            if lens.numel() == batch and int(lens.max()) <= seq and int(lens.min()) >= 0:
-                return torch.arange(seq)[None, :] < lens[:, None]
+            lens = self.peer_lens.load().reshape(-1).astype(np.int64)
+            if lens.size == batch and int(lens.max()) <= seq and int(lens.min()) >= 0:
+                return np.arange(seq)[None, :] < lens[:, None]
         return None
 
     def __bool__(self) -> bool:
@@ -55,16 +55,16 @@ def layouts(ref_group, tgt_group) -> tuple[TokenLayout, TokenLayout]:
 def one_row(packed, padded):
     """A packed side run as one batch row, `[1, T, ...]` (HF's padding-free form), as `[T, ...]`
     against a padded `[B, S, ...]` of several rows; else `packed` as it is."""
-    if packed.dim() >= 2 and padded.dim() >= 3 and packed.shape[0] == 1 and padded.shape[0] > 1:
+    if packed.ndim >= 2 and padded.ndim >= 3 and packed.shape[0] == 1 and padded.shape[0] > 1:
         return packed[0]
     return packed
 
 
 def packed_view(padded, packed, mask):
     """`padded`'s token rows in packed order, or None when `mask` does not explain the shapes."""
-    if mask is None or mask.dim() != 2 or padded.dim() < 2 or tuple(padded.shape[:2]) != tuple(mask.shape):
+    if mask is None or mask.ndim != 2 or padded.ndim < 2 or tuple(padded.shape[:2]) != tuple(mask.shape):
         return None
-    if packed.dim() < 1 or packed.shape[0] != int(mask.sum()):
+    if packed.ndim < 1 or packed.shape[0] != int(mask.sum()):
         return None
     if tuple(packed.shape[1:]) != tuple(padded.shape[2:]):
         if math.prod(packed.shape[1:]) != math.prod(padded.shape[2:]):
@@ -72,7 +72,7 @@ def packed_view(padded, packed, mask):
         # one token's features in another grouping ([T, H·D] against [B, S, H, D]): the same
         # row-major elements, compared in the padded side's (its heads stay heads: `_align`
         # reads the packed side in that grouping)
-    return padded[mask.bool()]
+    return padded[mask.astype(bool)]
 
 
 def diagonal_blocks(padded, packed, mask):
@@ -80,9 +80,9 @@ def diagonal_blocks(padded, packed, mask):
     token-by-token stage (attention probabilities `[B, H, S, S]` against a packed `[H, T, T]`, a
     `[1, H, T, T]` read through `one_row`): sequence b's block of the packed side is rows and
     columns `o_b … o_b + l_b` of its diagonal; None when the shapes are not that."""
-    import torch
+    import numpy as np
 
-    if mask is None or mask.dim() != 2 or padded.dim() < 3 or tuple(padded.shape[:1]) != (mask.shape[0],):
+    if mask is None or mask.ndim != 2 or padded.ndim < 3 or tuple(padded.shape[:1]) != (mask.shape[0],):
         return None
     b, s = mask.shape
     if tuple(padded.shape[-2:]) != (s, s):
@@ -93,13 +93,13 @@ def diagonal_blocks(padded, packed, mask):
         return None
     ref_blocks, tgt_blocks, offset = [], [], 0
     for row in range(b):
-        idx = mask[row].bool().nonzero().reshape(-1)
-        n = idx.numel()
-        block = padded[row].index_select(-2, idx).index_select(-1, idx)
+        idx = np.flatnonzero(mask[row])
+        n = idx.size
+        block = np.take(np.take(padded[row], idx, axis=-2), idx, axis=-1)
         ref_blocks.append(block.reshape(*mid, n * n))
         tgt_blocks.append(packed[..., offset : offset + n, offset : offset + n].reshape(*mid, n * n))
         offset += n
-    return torch.cat(ref_blocks, -1), torch.cat(tgt_blocks, -1)
+    return np.concatenate(ref_blocks, -1), np.concatenate(tgt_blocks, -1)
 
 
 def align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
@@ -109,7 +109,7 @@ def align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
     Heads before tokens on either side (`[B, H, S, D]`, a packed `[1, H, T, D]`: the layout an
     attention kernel reads) are read token first (`_heads_second`) when the shapes say so."""
     found = _align(r, t, ref_layout, tgt_layout)
-    if found is not None or r.dim() != 4 or t.dim() != 4:
+    if found is not None or r.ndim != 4 or t.ndim != 4:
         return found
     for rr, tt, how in _heads_second(r, t):
         found = _align(rr, tt, ref_layout, tgt_layout)
@@ -122,7 +122,7 @@ def _heads_second(r, t):
     """(ref, target, note) with one or both sides' dims 1 and 2 swapped, the head-first side read
     as `[B, S, H, D]` / `[1, T, H, D]`: only where the swapped side's dim 1 is the other's head count
     (dim 2 of a token-first side, dim 1 of a head-first one)."""
-    swapped = r.transpose(1, 2), t.transpose(1, 2)
+    swapped = r.swapaxes(1, 2), t.swapaxes(1, 2)
     if r.shape[1] == t.shape[2]:  # the reference head-first, the target token-first
         yield swapped[0], t, "reference heads first"
     if t.shape[1] == r.shape[2]:
@@ -132,8 +132,10 @@ def _heads_second(r, t):
 
 
 def _align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
+    import numpy as np
+
     for side, padded, packed, layout in (("reference", r, t, ref_layout), ("target", t, r, tgt_layout)):
-        if not layout or padded.dim() < 2:
+        if not layout or padded.ndim < 2:
             continue
         mask = layout.mask_for(padded.shape[0], padded.shape[1])
         packed = one_row(packed, padded)
@@ -141,7 +143,7 @@ def _align(r, t, ref_layout: TokenLayout, tgt_layout: TokenLayout):
         if sel is not None:
             packed = packed.reshape(sel.shape)
             note = f"aligned: {side} {list(padded.shape)} padded -> {list(sel.shape)} packed"
-            coords = mask.bool().nonzero()
+            coords = np.argwhere(mask.astype(bool))
             return (sel, packed, note, coords) if side == "reference" else (packed, sel, note, coords)
         blocks = diagonal_blocks(padded, packed, layout.mask_for(padded.shape[0], padded.shape[-1]))
         if blocks is not None:
@@ -165,10 +167,10 @@ def by_routed_tokens(r, t, tokens_ref, tokens_target):
     the rows of the tokens both sides routed to the expert are compared, in token order; the
     tokens only one side routed there are named in the note (their routing is judged at the
     router's stages, not here). None when the lists agree or do not describe the rows."""
-    import torch
+    import numpy as np
 
     tr, tt_ = [int(x) for x in tokens_ref], [int(x) for x in tokens_target]
-    if tr == tt_ or r.dim() < 1 or t.dim() < 1 or r.shape[0] != len(tr) or t.shape[0] != len(tt_):
+    if tr == tt_ or r.ndim < 1 or t.ndim < 1 or r.shape[0] != len(tr) or t.shape[0] != len(tt_):
         return None
     if tuple(r.shape[1:]) != tuple(t.shape[1:]) or len(set(tr)) != len(tr) or len(set(tt_)) != len(tt_):
         return None
@@ -176,8 +178,8 @@ def by_routed_tokens(r, t, tokens_ref, tokens_target):
     if not common:
         return None
     at_r, at_t = {tok: i for i, tok in enumerate(tr)}, {tok: i for i, tok in enumerate(tt_)}
-    ir = torch.tensor([at_r[x] for x in common], dtype=torch.long)
-    it = torch.tensor([at_t[x] for x in common], dtype=torch.long)
+    ir = np.array([at_r[x] for x in common], dtype=np.int64)
+    it = np.array([at_t[x] for x in common], dtype=np.int64)
     only_r, only_t = sorted(set(tr) - set(tt_)), sorted(set(tt_) - set(tr))
     parts = [f"rows compared by routed token: the {len(common)} token(s) both sides routed here"]
     if only_r:
@@ -186,19 +188,21 @@ def by_routed_tokens(r, t, tokens_ref, tokens_target):
         parts.append(f"target only: {_few(only_t)}")
     if not (only_r or only_t):
         parts.append("gathered in another order")
-    return r.index_select(0, ir), t.index_select(0, it), "; ".join(parts)
+    return r[ir], t[it], "; ".join(parts)
 
 
 def packed_tokens(tokens: list, layout: TokenLayout) -> list | None:
     """Token ids of one side's padded batch (row-major positions of its `[B, S]` mask) as their
     index among the batch's tokens, pads dropped: the numbering a packed side uses. The ids as
     given when the side records no mask; None when the ids do not fit the mask."""
+    import numpy as np
+
     if layout.mask is None or not layout.mask.has_payload:
         return list(tokens)
-    mask = layout.mask.load().bool().reshape(-1)
-    if any(int(x) >= mask.numel() or int(x) < 0 for x in tokens):
+    mask = layout.mask.load().astype(bool).reshape(-1)
+    if any(int(x) >= mask.size or int(x) < 0 for x in tokens):
         return None
-    index = mask.long().cumsum(0) - 1
+    index = mask.astype(np.int64).cumsum() - 1
     return [int(index[int(x)]) for x in tokens if bool(mask[int(x)])]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ffdebug import verdict as V
+from ffdebug.arrays import is_complex, is_floating
 from ffdebug.capture.stage_map import StageMap
 from ffdebug.comparison import contained, grading, parallel, routing, underflow
 from ffdebug.comparison.align import ROUTED_KEY, TokenLayout, align, layouts, routed_rows
@@ -125,7 +126,7 @@ def compare_records(
     rt, tt = (load(r), load(t)) if aligned is None else aligned[:2]
     if aligned is not None:
         e.notes.append(aligned[2])
-    if rt.is_complex() != tt.is_complex():  # no elementwise pairing of a complex value with a real one
+    if is_complex(rt.dtype) != is_complex(tt.dtype):  # no elementwise pairing of a complex value with a real one
         e.severity, e.finding = V.dtype_kind_mismatch(), "dtype_kind"
         e.notes.append(f"dtype kinds differ: ref {e.ref.dtype} vs target {e.target.dtype} (complex vs real)")
         return e
@@ -138,11 +139,11 @@ def compare_records(
     e.notes.extend(m.notes)
     if m.nan_mismatch or m.inf_mismatch:
         e.nan_mismatch, e.inf_mismatch = m.nan_mismatch, m.inf_mismatch
-    integer = not (rt.is_floating_point() or rt.is_complex())
+    integer = not (is_floating(rt.dtype) or is_complex(rt.dtype))
     e.severity = grading.grade(e, m, r, t, thresholds, exact, depth, integer)
-    if key.endswith("logits") and rt.is_floating_point() and rt.dim() >= 1:
+    if key.endswith("logits") and is_floating(rt.dtype) and rt.ndim >= 1:
         e.logits = logits_metrics(rt, tt)
-    if (m.bit_equal or 0.0) < 1.0 and rt.is_floating_point():
+    if (m.bit_equal or 0.0) < 1.0 and is_floating(rt.dtype):
         coords = aligned[3] if aligned is not None and len(aligned) > 3 else None
         from ffdebug.comparison.where import locate
 

@@ -14,6 +14,7 @@ the earliest such call; compare then compares the calls before it and fails.
 
 from __future__ import annotations
 
+from ffdebug.arrays import as_float64, eps, first_difference, is_complex, is_floating
 from ffdebug.capture.inputs import GATED
 from ffdebug.comparison.align import MASK_KEY, align, layouts
 from ffdebug.errors import FFDebugError, InputIdsMismatch
@@ -24,11 +25,11 @@ IDS_KEY = "embed.input_ids"
 
 def _load(rec, label: str):
     """One side's input: NaN / Inf in token ids means a damaged dump."""
-    import torch
+    import numpy as np
 
     t = rec.load()
     if rec.key in (IDS_KEY, "embed.decoder_input_ids") or rec.extra.get("input_ids"):
-        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+        if (is_floating(t.dtype) or is_complex(t.dtype)) and not bool(np.isfinite(as_float64(t)).all()):
             raise FFDebugError(
                 f"{rec.origin or rec.key}: the {label} side's {rec.key} holds NaN / Inf ({t.dtype}); token ids "
                 "are integers — the dump is damaged, re-run it"
@@ -51,18 +52,13 @@ def _gated_records(group) -> dict:
 
 def _first_difference(r, t):
     """(position, ref value, target value) of the first element that differs, or a shape sentence."""
-    import torch
-
     if tuple(r.shape) != tuple(t.shape):
         return f"shape {list(r.shape)} vs {list(t.shape)}"
-    if r.is_floating_point() and t.is_floating_point() and r.dtype != t.dtype:
+    if is_floating(r.dtype) and is_floating(t.dtype) and r.dtype != t.dtype:
         # a run in lower precision is fed the same input rounded to its dtype: compared there
-        low = r.dtype if torch.finfo(r.dtype).eps > torch.finfo(t.dtype).eps else t.dtype
-        r, t = r.to(low), t.to(low)
-    if torch.equal(r, t):
-        return None
-    pos = torch.nonzero(r != t)[0].tolist()
-    return pos, r[tuple(pos)].item(), t[tuple(pos)].item()
+        low = r.dtype if eps(r.dtype) > eps(t.dtype) else t.dtype
+        r, t = r.astype(low), t.astype(low)
+    return first_difference(r, t)
 
 
 def _first_calls(pairs) -> set[int]:

@@ -11,6 +11,7 @@ it differs, and the fix: feed both runs the same prompts / noise (`reference-tra
 
 from __future__ import annotations
 
+from ffdebug.arrays import first_difference
 from ffdebug.capture.trainer_inputs import TRAINER_INPUTS
 from ffdebug.errors import InputIdsMismatch
 
@@ -29,7 +30,7 @@ def check_trainer_inputs(pairs) -> None:
     An input the reference derived from its configuration (its tap's `derived_from`, e.g. the σ
     schedule) is named with the fields it was computed from: the two runs are configured differently
     there, and no feeding fixes that."""
-    import torch
+    import numpy as np
 
     for spec in TRAINER_INPUTS:
         key, what = spec.key, spec.what
@@ -44,7 +45,7 @@ def check_trainer_inputs(pairs) -> None:
                 where = f"{key} ({what}) {verb} at {_where(rg)}"
                 if tuple(r.shape) != tuple(t.shape):
                     raise InputIdsMismatch(f"{where}: shape {list(r.shape)} vs {list(t.shape)}; {fix}")
-                if r.dtype != t.dtype or not torch.equal(r, t):
+                if r.dtype != t.dtype or not np.array_equal(r, t):
                     raise InputIdsMismatch(f"{where}, {_first(r, t)}; {fix}")
 
 
@@ -61,12 +62,10 @@ def _where(group) -> str:
 
 def _first(r, t) -> str:
     """Where two same-shape tensors first differ, and their values there."""
-    import torch
-
     if r.dtype != t.dtype:
         return f"dtype {r.dtype} vs {t.dtype}"
-    diff = torch.nonzero(r != t)
-    if diff.numel() == 0:  # NaN on both sides compares unequal
+    diff = first_difference(r, t)
+    if diff is None:
         return "at a NaN"
-    pos = tuple(diff[0].tolist())
-    return f"first at index {list(pos)}: ref {r[pos].item():.6g} vs target {t[pos].item():.6g}"
+    pos, rv, tv = diff
+    return f"first at index {pos}: ref {rv:.6g} vs target {tv:.6g}"

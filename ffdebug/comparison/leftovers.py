@@ -173,7 +173,6 @@ def _input_of(r: Record, ref_ins: dict) -> Record | None:
 def _one_input(run: list[Record], ref_ins: dict) -> bool:
     """The reference projections of `run` are siblings (one parent module) that read one tensor:
     what an engine fuses into one projection (q / k / v of one input, gate / up)."""
-    import torch
 
     parents = {(r.module_path or "").rsplit(".", 1)[0] for r in run}
     if len(parents) != 1:
@@ -182,7 +181,14 @@ def _one_input(run: list[Record], ref_ins: dict) -> bool:
     if not all(x.has_payload for x in ins):
         return False
     first = ins[0].load()
-    return all(torch.equal(first, x.load()) for x in ins[1:])
+    return all(_same_values(first, x.load()) for x in ins[1:])
+
+
+def _same_values(a, b) -> bool:
+    """One shape, one dtype, equal values (NaN never equal)."""
+    import numpy as np
+
+    return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
 
 
 def _same_tokens(rs: tuple, ts: tuple, packed: bool) -> bool:

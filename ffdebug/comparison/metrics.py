@@ -10,24 +10,20 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
     elem     = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)),  rms(r) = ‖r‖ / √n   (element-wise error)
 
 Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 64 Ki-element chunks copied into
-float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies (r, t), one count of
-equal raw bits (taken while both inputs are still in cache), one `mv` of the [r; t] rows with t
-(r·t and t·t in one pass over t), a dot r·r, t − r in place over t, a dot d·d, and |d| taken in
-place for its max and its sum — each a single pass; the two rows and both inputs (1.5 MiB) fit one
-core's L2. In per-op timings at 64 Ki elements (bench/README.md) `amax` of |d| was about 3x faster
-than `aminmax` of d, `mv` of two rows cheaper than two dots, the in-place subtraction cheaper than
-one into a third row, and `torch.mm` of the 3×m block and `vector_norm(·, 1)` slower than these.
-The reductions whose result does not depend on their order — the equal-bits count, max |t − r|
-and its position — run in numpy on views of the same memory (no copy), where they cost a third to
-a half of torch's; every sum stays a torch kernel. A bit-identical chunk (checked with one
-memcmp-speed `torch.equal` on integer views) needs only ‖r‖². The position of max |t − r| is
-looked up once, in the chunk that set it, after the loop (from the rows as they are when that
-chunk was the last one read, as in a one-chunk tensor). The work rows are kept per thread (a
-fresh buffer per tensor was page-faulted on every call). Non-finite values take a slow path only
-in the chunks that hold them. `bit_equal` counts positions with identical bits (same dtype), or
-equal values (different dtypes). `elem` needs rms(r), known only after the first pass: a second
-pass visits the chunks that can hold its maximum, largest error first (none when the tensors are
-equal).
+float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies (r, t; one-byte
+floats through a table of their 256 values), one count of equal raw bits (taken while both inputs
+are still in cache), three BLAS dot products (r·t, t·t, r·r), t − r in place over t, a dot d·d,
+and |d| taken in place for its max and its sum — each a single pass; the two rows and both inputs
+(1.5 MiB) fit one core's L2. A bit-identical chunk (checked with one memcmp-speed
+`numpy.array_equal` on integer views) needs only ‖r‖². The position of max |t − r| is looked up
+once, in the chunk that set it, after the loop (from the rows as they are when that chunk was
+the last one read, as in a one-chunk tensor). The work rows are kept per thread (a fresh buffer
+per tensor was page-faulted on every call). Non-finite values take a slow path only in the chunks
+that hold them. `bit_equal` counts positions with identical bits (same dtype), or equal values
+(different dtypes). `elem` needs rms(r), known only after the first pass: a second pass visits
+the chunks that can hold its maximum, largest error first (none when the tensors are equal).
+
+Arrays are numpy (`ffdebug.arrays`); a torch tensor given here is taken as a view first.
 """
 
 from __future__ import annotations
@@ -36,23 +32,22 @@ import math
 import threading
 from dataclasses import asdict, dataclass, field
 
-from ffdebug._chunks import CHUNK, copy_in, iter_chunks, single_thread, work_rows  # noqa: F401 (CHUNK, iter_chunks re-exported)
+from ffdebug._chunks import CHUNK, copy_in, iter_chunks, work_rows
+from ffdebug.arrays import as_array, as_float64, int_view, is_complex, is_floating
 
-_INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 _work = threading.local()  # per thread: views of the work rows, the bool row
 
 
 def _work_rows():
     """The thread's two float64 work rows (`ffdebug._chunks.work_rows`: r, and t then t − r in
-    place), with their numpy view, their full-chunk views and a bool row for the equal-bits test
-    kept beside them."""
+    place), with their full-chunk views and a bool row for the equal-bits test kept beside them."""
     import numpy as np
 
-    rows, view = work_rows()
+    rows = work_rows()
     if getattr(_work, "rows", None) is not rows:
-        _work.rows, _work.np = rows, view  # the same memory: order-free reductions in numpy
+        _work.rows = rows
         _work.same = np.empty(CHUNK, dtype=bool)
-        _work.full = (rows[0], rows[1], rows[:2])  # made once: a dozen views per chunk cost ~5% of it
+        _work.full = (rows[0], rows[1])  # made once: a dozen views per chunk cost ~5% of it
     return rows
 
 
@@ -88,14 +83,17 @@ def _finite(x: float) -> float | None:
 
 
 def compare_tensors(ref, target) -> TensorMetrics:
-    """Compare two tensors of equal shape in float64 (any dtypes); shape mismatch is reported."""
+    """Compare two arrays of equal shape in float64 (any dtypes); shape mismatch is reported."""
+    import numpy as np
+
+    ref, target = as_array(ref), as_array(target)
     if tuple(ref.shape) != tuple(target.shape):
         return TensorMetrics(
             shape_mismatch=True,
-            numel=ref.numel(),
+            numel=ref.size,
             notes=[f"shape mismatch: ref {list(ref.shape)} vs target {list(target.shape)}"],
         )
-    with single_thread():
+    with np.errstate(all="ignore"):  # NaN / Inf are counted, never warned about
         metrics = _compare_tensors(ref, target)
         if metrics is None:  # float64 sums overflowed (|values| past ~1e154): redo on scaled values
             metrics = _compare_tensors(ref, target, scale=_pow2_scale(ref, target))
@@ -104,10 +102,26 @@ def compare_tensors(ref, target) -> TensorMetrics:
 
 def _pow2_scale(ref, target) -> float:
     """A power of two that brings the largest finite |value| of either side to at most 1 (exact)."""
-    import torch
+    import numpy as np
 
-    absmax = max(float(x[torch.isfinite(x)].abs().max()) for x in (ref.double(), target.double()))
+    absmax = 0.0
+    for x in (ref, target):
+        flat = _real_flat(x)
+        for c in iter_chunks(flat):
+            c = c[np.isfinite(c)]
+            if c.size:
+                absmax = max(absmax, float(np.abs(c).max()))
     return 2.0 ** -math.ceil(math.log2(absmax))
+
+
+def _real_flat(x):
+    """A flat view of an array; complex as its interleaved real and imaginary parts."""
+    import numpy as np
+
+    flat = x.reshape(-1)
+    if is_complex(x.dtype):
+        flat = np.ascontiguousarray(flat).view(flat.real.dtype)
+    return flat
 
 
 @dataclass(slots=True)
@@ -140,15 +154,10 @@ class _Sums:
 def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
     """The chunk loop; None when unscaled float64 sums overflow. Values are multiplied by `scale`
     (a power of two) and norms / absolute errors divided back."""
-    import torch
-
-    r = ref.detach().reshape(-1)
-    t = target.detach().reshape(-1)
-    if r.is_complex() or t.is_complex():
-        r, t = torch.view_as_real(r).reshape(-1), torch.view_as_real(t).reshape(-1)
+    r, t = _real_flat(ref), _real_flat(target)
     raw_view = None
-    if ref.dtype == target.dtype and ref.dtype.is_floating_point and ref.element_size() in _INT_VIEW:
-        raw_view = getattr(torch, _INT_VIEW[ref.element_size()])
+    if ref.dtype == target.dtype and is_floating(ref.dtype):
+        raw_view = int_view(ref.dtype)
     sums = _chunk_sums(r, t, raw_view, scale)
     if not sums.finite():
         return None
@@ -156,98 +165,84 @@ def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
 
 
 def _row_views(x, m: int) -> tuple:
-    """(r row, t row, [r; t] block) of the first `m` columns of the work rows."""
-    return _work.full if m == CHUNK else (x[0, :m], x[1, :m], x[:2, :m])
-
-
-def _host_array(x):
-    """The numpy view of a CPU tensor (no copy), else None (the torch ops are used instead)."""
-    return x.numpy() if x.device.type == "cpu" else None
+    """(r row, t row) of the first `m` columns of the work rows."""
+    return _work.full if m == CHUNK else (x[0, :m], x[1, :m])
 
 
 def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
     """One pass over flat `r`, `t` in CHUNK-element pieces copied into float64 work rows."""
-    import torch
+    import numpy as np
 
-    n = r.numel()
+    n = r.shape[0]
     x = _work_rows()  # float64 work rows r, t (then t − r in place) (stay in cache)
     r_bits, t_bits = (r.view(raw_view), t.view(raw_view)) if raw_view is not None else (None, None)
-    r_np = t_np = None
-    if raw_view is not None:
-        r_np, t_np = _host_array(r_bits), _host_array(t_bits)
     s = _Sums()
     for i in range(0, n, CHUNK):
         m = min(CHUNK, n - i)
         s.held = -1  # the rows are about to be overwritten
-        rc, tc = r[i : i + m], t[i : i + m]
         rows = _row_views(x, m)
         xr = rows[0]
-        copy_in(xr, rc)
+        copy_in(xr, r[i : i + m])
         if scale != 1.0:
-            xr.mul_(scale)
+            xr *= scale
         ints = None
         if raw_view is not None:
             ints = (r_bits[i : i + m], t_bits[i : i + m])
-            if r_np is not None and t_np is not None:
-                ints = (*ints, r_np[i : i + m], t_np[i : i + m])
-        if ints is not None and torch.equal(ints[0], ints[1]):
-            # bit-identical chunk (the common case before the first divergence): one norm suffices
-            sq = float(torch.dot(xr, xr))
-            if math.isfinite(sq):
-                s.nr2 += sq
-                s.nt2 += sq
-                s.dot += sq
-                s.equal += m
-                s.counted += m
-                s.max_abs = max(s.max_abs, 0.0)
-                continue
-        _differing_chunk(s, i, tc, rows, ints, scale)
+            if np.array_equal(ints[0], ints[1]):
+                # bit-identical chunk (the common case before the first divergence): one norm suffices
+                sq = float(np.dot(xr, xr))
+                if math.isfinite(sq):
+                    s.nr2 += sq
+                    s.nt2 += sq
+                    s.dot += sq
+                    s.equal += m
+                    s.counted += m
+                    s.max_abs = max(s.max_abs, 0.0)
+                    continue
+        _differing_chunk(s, i, t[i : i + m], rows, ints, scale)
     if s.max_chunk >= 0:
         s.max_at = _argmax_chunk(r, t, s, scale, x)
     return s
 
 
 def _equal_count(ints) -> int:
-    """Positions whose raw bits are equal: (r ints, t ints[, their numpy views])."""
+    """Positions whose raw bits are equal: (r ints, t ints), into a bool row kept per thread."""
     import numpy as np
-    import torch
 
-    if len(ints) == 4:  # on the host: a compare into a bool row kept per thread, then a count
-        r_np, t_np = ints[2], ints[3]
-        same = _work.same[: r_np.shape[0]]
-        return int(np.count_nonzero(np.equal(r_np, t_np, out=same)))
-    return int(torch.count_nonzero(torch.eq(ints[0], ints[1])))
+    same = _work.same[: ints[0].shape[0]]
+    return int(np.count_nonzero(np.equal(ints[0], ints[1], out=same)))
 
 
 def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> None:
     """The sums of one chunk that is not bit-identical (r already in its row); `ints`: both
     chunks as integers (same dtype), else None."""
-    import torch
+    import numpy as np
 
-    xr, xt, pair = rows
-    m = tc.numel()
+    xr, xt = rows
+    m = tc.shape[0]
     copy_in(xt, tc)
     if scale != 1.0:
-        xt.mul_(scale)
+        xt *= scale
     # equal bits counted while both inputs are in cache (rows r, t and both inputs fit in L2)
     equal = _equal_count(ints) if ints is not None else None
-    rt_, tt_ = torch.mv(pair, xt).tolist()  # both dots with t in one pass over t
-    rr_ = float(torch.dot(xr, xr))
+    rt_ = float(np.dot(xr, xt))
+    tt_ = float(np.dot(xt, xt))
+    rr_ = float(np.dot(xr, xr))
     dd_ = math.inf
     if math.isfinite(rr_ + tt_ + rt_):
-        xd = xt.sub_(xr)  # t − r in place: t is not read again on this path
-        dd_ = float(torch.dot(xd, xd))
+        xd = np.subtract(xt, xr, out=xt)  # t − r in place: t is not read again on this path
+        dd_ = float(np.dot(xd, xd))
         if not math.isfinite(dd_):  # |t − r| past float64's range: the slow path needs t again
             copy_in(xt, tc)
             if scale != 1.0:
-                xt.mul_(scale)
+                xt *= scale
     if not math.isfinite(dd_):
         s.nonfinite.add(i)
         _nonfinite_chunk(s, i, xr, xt, equal)  # NaN/Inf on at least one side
         return
-    s.equal += equal if equal is not None else m - int(torch.count_nonzero(xd))
-    xd.abs_()  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
-    chunk_max = float(_work.np[1, :m].max())  # max is exact in any order: numpy's is cheaper
+    s.equal += equal if equal is not None else m - int(np.count_nonzero(xd))
+    np.abs(xd, out=xd)  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
+    chunk_max = float(xd.max())
     s.chunk_bounds.append((chunk_max, i))
     if chunk_max > s.max_abs:  # its position is found once, after the loop (`_argmax_chunk`)
         s.max_abs, s.max_chunk = chunk_max, i
@@ -263,63 +258,67 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> N
 def _chunk_diff(r, t, i: int, scale: float, x, held: int):
     """(r, |t − r|) of the finite chunk at `i` (scaled units) in the rows x[0], x[1]; recomputed
     unless the rows still hold that chunk (`held`: the start of the chunk they hold, else -1)."""
-    m = min(CHUNK, r.numel() - i)
+    import numpy as np
+
+    m = min(CHUNK, r.shape[0] - i)
     xr, xt = x[0, :m], x[1, :m]
     if held == i:
         return xr, xt
     copy_in(xr, r[i : i + m])
     copy_in(xt, t[i : i + m])
     if scale != 1.0:
-        xr.mul_(scale)
-        xt.mul_(scale)
-    return xr, xt.sub_(xr).abs_()
+        xr *= scale
+        xt *= scale
+    np.subtract(xt, xr, out=xt)
+    return xr, np.abs(xt, out=xt)
 
 
 def _argmax_chunk(r, t, s: _Sums, scale: float, x) -> int:
     """The flat index of max |t − r| in the chunk `s.max_chunk`: the first chunk to raise the
     running maximum holds the first position of the tensor's maximum; recomputed there once
     (unless the rows still hold it) instead of an `argmax` in every chunk that raised it (the
-    same values, so the same index: numpy's argmax, like torch's, returns the first maximum)."""
+    same values, so the same index: numpy's argmax returns the first maximum)."""
     import numpy as np
 
     i = s.max_chunk
     _, xd = _chunk_diff(r, t, i, scale, x, s.held)
     s.held = i
-    return i + int(np.argmax(_work.np[1, : xd.numel()]))
+    return i + int(np.argmax(xd))
 
 
 def _nonfinite_chunk(s: _Sums, i: int, xr, xt, equal: int | None) -> None:
     """The slow path of a chunk holding NaN/Inf: counted apart, the finite positions summed.
     `equal`: the positions with equal bits (same dtype), else equal values are counted here."""
-    import torch
+    import numpy as np
 
-    s.equal += equal if equal is not None else int((xr == xt).sum())
-    rn, tn = torch.isnan(xr), torch.isnan(xt)
-    ri, ti = torch.isinf(xr), torch.isinf(xt)
-    s.nan_mismatch += int((rn != tn).sum())
-    s.nan_both += int((rn & tn).sum())
-    s.inf_mismatch += int(((ri | ti) & ~((ri & ti) & (xr == xt))).sum())
+    s.equal += equal if equal is not None else int(np.count_nonzero(xr == xt))
+    rn, tn = np.isnan(xr), np.isnan(xt)
+    ri, ti = np.isinf(xr), np.isinf(xt)
+    s.nan_mismatch += int(np.count_nonzero(rn != tn))
+    s.nan_both += int(np.count_nonzero(rn & tn))
+    s.inf_mismatch += int(np.count_nonzero((ri | ti) & ~((ri & ti) & (xr == xt))))
     ok = ~(rn | tn | ri | ti)
     rr, tt = xr[ok], xt[ok]
-    if rr.numel() == 0:
+    if rr.size == 0:
         return
-    s.nr2 += float(torch.dot(rr, rr))
-    s.nt2 += float(torch.dot(tt, tt))
-    s.dot += float(torch.dot(rr, tt))
-    d = (tt - rr).abs_()
-    s.diff2 += float(torch.dot(d, d))
+    s.nr2 += float(np.dot(rr, rr))
+    s.nt2 += float(np.dot(tt, tt))
+    s.dot += float(np.dot(rr, tt))
+    d = np.abs(tt - rr)
+    s.diff2 += float(np.dot(d, d))
     s.sum_abs += float(d.sum())
-    mv, mi = torch.max(d, 0)
-    s.chunk_bounds.append((float(mv), i))
-    if float(mv) > s.max_abs:
-        s.max_abs, s.max_chunk = float(mv), -1
-        s.max_at = i + int(torch.nonzero(ok)[int(mi)])
-    s.counted += rr.numel()
+    mi = int(np.argmax(d))
+    mv = float(d[mi])
+    s.chunk_bounds.append((mv, i))
+    if mv > s.max_abs:
+        s.max_abs, s.max_chunk = mv, -1
+        s.max_at = i + int(np.flatnonzero(ok)[mi])
+    s.counted += rr.size
 
 
 def _metrics(s: _Sums, r, t, shape: tuple, scale: float) -> TensorMetrics:
     """The metrics of the module docstring from the sums (norms and errors back in true units)."""
-    n = r.numel()
+    n = r.shape[0]
     nr2, nt2, dot = s.nr2, s.nt2, s.dot
     res = TensorMetrics(
         numel=n, nan_mismatch=s.nan_mismatch, inf_mismatch=s.inf_mismatch, nan_both=s.nan_both
@@ -367,7 +366,7 @@ def _elem_pass(r, t, s: _Sums, rms: float, scale: float) -> float:
     Every denominator is at least rms, so a chunk whose max |t − r| / rms is no more than the best
     found so far cannot hold the maximum: chunks are visited largest error first and the pass stops
     there (exact; on noise-like differences it visits a few chunks)."""
-    import torch
+    import numpy as np
 
     x = _work_rows()
     best = 0.0
@@ -376,12 +375,13 @@ def _elem_pass(r, t, s: _Sums, rms: float, scale: float) -> float:
             break
         xr, xd = _chunk_diff(r, t, i, scale, x, s.held)
         s.held = -1  # divided in place below
-        xr.abs_().clamp_(min=rms)
-        xd.div_(xr)
-        top = float(xd.amax()) if i not in s.nonfinite else math.inf
+        np.abs(xr, out=xr)
+        np.maximum(xr, rms, out=xr)
+        np.divide(xd, xr, out=xd)
+        top = float(xd.max()) if i not in s.nonfinite else math.inf
         if not math.isfinite(top):  # NaN / Inf in the chunk, or a quotient past float64's range
-            finite = xd[torch.isfinite(xd)]
-            top = float(finite.max()) if finite.numel() else 0.0
+            finite = xd[np.isfinite(xd)]
+            top = float(finite.max()) if finite.size else 0.0
         best = max(best, top)
     return best
 
@@ -403,14 +403,16 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int | None = None
     Rows are taken `rows_per_chunk` at a time (default: as many as fit `LOGITS_CHUNK_BYTES` in
     float64, at least one: 13 rows of a 152k vocabulary; a fixed 256 rows held about 2 GiB of
     float64 blocks for such a vocabulary). `kl_mean` / `kl_max` are null when a row's KL is
-    infinite (`kl_inf_rows` counts them)."""
-    import torch
+    infinite (`kl_inf_rows` counts them). The top-k sets are taken with `argpartition` (linear in
+    the vocabulary); a NaN logit ranks above every number."""
+    import numpy as np
 
-    if tuple(ref.shape) != tuple(target.shape) or ref.dim() == 0:
+    ref, target = as_array(ref), as_array(target)
+    if tuple(ref.shape) != tuple(target.shape) or ref.ndim == 0:
         return {}
     vocab = ref.shape[-1]
-    r = ref.detach().reshape(-1, vocab)
-    t = target.detach().reshape(-1, vocab)
+    r = ref.reshape(-1, vocab)
+    t = target.reshape(-1, vocab)
     k = min(topk, vocab)
     rows = r.shape[0]
     if rows_per_chunk is None:
@@ -419,23 +421,22 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int | None = None
     kl_sum = 0.0
     kl_max = 0.0
     kl_inf = 0
-    for i in range(0, rows, rows_per_chunk):
-        rc = r[i : i + rows_per_chunk].to(torch.float64)
-        tc = t[i : i + rows_per_chunk].to(torch.float64)
-        agree += int((rc.argmax(-1) == tc.argmax(-1)).sum())
-        ri = rc.topk(k, dim=-1).indices
-        ti = tc.topk(k, dim=-1).indices
-        overlap += int((ri.unsqueeze(-1) == ti.unsqueeze(-2)).any(-1).sum())
-        lp = torch.log_softmax(rc, -1)
-        lq = torch.log_softmax(tc, -1)
-        p = lp.exp()
-        # 0·log(0/q) = 0: entries the reference masks (-inf logits) add nothing; a NaN row counts as
-        # infinitely far, like a target that gives zero probability where the reference does not
-        kl = torch.where(p > 0, p * (lp - lq), 0.0).sum(-1)
-        kl = torch.nan_to_num(kl, nan=math.inf, posinf=math.inf)
-        kl_inf += int(torch.isinf(kl).sum())
-        kl_sum += float(kl.sum())
-        kl_max = max(kl_max, float(kl.max()))
+    with np.errstate(all="ignore"):
+        for i in range(0, rows, rows_per_chunk):
+            rc = as_float64(r[i : i + rows_per_chunk])
+            tc = as_float64(t[i : i + rows_per_chunk])
+            agree += int(np.count_nonzero(rc.argmax(-1) == tc.argmax(-1)))
+            ri, ti = _top_k(rc, k), _top_k(tc, k)
+            overlap += int(np.count_nonzero((ri[:, :, None] == ti[:, None, :]).any(-1)))
+            lp, lq = _log_softmax(rc), _log_softmax(tc)
+            p = np.exp(lp)
+            # 0·log(0/q) = 0: entries the reference masks (-inf logits) add nothing; a NaN row counts
+            # as infinitely far, like a target that gives zero probability where the reference does not
+            kl = np.where(p > 0, p * (lp - lq), 0.0).sum(-1)
+            kl = np.nan_to_num(kl, nan=math.inf, posinf=math.inf)
+            kl_inf += int(np.count_nonzero(np.isinf(kl)))
+            kl_sum += float(kl.sum())
+            kl_max = max(kl_max, float(kl.max()))
     return {
         "argmax_agree": agree / rows if rows else 1.0,
         f"top{k}_overlap": overlap / (rows * k) if rows else 1.0,
@@ -443,3 +444,23 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int | None = None
         "kl_max": _finite(kl_max),  # null when some row is infinitely far
         "kl_inf_rows": kl_inf,
     }
+
+
+def _top_k(x, k: int):
+    """[rows, k] column indices of each row's k largest values (in no order; NaN largest)."""
+    import numpy as np
+
+    key = -x
+    if np.isnan(key).any():
+        key = np.where(np.isnan(key), -math.inf, key)
+    if k >= x.shape[-1]:
+        return np.broadcast_to(np.arange(x.shape[-1]), x.shape)
+    return np.argpartition(key, k - 1, axis=-1)[:, :k]
+
+
+def _log_softmax(x):
+    """log softmax over the last dim of a float64 [rows, vocab] block (max subtracted first)."""
+    import numpy as np
+
+    shifted = x - x.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))

@@ -33,11 +33,11 @@ def declared_scale(*records) -> float | None:
 
 def tolerance(dtype: str | None, scale: float) -> float:
     """atol = K · ε(dtype) · scale (module docstring)."""
-    import torch
+    from ffdebug.arrays import dtype as np_dtype
+    from ffdebug.arrays import eps, is_floating
 
-    name = (dtype or "float32").replace("torch.", "")
-    finfo = torch.finfo(getattr(torch, name, torch.float32))
-    return K * finfo.eps * abs(scale)
+    dt = np_dtype(dtype or "float32")
+    return K * eps(dt if dt is not None and is_floating(dt) else np_dtype("float32")) * abs(scale)
 
 
 def within(r, t, max_abs: float | None) -> bool:

@@ -35,6 +35,7 @@ import math
 from collections.abc import Callable
 
 from ffdebug import verdict as V
+from ffdebug.arrays import as_float64, is_floating
 from ffdebug.results import StageResult
 
 MAX_SCORES = 1024  # a score stage has at most this many values per token (the expert count)
@@ -56,24 +57,32 @@ def flipped_rows(ref, target, skip: set[int]) -> tuple[list[int], float | None]:
     top half, are closer than the two sides' movements of them together (r_a - r_b <=
     |t_a - r_a| + |t_b - r_b|): the sides may order them either way, or tie them, which `topk`
     breaks as it likes."""
-    import torch
+    import numpy as np
 
-    r, t = ref.double(), target.double()
+    r, t = as_float64(ref), as_float64(target)
     n, e = r.shape
     top = min(max(1, e // 2), e - 1)
-    order = r.argsort(dim=-1, descending=True, stable=True)
-    moved = (t - r).abs()
+    order = np.argsort(-r, axis=-1, kind="stable")  # descending, ties in column order
+    moved = np.abs(t - r)
     above, below = order[:, :top], order[:, 1 : top + 1]
-    gap = r.gather(1, above) - r.gather(1, below)
-    reach = moved.gather(1, above) + moved.gather(1, below)
+    gap = np.take_along_axis(r, above, 1) - np.take_along_axis(r, below, 1)
+    reach = np.take_along_axis(moved, above, 1) + np.take_along_axis(moved, below, 1)
     near = (gap <= reach).any(-1)
-    out = [row for row in torch.nonzero(near).flatten().tolist() if row not in skip]
+    out = [row for row in np.flatnonzero(near).tolist() if row not in skip]
     keep = [i for i in range(n) if i not in skip and i not in out]
     if not keep:
         return out, None
     kr, kt = r[keep], t[keep]
-    norm = float(kr.norm())
-    return out, (float((kt - kr).norm()) / norm if norm > 0 else None)
+    norm = _norm(kr)
+    return out, (_norm(kt - kr) / norm if norm > 0 else None)
+
+
+def _norm(x) -> float:
+    """‖x‖ of a float64 array (all its elements)."""
+    import numpy as np
+
+    flat = x.reshape(-1)
+    return math.sqrt(float(np.dot(flat, flat)))
 
 
 def explain(
@@ -116,17 +125,19 @@ def _usable(e: StageResult, pair: tuple) -> bool:
 def hot_rows(ref, target, n_tokens: int, skip: set[int]) -> set[int]:
     """Token rows whose error stands out: more than `HOT` x the median row's (rows in `skip` left
     out), measured against the rms row norm of the reference."""
-    import torch
+    import numpy as np
 
-    r, t = ref.double().reshape(n_tokens, -1), target.double().reshape(n_tokens, -1)
+    r, t = as_float64(ref).reshape(n_tokens, -1), as_float64(target).reshape(n_tokens, -1)
     rows = [i for i in range(n_tokens) if i not in skip]
     if len(rows) < 2:
         return set()
-    scale = float(r[rows].norm()) / math.sqrt(len(rows))
+    scale = _norm(r[rows]) / math.sqrt(len(rows))
     if scale == 0.0:
         return set()
-    err = (t - r).norm(dim=-1) / scale
-    median = float(torch.median(err[rows]))
+    d = t - r
+    err = np.sqrt(np.einsum("ij,ij->i", d, d)) / scale
+    kept = np.sort(err[rows])
+    median = float(kept[(len(kept) - 1) // 2])  # the lower median of an even count
     return {i for i in rows if float(err[i]) > HOT * median and float(err[i]) > 0.0}
 
 
@@ -218,14 +229,14 @@ def _measure(e: StageResult, r, t, flipped: list[int], n_tokens: int, thresholds
     """`e`'s metrics (tensors `r`, `t`) over the token rows outside `flipped`, the grade they give
     (bands, the element-wise rule: what confirms a flip) and the grade they are reported with
     (the amplified-precision rule applied too), or None when there is nothing left to measure."""
-    import torch
+    import numpy as np
 
     from ffdebug.comparison.metrics import compare_tensors
 
-    if not (r.is_floating_point() and t.is_floating_point()):
+    if not (is_floating(r.dtype) and is_floating(t.dtype)):
         return None
     r2, t2 = r.reshape(n_tokens, -1), t.reshape(n_tokens, -1)
-    keep = torch.ones(n_tokens, dtype=torch.bool)
+    keep = np.ones(n_tokens, dtype=bool)
     keep[flipped] = False
     if not bool(keep.any()):
         return None

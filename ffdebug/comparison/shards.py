@@ -26,7 +26,7 @@ def candidates(parts: list) -> list[tuple[str, Plan, object]]:
     shapes = [tuple(p.shape) for p in parts]
     if Sum().fits(shapes):
         out.append((f"sum over {n} ranks (pre-all-reduce partial sums)", Sum(), Sum().apply(parts)))
-    for dim in range(parts[0].dim()):
+    for dim in range(parts[0].ndim):
         plan = Concat(dim)
         if plan.fits(shapes):
             out.append((f"concatenation of {n} shards along dim {dim}", plan, plan.apply(parts)))

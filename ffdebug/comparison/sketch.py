@@ -24,40 +24,40 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ffdebug.arrays import as_array, as_float64
+
 SKETCH_BUCKETS = 1024
 CHUNK = 1 << 20  # elements hashed at a time
 
-# splitmix64 constants as signed int64 (torch has no uint64 arithmetic)
-_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
-_MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MUL2 = 0x94D049BB133111EB - (1 << 64)
-
-
-def _shr(z, n: int):
-    """Logical right shift of int64 values (torch's `>>` is arithmetic)."""
-    return (z >> n) & ((1 << (64 - n)) - 1)
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's constants (uint64, wrapping)
+_MUL1 = 0xBF58476D1CE4E5B9
+_MUL2 = 0x94D049BB133111EB
 
 
 def _hash(index, seed: int):
-    """splitmix64(index + seed · γ) on int64, wrapping like uint64."""
-    z = index * _GAMMA + (seed * 0x632BE59BD9B4E019 & ((1 << 62) - 1))
-    z = (z ^ _shr(z, 30)) * _MUL1
-    z = (z ^ _shr(z, 27)) * _MUL2
-    return z ^ _shr(z, 31)
+    """splitmix64(index + seed · γ) of uint64 indices, wrapping."""
+    import numpy as np
+
+    u = np.uint64
+    z = index * u(_GAMMA) + u(seed * 0x632BE59BD9B4E019 & ((1 << 62) - 1))
+    z = (z ^ (z >> u(30))) * u(_MUL1)
+    z = (z ^ (z >> u(27))) * u(_MUL2)
+    return z ^ (z >> u(31))
 
 
 def sketch(tensor, seed: int = 0, buckets: int = SKETCH_BUCKETS):
     """S(x): the float64 sketch of `tensor` (any shape, flattened in row-major order)."""
-    import torch
+    import numpy as np
 
-    flat = tensor.detach().reshape(-1)
-    out = torch.zeros(buckets, dtype=torch.float64)
-    for start in range(0, flat.numel(), CHUNK):
-        x = flat[start : start + CHUNK].to("cpu", torch.float64)
-        h = _hash(torch.arange(start, start + x.numel(), dtype=torch.int64), seed)
-        bucket = h & (buckets - 1)
-        sign = 1.0 - 2.0 * (_shr(h, 40) & 1).to(torch.float64)
-        out.index_add_(0, bucket, x * sign)
+    flat = as_array(tensor).reshape(-1)
+    out = np.zeros(buckets, dtype=np.float64)
+    with np.errstate(over="ignore"):  # the hash wraps by design
+        for start in range(0, flat.shape[0], CHUNK):
+            x = as_float64(flat[start : start + CHUNK])
+            h = _hash(np.arange(start, start + x.shape[0], dtype=np.uint64), seed)
+            bucket = (h & np.uint64(buckets - 1)).astype(np.intp)
+            sign = 1.0 - 2.0 * ((h >> np.uint64(40)) & np.uint64(1)).astype(np.float64)
+            out += np.bincount(bucket, weights=x * sign, minlength=buckets)
     return out
 
 
@@ -70,10 +70,12 @@ class SketchEstimate:
 
 def estimate(ref_sketch, target_sketch, ref_norm: float, target_norm: float) -> SketchEstimate:
     """rel and cos of two tensors from their sketches and their exact L2 norms."""
-    import torch
+    import numpy as np
 
-    d2 = float((target_sketch.double() - ref_sketch.double()).pow(2).sum())
-    equal = bool(torch.equal(ref_sketch, target_sketch))
+    r, t = as_float64(as_array(ref_sketch)), as_float64(as_array(target_sketch))
+    d = t - r
+    d2 = float(np.dot(d, d))
+    equal = bool(np.array_equal(r, t))
     if ref_norm == 0.0 and target_norm == 0.0:
         return SketchEstimate(rel=0.0, cos=1.0, equal=equal)
     rel = math.sqrt(d2) / ref_norm if ref_norm else None

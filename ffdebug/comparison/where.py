@@ -21,6 +21,7 @@ for the squares, and took 8-11 x as long as the metrics of the same pair (bench/
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ffdebug._chunks import CHUNK, copy_in, work_rows
@@ -53,7 +54,7 @@ def axes_of(key: str, shape: list[int] | None) -> tuple[str, ...] | None:
 
 def _rel(diff2, ref2) -> list[float | None]:
     return [
-        float((d / r).sqrt()) if float(r) > 0 else (0.0 if float(d) == 0 else None)
+        math.sqrt(float(d) / float(r)) if float(r) > 0 else (0.0 if float(d) == 0 else None)
         for d, r in zip(diff2, ref2)
     ]
 
@@ -76,16 +77,16 @@ def breakdown(key: str, ref, target) -> Where | None:
     axes = axes_of(key, list(shape))
     if axes is None or shape != tuple(target.shape) or 0 in shape:
         return None
-    sums = row_sums(ref.detach().reshape(-1), target.detach().reshape(-1), shape[-1])
+    sums = row_sums(ref.reshape(-1), target.reshape(-1), shape[-1])
     if sums is None:
         return None
-    d2, r2 = (x.view(shape[:-1]) for x in sums)  # [batch, token] or [batch, token, head]
-    others = [i for i in range(d2.dim()) if i != 1]
+    d2, r2 = (x.reshape(shape[:-1]) for x in sums)  # [batch, token] or [batch, token, head]
+    others = tuple(i for i in range(d2.ndim) if i != 1)
     per_token = _rel(d2.sum(others), r2.sum(others))
     per_head = None
     if "head" in axes:
         per_head = _rel(d2.sum((0, 1)), r2.sum((0, 1)))
-    by_token = (d2, r2) if d2.dim() == 2 else (d2.sum(-1), r2.sum(-1))
+    by_token = (d2, r2) if d2.ndim == 2 else (d2.sum(-1), r2.sum(-1))
     return Where(axes, per_token, per_head, _rise(per_token), by_token)
 
 
@@ -103,7 +104,7 @@ def token_runs(key: str, ref, target, coords=None, where: Where | None = None):
             return None
         if coords.shape[0] != shape[0]:  # the mask's tokens are not this stage's rows
             return None
-        sums = row_sums(ref.detach().reshape(-1), target.detach().reshape(-1), ref.numel() // shape[0])
+        sums = row_sums(ref.reshape(-1), target.reshape(-1), ref.size // shape[0])
         return None if sums is None else runs.capped(runs.of_packed(*sums, coords))
     where = where if where is not None else breakdown(key, ref, target)
     if where is None or where.token_sums is None:
@@ -114,55 +115,56 @@ def token_runs(key: str, ref, target, coords=None, where: Where | None = None):
 def row_sums(r, t, width: int):
     """(Σ (t − r)², Σ r²) of each `width`-element row of the flat tensors, in float64 (a vector of
     numel / width each); None when a sum is not finite (NaN / Inf, or squares past float64)."""
-    import torch
+    import numpy as np
 
-    from ffdebug._chunks import single_thread
-
-    rows = r.numel() // width
-    d2 = torch.empty(rows, dtype=torch.float64)
-    r2 = torch.empty(rows, dtype=torch.float64)
-    with single_thread():
+    rows = r.shape[0] // width
+    d2 = np.empty(rows, dtype=np.float64)
+    r2 = np.empty(rows, dtype=np.float64)
+    with np.errstate(all="ignore"):
         if width <= CHUNK:
             _whole_rows(r, t, width, d2, r2)
         else:
             _long_rows(r, t, width, d2, r2)
-    if not (bool(torch.isfinite(d2).all()) and bool(torch.isfinite(r2).all())):
+    if not (bool(np.isfinite(d2).all()) and bool(np.isfinite(r2).all())):
         return None
     return d2, r2
 
 
 def _whole_rows(r, t, width: int, d2, r2) -> None:
     """Rows of at most CHUNK elements: CHUNK // width whole rows per block."""
-    import torch
+    import numpy as np
 
-    x, _ = work_rows()
+    x = work_rows()
     per = CHUNK // width
-    n_rows = d2.numel()
+    n_rows = d2.shape[0]
     for row in range(0, n_rows, per):
         k = min(per, n_rows - row)
         m = k * width
         xr, xt = x[0, :m], x[1, :m]
         copy_in(xr, r[row * width : row * width + m])
         copy_in(xt, t[row * width : row * width + m])
-        xt.sub_(xr).mul_(xt)  # (t − r)²
-        xr.mul_(xr)
-        torch.sum(xt.view(k, width), dim=1, out=d2[row : row + k])
-        torch.sum(xr.view(k, width), dim=1, out=r2[row : row + k])
+        np.subtract(xt, xr, out=xt)
+        np.multiply(xt, xt, out=xt)  # (t − r)²
+        np.multiply(xr, xr, out=xr)
+        np.sum(xt.reshape(k, width), axis=1, out=d2[row : row + k])
+        np.sum(xr.reshape(k, width), axis=1, out=r2[row : row + k])
 
 
 def _long_rows(r, t, width: int, d2, r2) -> None:
     """Rows longer than CHUNK: each row summed in CHUNK-element pieces, in order."""
-    x, _ = work_rows()
-    for row in range(d2.numel()):
+    import numpy as np
+
+    x = work_rows()
+    for row in range(d2.shape[0]):
         sd = sr = 0.0
         for j in range(row * width, (row + 1) * width, CHUNK):
             m = min(CHUNK, (row + 1) * width - j)
             xr, xt = x[0, :m], x[1, :m]
             copy_in(xr, r[j : j + m])
             copy_in(xt, t[j : j + m])
-            xt.sub_(xr)
-            sd += float(xt.dot(xt))
-            sr += float(xr.dot(xr))
+            np.subtract(xt, xr, out=xt)
+            sd += float(np.dot(xt, xt))
+            sr += float(np.dot(xr, xr))
         d2[row], r2[row] = sd, sr
 
 
@@ -177,7 +179,7 @@ def locate(e, rt, tt, coords=None) -> None:
     """Where inside the tensor the error of stage result `e` sits: per token / head, the named
     max-error coordinate, and the runs of wrong tokens per sequence (`coords`: a packed pair's
     rows in the padded reference's (sequence, position), `comparison/align.py`)."""
-    packed = coords is not None and rt.dim() >= 2 and coords.shape[0] == rt.shape[0]
+    packed = coords is not None and rt.ndim >= 2 and coords.shape[0] == rt.shape[0]
     # a packed pair [T, ...] is read as one row of T tokens: its heads are the stage's heads, its
     # tokens are placed in the reference's (sequence, position) by `coords`
     w = breakdown(e.key, rt[None], tt[None]) if packed else breakdown(e.key, rt, tt)

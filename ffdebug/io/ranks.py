@@ -91,9 +91,9 @@ class Concat(Plan):
         return tuple(out)
 
     def apply(self, parts):
-        import torch
+        import numpy as np
 
-        return torch.cat(list(parts), dim=self.dim)
+        return np.concatenate(list(parts), axis=self.dim)
 
 
 @dataclass(frozen=True)
@@ -116,14 +116,14 @@ class ConcatZigzag(Plan):
         return tuple(out)
 
     def apply(self, parts):
-        import torch
+        import numpy as np
 
         self.shape([tuple(p.shape) for p in parts])
         chunks: list = [None] * (2 * self.cp)
         for r, p in enumerate(parts):
-            first, second = p.chunk(2, dim=self.dim)
+            first, second = np.split(p, 2, axis=self.dim)
             chunks[r], chunks[2 * self.cp - 1 - r] = first, second
-        return torch.cat(chunks, dim=self.dim)
+        return np.concatenate(chunks, axis=self.dim)
 
 
 @dataclass(frozen=True)
@@ -137,11 +137,11 @@ class Sum(Plan):
         return _same(shapes)
 
     def apply(self, parts):
-        import torch
+        from ffdebug.arrays import as_float64
 
-        acc = parts[0].to(torch.float64)
+        acc = as_float64(parts[0])
         for p in parts[1:]:
-            acc = acc + p.to(torch.float64)
+            acc += as_float64(p)
         return acc
 
 
@@ -192,12 +192,12 @@ class ExpertGather(Plan):
         return tuple(out)
 
     def apply(self, parts):
-        import torch
+        import numpy as np
 
         ids = self._ids([tuple(p.shape) for p in parts])
-        stacked = torch.cat(list(parts), dim=self.dim)
-        order = torch.argsort(torch.tensor(ids))
-        return stacked.index_select(self.dim, order)
+        stacked = np.concatenate(list(parts), axis=self.dim)
+        order = np.argsort(np.array(ids), kind="stable")
+        return np.take(stacked, order, axis=self.dim)
 
 
 @dataclass(frozen=True)
@@ -224,17 +224,16 @@ class Staged(Plan):
 
 def replica_mismatch(parts: Sequence) -> list[int]:
     """Indices of the parts whose bytes (or dtype) differ from part 0's."""
-    import torch
+    import numpy as np
 
     def raw(x):
-        x = x.contiguous().reshape(-1)
-        return x.view(torch.uint8) if x.dtype != torch.bool else x
+        return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
     base = parts[0]
     return [
         i
         for i, p in enumerate(parts[1:], start=1)
-        if p.dtype != base.dtype or not torch.equal(raw(p), raw(base))
+        if p.dtype != base.dtype or p.shape != base.shape or not np.array_equal(raw(p), raw(base))
     ]
 
 

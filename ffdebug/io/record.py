@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ffdebug.arrays import as_array
 from ffdebug.errors import FFDebugError
 
 REDUCTIONS = ("full", "partial")
@@ -93,13 +94,14 @@ class Record:
         return getattr(self.source, "plan", None)
 
     def load(self):
-        """The tensor (read from its source now; nothing is cached on the record)."""
+        """The tensor as a numpy array (`ffdebug.arrays`), read from its source now; nothing is
+        cached on the record."""
         if self.source is None:
             raise FFDebugError(
                 f"{self.key}: only statistics were dumped (FFDEBUG_FWD_DUMP_MODE=stats or over the "
                 "byte budget); re-run the dump with FFDEBUG_FWD_DUMP_MODE=full"
             )
-        return self.source.load()
+        return as_array(self.source.load())
 
     def verify(self) -> None:
         """Check that the payload is readable without loading it (headers, file presence)."""

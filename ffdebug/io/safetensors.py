@@ -1,13 +1,14 @@
-"""safetensors files read one tensor at a time.
+"""safetensors files read one tensor at a time, as numpy arrays (`ffdebug.arrays`), without torch.
 
-`SafetensorsFile` reads the header once at open (which validates the file) and each tensor on
-demand through `safe_open`. The handle is dropped after every `RECYCLE_BYTES` read so the pages of
-its memory map leave the resident set (a handle kept open for a whole 2 GiB file would keep all
-2 GiB resident).
+Both kinds of file are read here without the safetensors library (whose numpy reader has no
+bfloat16 or float8): the header is parsed and checked, then each tensor's bytes are mapped (zero
+copy; the pages are those of the page cache, faulted in as the comparison reads them, and leave
+the resident set with the array) — or, when not aligned for their dtype, read once with `preadv`
+into the array's own buffer (README "Benchmarks").
 
-Store payload files (one tensor each) are read by `load_payload` without the library: the header
-is parsed and checked here, then the data bytes are mapped (zero copy) — or, when not aligned for
-their dtype, read once with `preadv` into the tensor's own buffer (README "Benchmarks").
+`SafetensorsFile` (a checkpoint shard, many tensors) checks the whole header at open: every
+tensor's dtype, shape and data offsets inside the file. Store payload files (one tensor each)
+are read by `load_payload`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from __future__ import annotations
 import math
 import os
 
-from ffdebug.errors import FFDebugError, short_reason
+from ffdebug.arrays import dtype
+from ffdebug.errors import FFDebugError
 from ffdebug.io.contained import check_regular, loads_bounded, open_regular
-
-RECYCLE_BYTES = 64 << 20
 
 SAFETENSORS_DTYPES = {
     "F64": "float64",
@@ -43,49 +43,40 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def _safe_open(path: str):
-    from safetensors import safe_open
-
-    return safe_open(path, framework="pt")
-
-
-def unreadable(path: str, err: Exception, hint: str) -> FFDebugError:
-    return FFDebugError(f"{path}: unreadable safetensors file ({short_reason(err)}); {hint}")
-
-
 class SafetensorsFile:
-    """Header read once at open (validates the file); tensors read one at a time on demand."""
+    """Header read and checked once at open; tensors mapped one at a time on demand."""
 
     HINT = "it may be truncated or not safetensors — re-save or re-download it"
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._handle = None
-        self._read = 0
         self.meta: dict[str, tuple[tuple[int, ...], str]] = {}
-        check_regular(path, "safetensors file")  # a FIFO or device would block the library's open
+        self._where: dict[str, tuple[int, int]] = {}  # name -> (file offset, bytes)
+        check_regular(path, "safetensors file")  # a FIFO or device would block the open
+        fd = open_regular(path, "safetensors file", self.HINT)
         try:
-            f = _safe_open(path)
-            for name in f.keys():
-                sl = f.get_slice(name)
-                code = sl.get_dtype()
-                self.meta[name] = (tuple(sl.get_shape()), SAFETENSORS_DTYPES.get(code, code.lower()))
-            del f
-        except Exception as err:  # SafetensorError, OSError, ValueError, ...
-            raise unreadable(path, err, self.HINT) from None
+            size = os.fstat(fd).st_size
+            n, header = _read_header(fd, path, size, self.HINT)
+        finally:
+            os.close(fd)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype, shape = _dtype_and_shape(path, name, info, self.HINT)
+            begin, nbytes = _extent(path, name, info, dtype, shape, size - 8 - n, self.HINT)
+            self.meta[name] = (shape, str(dtype))
+            self._where[name] = (8 + n + begin, nbytes)
 
     def get(self, name: str):
+        """Tensor `name` as a numpy array over a private mapping of the file (or a copy where
+        its data is not aligned for its dtype)."""
+        shape, code = self.meta[name]
+        start, nbytes = self._where[name]
+        fd = open_regular(self.path, "safetensors file", self.HINT)
         try:
-            if self._handle is None:
-                self._handle = _safe_open(self.path)
-            t = self._handle.get_tensor(name)
-        except Exception as err:
-            self._handle = None
-            raise unreadable(self.path, err, self.HINT) from None
-        self._read += t.numel() * t.element_size()
-        if self._read >= RECYCLE_BYTES:
-            self._handle, self._read = None, 0
-        return t
+            return _array_at(fd, os.fstat(fd).st_size, start, nbytes, dtype(code), shape, self.path)
+        finally:
+            os.close(fd)
 
 
 _STORE_HINT = "it may be truncated — re-run the dump"
@@ -93,29 +84,37 @@ _MISSING = "the store is incomplete — re-run the dump"
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own header limit
 
 
-def _read_header(fd: int, path: str, size: int) -> tuple[int, dict]:
+def _read_header(fd: int, path: str, size: int, hint: str = _STORE_HINT) -> tuple[int, dict]:
     """(header length, header object) of the safetensors file open on `fd` (`size` bytes)."""
     head = os.pread(fd, 8, 0)
     if len(head) < 8:
-        raise _damaged(path, "shorter than a safetensors header")
+        raise _damaged(path, "shorter than a safetensors header", hint)
     n = int.from_bytes(head, "little")
     if n > MAX_HEADER_BYTES or n > size - 8:
-        raise _damaged(path, f"header length {n} exceeds the file")
+        raise _damaged(path, f"header length {n} exceeds the file", hint)
     header = os.pread(fd, n, 8) if n else b""
     try:
         meta = loads_bounded(header.decode("utf-8"), path, "safetensors header")
     except (UnicodeDecodeError, FFDebugError):
-        raise _damaged(path, "header is not JSON") from None
+        raise _damaged(path, "header is not JSON", hint) from None
     if not isinstance(meta, dict):
-        raise _damaged(path, "header is not a JSON object")
+        raise _damaged(path, "header is not a JSON object", hint)
     return n, meta
 
 
-def _offsets(path: str, name: str, info) -> tuple[int, int]:
+def _offsets(path: str, name: str, info, hint: str = _STORE_HINT) -> tuple[int, int]:
     offsets = info.get("data_offsets") if isinstance(info, dict) else None
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-        raise _damaged(path, f"tensor {name[:40]!r} has no valid data_offsets")
+        raise _damaged(path, f"tensor {name[:40]!r} has no valid data_offsets", hint)
     return offsets[0], offsets[1]
+
+
+def _extent(path: str, name: str, info, dt, shape, data_bytes: int, hint: str) -> tuple[int, int]:
+    """(offset in the data section, bytes) of one tensor, checked to fit its shape and the file."""
+    begin, end = _offsets(path, name, info, hint)
+    if not 0 <= begin <= end <= data_bytes or end - begin != math.prod(shape) * dt.itemsize:
+        raise _damaged(path, f"tensor {name[:40]!r} has data_offsets [{begin}, {end}] that do not fit", hint)
+    return begin, end - begin
 
 
 def verify_payload(path: str) -> None:
@@ -134,17 +133,13 @@ def verify_payload(path: str) -> None:
         raise _damaged(path, f"data ends at {end} but the file holds {size - 8 - n} bytes")
 
 
-def _damaged(path: str, reason: str) -> FFDebugError:
-    return FFDebugError(f"{path}: unreadable safetensors file ({reason}); {_STORE_HINT}")
+def _damaged(path: str, reason: str, hint: str = _STORE_HINT) -> FFDebugError:
+    return FFDebugError(f"{path}: unreadable safetensors file ({reason}); {hint}")
 
 
 def load_payload(path: str, name: str):
-    """One tensor of a store payload file, through a checked descriptor: the header is parsed and
-    checked here, then the data is mapped (`_mapped`) — no copy; the pages are those of the page
-    cache, faulted in as the comparison reads them — or, where the data is not aligned for its
-    dtype, read once with `preadv` into the tensor's own buffer."""
-    import torch
-
+    """One tensor of a store payload file as a numpy array, through a checked descriptor: the
+    header is parsed and checked here, then the data is mapped (`_array_at`)."""
     fd = open_regular(path, "payload file", _MISSING)
     try:
         size = os.fstat(fd).st_size
@@ -154,23 +149,28 @@ def load_payload(path: str, name: str):
             raise FFDebugError(
                 f"{path}: payload holds no tensor {name[:80]!r}; the store is damaged — re-run the dump"
             )
-        dtype, shape = _dtype_and_shape(path, name, info)
-        begin, end = _offsets(path, name, info)
-        numel = math.prod(shape)
-        if not 0 <= begin <= end <= size - 8 - n or end - begin != numel * dtype.itemsize:
-            raise _damaged(path, f"tensor {name[:40]!r} has data_offsets [{begin}, {end}] that do not fit")
-        start = 8 + n + begin
-        if end > begin and start % dtype.itemsize == 0:
-            return _mapped(fd, size, start, end - begin).view(dtype).reshape(shape)
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        _pread_into(fd, buf, start, path)
+        dt, shape = _dtype_and_shape(path, name, info)
+        begin, nbytes = _extent(path, name, info, dt, shape, size - 8 - n, _STORE_HINT)
+        return _array_at(fd, size, 8 + n + begin, nbytes, dt, shape, path)
     finally:
         os.close(fd)
-    return buf.view(dtype).reshape(shape)
+
+
+def _array_at(fd: int, size: int, start: int, nbytes: int, dt, shape: tuple, path: str):
+    """`nbytes` bytes of the file open on `fd` at `start`, as an array of `dt` and `shape`:
+    mapped (`_mapped`, no copy) where the bytes are aligned for the dtype, else read once with
+    `preadv` into the array's own buffer."""
+    import numpy as np
+
+    if nbytes and start % dt.itemsize == 0:
+        return _mapped(fd, size, start, nbytes).view(dt).reshape(shape)
+    buf = np.empty(nbytes, dtype=np.uint8)
+    _pread_into(fd, buf, start, path)
+    return buf.view(dt).reshape(shape)
 
 
 def _mapped(fd: int, size: int, start: int, nbytes: int):
-    """`nbytes` bytes of the file at `start` as a uint8 tensor over a private mapping (the tensor
+    """`nbytes` bytes of the file at `start` as a uint8 array over a private mapping (the array
     holds the mapping; writes to it copy the page and never reach the file).
 
     Reading a 5 MiB payload this way costs about 1/30 of `preadv` into a fresh buffer (bench/README.md:
@@ -180,31 +180,29 @@ def _mapped(fd: int, size: int, start: int, nbytes: int):
     a file truncated in place by another program while mapped would fault (SIGBUS)."""
     import mmap
 
-    import torch
+    import numpy as np
 
     mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if hasattr(mm, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
         mm.madvise(mmap.MADV_WILLNEED, start - start % mmap.PAGESIZE, nbytes + start % mmap.PAGESIZE)
-    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
+    return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=start)
 
 
-def _dtype_and_shape(path: str, name: str, info: dict):
-    import torch
-
+def _dtype_and_shape(path: str, name: str, info: dict, hint: str = _STORE_HINT):
     if not isinstance(info, dict):
-        raise _damaged(path, f"tensor {name[:40]!r} has no description")
+        raise _damaged(path, f"tensor {name[:40]!r} has no description", hint)
     code, shape = info.get("dtype"), info.get("shape")
-    dtype = getattr(torch, SAFETENSORS_DTYPES.get(code, ""), None) if isinstance(code, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise _damaged(path, f"tensor {name[:40]!r} has an unknown dtype {str(code)[:20]!r}")
+    dt = dtype(SAFETENSORS_DTYPES.get(code, "")) if isinstance(code, str) else None
+    if dt is None:
+        raise _damaged(path, f"tensor {name[:40]!r} has an unknown dtype {str(code)[:20]!r}", hint)
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise _damaged(path, f"tensor {name[:40]!r} has no valid shape")
-    return dtype, tuple(shape)
+        raise _damaged(path, f"tensor {name[:40]!r} has no valid shape", hint)
+    return dt, tuple(shape)
 
 
 def _pread_into(fd: int, buf, offset: int, path: str) -> None:
-    """Fill the uint8 tensor `buf` from `fd` at `offset` (a short file is a damaged store)."""
-    view = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+    """Fill the uint8 array `buf` from `fd` at `offset` (a short file is a damaged store)."""
+    view = memoryview(buf)
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ffdebug.arrays import as_array
 from ffdebug.io.safetensors import SafetensorsFile, load_payload, verify_payload
 
 
@@ -56,7 +57,7 @@ class InMemory:
     origin: str = ""
 
     def load(self):
-        return self.value.detach()
+        return as_array(self.value)
 
     def verify(self) -> None:
         """Nothing to check: the tensor is in memory."""

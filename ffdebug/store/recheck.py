@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from ffdebug.arrays import is_complex
 from ffdebug.io.record import Record
 from ffdebug.store.schema import tensor_stats
 
@@ -13,7 +14,7 @@ from ffdebug.store.schema import tensor_stats
 def payload_facts(tensor) -> tuple[tuple[int, ...], str, dict | None]:
     """(shape, dtype, statistics) of a loaded payload; complex tensors have no statistics (the
     writer stores none for them)."""
-    stats = None if tensor.is_complex() else tensor_stats(tensor)
+    stats = None if is_complex(tensor.dtype) else tensor_stats(tensor)
     return tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), stats
 
 

@@ -45,29 +45,31 @@ WARMUP_PHASES = ("warmup", "warmup_guess")
 def looks_like_dummy_ids(ids) -> bool:
     """A warm-up batch: more than one id, all equal (zeros, pad, BOS repeated)."""
     flat = ids.reshape(-1)
-    return flat.numel() > 1 and bool((flat == flat[0]).all())
+    return flat.shape[0] > 1 and bool((flat == flat[0]).all())
 
 
 STAT_KEYS = ("mean", "std", "min", "max", "absmax", "l2", "nan", "inf", "zero", "numel")
 
 
 def tensor_stats(tensor) -> dict:
-    """Summary statistics in float64, computed in chunks (never a whole float64 copy). A chunk
-    whose sum and sum of squares are finite holds no NaN / Inf and takes five passes (sum, dot,
-    min/max, non-zero count); only the others test every element for NaN / Inf."""
-    from ffdebug._chunks import single_thread
+    """Summary statistics in float64, computed in chunks (never a whole float64 copy), of a numpy
+    array or a torch tensor (taken as a numpy view, `ffdebug.arrays.as_array`). A chunk whose sum
+    and sum of squares are finite holds no NaN / Inf and takes five passes (sum, dot, min, max,
+    non-zero count); only the others test every element for NaN / Inf."""
+    import numpy as np
 
-    with single_thread():
+    with np.errstate(all="ignore"):
         return _tensor_stats(tensor)
 
 
 def _tensor_stats(tensor) -> dict:
-    import torch
+    import numpy as np
 
     from ffdebug._chunks import iter_chunks
+    from ffdebug.arrays import as_array
 
-    flat = tensor.detach().reshape(-1)
-    n = flat.numel()
+    flat = as_array(tensor).reshape(-1)
+    n = flat.shape[0]
     total = 0.0
     total_sq = 0.0
     lo = float("inf")
@@ -75,27 +77,27 @@ def _tensor_stats(tensor) -> dict:
     absmax = 0.0
     nan = inf = zero = finite_n = 0
     for c in iter_chunks(flat):
-        m = c.numel()
-        s, sq = float(c.sum()), float(torch.dot(c, c))
+        m = c.shape[0]
+        s, sq = float(c.sum()), float(np.dot(c, c))
         if math.isfinite(s + sq):  # no NaN / Inf in this chunk: five passes
-            c_lo, c_hi = torch.aminmax(c)
-            zero += m - int(torch.count_nonzero(c))
+            c_lo, c_hi = c.min(), c.max()
+            zero += m - int(np.count_nonzero(c))
             finite_n += m
             total += s
             total_sq += sq
             lo, hi = min(lo, float(c_lo)), max(hi, float(c_hi))
             absmax = max(absmax, hi, -lo)
             continue
-        finite = torch.isfinite(c)
-        nan += int(torch.isnan(c).sum())
-        inf += int(torch.isinf(c).sum())
-        zero += int((c == 0).sum())
+        finite = np.isfinite(c)
+        nan += int(np.count_nonzero(np.isnan(c)))
+        inf += int(np.count_nonzero(np.isinf(c)))
+        zero += int(np.count_nonzero(c == 0))
         c = c[finite]
-        if c.numel() == 0:
+        if c.size == 0:
             continue
-        finite_n += c.numel()
+        finite_n += c.size
         total += float(c.sum())
-        total_sq += float(torch.dot(c, c))
+        total_sq += float(np.dot(c, c))
         lo = min(lo, float(c.min()))
         hi = max(hi, float(c.max()))
         absmax = max(absmax, float(c.abs().max()))
@@ -180,10 +182,11 @@ def run_info(side: str, world_size: int, extra: dict | None = None) -> dict:
 
 def sha256_of_tensor(tensor) -> str:
     """sha256 of the raw bytes (any dtype, bf16 included)."""
-    import torch
+    import numpy as np
 
-    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+    from ffdebug.arrays import as_array
+
+    return hashlib.sha256(np.ascontiguousarray(as_array(tensor)).tobytes()).hexdigest()
 
 
 def dumps_record(record: dict) -> str:
