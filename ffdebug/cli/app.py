@@ -5,6 +5,8 @@ results go to one sink (`ffdebug.report.sink.Output`)."""
 
 from __future__ import annotations
 
+import os
+
 from ffdebug.cli import deferred_rich
 
 deferred_rich.install()  # before typer's help formatter imports rich.markdown and rich.traceback (~95 ms)
@@ -65,6 +67,10 @@ for _module in (
 
 
 def main() -> None:
+    # numpy's BLAS runs the chunk loops' dot products; a thread team per 64 Ki-element dot gains
+    # nothing and spins on a busy machine (`ffdebug._chunks`). Set before numpy loads; a user's
+    # own setting wins.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     app()
 
 

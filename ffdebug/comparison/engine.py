@@ -410,8 +410,7 @@ def _map_units(
     Payloads are read ahead on one thread (`ffdebug.io.prefetch`, at most `READ_AHEAD_BYTES` held)
     while units are compared; with `workers` > 1, whole units go to worker threads (the chunk
     loop releases the GIL inside each kernel). One tensor's reduction never leaves its worker and
-    runs on one intra-op thread, so every value is bit-identical at any worker count."""
-    from ffdebug._chunks import single_thread
+    runs on one BLAS thread, so every value is bit-identical at any worker count."""
     from ffdebug.io.prefetch import ReadAhead, record_bytes
 
     jobs = [_payload_records(u) for u in units]
@@ -433,11 +432,8 @@ def _map_units(
     with ReadAhead(jobs, READ_AHEAD_BYTES) as ahead:
 
         def one(i: int) -> tuple:
-            try:  # single_thread is per Python thread: each worker sets its own
-                with single_thread():
-                    return _compare_unit(
-                        units[i], thresholds, exact, ahead.take(i), unit_mask(i), unit_dtypes(i)
-                    )
+            try:
+                return _compare_unit(units[i], thresholds, exact, ahead.take(i), unit_mask(i), unit_dtypes(i))
             finally:
                 ahead.release(i)
                 if progress is not None:
@@ -450,15 +446,12 @@ def _map_units_forked(units, thresholds, exact, per_unit, n: int, sizes, progres
     """`_map_units` on `n` forked worker processes (`ffdebug.comparison.forked`): each child reads
     its units' payloads itself and sends back their results; the record pairs come back as
     references to the unit's own records (only a record folded from ranks travels whole)."""
-    from ffdebug._chunks import single_thread
-
     unit_mask, unit_dtypes = per_unit
 
     def one(i: int) -> tuple:
-        with single_thread():
-            results, records, reading = _compare_unit(
-                units[i], thresholds, exact, Record.load, unit_mask(i), unit_dtypes(i)
-            )
+        results, records, reading = _compare_unit(
+            units[i], thresholds, exact, Record.load, unit_mask(i), unit_dtypes(i)
+        )
         return results, record_refs(_unit_records(units[i]), records), reading
 
     def what(i: int) -> str:

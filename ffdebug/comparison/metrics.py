@@ -403,8 +403,7 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int | None = None
     Rows are taken `rows_per_chunk` at a time (default: as many as fit `LOGITS_CHUNK_BYTES` in
     float64, at least one: 13 rows of a 152k vocabulary; a fixed 256 rows held about 2 GiB of
     float64 blocks for such a vocabulary). `kl_mean` / `kl_max` are null when a row's KL is
-    infinite (`kl_inf_rows` counts them). The top-k sets are taken with `argpartition` (linear in
-    the vocabulary); a NaN logit ranks above every number."""
+    infinite (`kl_inf_rows` counts them). The top-k sets break ties by column (`_top_k`)."""
     import numpy as np
 
     ref, target = as_array(ref), as_array(target)
@@ -426,8 +425,7 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int | None = None
             rc = as_float64(r[i : i + rows_per_chunk])
             tc = as_float64(t[i : i + rows_per_chunk])
             agree += int(np.count_nonzero(rc.argmax(-1) == tc.argmax(-1)))
-            ri, ti = _top_k(rc, k), _top_k(tc, k)
-            overlap += int(np.count_nonzero((ri[:, :, None] == ti[:, None, :]).any(-1)))
+            overlap += int(np.count_nonzero(_top_k(rc, k) & _top_k(tc, k)))
             lp, lq = _log_softmax(rc), _log_softmax(tc)
             p = np.exp(lp)
             # 0·log(0/q) = 0: entries the reference masks (-inf logits) add nothing; a NaN row counts
@@ -447,15 +445,18 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int | None = None
 
 
 def _top_k(x, k: int):
-    """[rows, k] column indices of each row's k largest values (in no order; NaN largest)."""
+    """[rows, vocab] bool: each row's k largest values, ties at the k-th value taken lowest column
+    first (what a stable descending sort keeps) so the set does not depend on a selection
+    algorithm's order; a NaN ranks above every number. Linear in the vocabulary (`partition`
+    finds the k-th value)."""
     import numpy as np
 
-    key = -x
-    if np.isnan(key).any():
-        key = np.where(np.isnan(key), -math.inf, key)
-    if k >= x.shape[-1]:
-        return np.broadcast_to(np.arange(x.shape[-1]), x.shape)
-    return np.argpartition(key, k - 1, axis=-1)[:, :k]
+    key = np.where(np.isnan(x), math.inf, x)
+    kth = -np.partition(-key, k - 1, axis=-1)[:, k - 1 : k]  # the k-th largest value of each row
+    above = key > kth
+    tied = key == kth
+    need = k - above.sum(-1, keepdims=True)
+    return above | (tied & (np.cumsum(tied, -1) <= need))
 
 
 def _log_softmax(x):

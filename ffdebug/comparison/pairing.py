@@ -60,14 +60,16 @@ class CallGroup:
         return out
 
     def ids_digest(self) -> str | None:
+        import numpy as np
+
         if self.input_ids is None:
             return None
         t = self.input_ids.load()
         if self.token_mask is not None and self.token_mask.has_payload:  # a padded batch: its tokens
-            mask = self.token_mask.load().bool()
+            mask = self.token_mask.load().astype(bool)
             if tuple(mask.shape) == tuple(t.shape) and not bool(mask.all()):
                 t = t[mask]
-        return hashlib.sha256(t.contiguous().numpy().tobytes() + str(list(t.shape)).encode()).hexdigest()
+        return hashlib.sha256(np.ascontiguousarray(t).tobytes() + str(list(t.shape)).encode()).hexdigest()
 
     def ranks(self) -> set[int]:
         return {sk[2] for sk in self.order}
