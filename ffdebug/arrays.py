@@ -217,3 +217,14 @@ def first_difference(r, t):
     pos = np.unravel_index(int(np.argmax(ne.reshape(-1))), r.shape) if r.ndim else ()
     pos = [int(p) for p in pos]
     return pos, scalar(r[tuple(pos)]), scalar(t[tuple(pos)])
+
+
+def as_float32(x):
+    """A float32 copy of an array of any real dtype: exact for float16, bfloat16 and the float8
+    kinds (every value of theirs is a float32), rounded to nearest for float64 (as torch's
+    `.float()`). One-byte floats go through the table of their 256 values (`to_float64`'s)."""
+    import numpy as np
+
+    if is_low_byte_float(x.dtype):
+        return np.take(_byte_table(x.dtype).astype(np.float32), x.view(np.uint8))
+    return x.astype(np.float32)

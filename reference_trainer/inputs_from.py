@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ffdebug.arrays import to_torch
 from reference_trainer.adapters.base import SamplingInputs
 from reference_trainer.errors import ConfigError
 from reference_trainer.taps import INPUT_STAGES
@@ -98,7 +99,7 @@ class InputsFrom:
     def _get(self, key: str, iteration: int) -> torch.Tensor | None:
         rec = self._records.get((key, iteration))
         (self.taken if rec is not None else self.not_taken)[key].append(iteration)
-        return None if rec is None else rec.load()
+        return None if rec is None else to_torch(rec.load())
 
     def take(
         self,
@@ -121,7 +122,7 @@ class InputsFrom:
         if count >= len(recs):
             self.not_taken[key].append(iteration)
             return drawn
-        given = recs[count].load()
+        given = to_torch(recs[count].load())
         if tuple(given.shape) != tuple(drawn.shape):
             raise ConfigError(
                 "--inputs-from",

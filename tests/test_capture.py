@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ffdebug
+from ffdebug.arrays import to_torch
 from ffdebug.store.reader import open_side
 
 CANONICAL = (
@@ -45,8 +46,8 @@ def test_env_dump_one_line_install(tmp_path, monkeypatch, tiny_llama, input_ids)
     store = open_side(tmp_path / "ref")
     assert set(store.keys()) == _expected_keys(4)
     recs = {r.key: r for r in store.records}
-    assert torch.equal(recs["embed.input_ids"].load(), input_ids)
-    assert torch.equal(recs["final.logits"].load(), out.logits)
+    assert torch.equal(to_torch(recs["embed.input_ids"].load()), input_ids)
+    assert torch.equal(to_torch(recs["final.logits"].load()), out.logits)
     assert recs["L002.ffn_out"].layer == 2 and recs["L002.ffn_out"].module_class == "LlamaMLP"
     assert recs["L000.hidden_in"].io == "in" and recs["L000.hidden_out"].io == "out"
     run = json.loads((tmp_path / "ref" / "run.json").read_text())
@@ -88,7 +89,7 @@ def test_clone_on_capture(tmp_path):
     with ffdebug.capture(m, dir=tmp_path, side="s"), torch.no_grad():
         m(x)
     rec = {r.key: r for r in open_side(tmp_path / "s").records}
-    assert float(rec["L000.hidden_out"].load().abs().sum()) > 0  # not zeroed by the later mul_
+    assert float(to_torch(rec["L000.hidden_out"].load()).abs().sum()) > 0  # not zeroed by the later mul_
     del lin
 
 
@@ -227,7 +228,7 @@ def test_weight_dump(tmp_path, monkeypatch, tiny_llama):
     assert "model.layers.0.mlp.up_proj.weight" in keys and "model.embed_tokens.weight" in keys
     assert not any(k.startswith("model.layers.1.") for k in keys)
     rec = next(r for r in store.records if r.key == "model.layers.0.mlp.up_proj.weight")
-    assert torch.equal(rec.load(), tiny_llama.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(to_torch(rec.load()), tiny_llama.model.layers[0].mlp.up_proj.weight)
     # non-persistent buffers (never in a checkpoint) are marked so weights-diff can set them aside
     persistent = {r.key: r.persistent for r in store.records}
     assert (
@@ -281,7 +282,7 @@ def test_first_real_per_step_tags_and_warmup_guess_recorded(tmp_path, tiny_llama
     logits = [(r.step, r.call) for r in recs if r.key == "final.logits"]
     assert logits == [({"optimizer_step": 0}, 0), ({"optimizer_step": 1}, 0)]
     guessed = [r for r in recs if r.phase == "warmup_guess"]
-    assert [r.key for r in guessed] == ["embed.input_ids"] and torch.equal(guessed[0].load(), dummy)
+    assert [r.key for r in guessed] == ["embed.input_ids"] and torch.equal(to_torch(guessed[0].load()), dummy)
 
 
 @pytest.mark.integration
@@ -365,8 +366,8 @@ def test_topk_of_logits(tmp_path, tiny_llama, input_ids):
         logits = tiny_llama(input_ids=input_ids).logits
     recs = {r.key: r for r in open_side(tmp_path / "s").records}
     probs, ids = torch.softmax(logits, dim=-1).topk(3, dim=-1)
-    assert torch.equal(recs["final.topk_ids"].load(), ids)
-    torch.testing.assert_close(recs["final.topk_probs"].load(), probs)
+    assert torch.equal(to_torch(recs["final.topk_ids"].load()), ids)
+    torch.testing.assert_close(to_torch(recs["final.topk_probs"].load()), probs)
 
 
 @pytest.mark.integration
@@ -440,7 +441,7 @@ def test_gated_inputs_keep_their_payload_in_stats_and_sketch_modes(tiny_llama, i
             tiny_llama(input_ids, position_ids=positions)
     store = open_side(str(tmp_path / "ref"))
     pos = next(r for r in store.records if r.key == "embed.position_ids")
-    assert pos.has_payload and torch.equal(pos.load(), positions)
+    assert pos.has_payload and torch.equal(to_torch(pos.load()), positions)
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target", allow_partial=True)
     assert not res.failed()
 

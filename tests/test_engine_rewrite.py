@@ -5,6 +5,7 @@ reference's terms, a norm is a norm whatever its eps."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,16 @@ from ffdebug.selftest.families import inputs
 from ffdebug.selftest.models import build, resolve
 from ffdebug.selftest.rewrite import engine_rewrite
 from ffdebug.selftest.shrink import Sizes
+
+
+def _align(padded, packed, *layouts):
+    """`comparison.align.align` on numpy arrays (what records load), its arrays back as tensors."""
+    from ffdebug.comparison.align import align
+
+    out = align(padded.numpy(), packed.numpy(), *layouts)
+    if out is None:
+        return None
+    return tuple(torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x for x in out)
 
 
 @pytest.fixture(scope="module")
@@ -182,13 +193,13 @@ def test_a_padded_reference_input_is_laid_out_as_the_packed_blocks():
 def test_packed_attention_probabilities_compare_on_each_sequences_diagonal_block():
     """[B, H, S, S] with padding against a packed [1, H, T, T]: each sequence's block is compared;
     a query that reads another sequence's keys changes its block and fails."""
-    from ffdebug.comparison.align import TokenLayout, align
+    from ffdebug.comparison.align import TokenLayout
 
     class Lens:
         has_payload = True
 
         def load(self):
-            return torch.tensor([5, 3])
+            return np.array([5, 3])
 
     g = torch.Generator().manual_seed(0)
     blocks = [torch.softmax(torch.randn(4, n, n, generator=g), -1) for n in (5, 3)]
@@ -196,11 +207,11 @@ def test_packed_attention_probabilities_compare_on_each_sequences_diagonal_block
     packed = torch.zeros(1, 4, 8, 8)
     padded[0, :, :5, :5], packed[0, :, :5, :5] = blocks[0], blocks[0]
     padded[1, :, :3, :3], packed[0, :, 5:, 5:] = blocks[1], blocks[1]
-    ref, tgt, note, coords = align(padded, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
+    ref, tgt, note, coords = _align(padded, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
     assert torch.equal(ref, tgt) and ref.shape == (4, 25 + 9) and coords is None and "diagonal block" in note
     leak = packed.clone()
     leak[0, :, 5:, :] = torch.softmax(torch.randn(4, 3, 8, generator=g), -1)  # sequence 1 reads sequence 0
-    ref, tgt, _, _ = align(padded, leak, TokenLayout(peer_lens=Lens()), TokenLayout())
+    ref, tgt, _, _ = _align(padded, leak, TokenLayout(peer_lens=Lens()), TokenLayout())
     assert torch.equal(ref[:, :25], tgt[:, :25]) and not torch.allclose(ref[:, 25:], tgt[:, 25:])
 
 
@@ -236,32 +247,32 @@ def test_a_norm_with_a_large_eps_is_still_a_norm_and_a_channel_scale_is_not():
 def test_a_packed_row_with_heads_flattened_aligns_token_by_token():
     """[1, T, H·D] (one packed row, heads not split) against [B, S, H, D]: each token's features in
     the padded side's grouping; a different element count stays a mismatch."""
-    from ffdebug.comparison.align import TokenLayout, align
+    from ffdebug.comparison.align import TokenLayout
 
     class Lens:
         has_payload = True
 
         def load(self):
-            return torch.tensor([3, 3])
+            return np.array([3, 3])
 
     padded = torch.randn(2, 3, 2, 4, generator=torch.Generator().manual_seed(1))
     packed = padded.reshape(1, 6, 8).clone()
-    ref, tgt, note, coords = align(padded, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
+    ref, tgt, note, coords = _align(padded, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
     assert torch.equal(ref, tgt) and tgt.shape == (6, 2, 4) and coords.tolist()[3] == [1, 0]  # heads kept
-    assert align(padded, packed[..., :6], TokenLayout(peer_lens=Lens()), TokenLayout()) is None
+    assert _align(padded, packed[..., :6], TokenLayout(peer_lens=Lens()), TokenLayout()) is None
 
 
 def test_heads_first_layouts_align_with_token_first_ones():
     """A packed `[1, H, T, D]` (the layout a kernel reads) against a padded `[B, S, H, D]` or
     `[B, H, S, D]`: token by token in the reference's coordinates; a changed head of one sequence
     stays a difference."""
-    from ffdebug.comparison.align import TokenLayout, align
+    from ffdebug.comparison.align import TokenLayout
 
     class Lens:
         has_payload = True
 
         def load(self):
-            return torch.tensor([3, 2])
+            return np.array([3, 2])
 
     g = torch.Generator().manual_seed(2)
     tokens = torch.randn(5, 4, 8, generator=g)  # [T, H, D]
@@ -269,12 +280,12 @@ def test_heads_first_layouts_align_with_token_first_ones():
     padded[0], padded[1, :2] = tokens[:3], tokens[3:]
     packed = tokens.transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, T, D]
     for ref in (padded, padded.transpose(1, 2).contiguous()):  # token first, heads first
-        r, t, note, coords = align(ref, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
+        r, t, note, coords = _align(ref, packed, TokenLayout(peer_lens=Lens()), TokenLayout())
         assert torch.equal(r, t) and r.shape == (5, 4, 8) and "heads first" in note
         assert coords.tolist()[3] == [1, 0]
     broken = packed.clone()
     broken[0, 2, 4] += 1.0  # head 2 of sequence 1's second token
-    r, t, _, _ = align(padded, broken, TokenLayout(peer_lens=Lens()), TokenLayout())
+    r, t, _, _ = _align(padded, broken, TokenLayout(peer_lens=Lens()), TokenLayout())
     assert (r != t).nonzero()[:, :2].unique(dim=0).tolist() == [[4, 2]]
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ffdebug
+from ffdebug.arrays import to_torch
 from ffdebug.capture.grads import group_of
 from ffdebug.errors import FFDebugError
 from ffdebug.store.reader import open_side
@@ -49,7 +50,7 @@ def test_sampled_gradients_per_group_with_the_group_norm(tmp_path):
     with ffdebug.capture(dir=str(tmp_path), side="ref", grad_sample=3):
         with ffdebug.step(optimizer_step=0, phase="train"):
             ffdebug.tap_grads("policy", net.named_parameters())
-    records = {r.key: r.load() for r in open_side(tmp_path / "ref").records}
+    records = {r.key: to_torch(r.load()) for r in open_side(tmp_path / "ref").records}
     assert list(records) == [
         "grad.policy.blocks.0",
         "grad_norm.policy.blocks.0",

@@ -12,6 +12,7 @@ from helpers.tiny_models import tiny_llama
 from typer.testing import CliRunner
 
 import ffdebug
+from ffdebug.arrays import to_torch
 from ffdebug.cli.app import app
 from ffdebug.models.roles import BRANCH, NORM, _sequence_roles, behaves_like_norm, place_children
 from ffdebug.store.reader import open_side
@@ -306,7 +307,9 @@ def test_a_port_with_token_and_position_embeddings_finds_its_input_embedding(tmp
         model(input_ids=torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(0)))
     recs = {r.key: r for r in open_side(tmp_path / "s").records}
     assert "final.logits" in recs and recs["embed.out"].module_class == "Embedding"
-    assert torch.equal(recs["embed.out"].load(), model.wte(recs["embed.input_ids"].load()).detach())
+    assert torch.equal(
+        to_torch(recs["embed.out"].load()), model.wte(to_torch(recs["embed.input_ids"].load())).detach()
+    )
 
 
 def test_tap_function_restores_what_it_replaced(tmp_path):

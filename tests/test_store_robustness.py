@@ -16,6 +16,7 @@ from helpers import hang_timeout
 from typer.testing import CliRunner
 
 import ffdebug
+from ffdebug.arrays import to_torch
 from ffdebug.cli.app import app
 from ffdebug.store.reader import open_side
 
@@ -129,7 +130,9 @@ def test_atom_pt_dumps_import(tmp_path):
     torch.save({"h": torch.ones(2)}, d / "embed_out.pt")
     store = open_side(d)
     keys = {r.key: r for r in store.records}
-    assert keys["L003.attn_out"].layer == 3 and torch.equal(keys["L003.attn_out"].load(), torch.arange(6.0))
+    assert keys["L003.attn_out"].layer == 3 and torch.equal(
+        to_torch(keys["L003.attn_out"].load()), torch.arange(6.0)
+    )
     assert "embed_out.h" in keys
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +10,7 @@ from helpers.llama_ports import CONVENTIONAL, OPAQUE, make_port, rope
 from helpers.tiny_models import tiny_llama
 
 import ffdebug
+from ffdebug.arrays import to_torch
 from ffdebug.store.reader import open_side
 
 pytestmark = pytest.mark.integration  # every test here spawns a process, runs a trainer or kills one
@@ -69,8 +71,10 @@ def test_fused_port_sub_stages_pair_with_hf_llama_split_by_head_counts(hf, tmp_p
     for side in (ref, tgt):  # what each projection read, named in argument order by its reader
         assert side["L001.attn.k.out"].extra["inputs"] == ["L001.attn.qkv.in"]
         assert side["L001.mlp.act.out"].extra["inputs"] == ["L001.mlp.gate.out", "L001.mlp.up.out"]
-        assert torch.equal(side["L001.attn.qkv.in"].load(), side["L001.attn_norm_out"].load())
-        assert torch.equal(side["L001.mlp.down.in"].load(), side["L001.mlp.act.out"].load())
+        assert torch.equal(
+            to_torch(side["L001.attn.qkv.in"].load()), to_torch(side["L001.attn_norm_out"].load())
+        )
+        assert torch.equal(to_torch(side["L001.mlp.down.in"].load()), to_torch(side["L001.mlp.act.out"].load()))
     for kind, shape in SHAPES.items():
         assert list(ref[f"L000.{kind}"].shape) == shape == list(tgt[f"L000.{kind}"].shape), kind
     k_ref, k_tgt = ref["L001.attn.k.out"], tgt["L001.attn.k.out"]
@@ -78,7 +82,7 @@ def test_fused_port_sub_stages_pair_with_hf_llama_split_by_head_counts(hf, tmp_p
     assert k_tgt.module_path.endswith(f"{names['attrs'][1]}.wqkv")  # the module path is kept
     assert k_tgt.extra["split"] == [32, 48] and k_tgt.extra["orig_shape"] == [2, 12, 64]
     # k before GQA repetition equals HF's k_proj output viewed as heads
-    assert torch.equal(k_ref.load(), k_ref.load().reshape(2, 12, 16).reshape(2, 12, 2, 8))
+    assert torch.equal(to_torch(k_ref.load()), to_torch(k_ref.load()).reshape(2, 12, 16).reshape(2, 12, 2, 8))
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.exit_code() == 0, [(s.key, s.cos) for s in res.stages if not s.ok]
     assert {f"L001.{k}" for k in SUB + INS} <= {s.key for s in res.stages}
@@ -147,10 +151,10 @@ def test_a_per_head_interleaved_qkv_is_split_per_head_and_a_bad_v_slice_is_found
     v rows scaled are located at attn.v (a contiguous [q | k | v] split would blame q)."""
     model = tiny_neox()
     ref = dump(model, tmp_path, "ref")
-    fused = model.gpt_neox.layers[0].attention.query_key_value(ref["L000.attn.qkv.in"].load())
+    fused = model.gpt_neox.layers[0].attention.query_key_value(to_torch(ref["L000.attn.qkv.in"].load()))
     per_head = fused.view(2, 12, 4, 3, 8)  # [B, S, head, (q, k, v), D]
     for i, kind in enumerate(("q", "k", "v")):
-        assert torch.equal(ref[f"L000.attn.{kind}.out"].load(), per_head[..., i, :]), kind
+        assert torch.equal(to_torch(ref[f"L000.attn.{kind}.out"].load()), per_head[..., i, :]), kind
     assert ref["L000.attn.v.out"].extra["split_cols"] == [[16, 24], [40, 48], [64, 72], [88, 96]]
     with torch.no_grad():
         w = model.gpt_neox.layers[1].attention.query_key_value.weight.view(4, 3, 8, 32)
@@ -275,7 +279,10 @@ def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_pat
     assert ref[e].extra["tokens"] == tgt[e].extra["tokens"] and len(ref[e].extra["tokens"]) == ref[e].shape[0]
     assert e.endswith(".in")  # the rows the expert read: the branch input's rows of its tokens
     rows = tgt["L001.ffn_norm_out"].load().reshape(-1, 32)[tgt[e].extra["tokens"]]
-    assert torch.equal(tgt[e].load(), rows) and tgt[e].extra["tokens"] == tgt[e[:-3] + ".out"].extra["tokens"]
+    assert (
+        np.array_equal(tgt[e].load(), rows)
+        and tgt[e].extra["tokens"] == tgt[e[:-3] + ".out"].extra["tokens"]
+    )
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.exit_code() == 0, res.coverage.missing
     assert all(s.ok for s in res.stages)
@@ -407,7 +414,8 @@ def test_without_a_mask_that_explains_the_shapes_it_is_a_shape_mismatch(tmp_path
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     padded = torch.randn(2, 4, 3)
-    assert torch.equal(packed_view(padded, torch.zeros(5, 3), mask), padded[mask.bool()])
+    got = packed_view(padded.numpy(), np.zeros((5, 3), np.float32), mask.numpy())
+    assert np.array_equal(got, padded[mask.bool()].numpy())
     assert packed_view(padded, torch.zeros(6, 3), mask) is None  # 5 tokens by the mask, 6 rows
     assert packed_view(padded, torch.zeros(5, 2), mask) is None  # trailing dims differ
 
@@ -418,7 +426,7 @@ def test_hf_records_the_attention_mask_of_its_first_call(hf, tmp_path):
     with ffdebug.capture(hf, dir=tmp_path, side="s"), torch.no_grad():
         hf(input_ids=ids(), attention_mask=mask)
     recs = {r.key: r for r in open_side(tmp_path / "s").records}
-    assert torch.equal(recs["embed.attention_mask"].load(), mask)
+    assert torch.equal(to_torch(recs["embed.attention_mask"].load()), mask)
 
 
 def test_the_env_switch_is_read_and_checked():
@@ -455,7 +463,7 @@ def test_a_projection_reading_a_norm_computed_in_fp32_records_the_norms_output(t
     records = {r.key: r for r in open_side(tmp_path / "ref").records}
     for i in range(len(blocks)):
         key = next(k for k in records if k.startswith(f"L{i:03d}.") and k.endswith(("up.in", "wi.in")))
-        got = records[key].load()
+        got = to_torch(records[key].load())
         assert torch.equal(got.reshape(normed[i].shape), normed[i]), key
 
 
@@ -485,7 +493,7 @@ def test_grouped_matmul_experts_record_what_the_per_expert_loop_records(hf_moe, 
     for e in range(7):
         key = f"L001.moe.expert{e:03d}.out"
         assert tgt[key].extra["tokens"] == ref[key].extra["tokens"]
-        torch.testing.assert_close(tgt[key].load(), ref[key].load(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(to_torch(tgt[key].load()), to_torch(ref[key].load()), rtol=1e-5, atol=1e-6)
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.exit_code() == 0, (res.coverage.missing, [s.key for s in res.stages if not s.ok])
 

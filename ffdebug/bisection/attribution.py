@@ -149,7 +149,7 @@ def _replay_hooks(blocks, ref_in: dict, outs: dict, ref_enc: dict, mask=None) ->
             h = first_tensor(args, kw)
             if h is None:
                 return None
-            sub = as_packed(ref_in[layer].load(), h, mask)
+            sub = as_packed(_tensor(ref_in[layer]), h, mask)
             if sub is None:
                 return None
             sub = sub.to(dtype=h.dtype, device=h.device)
@@ -168,7 +168,7 @@ def _replay_hooks(blocks, ref_in: dict, outs: dict, ref_enc: dict, mask=None) ->
                 own = args[at]
             if not hasattr(own, "shape"):
                 return args, kw
-            enc = ref_enc[layer].load().to(dtype=own.dtype, device=own.device)
+            enc = _tensor(ref_enc[layer]).to(dtype=own.dtype, device=own.device)
             if tuple(enc.shape) != tuple(own.shape):
                 return args, kw
             if "encoder_hidden_states" in kw:
@@ -192,6 +192,13 @@ def _replay_hooks(blocks, ref_in: dict, outs: dict, ref_enc: dict, mask=None) ->
     return hooks
 
 
+def _tensor(record):
+    """A dumped tensor as a torch tensor (a model runs on it; `ffdebug.arrays.to_torch`)."""
+    from ffdebug.arrays import to_torch
+
+    return to_torch(record.load())
+
+
 def _forward(model, kwargs, ids_record, flag: str) -> None:
     """One no-grad forward of `model` with the entry's keyword arguments, else the reference's
     input ids; a forward that raises is one line naming `flag` and what it was fed."""
@@ -206,7 +213,7 @@ def _forward(model, kwargs, ids_record, flag: str) -> None:
                 "return (model, forward_kwargs)"
             )
         call_args, call_kwargs = _ids_call(
-            model, ids_record.load(), kwargs if isinstance(kwargs, str) else None
+            model, _tensor(ids_record), kwargs if isinstance(kwargs, str) else None
         )
     with torch.no_grad():
         try:
@@ -235,7 +242,7 @@ def attribute(
     if not ref_in:
         raise FFDebugError("attribution needs L*.hidden_in dumps on the reference side; dump whole blocks")
     masks = [r for r, _ in records if r.key == MASK_KEY and r.has_payload]
-    mask = masks[0].load() if masks else None
+    mask = _tensor(masks[0]) if masks else None
     t_model, t_kwargs = load_entry(model_target, "--model-target")
     t_outs = replay(t_model, t_kwargs, ref_in, ids, ref_enc=ref_enc, mask=mask)
     c_outs = {}
@@ -247,7 +254,7 @@ def attribute(
     for layer in sorted(ref_out):
         if layer not in t_outs:
             continue
-        ref = ref_out[layer].load()
+        ref = _tensor(ref_out[layer])
         ref_rows = as_packed(ref, t_outs[layer], mask)
         local = compare_tensors(ref if ref_rows is None else ref_rows, t_outs[layer])
         if local.rel is None:  # not comparable (another shape, another first output): no verdict

@@ -26,14 +26,16 @@ from ffdebug.verdict import Severity
 
 
 def split_slots(t, slots: int, dim: int):
-    """The `slots` slot tensors of `t` along `dim`, or None when the dim does not divide."""
-    if t.dim() <= dim:
+    """The `slots` slot arrays of `t` along `dim`, or None when the dim does not divide."""
+    import numpy as np
+
+    if t.ndim <= dim:
         return None
     n = t.shape[dim]
     if n == slots:
-        return [t.select(dim, i) for i in range(slots)]
+        return [np.take(t, i, axis=dim) for i in range(slots)]
     if n % slots == 0 and n > slots:
-        return list(t.chunk(slots, dim=dim))
+        return list(np.split(t, slots, axis=dim))
     return None
 
 
@@ -93,7 +95,7 @@ def _slot_stage(r, parts, single, slot_dim: int) -> SlotStage:
     )
     if single is not None and single.has_payload:
         st = single.load()
-        one = split_slots(st, 1, slot_dim) if st.dim() > slot_dim and st.shape[slot_dim] == 1 else [st]
+        one = split_slots(st, 1, slot_dim) if st.ndim > slot_dim and st.shape[slot_dim] == 1 else [st]
         if one and tuple(one[0].shape) == tuple(parts[0].shape):
             entry.single = _cmp(one[0], parts[0], 0, "single-prompt run")
     return entry

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from ffdebug.arrays import to_torch
 from ffdebug.errors import FFDebugError
 
 _HIDDEN_IN = re.compile(r"^L(\d+)\.hidden_in$")
@@ -48,7 +49,7 @@ def _feeder(record, directory: str):
         if h is None:
             return None
         done.append(True)
-        fed = record.load().to(dtype=h.dtype, device=h.device)
+        fed = to_torch(record.load()).to(dtype=h.dtype, device=h.device)
         if tuple(fed.shape) != tuple(h.shape):
             raise FFDebugError(
                 f"FFDEBUG_FWD_FEED_DIR={directory}: {record.key} is {list(fed.shape)} there but the block "

@@ -363,4 +363,6 @@ def explicit_config(directory: str, side: str, **options) -> DumpConfig:
 
 def _sketch_payload(tensor, seed: int, sketch):
     """The sketch written in place of a tensor's payload (sketch mode; on the writer thread)."""
-    return sketch(tensor, seed).float()
+    from ffdebug.arrays import to_torch
+
+    return to_torch(sketch(tensor, seed).astype("float32"))

@@ -126,7 +126,9 @@ def compare_records(
     rt, tt = (load(r), load(t)) if aligned is None else aligned[:2]
     if aligned is not None:
         e.notes.append(aligned[2])
-    if is_complex(rt.dtype) != is_complex(tt.dtype):  # no elementwise pairing of a complex value with a real one
+    if is_complex(rt.dtype) != is_complex(
+        tt.dtype
+    ):  # no elementwise pairing of a complex value with a real one
         e.severity, e.finding = V.dtype_kind_mismatch(), "dtype_kind"
         e.notes.append(f"dtype kinds differ: ref {e.ref.dtype} vs target {e.target.dtype} (complex vs real)")
         return e

@@ -105,7 +105,9 @@ def _load_inputs(store, stage: str) -> tuple[list, list[str]]:
     missing = [r.key for r in recs if not r.has_payload]
     if missing:
         raise FFDebugError(f"{store.path}: {missing[0]} was dumped without its tensor; dump it in full mode")
-    return [r.load() for r in recs], [r.key for r in recs]
+    from ffdebug.arrays import to_torch
+
+    return [to_torch(r.load()) for r in recs], [r.key for r in recs]
 
 
 def _call(fn, inputs: list, kwargs: dict, name: str):

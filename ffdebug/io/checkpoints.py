@@ -3,7 +3,8 @@ folders, `.pt` / `.bin` state dicts and folders of per-rank checkpoints.
 
 Every function returns `Record`s keyed by tensor name (`io="weight"` unless told otherwise, the
 layer read from the first integer path component). Nothing is read until `Record.load()`, which
-reads one tensor (`ffdebug.io.safetensors` for the bounded-memory reader).
+reads one tensor as a numpy array (`ffdebug.io.safetensors`, a mapping of the file, without
+torch). Only the `.pt` / `.bin` readers import torch (`ffdebug.io.torchfile`).
 """
 
 from __future__ import annotations
@@ -36,14 +37,27 @@ def layer_of(name: str) -> int | None:
 
 
 def dtype_name(dtype) -> str:
+    """The store's name of a numpy or torch dtype (`bfloat16`, not `torch.bfloat16`)."""
     return str(dtype).replace("torch.", "")
+
+
+def is_torch_module(obj) -> bool:
+    """A torch `nn.Module`, told without importing torch (only a program that imported torch has
+    one), so that reading a checkpoint file never imports it."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    nn = getattr(torch, "nn", None)
+    return nn is not None and isinstance(obj, nn.Module)
 
 
 def safetensors_records(
     file: SafetensorsFile | str, rank: int = 0, names=None, name_layers: bool = True, **fields
 ) -> list[Record]:
-    """One record per tensor of a safetensors file (header read once, tensors on demand).
-    `name_layers=False` leaves `layer` unset instead of reading it from the name."""
+    """One record per tensor of a safetensors file (header read once, tensors on demand), by name
+    in sorted order (as the safetensors library lists a file's tensors; its writer orders the
+    header by dtype alignment first). `name_layers=False` leaves `layer` unset instead of reading
+    it from the name."""
     if not isinstance(file, SafetensorsFile):
         file = SafetensorsFile(file)
     fields.setdefault("io", "weight")
@@ -58,12 +72,13 @@ def safetensors_records(
             source=FileTensor(file, name),
             **fields,
         )
-        for seq, name in enumerate(names if names is not None else file.meta)
+        for seq, name in enumerate(names if names is not None else sorted(file.meta))
     ]
 
 
 def tensor_records(tensors: dict, origin: str, rank: int = 0, **fields) -> list[Record]:
-    """One record per in-memory tensor of a flat {name: tensor} dict."""
+    """One record per in-memory tensor of a flat {name: tensor} dict (numpy arrays or torch
+    tensors; a torch tensor becomes a numpy view when loaded, `InMemory`)."""
     fields.setdefault("io", "weight")
     return [
         Record(
@@ -81,14 +96,13 @@ def tensor_records(tensors: dict, origin: str, rank: int = 0, **fields) -> list[
 
 
 def state_dict_tensors(obj, origin: str) -> dict:
-    """Flatten a state dict (unwrapping a lone `state_dict` / `model` / `module` key, or a module)."""
-    import torch
-
+    """Flatten a state dict (unwrapping a lone `state_dict` / `model` / `module` key, or a module)
+    of torch tensors or numpy arrays; imports torch only for a module (which imported it)."""
     if isinstance(obj, dict) and len(obj) == 1:
         ((key, inner),) = obj.items()
         if key in ("state_dict", "model", "module") and isinstance(inner, dict):
             obj = inner
-    if isinstance(obj, torch.nn.Module):
+    if is_torch_module(obj):
         obj = obj.state_dict()
     tensors = flatten_tensors(obj)
     if not tensors:

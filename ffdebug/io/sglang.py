@@ -236,7 +236,6 @@ def _set_aside_recompute(records: list[Record]) -> tuple[list[Record], list[str]
     """Activation recompute dumps a tensor twice (`recompute_status` original, then recompute);
     SGLang treats the copies as replicas. The recompute copy is checked against its original
     (same key, tags, rank and occurrence) within SGLang's tolerance and set aside."""
-    import torch
 
     originals: dict[tuple, list[Record]] = {}
     kept, problems = [], []
@@ -245,8 +244,7 @@ def _set_aside_recompute(records: list[Record]) -> tuple[list[Record], list[str]
         status = rec.extra["sglang"].get("recompute_status")
         if status == "recompute" and originals.get(ident):
             twin = originals[ident].pop(0)
-            a, b = twin.load().double(), rec.load().double()
-            if a.shape != b.shape or not torch.allclose(a, b, rtol=0, atol=REPLICA_ATOL):
+            if not _within_replica_tolerance(twin.load(), rec.load()):
                 problems.append(
                     f"{rec.key}: the recomputed copy differs from the original forward (rank {rec.rank})"
                 )
@@ -311,19 +309,25 @@ def _fold_parts(key: str, parts: list[Record]) -> tuple[list[Record], list[str]]
     return [dataclasses.replace(rec, extra=extra)], problems
 
 
+def _within_replica_tolerance(a, b) -> bool:
+    """One shape and |a − b| <= `REPLICA_ATOL` everywhere, in float64 (NaN never within)."""
+    import numpy as np
+
+    from ffdebug.arrays import as_float64
+
+    return a.shape == b.shape and bool(np.allclose(as_float64(a), as_float64(b), rtol=0, atol=REPLICA_ATOL))
+
+
 def _replica_problems(key: str, plan, parts: list[Record]) -> list[str]:
     """Replicated pieces (the plan's first steps) must agree within SGLang's tolerance."""
-    import torch
-
     out = []
     for step, groups in plan.steps:
         if not isinstance(step, Replicated):
             break
         for group in groups:
-            base = parts[group[0]].load().double()
+            base = parts[group[0]].load()
             for i in group[1:]:
-                other = parts[i].load().double()
-                if other.shape != base.shape or not torch.allclose(other, base, rtol=0, atol=REPLICA_ATOL):
+                if not _within_replica_tolerance(base, parts[i].load()):
                     out.append(
                         f"{key}: replicated rank {parts[i].rank} differs from rank {parts[group[0]].rank}"
                     )

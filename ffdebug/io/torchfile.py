@@ -81,10 +81,21 @@ def flatten_tensors(obj, prefix: str = "") -> dict:
     return out
 
 
-def _flatten(prefix: str, obj, out: dict) -> None:
-    import torch
+def _is_tensor(obj) -> bool:
+    """A numpy array, or a torch tensor (told without importing torch: only a program that
+    imported it has one)."""
+    import sys
 
-    if isinstance(obj, torch.Tensor):
+    import numpy as np
+
+    torch = sys.modules.get("torch")
+    return isinstance(obj, np.ndarray) or (
+        torch is not None and isinstance(obj, getattr(torch, "Tensor", ()))
+    )
+
+
+def _flatten(prefix: str, obj, out: dict) -> None:
+    if _is_tensor(obj):
         out[prefix] = obj
     elif isinstance(obj, dict):
         for k, v in obj.items():

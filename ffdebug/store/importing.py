@@ -8,6 +8,7 @@ problems (`import_problems`), which block exit 0 as they would on the peer dump 
 
 from __future__ import annotations
 
+from ffdebug.arrays import to_torch
 from ffdebug.io.side import SideStore
 from ffdebug.store.writer import StoreWriter
 
@@ -45,7 +46,7 @@ def write_store(store: SideStore, side_dir: str, side: str, source: str, overwri
             meta["extra"] = dict(rec.extra, **({"file": rec.file} if rec.file else {}))
             if rec.fold is not None:
                 meta["extra"]["folded_from_ranks"] = [p.rank for p in rec.parts]
-            writers[rec.rank].write(rec.key, rec.load(), meta)
+            writers[rec.rank].write(rec.key, to_torch(rec.load()), meta)
             n += 1
     except BaseException:
         for w in writers.values():  # no status.json: the store reads as cut short

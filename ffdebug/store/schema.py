@@ -100,7 +100,7 @@ def _tensor_stats(tensor) -> dict:
         total_sq += float(np.dot(c, c))
         lo = min(lo, float(c.min()))
         hi = max(hi, float(c.max()))
-        absmax = max(absmax, float(c.abs().max()))
+        absmax = max(absmax, float(np.abs(c).max()))
     mean = total / finite_n if finite_n else None
     var = max(total_sq / finite_n - mean * mean, 0.0) if finite_n else None
     # Sums of squares of float64 values beyond ~1e154 overflow: such a stat is null, never Infinity

@@ -68,17 +68,15 @@ def _slots(cube: Logical, side: str, loader: TensorLoader) -> dict[str, Logical]
 def pair_by_content(sides: Sides, only_ref: list[str], only_tgt: list[str], loader: TensorLoader) -> Related:
     """Each composite content matching related is replaced by its blocks (fp8 tensors are not
     sketched); the plan is kept for the JSON `content`."""
-    from ffdebug._chunks import single_thread
     from ffdebug.weights.relate import relate
 
     ref, tgt = sides.ref, sides.tgt
-    with single_thread():  # as in run(): chunked ops gain nothing from torch's thread pool
-        plan = relate(
-            {n: ref[n].shape for n in only_ref if not quant.is_fp8(ref[n].dtype)},
-            {n: tgt[n].shape for n in only_tgt if not quant.is_fp8(tgt[n].dtype)},
-            lambda n: loader.load(ref[n], "ref"),
-            lambda n: loader.load(tgt[n], "target"),
-        )
+    plan = relate(
+        {n: ref[n].shape for n in only_ref if not quant.is_fp8(ref[n].dtype)},
+        {n: tgt[n].shape for n in only_tgt if not quant.is_fp8(tgt[n].dtype)},
+        lambda n: loader.load(ref[n], "ref"),
+        lambda n: loader.load(tgt[n], "target"),
+    )
     out = Related(dict(ref), dict(tgt), plan=plan)
     for side, names in plan.split_slots.items():  # a 3-D tensor related slot by slot: its slots
         mine, _ = out.of(side)

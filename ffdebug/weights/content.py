@@ -117,14 +117,15 @@ class ContentPlan:
 
 
 def cut(x, seg: Segment):
-    """The block of composite tensor `x` that `seg` describes, in the part's layout."""
+    """The block of composite array `x` that `seg` describes, in the part's layout (contiguous)."""
+    import numpy as np
+
     y = x[seg.slot] if seg.slot is not None else x
     if seg.rows is not None:
-        import torch
-
-        return y.index_select(0, torch.tensor(seg.rows)).contiguous()
-    y = y.narrow(seg.axis if y.dim() > 1 else 0, seg.offset, seg.size)
-    return (y.t() if seg.transposed else y).contiguous()
+        return y[list(seg.rows)]
+    axis = seg.axis if y.ndim > 1 else 0
+    y = y[(slice(None),) * axis + (slice(seg.offset, seg.offset + seg.size),)]
+    return np.ascontiguousarray(y.T if seg.transposed else y)
 
 
 def segments_hold(x, segments, load_part, scale: float | None = None) -> bool:
@@ -139,7 +140,9 @@ def segments_hold(x, segments, load_part, scale: float | None = None) -> bool:
         if tuple(y.shape) != tuple(p.shape):
             return False
         if scale is not None:
-            y = y.double() / scale
+            from ffdebug.arrays import as_float64
+
+            y = as_float64(y) / scale
         m = compare_tensors(p, y)
         if not V.is_ok(V.classify(m.cos, m.rel)):
             return False
@@ -212,34 +215,36 @@ def _show(rel: tuple) -> str:
 
 
 def _search(hay, needles: list[tuple[int, object]]) -> list[tuple[int, int, int]]:
-    """(position, needle index, length) of each needle found in sketch line `hay`."""
-    import torch
+    """(position, needle index, length) of each needle found in sketch line `hay`: every position
+    whose value is within tol of a needle's first value (binary search in the sorted first
+    values), then the whole needle compared there."""
+    import numpy as np
 
     h = hay.values
-    n = h.numel()
+    n = h.size
     tol = TOL * hay.rms + 1e-300
     if not needles or n == 0:
         return []
-    firsts = torch.tensor([float(v[0]) for _, v in needles], dtype=torch.float64)
-    order = torch.argsort(firsts)
+    firsts = np.array([float(v[0]) for _, v in needles], dtype=np.float64)
+    order = np.argsort(firsts, kind="stable")
     sf = firsts[order]
-    lo = torch.searchsorted(sf, h - tol)
-    hi = torch.searchsorted(sf, h + tol, right=True)
+    lo = np.searchsorted(sf, h - tol, side="left")
+    hi = np.searchsorted(sf, h + tol, side="right")
     counts = hi - lo
     total = int(counts.sum())
     if total == 0:
         return []
-    pos = torch.repeat_interleave(torch.arange(n), counts)
-    starts = torch.repeat_interleave(lo, counts)
-    base = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    k = order[starts + torch.arange(total) - base]
-    lengths = torch.tensor([v.numel() for _, v in needles])[k]
+    pos = np.repeat(np.arange(n), counts)  # one (position, candidate) pair per match of a first value
+    starts = np.repeat(lo, counts)
+    base = np.repeat(np.cumsum(counts) - counts, counts)
+    k = order[starts + np.arange(total) - base]
+    lengths = np.array([v.size for _, v in needles])[k]
     end = pos + lengths
     ok = (end <= n) & ((pos // hay.slot) == ((end - 1) // hay.slot))
     out = []
     for p, kk, ln in zip(pos[ok].tolist(), k[ok].tolist(), lengths[ok].tolist()):
         v = needles[kk][1]
-        if torch.allclose(h[p : p + ln], v, rtol=0.0, atol=tol):
+        if np.allclose(h[p : p + ln], v, rtol=0.0, atol=tol):
             out.append((p, kk, ln))
     return out
 
@@ -291,7 +296,7 @@ class _Found:
 
 def _whole_of(sk: Sketch, side: str, others: dict[str, Sketch]) -> _Found | None:
     """The other side's tensors equal to `sk` whole (same shape, or 2-D transposed)."""
-    import torch
+    import numpy as np
 
     mine = sk.line(ROWS)
     tol = TOL * mine.rms + 1e-300
@@ -304,7 +309,7 @@ def _whole_of(sk: Sketch, side: str, others: dict[str, Sketch]) -> _Found | None
             if o.shape != want or o.constant:
                 continue
             ln = o.line(COLS if transposed else ROWS)
-            if ln is not None and torch.allclose(ln.values, mine.values, rtol=0.0, atol=tol):
+            if ln is not None and np.allclose(ln.values, mine.values, rtol=0.0, atol=tol):
                 names.append(o.name)
         if names:
             size = sk.shape[0] if sk.shape else 1
@@ -326,7 +331,7 @@ def _blocks_of(sk: Sketch, side: str, others: dict[str, Sketch]) -> _Found | Non
                     needles.append((len(meta), ln.values))
                     meta.append((o.name, ln.axis != hay.axis))
         hits = _search(hay, needles)  # equal probe widths: every block spans the other dim whole
-        tiling = _tile(hay.values.numel(), hay.slot, hits)
+        tiling = _tile(hay.values.size, hay.slot, hits)
         if tiling is None:
             continue
         blocks = []
@@ -352,7 +357,7 @@ def _constant_pairs(ref: dict[str, Sketch], tgt: dict[str, Sketch], load_ref, lo
 
     def key(sk: Sketch, load):
         x = load(sk.name)
-        return sk.shape, float(x.reshape(-1)[0])
+        return sk.shape, float(x.reshape(-1)[0])  # ml_dtypes' scalars convert with float() too
 
     rkeys: dict = {}
     for sk in ref.values():
@@ -376,6 +381,8 @@ def _constant_pairs(ref: dict[str, Sketch], tgt: dict[str, Sketch], load_ref, lo
 
 def _scaled_pairs(ref: dict[str, Sketch], tgt: dict[str, Sketch]) -> list[_Found]:
     """Pairs of one shape (or transposed) whose row sketches are proportional, factor ≠ 1."""
+    import numpy as np
+
     out = []
     for t in tgt.values():
         tl = t.line(ROWS)
@@ -388,10 +395,10 @@ def _scaled_pairs(ref: dict[str, Sketch], tgt: dict[str, Sketch]) -> list[_Found
             if r.shape != t.shape and not transposed:
                 continue
             rl = r.line(COLS if transposed else ROWS)
-            if rl is None or rl.values.numel() != tl.values.numel():
+            if rl is None or rl.values.size != tl.values.size:
                 continue
             a, b = tl.values, rl.values
-            den = float(a.norm() * b.norm())
+            den = float(np.linalg.norm(a) * np.linalg.norm(b))
             if den == 0:
                 continue
             cos = float(a @ b) / den

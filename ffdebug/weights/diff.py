@@ -252,17 +252,14 @@ class WeightsDiff:
         """Numerics for every paired tensor, one pair in memory at a time per worker; `progress`
         hears the number of pairs and their stored bytes, then each pair as it is done.
 
-        Each worker runs on one intra-op thread: the 64 Ki-element chunk ops gain nothing from
-        torch's thread pool, and with a busy core its spin-waits made a 2 × 2 GiB diff 8× slower
-        on a 2-core machine. Workers are forked processes, as compare's (`workers`, else one per
-        free core from 64 MiB of tensors on; `ffdebug.comparison.forked`); the result is the same
-        at any worker count.
+        Workers are forked processes, as compare's (`workers`, else one per free core from 64 MiB
+        of tensors on; `ffdebug.comparison.forked`); the result is the same at any worker count.
+        Each worker's chunk loops run on one BLAS thread: the CLI sets `OPENBLAS_NUM_THREADS=1`
+        (`ffdebug._chunks`), as a busy core made a thread team's spin-waits slow a 2 × 2 GiB diff
+        8× on a 2-core machine.
         """
-        from ffdebug._chunks import single_thread
-
         try:
-            with single_thread():
-                return self._run(on_tensor, progress)
+            return self._run(on_tensor, progress)
         finally:
             self.loader.release()
 

@@ -33,7 +33,7 @@ class InitTensors:
         if lg.segment is not None:
             from ffdebug.weights.content import cut
 
-            if x.dim() != len(lg.relation.shape):
+            if x.ndim != len(lg.relation.shape):
                 return None
             x = cut(x, lg.segment)
         return x
@@ -95,7 +95,7 @@ def _never_loaded(entry: TensorDiff, lg: Logical, side: str, loader: TensorLoade
     if x0 is None:
         return False
     x = loader.load(lg, side)
-    if tuple(x0.shape) != tuple(x.shape) or not bytes_equal(x0.to(x.dtype), x):
+    if tuple(x0.shape) != tuple(x.shape) or not bytes_equal(x0.astype(x.dtype), x):
         return False
     entry.notes = [n for n in entry.notes if not n.startswith(_LOADER_CHANGED)]
     entry.finding = "not_loaded"

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ffdebug import verdict as V
+from ffdebug.arrays import as_array, as_float32, is_complex, is_floating
 from ffdebug.comparison.metrics import compare_tensors
 from ffdebug.results import TensorDiff
 from ffdebug.verdict import Severity
@@ -72,7 +73,7 @@ class Pair:
 
     @property
     def both_float(self) -> bool:
-        return self.ref.dtype.is_floating_point and self.tgt.dtype.is_floating_point
+        return is_floating(self.ref.dtype) and is_floating(self.tgt.dtype)
 
     @property
     def correlated_failure(self) -> bool:
@@ -126,11 +127,13 @@ def _rounding(p: Pair) -> Found | None:
 
 def _sign_flip(p: Pair) -> Found | None:
     """cos ≈ −1; with fp8 on one side "≈" means within its rounding."""
+    import numpy as np
+
     if not p.correlated_failure:
         return None
     cos = p.metrics.cos
     if cos <= -0.9999 or (
-        p.eps is not None and cos < -0.99 and within_rounding(-p.ref, p.tgt, p.eps, p.ref_absmax)
+        p.eps is not None and cos < -0.99 and within_rounding(np.negative(p.ref), p.tgt, p.eps, p.ref_absmax)
     ):
         return Found("sign_flip", p.bands)
     return None
@@ -138,9 +141,9 @@ def _sign_flip(p: Pair) -> Found | None:
 
 def _square_transposed(p: Pair) -> Found | None:
     r = p.ref
-    if not p.correlated_failure or r.dim() != 2 or r.shape[0] != r.shape[1] or r.shape[0] <= 1:
+    if not p.correlated_failure or r.ndim != 2 or r.shape[0] != r.shape[1] or r.shape[0] <= 1:
         return None
-    mt = compare_tensors(p.ref, p.tgt.t())
+    mt = compare_tensors(p.ref, p.tgt.T)
     if not V.is_ok(V.classify(mt.cos, mt.rel)):
         return None
     return Found("transposed", p.bands, after_transpose={"cos": mt.cos, "rel": mt.rel, "max_abs": mt.max_abs})
@@ -151,9 +154,21 @@ def _scaled(p: Pair) -> Found | None:
     c, cos = p.factor, p.metrics.cos
     if not p.correlated_failure or c <= 0 or abs(c - 1) <= 1e-3:
         return None
-    if cos >= 0.9999 or (p.eps is not None and cos > 0.99 and within_rounding(p.ref * c, p.tgt, p.eps)):
+    if cos >= 0.9999 or (
+        p.eps is not None and cos > 0.99 and within_rounding(_times(p.ref, c), p.tgt, p.eps)
+    ):
         return Found("scaled", p.bands, scale_factor=c)
     return None
+
+
+def _times(x, c: float):
+    """`x · c` in x's dtype: float64 and float32 multiply by c rounded to their dtype; the
+    narrower floats in float32, rounded back once (a low-precision tensor times a Python float)."""
+    import numpy as np
+
+    if str(x.dtype) in ("float64", "float32"):
+        return x * x.dtype.type(c)
+    return (as_float32(x) * np.float32(c)).astype(x.dtype)
 
 
 def _same_dtype_change(p: Pair) -> Found | None:
@@ -161,7 +176,7 @@ def _same_dtype_change(p: Pair) -> Found | None:
     went through it on the way (a bf16 round trip): `rounding`, at least drift. Anything else the
     loader changed, however small the error looks (a few rows left at their initialisation hide in
     a large tensor's norm): at least a bug."""
-    if not p.same_dtype or p.dequantized or not p.ref.dtype.is_floating_point:
+    if not p.same_dtype or p.dequantized or not is_floating(p.ref.dtype):
         return None
     for coarse in ("float16", "bfloat16"):
         eps = quant.ulp(coarse)
@@ -201,9 +216,11 @@ def compare_pair(
     thresholds: tuple = (),
     dequantized: bool = False,
 ) -> TensorDiff | None:
-    """One entry of `tensors`; None when the shapes differ and are not a transpose of each other."""
+    """One entry of `tensors` (numpy arrays, or torch tensors viewed as them); None when the shapes
+    differ and are not a transpose of each other."""
+    ref, tgt = as_array(ref), as_array(tgt)
     if tuple(ref.shape) != tuple(tgt.shape):
-        if ref.dim() == 2 and tgt.dim() == 2 and tuple(tgt.shape) == tuple(ref.shape)[::-1]:
+        if ref.ndim == 2 and tgt.ndim == 2 and tuple(tgt.shape) == tuple(ref.shape)[::-1]:
             return _stored_transposed(name, ref, tgt, dtype_ref, dtype_tgt, thresholds, dequantized)
         return None
     entry = TensorDiff(
@@ -213,7 +230,7 @@ def compare_pair(
         dtype_ref=dtype_ref,
         dtype_target=dtype_tgt,
     )
-    if ref.is_complex() != tgt.is_complex():
+    if is_complex(ref.dtype) != is_complex(tgt.dtype):
         entry.finding, entry.severity = "dtype_kind", Severity.BUG
         entry.notes = [
             f"dtype kinds differ: {dtype_ref} (ref) vs {dtype_tgt} (target), one complex and one real; "
@@ -243,7 +260,11 @@ def compare_pair(
 def _stored_transposed(name, ref, tgt, dtype_ref, dtype_tgt, thresholds, dequantized) -> TensorDiff:
     """The two dims swapped: never left out, compared after .T (a transposed and scaled tensor is
     `scaled`), and at least scramble."""
-    after = compare_pair(name, ref, tgt.t().contiguous(), dtype_ref, dtype_tgt, thresholds, dequantized)
+    import numpy as np
+
+    after = compare_pair(
+        name, ref, np.ascontiguousarray(tgt.T), dtype_ref, dtype_tgt, thresholds, dequantized
+    )
     after.shape_target = list(tgt.shape)
     after.after_transpose = {"cos": after.cos, "rel": after.rel, "max_abs": after.max_abs}
     if after.finding in LOADED:

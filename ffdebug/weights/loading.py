@@ -1,12 +1,13 @@
 """Materialising the logical tensors of a planned diff: merged, dequantised, then `--transform`ed.
 
-A `TensorLoader` belongs to one diff. Views cut from one stored tensor (a fused tensor's parts, a
+Tensors are numpy arrays (`ffdebug.arrays`). A `TensorLoader` belongs to one diff. Views cut from one stored tensor (a fused tensor's parts, a
 stacked tensor's experts, a content-matched composite's blocks) share a one-entry cache, so the
 stored tensor is loaded once while its parts are compared one after the other (the comparison
 order keeps them together, `WeightsDiff.order`)."""
 
 from __future__ import annotations
 
+from ffdebug.arrays import as_float32
 from ffdebug.weights import quant
 from ffdebug.weights.tp import Logical, load_logical
 from ffdebug.weights.transforms import apply_transforms
@@ -14,6 +15,13 @@ from ffdebug.weights.transforms import apply_transforms
 
 def _dequant_piece(x, scale, name):
     return quant.dequantize(x, scale, name)
+
+
+def _narrow(x, dim: int, offset: int, size: int):
+    """`size` entries of array `x` from `offset` along `dim`, contiguous (torch's `narrow`)."""
+    import numpy as np
+
+    return np.ascontiguousarray(x[(slice(None),) * (dim % x.ndim) + (slice(offset, offset + size),)])
 
 
 class TensorLoader:
@@ -33,7 +41,7 @@ class TensorLoader:
         wants_cast = (t.name, side) in self.cast
         x = load_logical(t, _dequant_piece if t.scale is not None or wants_cast else None)
         if quant.is_fp8(t.dtype) and wants_cast and t.scale is None:
-            x = x.float()
+            x = as_float32(x)
         return x
 
     def release(self) -> None:
@@ -55,7 +63,7 @@ class TensorLoader:
             if "t" not in cache:
                 cache.clear()
                 cache["t"] = self.load(fused, "target")
-            out = cache["t"].narrow(dim, offset, size).contiguous()
+            out = _narrow(cache["t"], dim, offset, size)
             if offset + size >= cache["t"].shape[dim]:
                 cache.clear()
             return out
@@ -66,9 +74,9 @@ class TensorLoader:
         """Target-side parts concatenated into the reference's fused tensor."""
 
         def build():
-            import torch
+            import numpy as np
 
-            return torch.cat([self.load(p, "target") for p in pieces], dim=dim)
+            return np.concatenate([self.load(p, "target") for p in pieces], axis=dim)
 
         return build
 
@@ -76,8 +84,10 @@ class TensorLoader:
         """One expert's part of a stacked tensor [E, …] (before any --transform)."""
 
         def build():
+            import numpy as np
+
             x = self._cached("stack", (side, lg.name), lambda: self.load_raw(lg, side))[expert]
-            return x.narrow(dim, offset, size).contiguous() if cut else x.contiguous()
+            return _narrow(x, dim, offset, size) if cut else np.ascontiguousarray(x)
 
         return build
 

@@ -1,4 +1,5 @@
-"""fp8 dequantisation: `w = fp8.to(float32) * scale`, scale per tensor, per channel or per block.
+"""fp8 dequantisation: `w = float32(fp8) * scale`, scale per tensor, per channel or per block, on
+numpy arrays (the float8 kinds are `ml_dtypes`', `ffdebug.arrays`).
 
 Scale conventions found in checkpoints (all multiply when dequantising):
 - `X.weight_scale_inv` (DeepSeek-V3 style, one fp32 scale per 128×128 block);
@@ -53,20 +54,26 @@ def scale_candidates(name: str) -> list[str]:
 
 
 def e8m0_to_float(exponents):
-    """Biased e8m0 exponents (uint8 or float8_e8m0fnu) to float32 2^(x − 127); 255 is NaN."""
-    import torch
+    """Biased e8m0 exponents (uint8 or float8_e8m0fnu) to float32 2^(x − 127), exactly (`ldexp`,
+    2^-127 a float32 subnormal); 255 is NaN."""
+    import numpy as np
 
-    x = exponents.view(torch.uint8) if exponents.dtype != torch.uint8 else exponents
-    out = torch.exp2(x.to(torch.float32) - 127.0)
-    return out.masked_fill(x == 255, float("nan"))
+    from ffdebug.arrays import as_array
+
+    x = as_array(exponents).view(np.uint8)
+    with np.errstate(over="ignore"):  # 255 (2^128) is NaN, set next
+        out = np.ldexp(np.ones(x.shape, dtype=np.float32), x.astype(np.int32) - 127)
+    out[x == 255] = np.nan
+    return out
 
 
 def scale_to_float(scale):
-    import torch
+    """A scale tensor as float32: e8m0 exponents decoded, anything else cast."""
+    from ffdebug.arrays import as_float32
 
-    if str(scale.dtype).replace("torch.", "") in E8M0_DTYPES:
+    if str(scale.dtype) in E8M0_DTYPES:
         return e8m0_to_float(scale)
-    return scale.to(torch.float32)
+    return as_float32(scale)
 
 
 def block_size(n: int, k: int) -> int | None:
@@ -83,20 +90,23 @@ def block_size(n: int, k: int) -> int | None:
 
 
 def expand_scale(scale, shape: tuple[int, ...], name: str = "tensor"):
-    """Broadcast a float32 scale over `shape`: scalar, per leading channel, or per block."""
+    """Broadcast a float32 scale over `shape`: scalar, per leading channel, or per block (each
+    block's scale repeated `block` times along its dim, the padded last block cut off)."""
+    import numpy as np
+
     shape = tuple(shape)
-    if scale.numel() == 1:
+    if scale.size == 1:
         return scale.reshape(())
     s = scale
-    if s.dim() == 1 and len(shape) >= 1 and len(shape) != 1:
+    if s.ndim == 1 and len(shape) >= 1 and len(shape) != 1:
         if s.shape[0] == shape[0]:
             return s.reshape((shape[0],) + (1,) * (len(shape) - 1))
         raise FFDebugError(
             f"{name}: cannot apply a scale of shape {list(scale.shape)} to a tensor of shape {list(shape)}"
         )
-    if s.dim() != len(shape):
+    if s.ndim != len(shape):
         raise FFDebugError(
-            f"{name}: scale has {s.dim()} dims but the tensor has {len(shape)} ({list(scale.shape)} vs "
+            f"{name}: scale has {s.ndim} dims but the tensor has {len(shape)} ({list(scale.shape)} vs "
             f"{list(shape)}); pass --dequant none to compare the raw fp8 values"
         )
     for d, (n, k) in enumerate(zip(shape, s.shape)):
@@ -107,53 +117,60 @@ def expand_scale(scale, shape: tuple[int, ...], name: str = "tensor"):
             raise FFDebugError(
                 f"{name}: scale shape {list(scale.shape)} does not tile tensor shape {list(shape)} along dim {d}"
             )
-        s = s.repeat_interleave(block, dim=d).narrow(d, 0, n)
+        s = np.repeat(s, block, axis=d)[(slice(None),) * d + (slice(0, n),)]
     return s
 
 
 def dequantize(weight, scale, name: str = "tensor"):
-    """fp8 `weight` (any float8 dtype) times its scale, as float32."""
-    import torch
+    """fp8 `weight` (any float8 dtype) times its scale, as float32 (one float32 product per
+    element, as stored scales are applied)."""
+    from ffdebug.arrays import as_array, as_float32
 
-    w = weight.to(torch.float32)
+    w = as_float32(as_array(weight))
     if scale is None:
         return w
-    return w * expand_scale(scale_to_float(scale), tuple(weight.shape), name)
+    w *= expand_scale(scale_to_float(as_array(scale)), tuple(w.shape), name)
+    return w
 
 
 def quantize_fp8(weight, dtype: str = "float8_e4m3fn", block: tuple[int, ...] | None = None, e8m0=False):
     """Quantise to fp8 with a per-tensor (block None) or per-block absmax scale.
 
-    Returns (fp8 tensor, scale): the scale is float32, or float8_e8m0fnu powers of two when
-    `e8m0` (rounded up so no value overflows). `dequantize(q, scale)` approximates `weight`.
+    Returns (fp8 array, scale) of the kind `weight` is (torch tensors for a torch tensor, for
+    fixtures saved with torch; else numpy arrays): the scale is float32, or float8_e8m0fnu powers
+    of two when `e8m0` (rounded up so no value overflows). `dequantize(q, scale)` approximates
+    `weight`.
     """
-    import torch
+    import numpy as np
 
-    tdtype = getattr(torch, dtype)
-    fmax = torch.finfo(tdtype).max
-    w = weight.to(torch.float32)
+    from ffdebug.arrays import as_array, as_float32, finfo, is_torch, to_torch
+    from ffdebug.arrays import dtype as np_dtype
+
+    target = np_dtype(dtype)
+    fmax = np.float32(finfo(target).max)
+    w = as_float32(as_array(weight))
     if block is None:
-        amax = w.abs().max().reshape(1)
+        amax = np.abs(w).max().reshape(1)
         grid = (1,)
     else:
-        if len(block) != w.dim():
+        if len(block) != w.ndim:
             raise ValueError(f"block {block} needs one size per dim of {list(w.shape)}")
         grid = tuple(math.ceil(n / b) for n, b in zip(w.shape, block))
-        amax = torch.zeros(grid)
-        padded = torch.zeros(tuple(g * b for g, b in zip(grid, block)))
-        padded[tuple(slice(0, n) for n in w.shape)] = w.abs()
+        padded = np.zeros(tuple(g * b for g, b in zip(grid, block)), dtype=np.float32)
+        padded[tuple(slice(0, n) for n in w.shape)] = np.abs(w)
         view_shape = []
         for g, b in zip(grid, block):
             view_shape += [g, b]
-        amax = padded.reshape(view_shape).amax(dim=tuple(range(1, 2 * w.dim(), 2)))
-    scale = (amax / fmax).clamp_min(torch.finfo(torch.float32).tiny)
+        amax = padded.reshape(view_shape).max(axis=tuple(range(1, 2 * w.ndim, 2)))
+    scale = np.maximum(amax / fmax, np.finfo(np.float32).tiny).astype(np.float32)
     if e8m0:
-        exp = torch.ceil(torch.log2(scale)).clamp(-127, 127)
-        stored = (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+        exp = np.clip(np.ceil(np.log2(scale)), -127, 127)
+        stored = (exp + 127).astype(np.uint8).view(np_dtype("float8_e8m0fnu"))
         scale_f = e8m0_to_float(stored)
     else:
         stored = scale_f = scale.reshape(grid) if block is not None else scale.reshape(())
-    q = (w / expand_scale(scale_f.reshape(grid) if block is not None else scale_f, tuple(w.shape))).clamp(
-        -fmax, fmax
+    q = np.clip(
+        w / expand_scale(scale_f.reshape(grid) if block is not None else scale_f, tuple(w.shape)), -fmax, fmax
     )
-    return q.to(tdtype), (stored.reshape(grid) if block is not None else stored.reshape(()))
+    out = (q.astype(target), stored.reshape(grid) if block is not None else stored.reshape(()))
+    return tuple(to_torch(np.ascontiguousarray(a)) for a in out) if is_torch(weight) else out

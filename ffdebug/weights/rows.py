@@ -24,17 +24,20 @@ CHUNK_ELEMS = 1 << 20
 
 def fingerprints(x, probes: int = PROBES):
     """[N, probes] float64: each row of `x` (all dims but the last flattened) times fixed random
-    vectors of length C, seeded by C and independent of the sketches' probe."""
-    import torch
+    vectors of length C (float32 products; numpy's default generator seeded by C, independent of
+    the sketches' probe)."""
+    import numpy as np
 
-    m = x.reshape(-1, 1) if x.dim() <= 1 else x.reshape(-1, x.shape[-1])
+    from ffdebug.arrays import as_array, as_float32
+
+    x = as_array(x)
+    m = x.reshape(-1, 1) if x.ndim <= 1 else x.reshape(-1, x.shape[-1])
     n, c = m.shape
-    gen = torch.Generator().manual_seed((7_919 * c + 17) % (1 << 31))
-    g = torch.randn(c, probes, generator=gen).float()
-    out = torch.empty(n, probes, dtype=torch.float64)
+    g = np.random.default_rng((7_919 * c + 17) % (1 << 31)).standard_normal((c, probes)).astype(np.float32)
+    out = np.empty((n, probes), dtype=np.float64)
     step = max(1, CHUNK_ELEMS // max(c, 1))
     for i in range(0, n, step):
-        out[i : i + step] = (m[i : i + step].to(torch.float32) @ g).double()
+        out[i : i + step] = as_float32(m[i : i + step]) @ g
     return out
 
 
@@ -55,18 +58,18 @@ def match_rows(comp, parts: list, tol_scale: float) -> RowMatch | None:
     """Each row of the composite's fingerprints `comp` [N, K] found among the parts' fingerprints
     (`parts[i]` [n_i, K]); None unless every composite row is matched and every part used is used
     whole, each row once. `tol_scale` is `content.TOL`."""
-    import torch
+    import numpy as np
 
     if not parts or comp.shape[0] == 0:
         return None
-    owner = torch.cat([torch.full((p.shape[0],), i, dtype=torch.long) for i, p in enumerate(parts)])
-    local = torch.cat([torch.arange(p.shape[0]) for p in parts])
-    pool = torch.cat(parts)
-    tol = tol_scale * float(pool[:, 0].pow(2).mean().sqrt()) + 1e-300
-    order = torch.argsort(pool[:, 0])
+    owner = np.concatenate([np.full(p.shape[0], i, dtype=np.int64) for i, p in enumerate(parts)])
+    local = np.concatenate([np.arange(p.shape[0]) for p in parts])
+    pool = np.concatenate(parts)
+    tol = tol_scale * float(np.sqrt(np.mean(np.square(pool[:, 0])))) + 1e-300
+    order = np.argsort(pool[:, 0], kind="stable")
     first = pool[order, 0]
-    lo = torch.searchsorted(first, comp[:, 0] - tol)
-    hi = torch.searchsorted(first, comp[:, 0] + tol, right=True)
+    lo = np.searchsorted(first, comp[:, 0] - tol, side="left")
+    hi = np.searchsorted(first, comp[:, 0] + tol, side="right")
     if bool((hi == lo).any()):
         return None
     used: set[int] = set()
@@ -74,7 +77,7 @@ def match_rows(comp, parts: list, tol_scale: float) -> RowMatch | None:
     prev: tuple[int, int] | None = None
     for r in range(comp.shape[0]):
         cands = order[int(lo[r]) : int(hi[r])]
-        close = cands[(pool[cands] - comp[r]).abs().max(dim=1).values <= tol].tolist()
+        close = cands[np.abs(pool[cands] - comp[r]).max(axis=1) <= tol].tolist()
         free = [c for c in close if c not in used]
         if not free:
             return None
@@ -95,22 +98,22 @@ def permutation(ref, tgt) -> list[int] | None:
     """`rows` with `tgt[rows[i]] == ref[i]` for every reference row i (the target's rows holding the
     reference's, in order) when the target's rows are the reference's reordered, not the identity;
     else None. Verified in full."""
-    import torch
-
     from ffdebug import verdict as V
+    from ffdebug.arrays import as_array, is_floating
     from ffdebug.comparison.metrics import compare_tensors
     from ffdebug.weights.content import TOL
 
-    if tuple(ref.shape) != tuple(tgt.shape) or ref.dim() < 2 or ref.shape[0] < 2:
+    ref, tgt = as_array(ref), as_array(tgt)
+    if tuple(ref.shape) != tuple(tgt.shape) or ref.ndim < 2 or ref.shape[0] < 2:
         return None
-    if not (ref.is_floating_point() and tgt.is_floating_point()):
+    if not (is_floating(ref.dtype) and is_floating(tgt.dtype)):
         return None
     r2, t2 = ref.reshape(ref.shape[0], -1), tgt.reshape(tgt.shape[0], -1)
     found = match_rows(fingerprints(t2), [fingerprints(r2)], TOL)
     rows = found.rows_of(0) if found is not None else None
     if rows is None or rows == list(range(len(rows))):
         return None
-    m = compare_tensors(r2, t2.index_select(0, torch.tensor(rows)))
+    m = compare_tensors(r2, t2[rows])
     return rows if V.is_ok(V.classify(m.cos, m.rel)) else None
 
 

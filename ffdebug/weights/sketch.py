@@ -21,11 +21,11 @@ CHUNK_ELEMS = 1 << 20  # elements converted at a time (4 MiB of float32)
 
 @lru_cache(maxsize=64)
 def probe(n: int):
-    """g(n): the fixed random vector the sketches of length-n rows (or columns) are taken with."""
-    import torch
+    """g(n): the fixed random vector the sketches of length-n rows (or columns) are taken with
+    (float64 standard normal, numpy's default generator seeded by n)."""
+    import numpy as np
 
-    gen = torch.Generator().manual_seed(1_000_003 * n % (1 << 31))
-    return torch.randn(n, dtype=torch.float64, generator=gen)
+    return np.random.default_rng(1_000_003 * n % (1 << 31)).standard_normal(n)
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,14 @@ class Line:
 
     axis: int  # ROWS | COLS
     width: int  # the length of the probe
-    values: object  # float64 tensor
+    values: object  # float64 array
     slot: int
 
     @property
     def rms(self) -> float:
-        return float(self.values.pow(2).mean().sqrt()) if self.values.numel() else 0.0
+        import numpy as np
+
+        return float(np.sqrt(np.mean(np.square(self.values)))) if self.values.size else 0.0
 
 
 @dataclass(frozen=True)
@@ -56,32 +58,34 @@ class Sketch:
 
 
 def sketch(name: str, x) -> Sketch | None:
-    """The sketch of tensor `x` (None for tensors without float values or elements)."""
-    import torch
+    """The sketch of array `x` (None for arrays without real float values or elements)."""
+    import numpy as np
 
-    if x.numel() == 0 or not (x.dtype.is_floating_point or x.dtype.is_complex) or x.is_complex():
+    from ffdebug.arrays import as_array, as_float32, is_floating
+
+    x = as_array(x)
+    if x.size == 0 or not is_floating(x.dtype):
         return None
     shape = tuple(x.shape)
-    m = x.reshape(-1, 1) if x.dim() <= 1 else x.reshape(-1, shape[-1])
+    m = x.reshape(-1, 1) if x.ndim <= 1 else x.reshape(-1, shape[-1])
     n, c = m.shape
-    g = probe(c)
-    rows = torch.empty(n, dtype=torch.float64)
-    cols = torch.zeros(c, dtype=torch.float64) if x.dim() == 2 else None
-    g = g.float()
-    gn = probe(n).float() if cols is not None else None
+    g = probe(c).astype(np.float32)
+    rows = np.empty(n, dtype=np.float64)
+    cols = np.zeros(c, dtype=np.float64) if x.ndim == 2 else None
+    gn = probe(n).astype(np.float32) if cols is not None else None
     lo, hi, sq = None, None, 0.0
     step = max(1, CHUNK_ELEMS // c)
     for i in range(0, n, step):
-        raw = m[i : i + step]
-        bmin, bmax = (float(v) for v in torch.aminmax(raw))
-        block = raw.to(torch.float32)  # exact for bf16 / fp16; sums well within TOL of content
+        block = as_float32(m[i : i + step])  # exact for bf16 / fp16; sums well within TOL of content
+        raw = m[i : i + step] if x.dtype.itemsize >= 4 else block  # min / max exact on either
+        bmin, bmax = float(raw.min()), float(raw.max())
         rows[i : i + block.shape[0]] = block @ g
         if cols is not None:
             cols += gn[i : i + block.shape[0]] @ block
         lo = bmin if lo is None else min(lo, bmin)
         hi = bmax if hi is None else max(hi, bmax)
-        sq += float(torch.linalg.vector_norm(block, dtype=torch.float64)) ** 2
-    slot = shape[1] if x.dim() == 3 else n
+        sq += float(np.linalg.norm(block.astype(np.float64).reshape(-1))) ** 2
+    slot = shape[1] if x.ndim == 3 else n
     lines = [Line(ROWS, c, rows, slot)]
     if cols is not None:
         lines.append(Line(COLS, n, cols, c))

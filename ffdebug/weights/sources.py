@@ -10,12 +10,16 @@ Accepted inputs (`open_source`):
 - a weight dump store written by `maybe_dump_weights_and_exit` (`DIR/weights` or `DIR`), per rank;
 - a folder of per-rank checkpoints (`rank0/`, `rank1/`… or files named `*rank0*.safetensors`…);
 - a Python entry `module:function` (or `path/to/file.py:function`) returning a module or a dict of
-  tensors; in-process callers may also pass an `nn.Module` or a dict directly.
+  tensors; in-process callers may also pass an `nn.Module` or a dict (of torch tensors or numpy
+  arrays) directly.
 
 Each kind is read by the tensor-file layer (`ffdebug.io.checkpoints`, `ffdebug.io.torchfile`, the
 store reader for weight dumps) into typed `Record`s (`ffdebug.io.record`), one per tensor (one
 rank's piece of it for per-rank sources). Memory stays bounded: nothing is read until
-`Record.load()`, which reads one tensor (`ffdebug.io.safetensors` recycles its file handles).
+`Record.load()`, which reads one tensor as a numpy array (`ffdebug.io.safetensors` maps it; no file
+stays open). torch is imported only by the kinds that hold torch objects: a `.pt` / `.bin` file
+(`ffdebug.io.torchfile`), an entry returning a module or tensors, a module passed in; their
+tensors become numpy arrays when loaded (`ffdebug.arrays.as_array`). A dict may hold numpy arrays.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ffdebug.io.checkpoints import (
     KNOWN_FILES,
     bin_index_records,
     folder_records,
+    is_torch_module,
     layer_of,
     per_rank_records,
     pipeline_components,
@@ -164,11 +169,9 @@ def _open_dir(path: str) -> WeightSource:
 
 def open_source(x, label: str = "input") -> WeightSource:
     """Open one side of a weights diff (see the module docstring for the accepted kinds)."""
-    import torch
-
     if isinstance(x, WeightSource):
         return x
-    if isinstance(x, torch.nn.Module):
+    if is_torch_module(x):
         return WeightSource(f"<{type(x).__name__}>", "module", tensor_records(x.state_dict(), label))
     if isinstance(x, dict):
         return WeightSource(
@@ -194,7 +197,7 @@ def open_source(x, label: str = "input") -> WeightSource:
         )
     if is_entry_spec(path):
         obj = call_entry(path)
-        if not isinstance(obj, (torch.nn.Module, dict)):
+        if not (is_torch_module(obj) or isinstance(obj, dict)):
             raise FFDebugError(
                 f"{path}: returned {type(obj).__name__}; return an nn.Module or a dict of tensors"
             )

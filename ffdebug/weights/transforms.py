@@ -6,6 +6,13 @@ comparison. FUNC is `transpose` (swap the last two dims) or a Python entry `modu
 called as `function(tensor)` or `function(tensor, name)`; it returns the tensor in the other side's
 layout. Example: ATOM's fp8 shuffle applied to the reference,
 `--transform 'ref:*.experts.*=mylib.layout:shuffle_16x16'`.
+
+The diff holds numpy arrays (`ffdebug.arrays`); `transpose` works on them. A user FUNC is code
+written against the engine's layout, which is torch code (ATOM's shuffles, a converter's
+permutations), so it keeps receiving a torch tensor: the array is handed over as one with
+`arrays.to_torch` (the same memory; bfloat16 / float8 through their raw bits) and what it returns,
+a torch tensor or a numpy array, is taken back with `arrays.as_array`. torch is imported only
+then, by a diff that names such a FUNC.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ from ffdebug.errors import FFDebugError
 
 
 def transpose(tensor, name: str = ""):
-    if tensor.dim() < 2:
+    """The last two dims swapped (a contiguous copy)."""
+    import numpy as np
+
+    if tensor.ndim < 2:
         raise FFDebugError(f"{name}: transpose needs at least 2 dims, got shape {list(tensor.shape)}")
-    return tensor.transpose(-2, -1).contiguous()
+    return np.ascontiguousarray(np.swapaxes(tensor, -2, -1))
 
 
 BUILTINS: dict[str, Callable] = {"transpose": transpose, "T": transpose}
@@ -39,21 +49,36 @@ class Transform:
         return fnmatch.fnmatchcase(name, self.glob)
 
     def __call__(self, tensor, name: str):
+        """`fn` applied to a numpy array; a user entry is given a torch tensor (module docstring)."""
+        builtin = self.fn in BUILTINS.values()
+        arg = tensor if builtin else _to_torch(tensor)
         try:
-            out = self.fn(tensor, name) if _takes_two(self.fn) else self.fn(tensor)
+            out = self.fn(arg, name) if _takes_two(self.fn) else self.fn(arg)
         except FFDebugError:
             raise
         except Exception as err:
             raise FFDebugError(
                 f"--transform {self.spec!r} failed on {name}: {type(err).__name__}: {str(err)[:120]}"
             ) from err
-        import torch
+        return out if builtin else _from_user(out, self.spec, name)
 
-        if not isinstance(out, torch.Tensor):
-            raise FFDebugError(
-                f"--transform {self.spec!r}: returned {type(out).__name__} for {name}; return a tensor"
-            )
-        return out
+
+def _to_torch(a):
+    from ffdebug.arrays import to_torch
+
+    return to_torch(a)
+
+
+def _from_user(out, spec: str, name: str):
+    """A user transform's result as a numpy array: a torch tensor or a numpy array, else an error."""
+    import numpy as np
+    import torch  # imported already: the transform was handed a torch tensor
+
+    from ffdebug.arrays import as_array
+
+    if not isinstance(out, (torch.Tensor, np.ndarray)):
+        raise FFDebugError(f"--transform {spec!r}: returned {type(out).__name__} for {name}; return a tensor")
+    return as_array(out)
 
 
 def _takes_two(fn) -> bool:

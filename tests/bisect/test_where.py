@@ -128,7 +128,7 @@ def test_token_runs_name_the_wrong_tokens_of_each_sequence_in_the_references_coo
     packed_ref = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
     packed_tgt = packed_ref.clone()
     packed_tgt[2:] *= -1
-    runs, _ = token_runs("L001.ffn_out", packed_ref, packed_tgt, coords)
+    runs, _ = token_runs("L001.ffn_out", packed_ref.numpy(), packed_tgt.numpy(), coords.numpy())
     assert sentence(runs) == "sequence 1, tokens 0-2 wrong; sequence 0 exact"
     assert token_runs("final.logits", ref, tgt) is None  # layer stages only
     every = tgt.clone() * 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,14 +22,14 @@ def _x(*shape, seed=0):
 def test_sketch_is_linear_and_seeded():
     a, b = _x(64, 96), _x(64, 96, seed=1)
     s = sketch(a + 3 * b)
-    torch.testing.assert_close(s, sketch(a) + 3 * sketch(b), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(s, sketch(a) + 3 * sketch(b), rtol=0, atol=1e-9)
     assert s.shape == (SKETCH_BUCKETS,)
-    assert not torch.equal(sketch(a, seed=0), sketch(a, seed=1))
+    assert not np.array_equal(sketch(a, seed=0), sketch(a, seed=1))
     # each element lands in exactly one bucket with sign ±1: a one-hot tensor's sketch is ±1 once
     one = torch.zeros(5000, dtype=torch.float64)
     one[4321] = 1.0
     hot = sketch(one)
-    assert sorted(hot.abs().tolist())[-2:] == [0.0, 1.0]
+    assert sorted(np.abs(hot).tolist())[-2:] == [0.0, 1.0]
 
 
 @pytest.mark.parametrize("scale", [1e-3, 0.05, 0.5])
@@ -68,7 +69,7 @@ def test_capture_and_compare_sketch_dumps(tmp_path, monkeypatch):
 
     rec = next(x for x in open_side(str(tmp_path / "ref")).records if x.key == "L000.hidden_out")
     assert list(rec.shape) == [16, 512] and rec.extra["sketch"] == {"seed": 0, "buckets": 1024}
-    assert tuple(rec.load().shape) == (1024,) and rec.load().dtype == torch.float32
+    assert tuple(rec.load().shape) == (1024,) and rec.load().dtype == np.float32
     result = ffdebug.compare(str(tmp_path / "ref"), str(tmp_path / "target"))
     stage = next(e for e in result.stages if e.key == "L000.hidden_out")
     assert stage.rel > 1.0 and stage.severity == "scramble"

@@ -9,6 +9,7 @@ import torch
 from helpers.trainer.trainer_utils import make_trainer
 
 import ffdebug
+from ffdebug.arrays import to_torch
 from ffdebug.store.reader import open_side
 
 pytestmark = pytest.mark.integration
@@ -26,7 +27,7 @@ def test_rolling_out_trainers_tap_their_inputs(tmp_path, name, inputs):
         trainer = make_trainer(name, tmp_path / "run", 1, "eval.every=0")
         trainer.start()
     records = [r for r in open_side(tmp_path / "dumps" / "ref").records if r.key.startswith("rollout.")]
-    tapped = {r.key: r.load() for r in records}
+    tapped = {r.key: to_torch(r.load()) for r in records}
     assert set(inputs) <= set(tapped), sorted(tapped)
     ids, noise = tapped["rollout.prompt_ids"], tapped["rollout.noise"]
     assert ids.dtype == torch.int64 and ids.shape[0] == noise.shape[0]  # one token row per sample

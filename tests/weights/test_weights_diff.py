@@ -291,16 +291,39 @@ def test_weight_dump_and_entry(hf_dir, tmp_path, monkeypatch):
     assert code == 0
 
 
-def test_streaming_reader_recycles_handles(hf_dir, monkeypatch):
+def test_streaming_reader_maps_each_read_and_keeps_nothing_open(hf_dir):
+    """Each read maps its own tensor (a private mapping the array holds: its pages, and the
+    descriptor Python's `mmap` keeps, go with the array); nothing stays open once the arrays are
+    gone, and nothing is cached on the file or the record."""
+    import mmap
+    import os
+
+    import numpy as np
+
     from ffdebug.io import safetensors
     from ffdebug.io.checkpoints import safetensors_records
 
-    monkeypatch.setattr(safetensors, "RECYCLE_BYTES", 1)
+    def open_fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    def owner(x):  # the object holding the array's memory (np.frombuffer keeps a memoryview of it)
+        while isinstance(x, np.ndarray):
+            x = x.base
+        return x.obj if isinstance(x, memoryview) else x
+
+    before = open_fds()
     f = safetensors.SafetensorsFile(str(hf_dir / "model.safetensors"))
     entries = safetensors_records(f)
-    first = entries[0].load()
-    assert f._handle is None  # dropped after the read: its mapped pages leave the resident set
-    assert torch.equal(entries[0].load(), first)
+    first, again = entries[0].load(), entries[0].load()
+    assert isinstance(owner(first), mmap.mmap) and isinstance(owner(again), mmap.mmap)
+    assert owner(first) is not owner(again)  # one mapping per read, none shared or cached
+    assert np.array_equal(first, again)
+    want = entries[0].source.file.meta[entries[0].key]
+    assert (first.shape, str(first.dtype)) == want
+    first.reshape(-1)[0] = 1e30  # a private mapping: never written back, never seen by another read
+    assert np.array_equal(entries[0].load(), again)
+    del first, again
+    assert open_fds() == before  # the header read closed its descriptor; the mappings went with the arrays
 
 
 def test_h_n_suggestion_add_prefix_and_schema_only(hf_state, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers.weights.tp_dumps import ROW, tp_split, write_dump
@@ -139,15 +140,20 @@ def test_fp8_wrong_scale_is_caught_and_raw_mode(hf_state):
 
 
 def test_e8m0_decoding_and_scale_expansion():
-    x = torch.tensor([127, 128, 120, 255], dtype=torch.uint8)
+    import ml_dtypes
+
+    x = np.array([127, 128, 120, 255, 0, 254], dtype=np.uint8)
     got = quant.e8m0_to_float(x)
-    assert got[:3].tolist() == [1.0, 2.0, 2.0**-7] and torch.isnan(got[3])
-    assert torch.equal(quant.e8m0_to_float(x.view(torch.float8_e8m0fnu)).nan_to_num(), got.nan_to_num())
+    assert got.dtype == np.float32 and np.isnan(got[3])
+    assert got[[0, 1, 2, 4, 5]].tolist() == [1.0, 2.0, 2.0**-7, 2.0**-127, 2.0**127]  # 2^-127: a subnormal
+    assert np.array_equal(quant.e8m0_to_float(x.view(ml_dtypes.float8_e8m0fnu)), got, equal_nan=True)
+    assert np.array_equal(x.view(ml_dtypes.float8_e8m0fnu).astype(np.float32), got, equal_nan=True)
     # Blocks are powers of two where one fits, the last one padded: 5 columns in 2 blocks = 4 + 1.
-    s = quant.expand_scale(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), (3, 5))
+    s = quant.expand_scale(np.array([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32), (3, 5))
     assert s.tolist() == [[1, 1, 1, 1, 2], [1, 1, 1, 1, 2], [3, 3, 3, 3, 4]]
     assert quant.block_size(7168, 56) == 128 and quant.block_size(40, 3) == 16
-    assert quant.expand_scale(torch.tensor([2.0, 3.0]), (2, 4)).tolist() == [[2.0], [3.0]]  # per channel
+    per_channel = quant.expand_scale(np.array([2.0, 3.0], dtype=np.float32), (2, 4))
+    assert per_channel.tolist() == [[2.0], [3.0]]
 
 
 def test_fp8_conclusion_counts_rounding_apart_from_real_differences():
@@ -173,3 +179,19 @@ def test_fp8_conclusion_counts_rounding_apart_from_real_differences():
     text = weights_conclusion(ffdebug.weights_diff(ref, tgt, allow_dtype=True).to_json())
     assert "1 of 4 tensors differ beyond rounding, worst scramble; first norm.weight (sign_flip" in text
     assert "3 more within rounding but graded drift" in text and text.endswith("FAILED")
+
+
+@pytest.mark.parametrize("block,e8m0", [(None, False), ((16, 16), False), ((1, 32), True)])
+def test_quantize_round_trip_on_numpy_and_torch(block, e8m0):
+    """`quantize_fp8` returns arrays of the kind it is given (numpy: ml_dtypes' float8; torch: the
+    same bits as torch tensors), and `dequantize` brings either back within e4m3's rounding."""
+    w = np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32)
+    q, s = quant.quantize_fp8(w, "float8_e4m3fn", block, e8m0=e8m0)
+    assert isinstance(q, np.ndarray) and str(q.dtype) == "float8_e4m3fn"
+    assert str(s.dtype) == ("float8_e8m0fnu" if e8m0 else "float32")
+    back = quant.dequantize(q, s)
+    assert back.dtype == np.float32 and np.all(np.abs(back - w) <= 2.0**-4 * np.abs(w) + 1e-6)
+    tq, ts = quant.quantize_fp8(torch.from_numpy(w), "float8_e4m3fn", block, e8m0=e8m0)
+    assert isinstance(tq, torch.Tensor) and tq.dtype == torch.float8_e4m3fn
+    assert np.array_equal(tq.view(torch.uint8).numpy(), q.view(np.uint8))
+    assert np.array_equal(quant.dequantize(tq, ts), back)
