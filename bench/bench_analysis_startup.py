@@ -45,14 +45,16 @@ def two_stage_store(root: Path, shift: float) -> Path:
     """A store of one call: token ids and one [1, 8, 64] fp32 stage (`shift` added on one side)."""
     import numpy as np
 
-    rank = root / "rank0"
-    (rank / "tensors").mkdir(parents=True)
-    (root / "run.json").write_text(json.dumps({"format_version": 1, "tool": "ffdebug", "world_size": 1}))
+    rank = root / "rank000"
+    rank.mkdir(parents=True)
+    (root / "run.json").write_text(
+        json.dumps({"format_version": 1, "tool": "ffdebug", "side": root.name, "world_size": 1})
+    )
     ids = np.arange(8, dtype=np.int64).reshape(1, 8)
     hidden = np.linspace(-1, 1, 512, dtype=np.float32).reshape(1, 8, 64) + np.float32(shift)
     lines = []
     for seq, (key, arr) in enumerate((("embed.input_ids", ids), ("L000.hidden_out", hidden))):
-        name = f"tensors/{seq:06d}.safetensors"
+        name = f"{seq:06d}_{key}.safetensors"
         _payload(rank / name, arr)
         lines.append(
             {
@@ -80,6 +82,8 @@ def two_stage_store(root: Path, shift: float) -> Path:
             }
         )
     (rank / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    status = {"records": 2, "written": 2, "stats_only": 0, "over_budget": 0, "complete": True}
+    (rank / "status.json").write_text(json.dumps(status))
     return root
 
 

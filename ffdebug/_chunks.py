@@ -2,15 +2,19 @@
 and weights-diff. Foundation layer: imports only `ffdebug.arrays`; never torch.
 
 Threads: the chunk loops' sums are BLAS dot products of 64 Ki elements, which gain nothing from
-a BLAS thread team (and a team spinning on a busy 2-core machine slows them); the CLI sets
-`OPENBLAS_NUM_THREADS=1` before numpy loads unless the user set it (`ffdebug.cli.app`), and the
-comparison runs its own workers (`ffdebug.comparison.parallel`)."""
+a BLAS thread team; a team spinning on a busy 2-core machine made them 66x slower (1.11 against
+0.017 GB/s at load 7). `one_blas_thread` holds BLAS at one thread while the loops run (the
+comparison runs its own workers, `ffdebug.comparison.parallel`), and the CLI also sets
+`OPENBLAS_NUM_THREADS=1` before numpy loads unless the user set it (`ffdebug.cli.app`)."""
 
 from __future__ import annotations
 
 import threading
 
 from ffdebug.arrays import to_float64
+
+_blas_lock = threading.Lock()
+_blas = {"depth": 0, "limiter": None, "controller": None}
 
 CHUNK = 1 << 16
 
@@ -48,3 +52,27 @@ def work_rows():
 def copy_in(row, src) -> None:
     """`row` (a float64 piece of `work_rows`) <- `src` (flat, any real dtype), exactly."""
     to_float64(src, row)
+
+
+class one_blas_thread:
+    """BLAS (numpy's OpenBLAS) on one thread inside the block, restored after it: re-entrant and
+    process-wide (BLAS's setting is), so the outermost block of any Python thread sets it and the
+    last one out restores it. The library inspection runs once per process (about 8 ms, through
+    `threadpoolctl`); a block costs about 0.13 ms, a nested one a lock."""
+
+    def __enter__(self):
+        with _blas_lock:
+            if _blas["depth"] == 0:
+                if _blas["controller"] is None:
+                    from threadpoolctl import ThreadpoolController
+
+                    _blas["controller"] = ThreadpoolController()
+                _blas["limiter"] = _blas["controller"].limit(limits=1, user_api="blas")
+            _blas["depth"] += 1
+
+    def __exit__(self, *exc):
+        with _blas_lock:
+            _blas["depth"] -= 1
+            if _blas["depth"] == 0:
+                _blas["limiter"].restore_original_limits()
+                _blas["limiter"] = None

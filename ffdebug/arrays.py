@@ -181,11 +181,13 @@ def equal(a, b) -> bool:
 
 def to_torch(a):
     """A torch tensor over the same memory as numpy array `a` (bfloat16 / float8 through their
-    raw bits). For the paths where a torch object is the point (running a model on dumped
-    inputs); imports torch."""
+    raw bits); a torch tensor as it is. For the paths where a torch object is the point (running
+    a model on dumped inputs); imports torch."""
     import numpy as np
     import torch
 
+    if is_torch(a):
+        return a
     name = str(a.dtype)
     if name in _NUMPY:
         return torch.from_numpy(np.ascontiguousarray(a))

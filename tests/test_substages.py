@@ -74,7 +74,9 @@ def test_fused_port_sub_stages_pair_with_hf_llama_split_by_head_counts(hf, tmp_p
         assert torch.equal(
             to_torch(side["L001.attn.qkv.in"].load()), to_torch(side["L001.attn_norm_out"].load())
         )
-        assert torch.equal(to_torch(side["L001.mlp.down.in"].load()), to_torch(side["L001.mlp.act.out"].load()))
+        assert torch.equal(
+            to_torch(side["L001.mlp.down.in"].load()), to_torch(side["L001.mlp.act.out"].load())
+        )
     for kind, shape in SHAPES.items():
         assert list(ref[f"L000.{kind}"].shape) == shape == list(tgt[f"L000.{kind}"].shape), kind
     k_ref, k_tgt = ref["L001.attn.k.out"], tgt["L001.attn.k.out"]
@@ -280,8 +282,7 @@ def test_moe_port_router_topk_and_expert_sub_stages_pair_with_hf(hf_moe, tmp_pat
     assert e.endswith(".in")  # the rows the expert read: the branch input's rows of its tokens
     rows = tgt["L001.ffn_norm_out"].load().reshape(-1, 32)[tgt[e].extra["tokens"]]
     assert (
-        np.array_equal(tgt[e].load(), rows)
-        and tgt[e].extra["tokens"] == tgt[e[:-3] + ".out"].extra["tokens"]
+        np.array_equal(tgt[e].load(), rows) and tgt[e].extra["tokens"] == tgt[e[:-3] + ".out"].extra["tokens"]
     )
     res = ffdebug.compare(tmp_path / "ref", tmp_path / "target")
     assert res.exit_code() == 0, res.coverage.missing

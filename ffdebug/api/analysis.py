@@ -16,6 +16,7 @@ from ffdebug.verdict import Severity, Threshold
 if TYPE_CHECKING:  # types only: importing them would import torch
     from typing import TypeAlias
 
+    import numpy as np
     import torch
 
     from ffdebug.io.side import SideStore
@@ -25,8 +26,10 @@ if TYPE_CHECKING:  # types only: importing them would import torch
     # a side: its directory (a store, a peer dump, a tensor file) or an opened SideStore
     Side: TypeAlias = str | _os.PathLike[str] | SideStore
     # what weights_diff reads: a checkpoint path (README "Weights first"), an entry
-    # `module:function`, a module or a state dict
-    Weights: TypeAlias = str | _os.PathLike[str] | torch.nn.Module | Mapping[str, torch.Tensor]
+    # `module:function`, a module or a state dict (torch tensors or numpy arrays)
+    Weights: TypeAlias = (
+        str | _os.PathLike[str] | torch.nn.Module | Mapping[str, torch.Tensor] | Mapping[str, np.ndarray]
+    )
     # a model to re-run (attribution): an entry `module:function`, the model, or (model, keyword
     # or forward kwargs), what such a function returns (ffdebug/bisection/attribution.py)
     ModelEntry: TypeAlias = str | torch.nn.Module | tuple[torch.nn.Module, str | Mapping[str, object]]

@@ -398,7 +398,16 @@ def _unsharded(rec: Record) -> dict | None:
     return {"how": rec.fold.describe(), "ranks": len(rec.parts)} if rec.fold is not None else None
 
 
-def _map_units(
+def _map_units(*args, **kwargs) -> list[tuple]:
+    """`_map_units_on` with BLAS held at one thread (`ffdebug._chunks.one_blas_thread`): each
+    unit's sums run on their worker alone; forked workers inherit the setting."""
+    from ffdebug._chunks import one_blas_thread
+
+    with one_blas_thread():
+        return _map_units_on(*args, **kwargs)
+
+
+def _map_units_on(
     units: list[StageUnit],
     thresholds,
     exact: bool,

@@ -32,7 +32,7 @@ import math
 import threading
 from dataclasses import asdict, dataclass, field
 
-from ffdebug._chunks import CHUNK, copy_in, iter_chunks, work_rows
+from ffdebug._chunks import CHUNK, copy_in, iter_chunks, one_blas_thread, work_rows
 from ffdebug.arrays import as_array, as_float64, int_view, is_complex, is_floating
 
 _work = threading.local()  # per thread: views of the work rows, the bool row
@@ -93,7 +93,7 @@ def compare_tensors(ref, target) -> TensorMetrics:
             numel=ref.size,
             notes=[f"shape mismatch: ref {list(ref.shape)} vs target {list(target.shape)}"],
         )
-    with np.errstate(all="ignore"):  # NaN / Inf are counted, never warned about
+    with np.errstate(all="ignore"), one_blas_thread():  # NaN / Inf are counted, never warned about
         metrics = _compare_tensors(ref, target)
         if metrics is None:  # float64 sums overflowed (|values| past ~1e154): redo on scaled values
             metrics = _compare_tensors(ref, target, scale=_pow2_scale(ref, target))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ffdebug._chunks import CHUNK, copy_in, work_rows
+from ffdebug._chunks import CHUNK, copy_in, one_blas_thread, work_rows
 
 RISE = 10.0  # a token whose error is this many times every earlier token's starts a rise
 RISE_HEADS = 10.0  # heads within this factor of the worst head are named as the wrong ones
@@ -120,7 +120,7 @@ def row_sums(r, t, width: int):
     rows = r.shape[0] // width
     d2 = np.empty(rows, dtype=np.float64)
     r2 = np.empty(rows, dtype=np.float64)
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"), one_blas_thread():
         if width <= CHUNK:
             _whole_rows(r, t, width, d2, r2)
         else:

@@ -58,7 +58,9 @@ def tensor_stats(tensor) -> dict:
     non-zero count); only the others test every element for NaN / Inf."""
     import numpy as np
 
-    with np.errstate(all="ignore"):
+    from ffdebug._chunks import one_blas_thread
+
+    with np.errstate(all="ignore"), one_blas_thread():
         return _tensor_stats(tensor)
 
 
