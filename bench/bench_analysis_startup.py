@@ -87,9 +87,13 @@ def two_stage_store(root: Path, shift: float) -> Path:
     return root
 
 
-def wall(cmd: list[str], env: dict) -> float:
+def wall(cmd: list[str], env: dict, cwd: Path) -> float:
+    """Wall seconds of one whole process, run in `cwd` (not the repository: `python -m` puts the
+    working directory first on sys.path, ahead of `PYTHONPATH`); exit 0 is required."""
     t = time.perf_counter()
-    subprocess.run(cmd, check=False, capture_output=True, env=env)
+    p = subprocess.run(cmd, check=False, capture_output=True, env=env, cwd=cwd)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:5])} exited {p.returncode}: {p.stderr.decode()[-500:]}")
     return time.perf_counter() - t
 
 
@@ -118,9 +122,9 @@ def main() -> None:
             torch_times, pass_times = [], []
             for _ in range(args.repeat):
                 for label, env in envs.items():
-                    times[label].append(wall(cmd, env))
-                torch_times.append(wall([sys.executable, "-c", "import torch"], base_env))
-                pass_times.append(wall([sys.executable, "-c", "pass"], base_env))
+                    times[label].append(wall(cmd, env, tmp))
+                torch_times.append(wall([sys.executable, "-c", "import torch"], base_env, tmp))
+                pass_times.append(wall([sys.executable, "-c", "pass"], base_env, tmp))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
     now, then = (statistics.median(times[k]) for k in envs)

@@ -1,4 +1,4 @@
-"""`ffdebug compare` and `ffdebug bisect` against the read floor and a naive loop (README "Benchmarks").
+"""`ffdebug compare` and `ffdebug bisect` against read and compute floors (README "Benchmarks").
 
 Writes two stores (ref, target = ref + small noise) of `--size` bytes of fp32 each, as layer stages
 `L{i}.hidden_out`, in one of two layouts:
@@ -6,20 +6,24 @@ Writes two stores (ref, target = ref + small noise) of `--size` bytes of fp32 ea
   mixed    `--count` tensors from 4 KiB to 64 MiB (sizes 4 KiB x 16384^(u^p), u in [0, 1], p chosen
            so the sizes add up to `--size`; shuffled with a fixed seed)
 each 1-D, or with `--width W` shaped [1, tokens, W] like a layer's hidden states (so compare also
-breaks the error down per token), then measures, each as a whole process, interleaved `--repeat` times (medians; peak RSS = max):
-  floor    a script that opens every payload of both stores with safetensors and touches every page
-           (one float per 4 KiB page: the pages are mapped, 1/1024 of the values is read)
-  sum-all  the same, summing every value (every byte through the CPU once, one thread): what a
-           single streaming pass costs, for reference
-  naive    a loop that loads each pair and computes whole-tensor float64 cos, rel and max |a - b|
-           (2 intra-op threads)
-  compare  `ffdebug compare REF TARGET --json`
-  bisect   `ffdebug bisect REF TARGET --json`
-and prints compare / floor (target <= 1.25), compare / naive (<= 0.5), peak RSS (<= 600 MiB at
-1 GiB), bisect / compare (<= 1.15), and the in-process metric maths (both fp32 inputs counted, one
-thread; target >= 4 GB/s) in wall time and in thread CPU time (a shared machine steals wall time).
+breaks the error down per token), plus a 2-stage store (`bench_analysis_startup.two_stage_store`),
+then measures, each as a whole process, interleaved `--repeat` times (medians; peak RSS = max).
+Every floor reads the payloads as numpy arrays over a mapping of the file (no torch, no ffdebug):
+  floor      touches every 4 KiB page of every payload of both stores (1/1024 of the values read)
+  sum-all    sums every value (every byte through the CPU once, one thread), for reference
+  floor64    the float64 compute floor: every payload pair read chunk by chunk (64 Ki elements),
+             each chunk converted to float64 and one dot product taken per pair, on as many forked
+             workers as compare is given (`--workers`, default one per core)
+  floor64-2  the same on the 2-stage store (its start-up)
+  naive      a loop that loads each pair and computes whole-tensor float64 cos, rel and max |a - b|
+  compare    `ffdebug compare REF TARGET --json`, and `compare-2` on the 2-stage store
+  bisect     `ffdebug bisect REF TARGET --json`
+and prints past start-up (compare - compare-2) / (floor64 - floor64-2) (target <= 2), compare-2
+(target < 1 s idle), compare / floor, compare / naive, peak RSS (<= 600 MiB), bisect / compare
+(<= 1.15), and the in-process metric maths (both fp32 inputs counted, one thread) in wall time
+and in thread CPU time (a shared machine steals wall time).
 
-Usage: python bench/bench_compare.py --size 1GiB                     (smoke: --size 64MiB --count 20)
+Usage: python bench/bench_compare.py --size 4GiB                     (smoke: --size 64MiB --count 20)
        python bench/bench_compare.py --size 1GiB --layout mixed --count 2000
        python bench/bench_compare.py --size 1GiB --width 4096              (3-D layer stages)
 """
@@ -229,6 +233,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved runs of each command (median)")
     ap.add_argument("--no-bisect", action="store_true")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="workers of compare, bisect and the float64 floor alike (default: this process's cores)",
+    )
     args = ap.parse_args()
     size = parse_size(args.size)
     root = tempfile.mkdtemp(prefix="ffdebug-bench-")
@@ -249,20 +259,29 @@ def main() -> None:
         measure([py, "-c", READ_ONLY, ref, tgt])  # warm the page cache
         from bench_analysis_startup import two_stage_store
 
-        from ffdebug.comparison.parallel import MAX_WORKERS, free_cores
-
         small = os.path.join(root, "small")
         small_ref = str(two_stage_store(Path(small) / "ref", 0.0))
         small_tgt = str(two_stage_store(Path(small) / "target", 1e-3))
-        workers = str(max(1, min(free_cores(), MAX_WORKERS, count)))
+        workers = str(args.workers)
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"  # every child's dot products on one BLAS thread
         cmds = {
             "floor": [py, "-c", READ_ONLY, ref, tgt],
             "sum-all": [py, "-c", READ_ALL, ref, tgt],
             "floor64": [py, "-c", FLOOR64, ref, tgt, workers],
             "floor64-2": [py, "-c", FLOOR64, small_ref, small_tgt, workers],
             "naive": [py, "-c", NAIVE, ref, tgt],
-            "compare": [py, "-m", "ffdebug.cli.app", "compare", ref, tgt, "--json"],
-            "compare-2": [py, "-m", "ffdebug.cli.app", "compare", small_ref, small_tgt, "--json"],
+            "compare": [py, "-m", "ffdebug.cli.app", "compare", ref, tgt, "--json", "--workers", workers],
+            "compare-2": [
+                py,
+                "-m",
+                "ffdebug.cli.app",
+                "compare",
+                small_ref,
+                small_tgt,
+                "--json",
+                "--workers",
+                workers,
+            ],
         }
         if not args.no_bisect:
             cmds["bisect"] = [py, "-m", "ffdebug.cli.app", "bisect", ref, tgt, "--json"]

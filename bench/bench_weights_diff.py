@@ -2,15 +2,19 @@
 
 Writes two single-file safetensors checkpoints of `--size` GiB each (float32, 64 MiB tensors; the
 target equals the reference in half the tensors and is the reference + 1e-3·noise in the other
-half, so both the byte-equal fast path and the float64 maths run), then measures, each in its own
-process:
-- baseline: `import torch, safetensors` (the interpreter floor every process pays);
-- read-only: every tensor of both files read once through safetensors (one at a time);
-- weights-diff: `ffdebug weights-diff A B --json`.
-Peak RSS comes from wait4() of each child. Issue 3's target: peak RSS < 1 GiB on 2 × 2 GiB.
+half, so both the byte-equal fast path and the float64 maths run) and two small ones (16 KiB tensors),
+then measures, each in its own process, interleaved:
+- baseline: `import numpy` (the interpreter floor every process pays);
+- read-only: every tensor of both files mapped with numpy and every 4 KiB page touched;
+- floor64: the float64 compute floor: every tensor pair read in 64 Ki-element chunks converted to
+  float64, one dot product per pair, on as many forked workers as weights-diff uses; and on the
+  small pair (its start-up);
+- weights-diff: `ffdebug weights-diff A B --json`, and on the small pair.
+Peak RSS comes from wait4() of each child. Targets: past start-up, (weights-diff - its small run)
+<= 2 x (floor64 - its small run); peak RSS < 1 GiB.
 
     python bench/bench_weights_diff.py --size 0.05     # smoke
-    python bench/bench_weights_diff.py --size 2        # the figure (needs ~4 GiB free in --dir)
+    python bench/bench_weights_diff.py --size 4        # the figure (needs ~8 GiB free in --dir)
 """
 
 from __future__ import annotations
@@ -27,18 +31,57 @@ import time
 
 TENSOR_ELEMS = 16 << 20  # 64 MiB of float32 per tensor
 
-READ_ONLY = textwrap.dedent(
+_MAP = textwrap.dedent(
     """
-    import sys
-    from safetensors import safe_open
+    import json, mmap, sys
+    import numpy as np
+
+    def tensors(path):
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+            mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        for name, info in sorted(header.items()):
+            if name != "__metadata__":
+                begin, end = info["data_offsets"]
+                yield name, np.frombuffer(mm, np.float32, (end - begin) // 4, 8 + n + begin)
+    """
+)
+
+READ_ONLY = _MAP + textwrap.dedent(
+    """
     total = 0.0
     for path in sys.argv[1:]:
-        with safe_open(path, "pt") as f:
-            names = list(f.keys())
-        for name in names:
-            with safe_open(path, "pt") as f:  # one tensor per handle: its mapped pages are released
-                total += float(f.get_tensor(name).reshape(-1)[::1024].sum())  # every 4 KiB page
+        for _, x in tensors(path):
+            total += float(x[::1024].sum())  # every 4 KiB page
     print(total)
+    """
+)
+
+FLOOR64 = _MAP + textwrap.dedent(
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    CHUNK = 1 << 16
+    a_path, b_path, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    names = [n for n, _ in tensors(a_path)]
+
+    def one(i):
+        a = dict(tensors(a_path))[names[i]]
+        b = dict(tensors(b_path))[names[i]]
+        ra, rb, dot = np.empty(CHUNK), np.empty(CHUNK), 0.0
+        for j in range(0, a.shape[0], CHUNK):
+            m = min(CHUNK, a.shape[0] - j)
+            np.copyto(ra[:m], a[j : j + m])
+            np.copyto(rb[:m], b[j : j + m])
+            dot += float(np.dot(ra[:m], rb[:m]))
+        return dot
+
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            print(sum(pool.map(one, range(len(names)))))
+    else:
+        print(sum(one(i) for i in range(len(names))))
     """
 )
 
@@ -87,6 +130,12 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="Where to write the checkpoints (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="Keep the checkpoints")
     ap.add_argument("--repeat", type=int, default=3, help="Interleaved runs of each command (median)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="workers of weights-diff and the float64 floor alike (default: this process's cores)",
+    )
     args = ap.parse_args()
 
     work = args.dir or tempfile.mkdtemp(prefix="ffdebug-bench-wd-")
@@ -104,35 +153,69 @@ def main() -> None:
         gib = os.path.getsize(a) / (1 << 30)
         print(f"wrote 2 × {gib:.2f} GiB ({n} tensors each) in {time.perf_counter() - t0:.1f} s to {work}")
 
-        base_wall, base_rss, _ = measure([py, "-c", "import torch, safetensors"])
+        small_a, small_b = (
+            os.path.join(work, "small-ref.safetensors"),
+            os.path.join(work, "small-target.safetensors"),
+        )
+        subprocess.run([py, "-c", WRITE, "0.0001", "4096", small_a, small_b], check=True, capture_output=True)
+        workers = str(args.workers)
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"  # the floors' dot products, as ffdebug's
+        cmds = {
+            "baseline (import numpy)": [py, "-c", "import numpy"],
+            "read-only (numpy maps)": [py, "-c", READ_ONLY, a, b],
+            "floor64": [py, "-c", FLOOR64, a, b, workers],
+            "floor64, small pair": [py, "-c", FLOOR64, small_a, small_b, workers],
+            "ffdebug weights-diff": [
+                py,
+                "-m",
+                "ffdebug.cli.app",
+                "weights-diff",
+                a,
+                b,
+                "--json",
+                "--workers",
+                workers,
+            ],
+            "weights-diff, small pair": [
+                py,
+                "-m",
+                "ffdebug.cli.app",
+                "weights-diff",
+                small_a,
+                small_b,
+                "--json",
+            ],
+        }
         # Interleaved repeats: this machine's page cache is reclaimed in the background, so a
         # single run of either command can pay for disk reads the other did not.
-        reads, diffs = [], []
+        runs: dict[str, list] = {k: [] for k in cmds}
         for _ in range(args.repeat):
-            reads.append(measure([py, "-c", READ_ONLY, a, b]))
-            diffs.append(measure([py, "-m", "ffdebug.cli.app", "weights-diff", a, b, "--json"]))
-        read_wall = statistics.median(r[0] for r in reads)
-        diff_wall = statistics.median(d[0] for d in diffs)
-        read_rss = max(r[1] for r in reads)
-        diff_rss = max(d[1] for d in diffs)
-        code = diffs[-1][2]
-        print(
-            f"{'median of ' + str(args.repeat):26s}{'wall s':>9s}{'peak RSS MiB':>14s}{'over baseline':>15s}"
+            for name, cmd in cmds.items():
+                runs[name].append(measure(cmd))
+        wall = {k: statistics.median(r[0] for r in v) for k, v in runs.items()}
+        rss = {k: max(r[1] for r in v) for k, v in runs.items()}
+        print(f"{'median of ' + str(args.repeat):28s}{'wall s':>9s}{'peak RSS MiB':>14s}   walls")
+        for name in cmds:
+            print(f"{name:28s}{wall[name]:9.2f}{rss[name]:14.0f}   {[round(r[0], 2) for r in runs[name]]}")
+        past = (wall["ffdebug weights-diff"] - wall["weights-diff, small pair"]) / (
+            wall["floor64"] - wall["floor64, small pair"]
         )
-        print(f"{'baseline (import torch)':26s}{base_wall:9.2f}{base_rss:14.0f}{0:15.0f}")
-        print(f"{'read-only (safetensors)':26s}{read_wall:9.2f}{read_rss:14.0f}{read_rss - base_rss:15.0f}")
-        print(f"{'ffdebug weights-diff':26s}{diff_wall:9.2f}{diff_rss:14.0f}{diff_rss - base_rss:15.0f}")
+        diff_rss = rss["ffdebug weights-diff"]
         print(
-            f"walls: read-only {[round(r[0], 2) for r in reads]}, weights-diff {[round(d[0], 2) for d in diffs]}"
-        )
-        print(
-            f"weights-diff exit {code}; wall {diff_wall / read_wall:.2f}× the read-only script; "
-            f"{2 * gib / diff_wall:.2f} GiB/s over both sides incl. start-up; peak RSS {diff_rss:.0f} MiB "
-            f"({'under' if diff_rss < 1024 else 'OVER'} the 1 GiB target)"
+            f"past start-up: (weights-diff - small) / (floor64 - small) {past:.2f}x (target <= 2; "
+            f"{workers} workers each); weights-diff / read-only {wall['ffdebug weights-diff'] / wall['read-only (numpy maps)']:.2f}x; "
+            f"{2 * gib / wall['ffdebug weights-diff']:.2f} GiB/s over both sides incl. start-up; peak RSS "
+            f"{diff_rss:.0f} MiB ({'under' if diff_rss < 1024 else 'OVER'} the 1 GiB target); exit "
+            f"{runs['ffdebug weights-diff'][-1][2]}"
         )
     finally:
         if not args.keep:
-            for p in (a, b):
+            for p in (
+                a,
+                b,
+                os.path.join(work, "small-ref.safetensors"),
+                os.path.join(work, "small-target.safetensors"),
+            ):
                 if os.path.exists(p):
                     os.remove(p)
             if args.dir is None:

@@ -16,7 +16,7 @@ from ffdebug.arrays import to_float64
 _blas_lock = threading.Lock()
 _blas = {"depth": 0, "limiter": None, "controller": None}
 
-CHUNK = 1 << 16
+CHUNK = 1 << 18
 
 
 def iter_chunks(flat, chunk: int = CHUNK):

@@ -11,11 +11,10 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
 
 Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 64 Ki-element chunks copied into
 float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies (r, t; one-byte
-floats through a table of their 256 values), one count of equal raw bits (taken while both inputs
-are still in cache), three BLAS dot products (r·t, t·t, r·r), t − r in place over t, a dot d·d,
-and |d| taken in place for its max and its sum — each a single pass; the two rows and both inputs
-(1.5 MiB) fit one core's L2. A bit-identical chunk (checked with one memcmp-speed
-`numpy.array_equal` on integer views) needs only ‖r‖². The position of max |t − r| is looked up
+floats through a table of their 256 values), one count of equal raw bits (on integer views of the
+inputs; as fast as a memcmp here, so it also tells a bit-identical chunk, which needs only ‖r‖²),
+three BLAS dot products (r·t, t·t, r·r), t − r in place over t, a dot d·d, and |d| taken in place
+for its max and its sum — each a single pass. The position of max |t − r| is looked up
 once, in the chunk that set it, after the loop (from the rows as they are when that chunk was
 the last one read, as in a one-chunk tensor). The work rows are kept per thread (a fresh buffer
 per tensor was page-faulted on every call). Non-finite values take a slow path only in the chunks
@@ -185,10 +184,12 @@ def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
         copy_in(xr, r[i : i + m])
         if scale != 1.0:
             xr *= scale
-        ints = None
+        ints, equal = None, None
         if raw_view is not None:
             ints = (r_bits[i : i + m], t_bits[i : i + m])
-            if np.array_equal(ints[0], ints[1]):
+            # equal bits counted while both inputs are in cache (one pass: as fast as a memcmp here)
+            equal = _equal_count(ints)
+            if equal == m:
                 # bit-identical chunk (the common case before the first divergence): one norm suffices
                 sq = float(np.dot(xr, xr))
                 if math.isfinite(sq):
@@ -199,7 +200,7 @@ def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
                     s.counted += m
                     s.max_abs = max(s.max_abs, 0.0)
                     continue
-        _differing_chunk(s, i, t[i : i + m], rows, ints, scale)
+        _differing_chunk(s, i, t[i : i + m], rows, equal, scale)
     if s.max_chunk >= 0:
         s.max_at = _argmax_chunk(r, t, s, scale, x)
     return s
@@ -213,9 +214,9 @@ def _equal_count(ints) -> int:
     return int(np.count_nonzero(np.equal(ints[0], ints[1], out=same)))
 
 
-def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> None:
-    """The sums of one chunk that is not bit-identical (r already in its row); `ints`: both
-    chunks as integers (same dtype), else None."""
+def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, equal: int | None, scale: float) -> None:
+    """The sums of one chunk that is not bit-identical (r already in its row); `equal`: its
+    positions with equal bits (same dtype), else None."""
     import numpy as np
 
     xr, xt = rows
@@ -223,8 +224,6 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, scale: float) -> N
     copy_in(xt, tc)
     if scale != 1.0:
         xt *= scale
-    # equal bits counted while both inputs are in cache (rows r, t and both inputs fit in L2)
-    equal = _equal_count(ints) if ints is not None else None
     rt_ = float(np.dot(xr, xt))
     tt_ = float(np.dot(xt, xt))
     rr_ = float(np.dot(xr, xr))
