@@ -28,7 +28,7 @@ def fingerprints(x, probes: int = PROBES):
     the sketches' probe)."""
     import numpy as np
 
-    from ffdebug.arrays import as_array, as_float32
+    from ffdebug.arrays import as_array, float32_of
 
     x = as_array(x)
     m = x.reshape(-1, 1) if x.ndim <= 1 else x.reshape(-1, x.shape[-1])
@@ -37,7 +37,7 @@ def fingerprints(x, probes: int = PROBES):
     out = np.empty((n, probes), dtype=np.float64)
     step = max(1, CHUNK_ELEMS // max(c, 1))
     for i in range(0, n, step):
-        out[i : i + step] = as_float32(m[i : i + step]) @ g
+        out[i : i + step] = float32_of(m[i : i + step]) @ g
     return out
 
 

@@ -61,7 +61,7 @@ def sketch(name: str, x) -> Sketch | None:
     """The sketch of array `x` (None for arrays without real float values or elements)."""
     import numpy as np
 
-    from ffdebug.arrays import as_array, as_float32, is_floating
+    from ffdebug.arrays import as_array, float32_of, is_floating
 
     x = as_array(x)
     if x.size == 0 or not is_floating(x.dtype):
@@ -76,7 +76,7 @@ def sketch(name: str, x) -> Sketch | None:
     lo, hi, sq = None, None, 0.0
     step = max(1, CHUNK_ELEMS // c)
     for i in range(0, n, step):
-        block = as_float32(m[i : i + step])  # exact for bf16 / fp16; sums well within TOL of content
+        block = float32_of(m[i : i + step])  # exact for bf16 / fp16; sums well within TOL of content
         raw = m[i : i + step] if x.dtype.itemsize >= 4 else block  # min / max exact on either
         bmin, bmax = float(raw.min()), float(raw.max())
         rows[i : i + block.shape[0]] = block @ g
