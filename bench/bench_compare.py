@@ -8,7 +8,8 @@ Writes two stores (ref, target = ref + small noise) of `--size` bytes of fp32 ea
 each 1-D, or with `--width W` shaped [1, tokens, W] like a layer's hidden states (so compare also
 breaks the error down per token), plus a 2-stage store (`bench_analysis_startup.two_stage_store`),
 then measures, each as a whole process, interleaved `--repeat` times (medians; peak RSS = max).
-Every floor reads the payloads as numpy arrays over a mapping of the file (no torch, no ffdebug):
+Every floor (`bench/floors.py`) reads the payloads as numpy arrays over a mapping of the file (no
+torch, no ffdebug):
   floor      touches every 4 KiB page of every payload of both stores (1/1024 of the values read)
   sum-all    sums every value (every byte through the CPU once, one thread), for reference
   floor64    the float64 compute floor: every payload pair read chunk by chunk (64 Ki elements),
@@ -41,97 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# Payload files are read as numpy arrays over a mapping of the file, without torch or ffdebug: the
-# one-tensor safetensors layout (8-byte header length, JSON header, data) parsed here.
-_MAP = r"""
-import glob, json, mmap, os, sys
-import numpy as np
-
-def payloads(side):
-    for path in sorted(glob.glob(os.path.join(side, "rank*", "*.safetensors"))):
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            info = json.loads(f.read(n))["tensor"]
-            mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        begin, end = info["data_offsets"]
-        yield os.path.basename(path), np.frombuffer(mm, np.float32, (end - begin) // 4, 8 + n + begin)
-"""
-
-READ_ONLY = (
-    _MAP
-    + r"""
-total = 0.0
-for side in sys.argv[1:]:
-    for _, x in payloads(side):
-        total += float(x[:: 1024].sum())  # touch every 4 KiB page (1/1024 of the values)
-print(total)
-"""
-)
-
-READ_ALL = (
-    _MAP
-    + r"""
-total = 0.0
-for side in sys.argv[1:]:
-    for _, x in payloads(side):
-        total += float(x.sum())  # every byte through the CPU once, one thread
-print(total)
-"""
-)
-
-# The float64 compute floor: every payload pair read chunk by chunk, each chunk converted to float64
-# and one dot product taken per pair, on `workers` forked processes (compare's own count).
-FLOOR64 = (
-    _MAP
-    + r"""
-from concurrent.futures import ProcessPoolExecutor
-import multiprocessing
-CHUNK = 1 << 16
-ref, tgt, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
-pairs = list(zip((n for n, _ in payloads(ref)), (n for n, _ in payloads(tgt))))
-
-def one(i):
-    a = next(x for _, x in payloads_at(ref, pairs[i][0]))
-    b = next(x for _, x in payloads_at(tgt, pairs[i][1]))
-    ra, rb, dot = np.empty(CHUNK), np.empty(CHUNK), 0.0
-    for j in range(0, a.shape[0], CHUNK):
-        m = min(CHUNK, a.shape[0] - j)
-        np.copyto(ra[:m], a[j : j + m])
-        np.copyto(rb[:m], b[j : j + m])
-        dot += float(np.dot(ra[:m], rb[:m]))
-    return dot
-
-def payloads_at(side, name):
-    path = glob.glob(os.path.join(side, "rank*", name))[0]
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        info = json.loads(f.read(n))["tensor"]
-        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    begin, end = info["data_offsets"]
-    yield name, np.frombuffer(mm, np.float32, (end - begin) // 4, 8 + n + begin)
-
-if workers > 1:
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        print(sum(pool.map(one, range(len(pairs)))))
-else:
-    print(sum(one(i) for i in range(len(pairs))))
-"""
-)
-
-NAIVE = (
-    _MAP
-    + r"""
-ref, tgt = sys.argv[1], sys.argv[2]
-worst = 0.0
-for (_, a), (_, b) in zip(payloads(ref), payloads(tgt)):
-    a, b = a.astype(np.float64), b.astype(np.float64)  # whole-tensor float64 copies
-    cos = float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
-    rel = float(np.linalg.norm(a - b) / np.linalg.norm(a))
-    mx = float(np.abs(a - b).max())
-    worst = max(worst, rel)
-print(worst)
-"""
-)
+FLOORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "floors.py")  # numpy only
 
 MAKE_STORES = r"""
 import sys
@@ -256,7 +167,7 @@ def main() -> None:
         count, smallest, largest, total = map(int, out.stdout.strip().splitlines()[-1].split())
         ref, tgt = os.path.join(root, "ref"), os.path.join(root, "target")
         subprocess.run(["sync"], check=False)
-        measure([py, "-c", READ_ONLY, ref, tgt])  # warm the page cache
+        measure([py, FLOORS, "read", ref, tgt])  # warm the page cache
         from bench_analysis_startup import two_stage_store
 
         small = os.path.join(root, "small")
@@ -265,11 +176,11 @@ def main() -> None:
         workers = str(args.workers)
         os.environ["OPENBLAS_NUM_THREADS"] = "1"  # every child's dot products on one BLAS thread
         cmds = {
-            "floor": [py, "-c", READ_ONLY, ref, tgt],
-            "sum-all": [py, "-c", READ_ALL, ref, tgt],
-            "floor64": [py, "-c", FLOOR64, ref, tgt, workers],
-            "floor64-2": [py, "-c", FLOOR64, small_ref, small_tgt, workers],
-            "naive": [py, "-c", NAIVE, ref, tgt],
+            "floor": [py, FLOORS, "read", ref, tgt],
+            "sum-all": [py, FLOORS, "sum", ref, tgt],
+            "floor64": [py, FLOORS, "float64", workers, ref, tgt],
+            "floor64-2": [py, FLOORS, "float64", workers, small_ref, small_tgt],
+            "naive": [py, FLOORS, "naive", ref, tgt],
             "compare": [py, "-m", "ffdebug.cli.app", "compare", ref, tgt, "--json", "--workers", workers],
             "compare-2": [
                 py,

@@ -5,7 +5,8 @@ target equals the reference in half the tensors and is the reference + 1e-3·noi
 half, so both the byte-equal fast path and the float64 maths run) and two small ones (16 KiB tensors),
 then measures, each in its own process, interleaved:
 - baseline: `import numpy` (the interpreter floor every process pays);
-- read-only: every tensor of both files mapped with numpy and every 4 KiB page touched;
+- read-only: every tensor of both files mapped with numpy and every 4 KiB page touched
+  (`bench/floors.py`, as the next);
 - floor64: the float64 compute floor: every tensor pair read in 64 Ki-element chunks converted to
   float64, one dot product per pair, on as many forked workers as weights-diff uses; and on the
   small pair (its start-up);
@@ -31,59 +32,7 @@ import time
 
 TENSOR_ELEMS = 16 << 20  # 64 MiB of float32 per tensor
 
-_MAP = textwrap.dedent(
-    """
-    import json, mmap, sys
-    import numpy as np
-
-    def tensors(path):
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-            mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        for name, info in sorted(header.items()):
-            if name != "__metadata__":
-                begin, end = info["data_offsets"]
-                yield name, np.frombuffer(mm, np.float32, (end - begin) // 4, 8 + n + begin)
-    """
-)
-
-READ_ONLY = _MAP + textwrap.dedent(
-    """
-    total = 0.0
-    for path in sys.argv[1:]:
-        for _, x in tensors(path):
-            total += float(x[::1024].sum())  # every 4 KiB page
-    print(total)
-    """
-)
-
-FLOOR64 = _MAP + textwrap.dedent(
-    """
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    CHUNK = 1 << 16
-    a_path, b_path, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    names = [n for n, _ in tensors(a_path)]
-
-    def one(i):
-        a = dict(tensors(a_path))[names[i]]
-        b = dict(tensors(b_path))[names[i]]
-        ra, rb, dot = np.empty(CHUNK), np.empty(CHUNK), 0.0
-        for j in range(0, a.shape[0], CHUNK):
-            m = min(CHUNK, a.shape[0] - j)
-            np.copyto(ra[:m], a[j : j + m])
-            np.copyto(rb[:m], b[j : j + m])
-            dot += float(np.dot(ra[:m], rb[:m]))
-        return dot
-
-    if workers > 1:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            print(sum(pool.map(one, range(len(names)))))
-    else:
-        print(sum(one(i) for i in range(len(names))))
-    """
-)
+FLOORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "floors.py")  # numpy only
 
 WRITE = textwrap.dedent(
     """
@@ -162,9 +111,9 @@ def main() -> None:
         os.environ["OPENBLAS_NUM_THREADS"] = "1"  # the floors' dot products, as ffdebug's
         cmds = {
             "baseline (import numpy)": [py, "-c", "import numpy"],
-            "read-only (numpy maps)": [py, "-c", READ_ONLY, a, b],
-            "floor64": [py, "-c", FLOOR64, a, b, workers],
-            "floor64, small pair": [py, "-c", FLOOR64, small_a, small_b, workers],
+            "read-only (numpy maps)": [py, FLOORS, "read", a, b],
+            "floor64": [py, FLOORS, "float64", workers, a, b],
+            "floor64, small pair": [py, FLOORS, "float64", workers, small_a, small_b],
             "ffdebug weights-diff": [
                 py,
                 "-m",
