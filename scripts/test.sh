@@ -3,7 +3,9 @@
 #   1. the whole suite on pytest-xdist at twice as many workers as cores (it doubles as the load test:
 #      no test may fail because the machine is busy);
 #   2. the numeric subset (`-m numeric`: goldens, transcriptions, resume, patterns, noise) again at
-#      ATEN_CPU_CAPABILITY=default, torch's scalar kernels, as another CPU would run them.
+#      ATEN_CPU_CAPABILITY=default, torch's scalar kernels, as another CPU would run them; numpy's
+#      side likewise: OPENBLAS_CORETYPE=Prescott (OpenBLAS's SSE3 kernels) and numpy without its
+#      AVX2 / AVX-512 loops (NPY_DISABLE_CPU_FEATURES).
 # Arguments go to pytest and run step 1 only (e.g. `bash scripts/test.sh tests/test_metrics.py`).
 # FFDEBUG_TEST_WORKERS=N sets the worker count; FFDEBUG_TEST_TIMEOUT_SCALE=F stretches every hang deadline.
 set -euo pipefail
@@ -29,6 +31,7 @@ check "${pytest[@]}" --durations=15 "$@"
 echo "test suite: passed in $(($(date +%s) - start)) s on $workers workers"
 if [ "$#" -eq 0 ]; then
   start=$(date +%s)
-  ATEN_CPU_CAPABILITY=default check "${pytest[@]}" -m numeric
-  echo "numeric subset at ATEN_CPU_CAPABILITY=default: passed in $(($(date +%s) - start)) s"
+  ATEN_CPU_CAPABILITY=default OPENBLAS_CORETYPE=Prescott NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4" \
+    check "${pytest[@]}" -m numeric
+  echo "numeric subset at ATEN_CPU_CAPABILITY=default, OpenBLAS Prescott, numpy X86_V2: passed in $(($(date +%s) - start)) s"
 fi
