@@ -129,7 +129,8 @@ def as_float64(x):
     import numpy as np
 
     out = np.empty(x.shape, dtype=np.float64)
-    to_float64(x.reshape(-1), out.reshape(-1))
+    with np.errstate(invalid="ignore"):  # a signalling NaN stays a NaN, without a warning
+        to_float64(x.reshape(-1), out.reshape(-1))
     return out
 
 
