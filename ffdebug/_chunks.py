@@ -1,7 +1,8 @@
 """Chunked float64 streaming over numpy arrays, shared by statistics (store), metrics (compare)
 and weights-diff. Foundation layer: imports only `ffdebug.arrays`; never torch.
 
-Threads: the chunk loops' sums are BLAS dot products of 64 Ki elements, which gain nothing from
+Threads: the chunk loops' sums are BLAS dot products of 256 Ki elements (`CHUNK`: 2.94 GB/s per
+core against 2.42 at 64 Ki, bench/README.md), which gain nothing from
 a BLAS thread team; a team spinning on a busy 2-core machine made them 66x slower (1.11 against
 0.017 GB/s at load 7). `one_blas_thread` holds BLAS at one thread while the loops run (the
 comparison runs its own workers, `ffdebug.comparison.parallel`), and the CLI also sets
@@ -54,20 +55,38 @@ def copy_in(row, src) -> None:
     to_float64(src, row)
 
 
+def _numpy_blas():
+    """A `threadpoolctl` controller of numpy's own BLAS libraries only (those inside numpy's
+    installation): a torch program's BLAS (MKL, its OpenBLAS) keeps its threads while a capture's
+    statistics run on the writer thread."""
+    import os
+
+    import numpy as np
+    from threadpoolctl import ThreadpoolController
+
+    root = os.path.dirname(os.path.realpath(np.__file__))  # numpy.libs / numpy/.dylibs start so too
+    every = ThreadpoolController()
+    mine = [
+        info["filepath"]
+        for info in every.info()
+        if info["user_api"] == "blas" and os.path.realpath(info["filepath"]).startswith(root)
+    ]
+    return every.select(filepath=mine)
+
+
 class one_blas_thread:
     """BLAS (numpy's OpenBLAS) on one thread inside the block, restored after it: re-entrant and
     process-wide (BLAS's setting is), so the outermost block of any Python thread sets it and the
-    last one out restores it. The library inspection runs once per process (about 8 ms, through
-    `threadpoolctl`); a block costs about 0.13 ms, a nested one a lock."""
+    last one out restores it; numpy's own BLAS only (`_numpy_blas`). The library inspection runs
+    once per process (about 8 ms, through `threadpoolctl`); a block costs about 0.13 ms, a nested
+    one a lock."""
 
     def __enter__(self):
         with _blas_lock:
             if _blas["depth"] == 0:
                 if _blas["controller"] is None:
-                    from threadpoolctl import ThreadpoolController
-
-                    _blas["controller"] = ThreadpoolController()
-                _blas["limiter"] = _blas["controller"].limit(limits=1, user_api="blas")
+                    _blas["controller"] = _numpy_blas()
+                _blas["limiter"] = _blas["controller"].limit(limits=1)
             _blas["depth"] += 1
 
     def __exit__(self, *exc):

@@ -67,7 +67,7 @@ for _module in (
 
 
 def main() -> None:
-    # numpy's BLAS runs the chunk loops' dot products; a thread team per 64 Ki-element dot gains
+    # numpy's BLAS runs the chunk loops' dot products; a thread team per 256 Ki-element dot gains
     # nothing and spins on a busy machine (`ffdebug._chunks`). Set before numpy loads; a user's
     # own setting wins.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

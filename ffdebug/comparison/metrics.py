@@ -9,7 +9,7 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
     max_abs  = max |t − r| (with its coordinate),  mean_abs = Σ |t − r| / n
     elem     = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)),  rms(r) = ‖r‖ / √n   (element-wise error)
 
-Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 64 Ki-element chunks copied into
+Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 256 Ki-element chunks copied into
 float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies (r, t; one-byte
 floats through a table of their 256 values), one count of equal raw bits (on integer views of the
 inputs; as fast as a memcmp here, so it also tells a bit-identical chunk, which needs only ‖r‖²),
