@@ -3,8 +3,10 @@
 Why processes: each 64 Ki-element kernel of the chunk loop takes 5-20 µs, about what handing
 the GIL from one thread to another costs on a busy core, so worker threads gained 1.1-1.2 x on two
 cores; forked workers each have their own interpreter and gained 1.9-2 x (bench/README.md).
-Forked, not spawned: a child starts as a copy of the parent after `import torch` and the store
-reading, so it pays neither again and needs nothing pickled but unit indices and results.
+Forked, not spawned: a child starts as a copy of the parent after its imports (numpy; torch too
+where the calling program has it) and the store reading, so it pays neither again and needs
+nothing pickled but unit indices and results. BLAS's one-thread setting (`_chunks.one_blas_thread`,
+set before the fork) is inherited.
 
 `ForkPool(fn, workers)` forks `workers` children at once; `map(n, done)` hands indices 0..n-1 to
 whichever child is free (two queued per child, so none waits on the round trip) and returns
@@ -17,8 +19,8 @@ stop, kills them), is killed if the parent dies, and leaves with `os._exit` what
 no parent cleanup or buffered output runs twice. An exception that would not unpickle in the
 parent travels as a RuntimeError naming it.
 
-Used only where `fork_usable()`: Linux (fork after `import torch` is how its data loaders start
-workers there), no CUDA context (a forked child cannot use it), and no other Python thread, whose
+Used only where `fork_usable()`: Linux (fork after `import torch`, where a program has it, is how
+torch's data loaders start workers there), no CUDA context (a forked child cannot use it), and no other Python thread, whose
 locks a child could inherit held — except threads marked fork-safe (`FORK_SAFE` set on the
 thread: the CLI's progress ticker and bar, which a child never calls into; logging re-creates its
 locks in a child itself).

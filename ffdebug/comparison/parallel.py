@@ -3,8 +3,8 @@
 The unit of work is one stage unit (a reference tensor against its target tensor or ranks):
 its float64 reduction runs start to end on one worker and one BLAS thread, in the same chunk
 order as with one worker, so the JSON is bit-identical at any worker count. Workers are forked
-processes where that is safe (`ffdebug.comparison.forked`: each has its own GIL and inherits
-`import torch`), else the threads of `map_ordered` (each kernel of the chunk loop releases the
+processes where that is safe (`ffdebug.comparison.forked`: each has its own GIL and inherits the
+parent's imports), else the threads of `map_ordered` (each kernel of the chunk loop releases the
 GIL, but handing it over between kernels costs about as much as one: 1.1-1.2 x on two cores).
 """
 
