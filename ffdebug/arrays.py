@@ -192,10 +192,24 @@ def to_torch(a):
     if is_torch(a):
         return a
     name = str(a.dtype)
+    shape = a.shape  # ascontiguousarray makes a 0-d array 1-d: the shape is put back
     if name in _NUMPY:
-        return torch.from_numpy(np.ascontiguousarray(a))
+        return torch.from_numpy(np.ascontiguousarray(a)).reshape(shape)
     ints = np.ascontiguousarray(a).view(_INT_OF_WIDTH[a.dtype.itemsize])
-    return torch.from_numpy(ints).view(getattr(torch, name))
+    return torch.from_numpy(ints).view(getattr(torch, name)).reshape(shape)
+
+
+def round_to(a, dtype):
+    """`a` rounded to floating `dtype` as torch's `.to(dtype)` rounds it: from float64 to a float
+    narrower than float32 through float32 (two roundings, as torch's CPU and CUDA casts do),
+    every other cast once (numpy's `astype` rounds float64 to float16 once, which differs from
+    torch's on values halfway after the first rounding)."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    if a.dtype == np.float64 and is_floating(dtype) and dtype.itemsize < 4:
+        a = a.astype(np.float32)
+    return a.astype(dtype)
 
 
 def scalar(x):

@@ -12,7 +12,17 @@ import pytest
 import torch
 
 from ffdebug._chunks import one_blas_thread
-from ffdebug.arrays import as_array, as_float64, dtype, equal, first_difference, is_floating, scalar, to_torch
+from ffdebug.arrays import (
+    as_array,
+    as_float64,
+    dtype,
+    equal,
+    first_difference,
+    is_floating,
+    round_to,
+    scalar,
+    to_torch,
+)
 
 ONE_BYTE = ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
@@ -87,3 +97,30 @@ def test_blas_runs_on_one_thread_inside_the_chunk_loops_and_is_restored():
 
         _chunks.one_blas_thread().__exit__(None, None, None)  # the other thread's exit
         assert _blas_threads() == 2
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16", "float8_e4m3fn", "int64", "bool"])
+def test_a_zero_dim_array_stays_zero_dim_on_the_torch_side(name):
+    a = np.array(1, dtype=dtype(name)).reshape(())
+    t = to_torch(a)
+    assert t.shape == () and t.dtype == getattr(torch, name)
+    assert to_torch(a[()].reshape(())).shape == ()
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_float64_rounds_to_a_narrow_float_as_torch_casts_it(name):
+    # just off the midpoints of the narrow grid, within float32's half ulp: float32 rounds them
+    # onto the midpoint, so torch's two roundings tie to even where one rounding would not
+    low = getattr(torch, name)
+    ints = torch.int16 if low.itemsize == 2 else torch.uint8
+    g = np.random.default_rng(0)
+    a = torch.tensor(np.abs(g.standard_normal(4096)), dtype=torch.float64).to(low)
+    b = (a.view(ints) + 1).view(low)  # the next narrow float up
+    ok = torch.isfinite(b.double())
+    mid = (a.double()[ok] + b.double()[ok]) / 2
+    x = (mid * (1 + torch.tensor(g.integers(-3, 4, mid.numel()), dtype=torch.float64) * 2.0**-40)).numpy()
+    got, want = to_torch(round_to(x, dtype(name))), torch.from_numpy(x).to(low)
+    assert torch.equal(got.view(ints), want.view(ints))
+    once = x.astype(dtype(name)).view(np.int16 if low.itemsize == 2 else np.uint8)
+    if name == "float16":  # numpy's own float16 rounds float64 once (ml_dtypes' go through float32)
+        assert (once != got.view(ints).numpy()).any()  # the case this test is about occurs

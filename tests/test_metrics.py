@@ -240,3 +240,26 @@ def test_float16_goes_through_float32_to_the_same_values():
     t = (r.float() + 1e-2 * torch.randn(r.shape, generator=g)).half()
     t[5] = r[5]
     assert compare_tensors(r, t).to_json() == compare_tensors(r.float(), t.float()).to_json()
+
+
+def test_top_k_ranks_nan_above_inf_as_torch_topk_does():
+    # distinct values, so torch.topk's set is unique: NaN first, then +inf, then the largest
+    x = torch.tensor([[1.0, math.inf, float("nan"), 3.0, -math.inf], [0.5, 2.0, 1.0, -1.0, 0.0]])
+    for k in (1, 2, 3):
+        t = torch.tensor([[0.1, 0.2, float("nan"), 0.3, 0.4], [0.0, 2.0, 1.0, -1.0, 0.5]])
+        m = logits_metrics(x, t, topk=k)
+        want = sum(
+            len(set(a.topk(k).indices.tolist()) & set(b.topk(k).indices.tolist())) for a, b in zip(x, t)
+        )
+        assert m[f"top{k}_overlap"] == pytest.approx(want / (2 * k))
+
+
+def test_logits_kl_is_infinite_for_a_nan_or_inf_row_on_either_side():
+    r = torch.tensor([[0.0, 1.0, 2.0], [1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    for bad in (float("nan"), math.inf):
+        ref = r.clone()
+        ref[1, 0] = bad
+        m = logits_metrics(ref, r, topk=1)
+        assert m["kl_inf_rows"] == 1 and m["kl_max"] is None
+        m = logits_metrics(r, ref, topk=1)
+        assert m["kl_inf_rows"] == 1 and m["kl_max"] is None

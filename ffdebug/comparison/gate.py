@@ -14,7 +14,7 @@ the earliest such call; compare then compares the calls before it and fails.
 
 from __future__ import annotations
 
-from ffdebug.arrays import as_float64, eps, first_difference, is_complex, is_floating
+from ffdebug.arrays import as_float64, eps, first_difference, is_complex, is_floating, round_to
 from ffdebug.capture.inputs import GATED
 from ffdebug.comparison.align import MASK_KEY, align, layouts
 from ffdebug.errors import FFDebugError, InputIdsMismatch
@@ -29,7 +29,8 @@ def _load(rec, label: str):
 
     t = rec.load()
     if rec.key in (IDS_KEY, "embed.decoder_input_ids") or rec.extra.get("input_ids"):
-        if (is_floating(t.dtype) or is_complex(t.dtype)) and not bool(np.isfinite(as_float64(t)).all()):
+        values = t if is_complex(t.dtype) else as_float64(t) if is_floating(t.dtype) else None
+        if values is not None and not bool(np.isfinite(values).all()):
             raise FFDebugError(
                 f"{rec.origin or rec.key}: the {label} side's {rec.key} holds NaN / Inf ({t.dtype}); token ids "
                 "are integers — the dump is damaged, re-run it"
@@ -57,7 +58,7 @@ def _first_difference(r, t):
     if is_floating(r.dtype) and is_floating(t.dtype) and r.dtype != t.dtype:
         # a run in lower precision is fed the same input rounded to its dtype: compared there
         low = r.dtype if eps(r.dtype) > eps(t.dtype) else t.dtype
-        r, t = r.astype(low), t.astype(low)
+        r, t = round_to(r, low), round_to(t, low)
     return first_difference(r, t)
 
 

@@ -431,6 +431,7 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int | None = None
             # as infinitely far, like a target that gives zero probability where the reference does not
             kl = np.where(p > 0, p * (lp - lq), 0.0).sum(-1)
             kl = np.nan_to_num(kl, nan=math.inf, posinf=math.inf)
+            kl[_no_distribution(rc) | _no_distribution(tc)] = math.inf  # a reference NaN row too
             kl_inf += int(np.count_nonzero(np.isinf(kl)))
             kl_sum += float(kl.sum())
             kl_max = max(kl_max, float(kl.max()))
@@ -443,6 +444,13 @@ def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int | None = None
     }
 
 
+def _no_distribution(x):
+    """[rows] bool: rows whose softmax is not a distribution (a NaN or a +inf logit)."""
+    import numpy as np
+
+    return (np.isnan(x) | (x == math.inf)).any(-1)
+
+
 def _top_k(x, k: int):
     """[rows, vocab] bool: each row's k largest values, ties at the k-th value taken lowest column
     first (what a stable descending sort keeps) so the set does not depend on a selection
@@ -450,10 +458,20 @@ def _top_k(x, k: int):
     finds the k-th value)."""
     import numpy as np
 
-    key = np.where(np.isnan(x), math.inf, x)
-    kth = -np.partition(-key, k - 1, axis=-1)[:, k - 1 : k]  # the k-th largest value of each row
-    above = key > kth
-    tied = key == kth
+    nan = np.isnan(x)
+    if nan.any():  # rare: rank NaN above +inf, as torch.topk does, by a stable sort of those rows
+        out = np.zeros(x.shape, dtype=bool)
+        rows = np.flatnonzero(nan.any(-1))
+        for i in rows:
+            order = np.lexsort((-np.where(nan[i], 0.0, x[i]), ~nan[i]))[:k]
+            out[i, order] = True
+        rest = np.setdiff1d(np.arange(x.shape[0]), rows)
+        if rest.size:
+            out[rest] = _top_k(x[rest], k)
+        return out
+    kth = -np.partition(-x, k - 1, axis=-1)[:, k - 1 : k]  # the k-th largest value of each row
+    above = x > kth
+    tied = x == kth
     need = k - above.sum(-1, keepdims=True)
     return above | (tied & (np.cumsum(tied, -1) <= need))
 

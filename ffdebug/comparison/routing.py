@@ -62,7 +62,8 @@ def flipped_rows(ref, target, skip: set[int]) -> tuple[list[int], float | None]:
     r, t = as_float64(ref), as_float64(target)
     n, e = r.shape
     top = min(max(1, e // 2), e - 1)
-    order = np.argsort(-r, axis=-1, kind="stable")  # descending, ties in column order
+    # descending, a NaN first (as torch's sort ranks it), ties in column order
+    order = np.argsort(np.where(np.isnan(r), -np.inf, -r), axis=-1, kind="stable")
     moved = np.abs(t - r)
     above, below = order[:, :top], order[:, 1 : top + 1]
     gap = np.take_along_axis(r, above, 1) - np.take_along_axis(r, below, 1)
@@ -96,8 +97,11 @@ def explain(
     for i, e in enumerate(stages):
         step = tuple(sorted((str(k), str(v)) for k, v in e.step.items()))
         calls.setdefault((step, e.phase, e.call, e.rank), []).append(i)
-    for idx in calls.values():
-        _explain_call([stages[i] for i in idx], [records[i] for i in idx], thresholds, load)
+    import numpy as np
+
+    with np.errstate(all="ignore"):  # -inf scores (masked experts) make NaN gaps: compared as such
+        for idx in calls.values():
+            _explain_call([stages[i] for i in idx], [records[i] for i in idx], thresholds, load)
 
 
 def _hidden_width(stages: list[StageResult]) -> dict[int, tuple[int, int]]:
@@ -136,7 +140,10 @@ def hot_rows(ref, target, n_tokens: int, skip: set[int]) -> set[int]:
         return set()
     d = t - r
     err = np.sqrt(np.einsum("ij,ij->i", d, d)) / scale
-    kept = np.sort(err[rows])
+    kept = err[rows]
+    if np.isnan(kept).any():
+        return set()  # a row without a number has no median to stand out from
+    kept = np.sort(kept)
     median = float(kept[(len(kept) - 1) // 2])  # the lower median of an even count
     return {i for i in rows if float(err[i]) > HOT * median and float(err[i]) > 0.0}
 

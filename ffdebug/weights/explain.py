@@ -6,6 +6,7 @@ initialisation (`not_loaded`, with --init), or an uncorrelated tensor (a note)."
 from __future__ import annotations
 
 from ffdebug import verdict as V
+from ffdebug.arrays import round_to
 from ffdebug.results import TensorDiff
 from ffdebug.verdict import Severity
 from ffdebug.weights.findings import LOADED
@@ -95,7 +96,7 @@ def _never_loaded(entry: TensorDiff, lg: Logical, side: str, loader: TensorLoade
     if x0 is None:
         return False
     x = loader.load(lg, side)
-    if tuple(x0.shape) != tuple(x.shape) or not bytes_equal(x0.astype(x.dtype), x):
+    if tuple(x0.shape) != tuple(x.shape) or not bytes_equal(round_to(x0, x.dtype), x):
         return False
     entry.notes = [n for n in entry.notes if not n.startswith(_LOADER_CHANGED)]
     entry.finding = "not_loaded"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from ffdebug._chunks import CHUNK, iter_chunks
-from ffdebug.arrays import as_array, int_view
+from ffdebug.arrays import as_array, int_view, round_to
 from ffdebug.weights import quant
 
 BYTES_CHUNK = 1 << 20  # elements compared at a time by the raw-bit tests (a bool row of 1 MiB)
@@ -46,7 +46,7 @@ def equal_after_cast(fine, coarse) -> bool:
     """`fine` cast to `coarse.dtype` (round to nearest even) is bit-equal to `coarse` (in chunks)."""
     f, c = as_array(fine).reshape(-1), as_array(coarse).reshape(-1)
     for i in range(0, f.size, CHUNK):
-        if not bytes_equal(f[i : i + CHUNK].astype(c.dtype), c[i : i + CHUNK]):
+        if not bytes_equal(round_to(f[i : i + CHUNK], c.dtype), c[i : i + CHUNK]):
             return False
     return True
 

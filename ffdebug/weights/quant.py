@@ -143,7 +143,7 @@ def quantize_fp8(weight, dtype: str = "float8_e4m3fn", block: tuple[int, ...] | 
     """
     import numpy as np
 
-    from ffdebug.arrays import as_array, as_float32, finfo, is_torch, to_torch
+    from ffdebug.arrays import as_array, as_float32, finfo, is_torch, round_to, to_torch
     from ffdebug.arrays import dtype as np_dtype
 
     target = np_dtype(dtype)
@@ -172,5 +172,5 @@ def quantize_fp8(weight, dtype: str = "float8_e4m3fn", block: tuple[int, ...] | 
     q = np.clip(
         w / expand_scale(scale_f.reshape(grid) if block is not None else scale_f, tuple(w.shape)), -fmax, fmax
     )
-    out = (q.astype(target), stored.reshape(grid) if block is not None else stored.reshape(()))
+    out = (round_to(q, target), stored.reshape(grid) if block is not None else stored.reshape(()))
     return tuple(to_torch(np.ascontiguousarray(a)) for a in out) if is_torch(weight) else out
