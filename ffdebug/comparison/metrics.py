@@ -1,10 +1,10 @@
 """Float64 comparison metrics, streamed in cache-sized chunks.
 
 Notation (ref r, target t, flattened, n elements, all sums in float64):
-    dot = Σ r·t,  ‖r‖² = Σ r²,  ‖t‖² = Σ t²,  ‖t−r‖² = Σ (t−r)²
+    ‖r‖² = Σ r²,  ‖t‖² = Σ t²,  ‖t−r‖² = Σ (t−r)²,  dot = Σ r·t = (‖r‖² + ‖t‖² − ‖t−r‖²) / 2
     cos      = dot / (‖r‖ ‖t‖)                  clamped to [−1, 1]
     rel      = ‖t − r‖ / ‖r‖
-    rel_diff = 1 − 2·dot / (‖t‖² + ‖r‖²)
+    rel_diff = 1 − 2·dot / (‖t‖² + ‖r‖²) = ‖t−r‖² / (‖t‖² + ‖r‖²)
     norm_ratio = ‖t‖ / ‖r‖
     max_abs  = max |t − r| (with its coordinate),  mean_abs = Σ |t − r| / n
     elem     = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)),  rms(r) = ‖r‖ / √n   (element-wise error)
@@ -13,8 +13,9 @@ Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 256 Ki-element chunk
 float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies (r, t; one-byte
 floats through a table of their 256 values), one count of equal raw bits (on integer views of the
 inputs; as fast as a memcmp here, so it also tells a bit-identical chunk, which needs only ‖r‖²),
-three BLAS dot products (r·t, t·t, r·r), t − r in place over t, a dot d·d, and |d| taken in place
-for its max and its sum — each a single pass. The position of max |t − r| is looked up
+two BLAS dot products (t·t, r·r), t − r in place over t, a dot d·d, and |d| taken in place for
+its max and its sum — each a single pass. r·t is not summed: it follows from the three norms,
+which also gives 1 − cos and rel_diff without the cancellation of a direct dot near ‖r‖‖t‖. The position of max |t − r| is looked up
 once, in the chunk that set it, after the loop (from the rows as they are when that chunk was
 the last one read, as in a one-chunk tensor). The work rows are kept per thread (a fresh buffer
 per tensor was page-faulted on every call). Non-finite values take a slow path only in the chunks
@@ -129,7 +130,6 @@ class _Sums:
 
     nr2: float = 0.0  # ‖r‖²
     nt2: float = 0.0  # ‖t‖²
-    dot: float = 0.0  # r·t
     diff2: float = 0.0  # ‖t − r‖²
     sum_abs: float = 0.0  # Σ |t − r|
     max_abs: float = -1.0
@@ -147,7 +147,7 @@ class _Sums:
     held: int = -1  # start of the chunk whose r and |t − r| the work rows still hold, else -1
 
     def finite(self) -> bool:
-        return math.isfinite(self.nr2 + self.nt2 + self.diff2 + abs(self.dot))
+        return math.isfinite(self.nr2 + self.nt2 + self.diff2)
 
 
 def _compare_tensors(ref, target, scale: float = 1.0) -> TensorMetrics | None:
@@ -195,7 +195,6 @@ def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
                 if math.isfinite(sq):
                     s.nr2 += sq
                     s.nt2 += sq
-                    s.dot += sq
                     s.equal += m
                     s.counted += m
                     s.max_abs = max(s.max_abs, 0.0)
@@ -224,11 +223,10 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, equal: int | None, scale
     copy_in(xt, tc)
     if scale != 1.0:
         xt *= scale
-    rt_ = float(np.dot(xr, xt))
     tt_ = float(np.dot(xt, xt))
     rr_ = float(np.dot(xr, xr))
     dd_ = math.inf
-    if math.isfinite(rr_ + tt_ + rt_):
+    if math.isfinite(rr_ + tt_):
         xd = np.subtract(xt, xr, out=xt)  # t − r in place: t is not read again on this path
         dd_ = float(np.dot(xd, xd))
         if not math.isfinite(dd_):  # |t − r| past float64's range: the slow path needs t again
@@ -248,7 +246,6 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, equal: int | None, scale
     s.sum_abs += float(xd.sum())
     s.nr2 += rr_
     s.nt2 += tt_
-    s.dot += rt_
     s.diff2 += dd_
     s.counted += m
     s.held = i
@@ -302,7 +299,6 @@ def _nonfinite_chunk(s: _Sums, i: int, xr, xt, equal: int | None) -> None:
         return
     s.nr2 += float(np.dot(rr, rr))
     s.nt2 += float(np.dot(tt, tt))
-    s.dot += float(np.dot(rr, tt))
     d = np.abs(tt - rr)
     s.diff2 += float(np.dot(d, d))
     s.sum_abs += float(d.sum())
@@ -318,7 +314,11 @@ def _nonfinite_chunk(s: _Sums, i: int, xr, xt, equal: int | None) -> None:
 def _metrics(s: _Sums, r, t, shape: tuple, scale: float) -> TensorMetrics:
     """The metrics of the module docstring from the sums (norms and errors back in true units)."""
     n = r.shape[0]
-    nr2, nt2, dot = s.nr2, s.nt2, s.dot
+    nr2, nt2 = s.nr2, s.nt2
+    # r·t = (‖r‖² + ‖t‖² − ‖t − r‖²) / 2: no pass of its own, and more accurate than a direct
+    # dot where it matters (t close to r: 1 − cos and rel_diff come from ‖t − r‖², not from a
+    # difference of two sums near each other; its error is a few ulp of ‖r‖² + ‖t‖² either way)
+    dot = (nr2 + nt2 - s.diff2) / 2
     res = TensorMetrics(
         numel=n, nan_mismatch=s.nan_mismatch, inf_mismatch=s.inf_mismatch, nan_both=s.nan_both
     )
@@ -345,7 +345,7 @@ def _metrics(s: _Sums, r, t, shape: tuple, scale: float) -> TensorMetrics:
     else:
         res.cos = max(-1.0, min(1.0, dot / (math.sqrt(nr2) * math.sqrt(nt2))))
         res.rel = _finite(math.sqrt(s.diff2) / math.sqrt(nr2))
-        res.rel_diff = 1.0 - 2.0 * dot / (nr2 + nt2)
+        res.rel_diff = s.diff2 / (nr2 + nt2)  # = 1 − 2 r·t / (‖r‖² + ‖t‖²)
         res.norm_ratio = math.sqrt(nt2) / math.sqrt(nr2)
     if nr2 == 0.0 and nt2 == 0.0:
         res.elem = 0.0
