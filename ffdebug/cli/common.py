@@ -60,8 +60,10 @@ def check_noise(noise: str | None) -> None:
         )
 
 
-def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, str]:
-    """`ref-vs-target --dir D` (any `A-vs-B`), `--dir D` alone, or two side directories."""
+def resolve_sides(args: list[str] | None, directory: str | None, check: bool = True) -> tuple[str, str]:
+    """`ref-vs-target --dir D` (any `A-vs-B`), `--dir D` alone, or two side directories.
+    `check=False`: the paths only, nothing looked up here (a compare across nodes, where this
+    node may hold none of a side)."""
     from ffdebug.io.registry import find_importer, peer_sides
     from ffdebug.store.reader import sides_in
 
@@ -79,6 +81,9 @@ def resolve_sides(args: list[str] | None, directory: str | None) -> tuple[str, s
         )
     if directory is None:
         raise FFDebugError(f"'{pair}' needs --dir D (the FFDEBUG_FWD_DUMP_DIR both sides wrote to)")
+    if not check:
+        a, b = pair.split("-vs-", 1)
+        return os.path.join(directory, a), os.path.join(directory, b)
     if not os.path.isdir(directory):
         raise FFDebugError(
             f"--dir {directory}: directory does not exist; give the FFDEBUG_FWD_DUMP_DIR of the dumps"

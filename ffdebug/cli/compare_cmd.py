@@ -93,6 +93,28 @@ def register(app: typer.Typer) -> None:
 
         fail = check_fail_on(fail_on or (Severity.DRIFT if exact else Severity.DIVERGE))
         check_noise(noise)
+        from ffdebug.across.group import world_size
+
+        if world_size() > 1:  # launched by torchrun: one comparison across the group's processes
+            from ffdebug.across.cli import compare_across
+
+            ref, tgt = resolve_sides(sides, dir, check=False)
+            options = dict(
+                layers=layers,
+                stages=tuple(stages or ()),
+                step=parse_step_filter(step),
+                rank=rank,
+                thresholds=tuple(threshold or ()),
+                exact=exact,
+                fail_on=fail,
+                allow_partial=allow_partial,
+                maps=tuple(maps or ()),
+                alias_file=alias_file,
+                workers=workers,
+                exclude=tuple(exclude or ()),
+                noise=noise,
+            )
+            raise typer.Exit(compare_across(ref, tgt, options, json_out, problems))
         ref, tgt = resolve_sides(sides, dir)
         with Progress("compare", "stages") as progress:
             result = compare(

@@ -200,6 +200,7 @@ def compare(
     workers: int | None = None,
     exclude: tuple[str, ...] | list[str] = (),
     progress: ProgressHook | None = None,
+    group=None,
 ) -> CompareResult:
     """Compare two sides (paths or SideStores).
 
@@ -208,11 +209,28 @@ def compare(
     `allow_partial`); `exclude` globs leave stages out, and the coverage lists them as selected out.
     `workers`: threads comparing whole tensors in parallel (None: one per free core,
     `ffdebug.comparison.parallel`); bit-identical at any count. `progress` hears each stage unit.
+    `group`: the process group of a compare across nodes (`ffdebug.across`): `ref` and `target`
+    are paths each process reads what it sees of; the result is the same on every process.
     """
     from ffdebug._env import parse_layers
 
     fail_on = V.parse_fail_on(fail_on)
     stage_map = StageMap.of(list(maps or ()), alias_file)
+    across = None
+    if group is not None:
+        from ffdebug.across.inventory import open_sides
+
+        if noise is not None:
+            raise FFDebugError(
+                "--noise: not supported by a compare across nodes yet; run the comparison with a noise "
+                "run on one node"
+            )
+        from ffdebug.across.run import RECEIVED
+
+        stores, seen = open_sides(group, (ref, target))
+        RECEIVED.attach(group, seen, stores)
+        ref, target = stores
+        across = (group, seen, stores)
     ref_store, tgt_store = _renamed(_as_store(ref), stage_map), _renamed(_as_store(target), stage_map)
     if isinstance(layers, str):
         layers = parse_layers(layers)
@@ -229,7 +247,7 @@ def compare(
     stage_pairings = [pair_stages(rg, tg) for rg, tg in pairing.pairs]
     units = [u for sp in stage_pairings for u in sp.units]
     _log_pairing(ref_store, tgt_store, pairing, units, noise_store)
-    run = _run_units(units, pairing, thresholds, exact, workers, noise_idx, progress)
+    run = _run_units(units, pairing, thresholds, exact, workers, noise_idx, progress, across)
     if not any(e.key != "embed.input_ids" for e in run.stages):
         raise FFDebugError(nothing_paired(ref_store, tgt_store, pairing, filters))
     if layers is not None and not any(e.layer is not None for e in run.stages):
@@ -304,16 +322,28 @@ def _pair_calls(ref_store: SideStore, tgt_store: SideStore, filters: Filters, re
 
 
 def _run_units(
-    units: list[StageUnit], pairing, thresholds, exact: bool, workers, noise_idx, progress=None
+    units: list[StageUnit], pairing, thresholds, exact: bool, workers, noise_idx, progress=None, across=None
 ) -> UnitsRun:
-    """Every unit compared (in unit order), graded against the noise run when there is one."""
+    """Every unit compared (in unit order), graded against the noise run when there is one.
+    `across`: (group, what each process sees, the stores) of a compare across nodes."""
     run = UnitsRun()
     masks = {id(rg): layouts(rg, tg) for rg, tg in pairing.pairs}
     pairs: dict[int, list] = {}
     for u in units:
         pairs.setdefault(id(u.group), []).append((u.ref.dtype, u.target.dtype))
     precision = {g: V.call_dtypes(p) for g, p in pairs.items()}
-    done = _map_units(units, thresholds, exact, workers, masks, progress, precision)
+    if across is None:
+        done = _map_units(units, thresholds, exact, workers, masks, progress, precision)
+    else:
+        from ffdebug.across.run import map_units
+
+        def run_local(own: list[int]) -> list[tuple]:
+            return _map_units([units[i] for i in own], thresholds, exact, workers, masks, progress, precision)
+
+        def explain_local(stages, records) -> None:
+            routing.explain(stages, records, thresholds, Record.load)
+
+        done = map_units(*across, units, run_local, explain_local)
     for unit, (results, records, reading) in zip(units, done):
         for e in results:
             if noise_idx is not None:
@@ -322,7 +352,8 @@ def _run_units(
         run.records.extend(records)
         if reading is not None:
             run.readings.append(reading)
-    routing.explain(run.stages, run.records, thresholds, Record.load)
+    if across is None:  # across nodes: explained by each process over its own units (map_units)
+        routing.explain(run.stages, run.records, thresholds, Record.load)
     underflow.explain(run.stages)
     contained.explain(run.stages)
     if noise_idx is not None:

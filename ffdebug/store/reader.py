@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ffdebug.errors import FFDebugError
 from ffdebug.io.contained import MAX_LINE_BYTES, contained, loads_bounded, open_regular, read_fd, read_json
@@ -28,14 +30,21 @@ from ffdebug.io.sources import StorePayload
 __all__ = ["Record", "SideStore", "open_side", "sides_in"]
 
 
-def _manifest_lines(path: str):
-    """(line number, text) of every complete line; the count of a trailing partial line (0 or 1).
-    Read through a checked descriptor, each line at most MAX_LINE_BYTES."""
+def read_manifest_bytes(path: str) -> bytes:
+    """The bytes of a manifest, read through a checked descriptor."""
     fd = open_regular(path, "manifest")
     try:
-        data = read_fd(fd, None, path, "manifest")
+        return read_fd(fd, None, path, "manifest")
     finally:
         os.close(fd)
+
+
+def _manifest_lines(path: str, data: bytes | None = None):
+    """(line number, text) of every complete line; the count of a trailing partial line (0 or 1).
+    Read through a checked descriptor (unless its bytes are given), each line at most
+    MAX_LINE_BYTES."""
+    if data is None:
+        data = read_manifest_bytes(path)
     lines = data.split(b"\n")
     # A last line without its newline is a write cut short by a kill: skip it, keep the rest.
     partial = 1 if lines and lines[-1] != b"" else 0
@@ -50,16 +59,21 @@ def _manifest_lines(path: str):
     return out, partial
 
 
-def _read_manifest(path: str, rank_dir: str) -> tuple[list[Record], int]:
+def _read_manifest(
+    path: str, rank_dir: str, data: bytes | None = None, payload_of=None
+) -> tuple[list[Record], int]:
+    """The records of one manifest (read from `path`, or its bytes `data`); `payload_of(path, tensor)`
+    builds the source of a payload file checked to lie inside `rank_dir` (default: the file)."""
     records: list[Record] = []
-    lines, partial = _manifest_lines(path)
+    lines, partial = _manifest_lines(path, data)
+    payload_of = payload_of or StorePayload
     for lineno, line in lines:
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
 
-        def payload(file: str, tensor: str, where=where) -> StorePayload:
-            return StorePayload(contained(rank_dir, file, where), tensor)
+        def payload(file: str, tensor: str, where=where):
+            return payload_of(contained(rank_dir, file, where), tensor)
 
         rec = loads_bounded(line, where, "manifest line")
         if not isinstance(rec, dict):
@@ -217,26 +231,58 @@ def _rank_dirs(path: str) -> list[str]:
     return out
 
 
-def _open_store_dir(path: str) -> SideStore:
-    run: dict = {}
+def read_run_info(path: str) -> dict:
+    """A side's run.json ({} when it has none)."""
     run_path = os.path.join(path, "run.json")
-    if os.path.lexists(run_path):
-        run = _read_object(run_path, "run.json")
+    return _read_object(run_path, "run.json") if os.path.lexists(run_path) else {}
+
+
+def read_status(rank_dir: str) -> dict | None:
+    """A rank directory's status.json (None when it has none), its fields checked."""
+    status_path = os.path.join(rank_dir, "status.json")
+    return _read_status(status_path) if os.path.lexists(status_path) else None
+
+
+def store_rank_dirs(path: str) -> list[str]:
+    """The rank directories of a side directory that hold a manifest, in name order."""
+    return [d for d in _rank_dirs(path) if os.path.lexists(os.path.join(d, "manifest.jsonl"))]
+
+
+@dataclass(frozen=True)
+class RankDirText:
+    """One rank directory as read elsewhere (another process, `ffdebug.across`): its path, its
+    manifest's bytes, its status.json (checked), and the source of its payload files."""
+
+    path: str
+    manifest: bytes
+    status: dict | None
+    payload_of: Callable | None = None  # (file path, tensor name) -> source; None: the file itself
+
+
+def _open_store_dir(path: str) -> SideStore:
+    rank_dirs = [
+        RankDirText(d, read_manifest_bytes(os.path.join(d, "manifest.jsonl")), read_status(d))
+        for d in store_rank_dirs(path)
+    ]
+    return side_from_texts(path, read_run_info(path), rank_dirs)
+
+
+def side_from_texts(path: str, run: dict, rank_dirs: list[RankDirText]) -> SideStore:
+    """A side built from its run.json and its rank directories' manifests and statuses (every
+    check of `open_side` applies)."""
     records: list[Record] = []
     by_rank_dir: list[tuple[str, list[Record]]] = []
     status: dict = {}
     partial = 0
-    for rank_dir in _rank_dirs(path):
-        manifest = os.path.join(rank_dir, "manifest.jsonl")
-        if not os.path.lexists(manifest):
-            continue
-        recs, cut = _read_manifest(manifest, rank_dir)
+    run_path = os.path.join(path, "run.json")
+    for rd in rank_dirs:
+        manifest = os.path.join(rd.path, "manifest.jsonl")
+        recs, cut = _read_manifest(manifest, rd.path, rd.manifest, rd.payload_of)
         records.extend(recs)
-        by_rank_dir.append((rank_dir, recs))
+        by_rank_dir.append((rd.path, recs))
         partial += cut
-        status_path = os.path.join(rank_dir, "status.json")
-        if os.path.lexists(status_path):
-            status[os.path.basename(rank_dir)] = _read_status(status_path)
+        if rd.status is not None:
+            status[os.path.basename(rd.path)] = rd.status
     _check_one_world_size(path, by_rank_dir)
     records.sort(key=lambda r: (r.rank, r.seq))
     problems = run.get("import_problems") or []

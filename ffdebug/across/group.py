@@ -1,0 +1,283 @@
+"""The process group of a compare run across nodes (`torchrun … -m ffdebug compare`): gloo over
+the environment torchrun sets, JSON and byte messages between processes, the deadline, and who
+was lost when a peer stops answering (docs/across-nodes.md).
+
+Every message is JSON text or raw payload bytes in a uint8 tensor: nothing is pickled. Each
+process beats on the rendezvous store (`beat/<rank>`) once a second; when a collective fails,
+rank 0 names the processes whose beat stopped, with the node and the rank directories each held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ffdebug.errors import FFDebugError
+
+DEFAULT_TIMEOUT_S = 300.0  # FFDEBUG_ACROSS_TIMEOUT: how long a process waits for a peer
+BEAT_S = 1.0  # heartbeat period on the store
+POLL_S = 0.01  # how often a payload request / answer is looked for on the store
+
+
+class PeerLost(FFDebugError):
+    """A process of the group stopped answering after the group formed: exit 4 (incomplete)."""
+
+    exit_code = 4
+
+
+def timeout_s(environ=None) -> float:
+    """The deadline of one exchange: FFDEBUG_ACROSS_TIMEOUT seconds (default 300) times
+    FFDEBUG_TIMEOUT_FACTOR (default 1; slow test machines raise it)."""
+    env = os.environ if environ is None else environ
+    out = 1.0
+    for name, default in (("FFDEBUG_ACROSS_TIMEOUT", DEFAULT_TIMEOUT_S), ("FFDEBUG_TIMEOUT_FACTOR", 1.0)):
+        raw = env.get(name)
+        try:
+            value = float(raw) if raw not in (None, "") else default
+        except ValueError:
+            raise FFDebugError(f"{name}={raw!r}: not a number of seconds; e.g. {name}=300") from None
+        if not value > 0:
+            raise FFDebugError(f"{name}={raw!r}: must be positive")
+        out *= value
+    return out
+
+
+def world_size(environ=None) -> int:
+    """WORLD_SIZE as torchrun sets it (1 when unset)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("WORLD_SIZE", "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise FFDebugError(f"WORLD_SIZE={raw!r}: not an integer; launch with torchrun") from None
+    if n < 1:
+        raise FFDebugError(f"WORLD_SIZE={raw!r}: must be at least 1")
+    return n
+
+
+def node_roots(environ=None) -> list[str] | None:
+    """FFDEBUG_TEST_NODE_ROOTS (a test hook): one directory per process, os.pathsep-separated;
+    process i resolves the relative input paths under the i-th, and processes sharing one stand
+    for one node. None when unset."""
+    env = os.environ if environ is None else environ
+    raw = env.get("FFDEBUG_TEST_NODE_ROOTS")
+    return raw.split(os.pathsep) if raw else None
+
+
+@dataclass
+class Group:
+    """This process's place in the group and the exchanges it takes part in."""
+
+    rank: int
+    size: int
+    node: str  # the node's name (hostname, or the test hook's root)
+    timeout: float
+    store: object = field(repr=False)
+    holdings: dict = field(default_factory=dict)  # process -> (node, rank directories), for messages
+    sent_bytes: int = 0  # payload bytes this process sent to others
+    received_bytes: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    # -- messages ---------------------------------------------------------------------------------
+
+    def all_gather_json(self, obj) -> list:
+        """Every process's `obj`, in process order (JSON text; floats round-trip exactly)."""
+        data = json.dumps(obj, allow_nan=True).encode()
+        return [json.loads(b.decode()) for b in self.all_gather_bytes(data)]
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        import torch
+        import torch.distributed as dist
+
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._call(dist.all_gather, sizes, torch.tensor([len(data)], dtype=torch.int64))
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.size)]
+        self._call(dist.all_gather, out, mine)
+        return [bytes(o[: int(s)].numpy()) for o, s in zip(out, sizes)]
+
+    def send_bytes(self, data: bytes, to: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._call(dist.send, torch.tensor([len(data)], dtype=torch.int64), to)
+        if data:
+            self._call(dist.send, torch.frombuffer(bytearray(data), dtype=torch.uint8), to)
+        self.sent_bytes += len(data)
+
+    def recv_bytes(self, source: int) -> bytes:
+        import torch
+        import torch.distributed as dist
+
+        size = torch.zeros(1, dtype=torch.int64)
+        self._call(dist.recv, size, source)
+        buf = torch.zeros(int(size), dtype=torch.uint8)
+        if int(size):
+            self._call(dist.recv, buf, source)
+        self.received_bytes += int(size)
+        return bytes(buf.numpy())
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        self._call(dist.barrier)
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except RuntimeError as err:  # gloo: a peer closed its connection, or the deadline passed
+            raise self.lost(err) from None
+
+    # -- liveness ---------------------------------------------------------------------------------
+
+    def start_beating(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(BEAT_S):
+                try:
+                    self.store.set(f"ffdebug/beat/{self.rank}", str(time.time()))
+                except Exception:  # the store's host is gone: the collectives report it
+                    return
+
+        self.store.set(f"ffdebug/beat/{self.rank}", str(time.time()))
+        threading.Thread(target=beat, name="ffdebug-beat", daemon=True).start()
+
+    def lost(self, err: BaseException) -> FFDebugError:
+        """The error for a failed exchange: the processes whose beat stopped, each with its node and
+        the rank directories it held (a peer that exited, or a node that went away)."""
+        time.sleep(3 * BEAT_S)  # a live peer beats again within this
+        now = time.time()
+        gone = []
+        for p in range(self.size):
+            if p == self.rank:
+                continue
+            try:
+                last = float(self.store.get(f"ffdebug/beat/{p}").decode())
+            except Exception:
+                last = 0.0
+            if now - last > 2.5 * BEAT_S:
+                gone.append(p)
+        if not gone:
+            return PeerLost(
+                f"compare across nodes: an exchange failed after {self.timeout:.0f} s or with "
+                f"{str(err).splitlines()[0][:160]}; every peer still beats — raise FFDEBUG_ACROSS_TIMEOUT "
+                "if a node is slow to read its dumps"
+            )
+        parts = []
+        for p in gone:
+            node, dirs = self.holdings.get(p, ("?", []))
+            held = ", ".join(dirs) if dirs else "no rank directories"
+            parts.append(f"process {p} on node {node} (held {held})")
+        return PeerLost(
+            "compare across nodes: lost " + "; ".join(parts) + " — the comparison is incomplete; "
+            "re-run when the node is back (a node that never joins is torchrun's rendezvous timeout)"
+        )
+
+    # -- payloads on demand --------------------------------------------------------------------
+
+    def serve(self, answer) -> None:
+        """Answer payload requests from other processes on a thread (`fetch`): `answer(request)`
+        gives (header dict, bytes). Used for the small inputs read before the plan (token ids,
+        masks, sequence lengths); the compared tensors move in bulk (`ffdebug.across.run`)."""
+
+        def loop() -> None:
+            n = 1
+            while not self._stop.is_set():
+                key = f"ffdebug/req/{self.rank}/{n}"
+                try:
+                    asked = self.store.check([key])
+                except Exception:  # the store's host is gone: the collectives report it
+                    return
+                if not asked:
+                    self._stop.wait(POLL_S)
+                    continue
+                try:
+                    request = json.loads(self.store.get(key).decode())
+                    try:
+                        header, data = answer(request)
+                    except Exception as err:  # the asker reports it
+                        header, data = {"error": str(err)[:300]}, b""
+                    head = json.dumps(header).encode()
+                    self.store.set(
+                        f"ffdebug/resp/{request['from']}/{request['id']}",
+                        len(head).to_bytes(8, "little") + head + data,
+                    )
+                    self.sent_bytes += len(data)
+                except Exception:
+                    return
+                n += 1
+
+        threading.Thread(target=loop, name="ffdebug-serve", daemon=True).start()
+
+    def fetch(self, holder: int, request: dict) -> tuple[dict, bytes]:
+        """One payload from process `holder` (its `serve` thread), within the deadline."""
+        ticket = self.store.add(f"ffdebug/reqcount/{holder}", 1)
+        rid = f"{self.rank}-{ticket}"
+        self.store.set(
+            f"ffdebug/req/{holder}/{ticket}", json.dumps({**request, "from": self.rank, "id": rid}).encode()
+        )
+        key = f"ffdebug/resp/{self.rank}/{rid}"
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise self.lost(TimeoutError(f"no answer from process {holder} in {self.timeout:.0f} s"))
+            time.sleep(POLL_S)
+        raw = self.store.get(key)
+        self.store.delete_key(key)
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + n].decode())
+        if "error" in header:
+            raise FFDebugError(f"process {holder} could not read {request.get('file')}: {header['error']}")
+        data = raw[8 + n :]
+        self.received_bytes += len(data)
+        return header, data
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self._stop.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join(environ=None) -> Group:
+    """Join the group torchrun launched (gloo, CPU tensors only; the payloads never touch a GPU)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    env = os.environ if environ is None else environ
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if name not in env:
+            raise FFDebugError(
+                f"WORLD_SIZE={env.get('WORLD_SIZE')} but {name} is not set: launch with "
+                "torchrun (docs/across-nodes.md)"
+            )
+    limit = timeout_s(env)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=limit))
+    store = dist.distributed_c10d._get_default_store()
+    roots = node_roots(env)
+    rank = dist.get_rank()
+    if roots is not None and len(roots) != dist.get_world_size():
+        raise FFDebugError(
+            f"FFDEBUG_TEST_NODE_ROOTS: {len(roots)} roots for {dist.get_world_size()} processes; give one each"
+        )
+    node = roots[rank] if roots is not None else socket.gethostname()
+    g = Group(rank=rank, size=dist.get_world_size(), node=node, timeout=limit, store=store)
+    g.start_beating()
+    return g
+
+
+def resolve(path: str, group: Group | None, environ=None) -> str:
+    """`path` as this process reads it: under the test hook, a relative path is taken under this
+    process's root."""
+    roots = node_roots(environ)
+    if group is None or roots is None or os.path.isabs(path):
+        return path
+    return os.path.join(roots[group.rank], path)

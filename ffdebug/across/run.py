@@ -1,0 +1,240 @@
+"""Who compares what in a compare across nodes, the payloads that move, and the results that come
+back (docs/across-nodes.md).
+
+Every process paired the same stores the same way, so it holds the same unit list and computes
+the same plan without a message:
+
+- **Owners.** Units go to processes in groups: all units of one reference call and one target
+  rank together (the routing-flip explanation reads a call's stages of one rank together). A
+  group goes to a process that sees the most of its payload bytes, the least loaded among those,
+  then the lowest-numbered; on a shared filesystem that spreads the groups over every process and
+  each payload is read once.
+- **Moves.** A payload its owner cannot see (a single-rank reference on another node, a
+  tensor-parallel group across nodes) is sent to it once by a process that sees it, the least
+  loaded sender first: raw bytes plus dtype and shape, written to a spill directory on the owner
+  and read from there like a store payload. The moves run in one global order, so every pair of
+  processes meets at the same send / receive (no deadlock).
+- **Results.** Each process compares its own units (`_map_units`, its own workers), explains
+  routing flips over them, and the stage results travel as their wire form (`ffdebug.across.wire`)
+  to every process, which assembles them in unit order; the verdict, coverage and exit code are
+  then computed as in a single-process compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+from ffdebug.across.group import Group
+from ffdebug.across.inventory import Home, RemotePayload, Seen
+from ffdebug.errors import FFDebugError
+
+
+@dataclass
+class Received:
+    """The payloads this process received: (home, file, tensor) -> (spill file, dtype, shape);
+    one it was not sent is asked of a process that sees it (`Group.fetch`: the small inputs the
+    pairing and the gates read before the plan)."""
+
+    spill: str | None = None
+    files: dict = field(default_factory=dict)
+    group: Group | None = None
+    seen: Seen | None = None
+    local: dict = field(default_factory=dict)  # key -> this process's own source, for `answer`
+
+    def attach(self, group: Group, seen: Seen, stores) -> None:
+        self.group, self.seen = group, seen
+        for store in stores:
+            for rec in store.records:
+                for leaf in leaves(rec):
+                    if not isinstance(leaf.source, RemotePayload):
+                        self.local[_key(leaf.source)] = leaf.source
+        group.serve(self.answer)
+
+    def answer(self, request: dict) -> tuple[dict, bytes]:
+        from ffdebug.arrays import as_array
+
+        key = (Home(request["side"], request["rank_dir"]), request["file"], request["tensor"])
+        x = as_array(self.local[key].load())
+        return {"dtype": str(x.dtype), "shape": list(x.shape)}, _raw(x)
+
+    def put(self, src: RemotePayload, data: bytes, dtype: str, shape: list[int]) -> None:
+        if self.spill is None:
+            self.spill = tempfile.mkdtemp(prefix="ffdebug-across-")
+        path = os.path.join(self.spill, f"{len(self.files):06d}.bin")
+        with open(path, "wb") as f:
+            f.write(data)
+        self.files[_key(src)] = (path, dtype, tuple(shape))
+
+    def load(self, src: RemotePayload):
+        import numpy as np
+
+        from ffdebug.arrays import dtype as np_dtype
+
+        got = self.files.get(_key(src))
+        if got is None and self.group is not None:
+            holders = self.seen.holders[src.home.side].get(src.home.rank_dir, [])
+            if holders:
+                home, file, tensor = _key(src)
+                header, data = self.group.fetch(
+                    holders[0], {"side": home.side, "rank_dir": home.rank_dir, "file": file, "tensor": tensor}
+                )
+                self.put(src, data, header["dtype"], header["shape"])
+                got = self.files[_key(src)]
+        if got is None:
+            raise FFDebugError(
+                f"{src.path}: this process does not see {src.home.rank_dir} and was not sent the payload; "
+                "an internal error of the compare across nodes — run the comparison on one node"
+            )
+        path, dtype, shape = got
+        return np.fromfile(path, dtype=np_dtype(dtype)).reshape(shape)
+
+    def clear(self) -> None:
+        if self.spill is not None:
+            shutil.rmtree(self.spill, ignore_errors=True)
+        self.spill, self.files = None, {}
+
+
+def _raw(x) -> bytes:
+    """The bytes of an array in C order."""
+    import numpy as np
+
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8).tobytes()
+
+
+RECEIVED = Received()
+
+
+def _key(src) -> tuple:
+    return (src.home, os.path.basename(src.path), src.name)
+
+
+def leaves(rec) -> list:
+    """The records whose payload files `rec` reads (its parts, for a folded record)."""
+    parts = rec.parts
+    if not parts:
+        return [rec] if rec.source is not None else []
+    return [leaf for p in parts for leaf in leaves(p)]
+
+
+@dataclass(frozen=True)
+class Move:
+    """One payload sent from `src` to `dst`."""
+
+    src: int
+    dst: int
+    record: object  # the receiver's record (its source is a RemotePayload)
+    nbytes: int
+
+
+@dataclass
+class Plan:
+    owner: list[int]  # per unit
+    moves: list[Move]
+
+
+def plan(units: list, seen: Seen, size: int) -> Plan:
+    """Owners per unit and the payload moves (module doc); the same on every process."""
+    from ffdebug.comparison.engine import _payload_records
+    from ffdebug.io.prefetch import record_bytes
+
+    groups: dict[tuple, list[int]] = {}
+    group_index: dict[int, int] = {}
+    for i, u in enumerate(units):
+        g = group_index.setdefault(id(u.group), len(group_index))
+        groups.setdefault((g, min(u.target_ranks)), []).append(i)
+    load = [0] * size
+    owner = [0] * len(units)
+    for members in groups.values():
+        need: dict[Home, int] = {}
+        for i in members:
+            for rec in _payload_records(units[i]):
+                for leaf in leaves(rec):
+                    home = leaf.source.home
+                    need[home] = need.get(home, 0) + record_bytes(leaf)
+        total = sum(need.values())
+        local = [sum(b for h, b in need.items() if seen.sees(p, h)) for p in range(size)]
+        best = max(local)
+        o = min((p for p in range(size) if local[p] == best), key=lambda p: (load[p], p))
+        load[o] += total
+        for i in members:
+            owner[i] = o
+    sent = [0] * size
+    moves: list[Move] = []
+    done: set = set()
+    for i, u in enumerate(units):
+        o = owner[i]
+        for rec in _payload_records(u):
+            for leaf in leaves(rec):
+                home = leaf.source.home
+                if seen.sees(o, home) or (o, _key(leaf.source)) in done:
+                    continue
+                holders = seen.holders[home.side].get(home.rank_dir, [])
+                if not holders:
+                    raise FFDebugError(f"{leaf.origin}: no process of the group sees {home.rank_dir}")
+                src = min(holders, key=lambda p: (sent[p], p))
+                sent[src] += record_bytes(leaf)
+                done.add((o, _key(leaf.source)))
+                moves.append(Move(src, o, leaf, record_bytes(leaf)))
+    return Plan(owner, moves)
+
+
+def run_moves(group: Group, moves: list[Move], mine: dict) -> None:
+    """Every move in order: the sender reads the payload and sends it, the receiver spills it."""
+    from ffdebug.arrays import as_array
+
+    for mv in moves:
+        if mv.src == group.rank:
+            x = as_array(mine[_key(mv.record.source)].load())
+            header = json.dumps({"dtype": str(x.dtype), "shape": list(x.shape)}).encode()
+            group.send_bytes(header, mv.dst)
+            group.send_bytes(_raw(x), mv.dst)
+        elif mv.dst == group.rank:
+            header = json.loads(group.recv_bytes(mv.src).decode())
+            data = group.recv_bytes(mv.src)
+            RECEIVED.put(mv.record.source, data, header["dtype"], header["shape"])
+
+
+def map_units(group: Group, seen: Seen, stores, units: list, run_local, explain_local) -> list[tuple]:
+    """`_map_units` across the group: the results of every unit, in unit order, on every process.
+    `run_local(indices)` compares this process's units; `explain_local(results, records)` explains
+    routing over them before they are sent."""
+    from ffdebug.across import wire
+    from ffdebug.comparison.engine import _unit_records
+    from ffdebug.comparison.forked import record_refs, resolve_refs
+
+    p = plan(units, seen, group.size)
+    try:
+        run_moves(group, p.moves, RECEIVED.local)
+        own = [i for i, o in enumerate(p.owner) if o == group.rank]
+        done = run_local(own)
+        stages = [e for results, _, _ in done for e in results]
+        records = [r for _, recs, _ in done for r in recs]
+        explain_local(stages, records)
+        payload = {
+            str(i): {
+                "results": [wire.stage_to_wire(e) for e in results],
+                "refs": wire.refs_to_wire(record_refs(_unit_records(units[i]), recs)),
+                "reading": reading,
+            }
+            for i, (results, recs, reading) in zip(own, done)
+        }
+    finally:
+        RECEIVED.clear()
+    gathered = group.all_gather_json(payload)
+    out: list = [None] * len(units)
+    for part in gathered:
+        for k, v in part.items():
+            i = int(k)
+            out[i] = (
+                [wire.stage_from_wire(e) for e in v["results"]],
+                resolve_refs(_unit_records(units[i]), wire.refs_from_wire(v["refs"])),
+                v["reading"],
+            )
+    missing = [i for i, x in enumerate(out) if x is None]
+    if missing:
+        raise FFDebugError(f"compare across nodes: {len(missing)} stage units came back from no process")
+    return out
