@@ -1,28 +1,36 @@
-"""`ffdebug compare` under torchrun (WORLD_SIZE > 1): join the group, compare across it, render
-on rank 0 (docs/across-nodes.md). The other processes print nothing and exit 0 once the
-comparison is done; rank 0 exits with the comparison's code."""
+"""`ffdebug compare` / `ffdebug bisect` under torchrun (WORLD_SIZE > 1): join the group, run the
+command across it, render on rank 0 (docs/across-nodes.md). The other processes print nothing
+and exit 0 once the comparison is done; rank 0 exits with the command's code."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 
-def compare_across(ref: str, tgt: str, options: dict, json_out: bool, problems: bool) -> int:
+
+def run_across(command: Callable, ref: str, tgt: str, options: dict, render: Callable[[object], int]) -> int:
+    """`command(ref, tgt, group=…, progress=…, **options)` on every process of the group; rank 0
+    renders the result with `render(result)` (its exit code is returned), the others return 0."""
     from ffdebug.across.group import join
-    from ffdebug.comparison.engine import compare
     from ffdebug.report.progress import Progress
 
+    if options.get("noise") is not None:
+        from ffdebug.errors import FFDebugError
+
+        raise FFDebugError(
+            "--noise: not supported across nodes yet; run the comparison with a noise run on one node"
+        )
     group = join()
     try:
         if group.rank == 0:
-            with Progress("compare", "stages") as progress:
-                result = compare(ref, tgt, group=group, progress=progress, **options)
+            with Progress(command.__name__, "stages") as progress:
+                result = command(ref, tgt, group=group, progress=progress, **options)
         else:
-            result = compare(ref, tgt, group=group, **options)
+            result = command(ref, tgt, group=group, **options)
     finally:
         group.close()
     if group.rank != 0:
         return 0
-    from ffdebug.report.sink import Output
-    from ffdebug.report.text import print_compare
-
-    Output(json=json_out).show(result, print_compare, only_problems=problems)
-    return result.exit_code()
+    if group.moved is not None:
+        print(group.moved.sentence(group.size), file=sys.stderr)
+    return render(result)

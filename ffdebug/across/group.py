@@ -80,6 +80,7 @@ class Group:
     holdings: dict = field(default_factory=dict)  # process -> (node, rank directories), for messages
     sent_bytes: int = 0  # payload bytes this process sent to others
     received_bytes: int = 0
+    moved: object = None  # what crossed, once the results are gathered (`ffdebug.across.run.Moved`)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     # -- messages ---------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ Every process paired the same stores the same way, so it holds the same unit lis
 the same plan without a message:
 
 - **Owners.** Units go to processes in groups: all units of one reference call and one target
-  rank together (the routing-flip explanation reads a call's stages of one rank together). A
-  group goes to a process that sees the most of its payload bytes, the least loaded among those,
+  rank together (the routing-flip explanation reads a call's stages of one rank together), and
+  each unit over several target ranks (a fold, replicas) on its own. A group goes to a process that sees the most of its payload bytes, the least loaded among those,
   then the lowest-numbered; on a shared filesystem that spreads the groups over every process and
   each payload is read once.
 - **Moves.** A payload its owner cannot see (a single-rank reference on another node, a
@@ -121,6 +121,23 @@ def leaves(rec) -> list:
 
 
 @dataclass(frozen=True)
+class Moved:
+    """What crossed between processes: payload bytes (moves and on-demand inputs), the results'
+    wire form (each process's, sent to every process), the number of moves, the nodes."""
+
+    payload_bytes: int
+    result_bytes: int
+    moves: int
+    nodes: int
+
+    def sentence(self, processes: int) -> str:
+        return (
+            f"compare across nodes: {processes} processes on {self.nodes} node(s); {self.payload_bytes} payload "
+            f"bytes moved between processes ({self.moves} tensors moved whole), {self.result_bytes} bytes of results"
+        )
+
+
+@dataclass(frozen=True)
 class Move:
     """One payload sent from `src` to `dst`."""
 
@@ -145,7 +162,10 @@ def plan(units: list, seen: Seen, size: int) -> Plan:
     group_index: dict[int, int] = {}
     for i, u in enumerate(units):
         g = group_index.setdefault(id(u.group), len(group_index))
-        groups.setdefault((g, min(u.target_ranks)), []).append(i)
+        ranks = u.target_ranks
+        # one target rank's units of a call stay together (routing reads them together); a unit
+        # over several ranks (a fold, replicas) is placed on its own
+        groups.setdefault((g, next(iter(ranks))) if len(ranks) == 1 else ("unit", i), []).append(i)
     load = [0] * size
     owner = [0] * len(units)
     for members in groups.values():
@@ -207,6 +227,8 @@ def map_units(group: Group, seen: Seen, stores, units: list, run_local, explain_
     from ffdebug.comparison.forked import record_refs, resolve_refs
 
     p = plan(units, seen, group.size)
+    if os.environ.get("FFDEBUG_TEST_LOSE_PROCESS") == str(group.rank):  # test hook: a node lost mid-run
+        os._exit(17)
     try:
         run_moves(group, p.moves, RECEIVED.local)
         own = [i for i, o in enumerate(p.owner) if o == group.rank]
@@ -224,7 +246,15 @@ def map_units(group: Group, seen: Seen, stores, units: list, run_local, explain_
         }
     finally:
         RECEIVED.clear()
-    gathered = group.all_gather_json(payload)
+    results_bytes = len(json.dumps(payload))
+    gathered = group.all_gather_json({"units": payload, "moved": group.sent_bytes, "results": results_bytes})
+    group.moved = Moved(
+        payload_bytes=sum(g["moved"] for g in gathered),
+        result_bytes=sum(g["results"] for g in gathered),
+        moves=len(p.moves),
+        nodes=len(set(seen.nodes)),
+    )
+    gathered = [g["units"] for g in gathered]
     out: list = [None] * len(units)
     for part in gathered:
         for k, v in part.items():

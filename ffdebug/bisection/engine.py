@@ -262,9 +262,11 @@ def bisect(
     alias_file: str | None = None,
     exclude=(),
     progress: ProgressHook | None = None,
+    group=None,
 ) -> BisectResult:
     """Localise the first divergence of `target` from `ref` (paths or opened stores); `progress`
-    follows the comparison underneath (`ffdebug.comparison.engine.compare`).
+    follows the comparison underneath (`ffdebug.comparison.engine.compare`); `group`: the
+    process group of a bisect across nodes (`ffdebug.across`; the analysis reads only the results).
 
     Raises InputIdsMismatch (exit 3) when the sides were fed different input ids, FFDebugError
     (exit 2) on unreadable input or a bad option.
@@ -289,6 +291,7 @@ def bisect(
         alias_file=alias_file,
         exclude=tuple(exclude),
         progress=progress,
+        group=group,
     )
     notes = list(result.notes)
     _relabel(result.stages, layer_class)

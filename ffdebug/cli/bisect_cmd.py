@@ -24,6 +24,7 @@ from ffdebug.cli.common import (
     parse_step_filter,
     resolve_sides,
 )
+from ffdebug.errors import FFDebugError
 from ffdebug.verdict import Severity
 
 HELP = """Localise where a target first parts from its reference: the first layer that introduces
@@ -104,34 +105,48 @@ def register(app: typer.Typer) -> None:
 
             check_output_file(html, "--html")
         check_noise(noise)
+        options = dict(
+            layers=layers,
+            stages=tuple(stages or ()),
+            step=parse_step_filter(step),
+            rank=rank,
+            thresholds=tuple(threshold or ()),
+            noise=noise,
+            fail_on=fail,
+            allow_partial=allow_partial,
+            maps=tuple(maps or ()),
+            alias_file=alias_file,
+            exclude=tuple(exclude or ()),
+            layer_class=layer_class,
+            model_ref=model_ref,
+            model_target=model_target,
+        )
+
+        def render(result) -> int:
+            conclude(result)
+            if html:
+                from ffdebug.report.html import write_bisect_html
+
+                write_bisect_html(result.to_json(), html)
+            from ffdebug.report.bisect_text import print_bisect
+            from ffdebug.report.sink import Output
+
+            Output(json=json_out).show(result, print_bisect, all_stages=all_stages, html=html)
+            return result.exit_code()
+
+        from ffdebug.across.group import world_size
+
+        if world_size() > 1:  # launched by torchrun: one bisect across the group's processes
+            from ffdebug.across.cli import run_across
+
+            if model_ref or model_target:
+                raise FFDebugError(
+                    "--model-ref / --model-target: not supported across nodes (the blocks re-run on one "
+                    "process); run this bisect on one node"
+                )
+            ref, tgt = resolve_sides(sides, dir, check=False)
+            raise typer.Exit(run_across(bisect, ref, tgt, options, render))
         ref, tgt = resolve_sides(sides, dir)
         with Progress("bisect", "stages") as progress:
-            result = bisect(
-                ref,
-                tgt,
-                layers=layers,
-                stages=tuple(stages or ()),
-                step=parse_step_filter(step),
-                rank=rank,
-                thresholds=tuple(threshold or ()),
-                noise=noise,
-                fail_on=fail,
-                allow_partial=allow_partial,
-                maps=tuple(maps or ()),
-                alias_file=alias_file,
-                exclude=tuple(exclude or ()),
-                layer_class=layer_class,
-                model_ref=model_ref,
-                model_target=model_target,
-                progress=progress,
-            )
-        conclude(result)
-        if html:
-            from ffdebug.report.html import write_bisect_html
-
-            write_bisect_html(result.to_json(), html)
-        from ffdebug.report.bisect_text import print_bisect
-        from ffdebug.report.sink import Output
-
-        Output(json=json_out).show(result, print_bisect, all_stages=all_stages, html=html)
-        raise typer.Exit(result.exit_code())
+            result = bisect(ref, tgt, progress=progress, **options)
+        raise typer.Exit(render(result))

@@ -96,7 +96,8 @@ def register(app: typer.Typer) -> None:
         from ffdebug.across.group import world_size
 
         if world_size() > 1:  # launched by torchrun: one comparison across the group's processes
-            from ffdebug.across.cli import compare_across
+            from ffdebug.across.cli import run_across
+            from ffdebug.comparison.engine import compare
 
             ref, tgt = resolve_sides(sides, dir, check=False)
             options = dict(
@@ -114,7 +115,15 @@ def register(app: typer.Typer) -> None:
                 exclude=tuple(exclude or ()),
                 noise=noise,
             )
-            raise typer.Exit(compare_across(ref, tgt, options, json_out, problems))
+
+            def render(result) -> int:
+                from ffdebug.report.sink import Output
+                from ffdebug.report.text import print_compare
+
+                Output(json=json_out).show(result, print_compare, only_problems=problems)
+                return result.exit_code()
+
+            raise typer.Exit(run_across(compare, ref, tgt, options, render))
         ref, tgt = resolve_sides(sides, dir)
         with Progress("compare", "stages") as progress:
             result = compare(
