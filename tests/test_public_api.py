@@ -128,7 +128,10 @@ def test_defaults_are_the_engines():
         assert set(ours) - shared <= {"schema_only", "progress"}, (
             f"{public.__name__}: options the engine lacks"
         )
-        assert set(theirs) - shared <= {"on_tensor"}, f"{public.__name__}: engine options not exposed"
+        # `group`: the process group of a compare across nodes, which the CLI joins under torchrun
+        assert set(theirs) - shared <= {"on_tensor", "group"}, (
+            f"{public.__name__}: engine options not exposed"
+        )
         for name in shared:
             assert ours[name] == theirs[name], (public.__name__, name)
     fields = {

@@ -8,6 +8,28 @@ import sys
 from collections.abc import Callable
 
 
+def run_command(command: Callable, sides, directory, options: dict, render: Callable[[object], int]) -> int:
+    """`command` (compare or bisect) on the sides given, in this process, or across the group when
+    torchrun launched it (`group.launched`); `render(result)` prints and gives the exit code."""
+    from ffdebug.across.group import launched
+    from ffdebug.cli.common import resolve_sides
+    from ffdebug.errors import FFDebugError
+    from ffdebug.report.progress import Progress
+
+    if launched():
+        if options.get("model_ref") or options.get("model_target"):
+            raise FFDebugError(
+                "--model-ref / --model-target: not supported across nodes (the blocks re-run on one "
+                "process); run this bisect on one node"
+            )
+        ref, tgt = resolve_sides(sides, directory, check=False)
+        return run_across(command, ref, tgt, options, render)
+    ref, tgt = resolve_sides(sides, directory)
+    with Progress(command.__name__, "stages") as progress:
+        result = command(ref, tgt, progress=progress, **options)
+    return render(result)
+
+
 def run_across(command: Callable, ref: str, tgt: str, options: dict, render: Callable[[object], int]) -> int:
     """`command(ref, tgt, group=…, progress=…, **options)` on every process of the group; rank 0
     renders the result with `render(result)` (its exit code is returned), the others return 0."""

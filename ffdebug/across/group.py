@@ -59,6 +59,13 @@ def world_size(environ=None) -> int:
     return n
 
 
+def launched(environ=None) -> bool:
+    """This process is one of a group torchrun (or a scheduler) launched: WORLD_SIZE > 1 and
+    MASTER_ADDR set. WORLD_SIZE alone (left in a shell by a training job) is not a launch."""
+    env = os.environ if environ is None else environ
+    return world_size(env) > 1 and bool(env.get("MASTER_ADDR"))
+
+
 def node_roots(environ=None) -> list[str] | None:
     """FFDEBUG_TEST_NODE_ROOTS (a test hook): one directory per process, os.pathsep-separated;
     process i resolves the relative input paths under the i-th, and processes sharing one stand

@@ -155,7 +155,6 @@ class Plan:
 
 def plan(units: list, seen: Seen, size: int) -> Plan:
     """Owners per unit and the payload moves (module doc); the same on every process."""
-    from ffdebug.comparison.engine import _payload_records
     from ffdebug.io.prefetch import record_bytes
 
     groups: dict[tuple, list[int]] = {}
@@ -171,7 +170,7 @@ def plan(units: list, seen: Seen, size: int) -> Plan:
     for members in groups.values():
         need: dict[Home, int] = {}
         for i in members:
-            for rec in _payload_records(units[i]):
+            for rec in units[i].payload_records():
                 for leaf in leaves(rec):
                     home = leaf.source.home
                     need[home] = need.get(home, 0) + record_bytes(leaf)
@@ -187,7 +186,7 @@ def plan(units: list, seen: Seen, size: int) -> Plan:
     done: set = set()
     for i, u in enumerate(units):
         o = owner[i]
-        for rec in _payload_records(u):
+        for rec in u.payload_records():
             for leaf in leaves(rec):
                 home = leaf.source.home
                 if seen.sees(o, home) or (o, _key(leaf.source)) in done:
@@ -218,12 +217,46 @@ def run_moves(group: Group, moves: list[Move], mine: dict) -> None:
             RECEIVED.put(mv.record.source, data, header["dtype"], header["shape"])
 
 
+@dataclass
+class Across:
+    """A compare across nodes once the stores are open: the group, what each process sees, the
+    two stores (the same on every process)."""
+
+    group: Group
+    seen: Seen
+    stores: list
+
+    @classmethod
+    def open(cls, group: Group, paths: tuple[str, str], noise=None) -> Across:
+        from ffdebug.across.inventory import open_sides
+
+        if noise is not None:
+            raise FFDebugError(
+                "--noise: not supported by a compare across nodes yet; run the comparison with a noise "
+                "run on one node"
+            )
+        stores, seen = open_sides(group, paths)
+        RECEIVED.attach(group, seen, stores)
+        return cls(group, seen, stores)
+
+    @classmethod
+    def wrap(cls, group: Group | None, ref, target, noise=None) -> tuple:
+        """(ref store, target store, Across) of the two paths, each process reading what it sees
+        of them; (ref, target, None) as given without a group."""
+        if group is None:
+            return ref, target, None
+        across = cls.open(group, (ref, target), noise)
+        return across.stores[0], across.stores[1], across
+
+    def map(self, units: list, run_local, explain_local) -> list[tuple]:
+        return map_units(self.group, self.seen, self.stores, units, run_local, explain_local)
+
+
 def map_units(group: Group, seen: Seen, stores, units: list, run_local, explain_local) -> list[tuple]:
     """`_map_units` across the group: the results of every unit, in unit order, on every process.
     `run_local(indices)` compares this process's units; `explain_local(results, records)` explains
     routing over them before they are sent."""
     from ffdebug.across import wire
-    from ffdebug.comparison.engine import _unit_records
     from ffdebug.comparison.forked import record_refs, resolve_refs
 
     p = plan(units, seen, group.size)
@@ -239,7 +272,7 @@ def map_units(group: Group, seen: Seen, stores, units: list, run_local, explain_
         payload = {
             str(i): {
                 "results": [wire.stage_to_wire(e) for e in results],
-                "refs": wire.refs_to_wire(record_refs(_unit_records(units[i]), recs)),
+                "refs": wire.refs_to_wire(record_refs(units[i].own_records(), recs)),
                 "reading": reading,
             }
             for i, (results, recs, reading) in zip(own, done)
@@ -261,7 +294,7 @@ def map_units(group: Group, seen: Seen, stores, units: list, run_local, explain_
             i = int(k)
             out[i] = (
                 [wire.stage_from_wire(e) for e in v["results"]],
-                resolve_refs(_unit_records(units[i]), wire.refs_from_wire(v["refs"])),
+                resolve_refs(units[i].own_records(), wire.refs_from_wire(v["refs"])),
                 v["reading"],
             )
     missing = [i for i, x in enumerate(out) if x is None]

@@ -22,9 +22,7 @@ from ffdebug.cli.common import (
     check_fail_on,
     check_noise,
     parse_step_filter,
-    resolve_sides,
 )
-from ffdebug.errors import FFDebugError
 from ffdebug.verdict import Severity
 
 HELP = """Localise where a target first parts from its reference: the first layer that introduces
@@ -97,7 +95,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from ffdebug.bisection.engine import bisect
         from ffdebug.report.bisect_text import conclude
-        from ffdebug.report.progress import Progress
 
         fail = check_fail_on(fail_on)
         if html:  # before the analysis: a bad path is one line, not a lost bisect
@@ -134,19 +131,6 @@ def register(app: typer.Typer) -> None:
             Output(json=json_out).show(result, print_bisect, all_stages=all_stages, html=html)
             return result.exit_code()
 
-        from ffdebug.across.group import world_size
+        from ffdebug.across.cli import run_command
 
-        if world_size() > 1:  # launched by torchrun: one bisect across the group's processes
-            from ffdebug.across.cli import run_across
-
-            if model_ref or model_target:
-                raise FFDebugError(
-                    "--model-ref / --model-target: not supported across nodes (the blocks re-run on one "
-                    "process); run this bisect on one node"
-                )
-            ref, tgt = resolve_sides(sides, dir, check=False)
-            raise typer.Exit(run_across(bisect, ref, tgt, options, render))
-        ref, tgt = resolve_sides(sides, dir)
-        with Progress("bisect", "stages") as progress:
-            result = bisect(ref, tgt, progress=progress, **options)
-        raise typer.Exit(render(result))
+        raise typer.Exit(run_command(bisect, sides, dir, options, render))

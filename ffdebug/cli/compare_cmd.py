@@ -21,7 +21,6 @@ from ffdebug.cli.common import (
     check_fail_on,
     check_noise,
     parse_step_filter,
-    resolve_sides,
 )
 from ffdebug.verdict import Severity
 
@@ -88,64 +87,32 @@ def register(app: typer.Typer) -> None:
             "threads (default: one per free core); the output is bit-identical at any count.",
         ),
     ) -> None:
+        from ffdebug.across.cli import run_command
         from ffdebug.comparison.engine import compare
-        from ffdebug.report.progress import Progress
 
         fail = check_fail_on(fail_on or (Severity.DRIFT if exact else Severity.DIVERGE))
         check_noise(noise)
-        from ffdebug.across.group import world_size
+        options = dict(
+            layers=layers,
+            stages=tuple(stages or ()),
+            step=parse_step_filter(step),
+            rank=rank,
+            thresholds=tuple(threshold or ()),
+            noise=noise,
+            exact=exact,
+            fail_on=fail,
+            allow_partial=allow_partial,
+            maps=tuple(maps or ()),
+            alias_file=alias_file,
+            workers=workers,
+            exclude=tuple(exclude or ()),
+        )
 
-        if world_size() > 1:  # launched by torchrun: one comparison across the group's processes
-            from ffdebug.across.cli import run_across
-            from ffdebug.comparison.engine import compare
+        def render(result) -> int:
+            from ffdebug.report.sink import Output
+            from ffdebug.report.text import print_compare
 
-            ref, tgt = resolve_sides(sides, dir, check=False)
-            options = dict(
-                layers=layers,
-                stages=tuple(stages or ()),
-                step=parse_step_filter(step),
-                rank=rank,
-                thresholds=tuple(threshold or ()),
-                exact=exact,
-                fail_on=fail,
-                allow_partial=allow_partial,
-                maps=tuple(maps or ()),
-                alias_file=alias_file,
-                workers=workers,
-                exclude=tuple(exclude or ()),
-                noise=noise,
-            )
+            Output(json=json_out).show(result, print_compare, only_problems=problems)
+            return result.exit_code()
 
-            def render(result) -> int:
-                from ffdebug.report.sink import Output
-                from ffdebug.report.text import print_compare
-
-                Output(json=json_out).show(result, print_compare, only_problems=problems)
-                return result.exit_code()
-
-            raise typer.Exit(run_across(compare, ref, tgt, options, render))
-        ref, tgt = resolve_sides(sides, dir)
-        with Progress("compare", "stages") as progress:
-            result = compare(
-                ref,
-                tgt,
-                layers=layers,
-                stages=tuple(stages or ()),
-                step=parse_step_filter(step),
-                rank=rank,
-                thresholds=tuple(threshold or ()),
-                noise=noise,
-                exact=exact,
-                fail_on=fail,
-                allow_partial=allow_partial,
-                maps=tuple(maps or ()),
-                alias_file=alias_file,
-                workers=workers,
-                exclude=tuple(exclude or ()),
-                progress=progress,
-            )
-        from ffdebug.report.sink import Output
-        from ffdebug.report.text import print_compare
-
-        Output(json=json_out).show(result, print_compare, only_problems=problems)
-        raise typer.Exit(result.exit_code())
+        raise typer.Exit(run_command(compare, sides, dir, options, render))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ffdebug import verdict as V
+from ffdebug.across.run import Across
 from ffdebug.arrays import is_complex, is_floating
 from ffdebug.capture.stage_map import StageMap
 from ffdebug.comparison import contained, grading, parallel, routing, underflow
@@ -209,38 +210,20 @@ def compare(
     `allow_partial`); `exclude` globs leave stages out, and the coverage lists them as selected out.
     `workers`: threads comparing whole tensors in parallel (None: one per free core,
     `ffdebug.comparison.parallel`); bit-identical at any count. `progress` hears each stage unit.
-    `group`: the process group of a compare across nodes (`ffdebug.across`): `ref` and `target`
-    are paths each process reads what it sees of; the result is the same on every process.
+    `group`: the process group of a compare across nodes (`ffdebug.across`): one result everywhere.
     """
     from ffdebug._env import parse_layers
 
     fail_on = V.parse_fail_on(fail_on)
     stage_map = StageMap.of(list(maps or ()), alias_file)
-    across = None
-    if group is not None:
-        from ffdebug.across.inventory import open_sides
-
-        if noise is not None:
-            raise FFDebugError(
-                "--noise: not supported by a compare across nodes yet; run the comparison with a noise "
-                "run on one node"
-            )
-        from ffdebug.across.run import RECEIVED
-
-        stores, seen = open_sides(group, (ref, target))
-        RECEIVED.attach(group, seen, stores)
-        ref, target = stores
-        across = (group, seen, stores)
+    ref, target, across = Across.wrap(group, ref, target, noise)  # None without a group
     ref_store, tgt_store = _renamed(_as_store(ref), stage_map), _renamed(_as_store(target), stage_map)
     if isinstance(layers, str):
         layers = parse_layers(layers)
     thresholds = tuple(t if isinstance(t, Threshold) else V.parse_threshold(t) for t in thresholds)
     exclude = tuple(exclude)
     filters = Filters(layers=layers, stages=tuple(stages), step=dict(step or {}), rank=rank, exclude=exclude)
-    ref_filters = filters
-    if rank is not None and {r.rank for r in ref_store.records} <= {0} and rank != 0:
-        # --rank N against a single-rank reference: that rank against the reference's one
-        ref_filters = dataclasses.replace(filters, rank=None)
+    ref_filters = _ref_filters(filters, ref_store)
     ref_groups, pairing, generation = _pair_calls(ref_store, tgt_store, filters, ref_filters)
     noise_store = _renamed(_as_store(noise), stage_map) if noise is not None else None
     noise_idx = noise_index(noise_store, ref_groups, ref_filters) if noise_store is not None else None
@@ -279,6 +262,14 @@ def compare(
         allow_partial=allow_partial,
         generation=generation,
     )
+
+
+def _ref_filters(filters: Filters, ref_store: SideStore) -> Filters:
+    """The reference's filters: `--rank N` against a single-rank reference compares that rank with
+    the reference's one."""
+    if filters.rank not in (None, 0) and {r.rank for r in ref_store.records} <= {0}:
+        return dataclasses.replace(filters, rank=None)
+    return filters
 
 
 def _coverage(ref_store, tgt_store, pairing, run: UnitsRun, only: tuple, units, selection, filters: Filters):
@@ -324,8 +315,8 @@ def _pair_calls(ref_store: SideStore, tgt_store: SideStore, filters: Filters, re
 def _run_units(
     units: list[StageUnit], pairing, thresholds, exact: bool, workers, noise_idx, progress=None, across=None
 ) -> UnitsRun:
-    """Every unit compared (in unit order), graded against the noise run when there is one.
-    `across`: (group, what each process sees, the stores) of a compare across nodes."""
+    """Every unit compared (in unit order), graded against the noise run when there is one;
+    `across`: a compare across nodes (`ffdebug.across.run.Across`)."""
     run = UnitsRun()
     masks = {id(rg): layouts(rg, tg) for rg, tg in pairing.pairs}
     pairs: dict[int, list] = {}
@@ -334,16 +325,14 @@ def _run_units(
     precision = {g: V.call_dtypes(p) for g, p in pairs.items()}
     if across is None:
         done = _map_units(units, thresholds, exact, workers, masks, progress, precision)
-    else:
-        from ffdebug.across.run import map_units
-
-        def run_local(own: list[int]) -> list[tuple]:
-            return _map_units([units[i] for i in own], thresholds, exact, workers, masks, progress, precision)
-
-        def explain_local(stages, records) -> None:
-            routing.explain(stages, records, thresholds, Record.load)
-
-        done = map_units(*across, units, run_local, explain_local)
+    else:  # this process's units, routing explained over them; every unit's results come back
+        done = across.map(
+            units,
+            lambda own: _map_units(
+                [units[i] for i in own], thresholds, exact, workers, masks, progress, precision
+            ),
+            lambda stages, records: routing.explain(stages, records, thresholds, Record.load),
+        )
     for unit, (results, records, reading) in zip(units, done):
         for e in results:
             if noise_idx is not None:
@@ -455,7 +444,7 @@ def _map_units_on(
     runs on one BLAS thread, so every value is bit-identical at any worker count."""
     from ffdebug.io.prefetch import ReadAhead, record_bytes
 
-    jobs = [_payload_records(u) for u in units]
+    jobs = [u.payload_records() for u in units]
     sizes = [sum(record_bytes(r) for r in job) for job in jobs]
     n = workers if workers is not None else parallel.worker_count(sizes, READ_AHEAD_BYTES)
 
@@ -494,7 +483,7 @@ def _map_units_forked(units, thresholds, exact, per_unit, n: int, sizes, progres
         results, records, reading = _compare_unit(
             units[i], thresholds, exact, Record.load, unit_mask(i), unit_dtypes(i)
         )
-        return results, record_refs(_unit_records(units[i]), records), reading
+        return results, record_refs(units[i].own_records(), records), reading
 
     def what(i: int) -> str:
         return f"stage {units[i].ref.key!r} (rank {units[i].ref.rank or 0})"
@@ -506,20 +495,6 @@ def _map_units_forked(units, thresholds, exact, per_unit, n: int, sizes, progres
             len(units), (lambda i: progress.advance(sizes[i])) if progress is not None else (lambda i: None)
         )
     return [
-        (results, resolve_refs(_unit_records(u), refs), reading)
+        (results, resolve_refs(u.own_records(), refs), reading)
         for u, (results, refs, reading) in zip(units, done)
     ]
-
-
-def _unit_records(unit: StageUnit) -> list[Record]:
-    return [unit.ref, unit.target, *unit.replicas]
-
-
-def _payload_records(unit: StageUnit) -> list[Record]:
-    """The records whose tensors comparing `unit` reads (none for a stats-only or shape-mismatched pair)."""
-    r = unit.ref
-    out = [r]
-    for t in unit.replicas or (unit.target,):
-        if list(r.shape or []) == list(t.shape or []) and r.has_payload and t.has_payload:
-            out.append(t)
-    return out if len(out) > 1 else []

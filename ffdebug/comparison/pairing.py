@@ -276,6 +276,19 @@ class StageUnit:
             return {p.rank for p in self.replicas}
         return {p.rank for p in self.target.parts} if self.target.parts else {self.target.rank}
 
+    def own_records(self) -> list[Record]:
+        """The unit's own records: reference, target, replicas."""
+        return [self.ref, self.target, *self.replicas]
+
+    def payload_records(self) -> list[Record]:
+        """The records whose tensors comparing the unit reads (none for a stats-only or
+        shape-mismatched pair)."""
+        out = [self.ref]
+        for t in self.replicas or (self.target,):
+            if list(self.ref.shape or []) == list(t.shape or []) and self.ref.has_payload and t.has_payload:
+                out.append(t)
+        return out if len(out) > 1 else []
+
 
 @dataclass
 class StagePairing:
