@@ -111,26 +111,30 @@ class Group:
         self._call(dist.all_gather, out, mine)
         return [bytes(o[: int(s)].numpy()) for o, s in zip(out, sizes)]
 
-    def send_bytes(self, data: bytes, to: int) -> None:
+    def send_bytes(self, data, to: int) -> None:
+        """`data` (bytes, or a contiguous uint8 numpy array: sent without a copy) to process `to`."""
+        import numpy as np
         import torch
         import torch.distributed as dist
 
-        self._call(dist.send, torch.tensor([len(data)], dtype=torch.int64), to)
-        if data:
-            self._call(dist.send, torch.frombuffer(bytearray(data), dtype=torch.uint8), to)
-        self.sent_bytes += len(data)
+        buf = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray)) else data
+        self._call(dist.send, torch.tensor([buf.size], dtype=torch.int64), to)
+        if buf.size:
+            self._call(dist.send, torch.from_numpy(buf) if buf.flags.writeable else torch.tensor(buf), to)
+        self.sent_bytes += int(buf.size)
 
-    def recv_bytes(self, source: int) -> bytes:
+    def recv_bytes(self, source: int):
+        """The next message from `source`, as a uint8 numpy array."""
         import torch
         import torch.distributed as dist
 
         size = torch.zeros(1, dtype=torch.int64)
         self._call(dist.recv, size, source)
-        buf = torch.zeros(int(size), dtype=torch.uint8)
+        buf = torch.empty(int(size), dtype=torch.uint8)
         if int(size):
             self._call(dist.recv, buf, source)
         self.received_bytes += int(size)
-        return bytes(buf.numpy())
+        return buf.numpy()
 
     def barrier(self) -> None:
         import torch.distributed as dist

@@ -59,14 +59,14 @@ class Received:
 
         key = (Home(request["side"], request["rank_dir"]), request["file"], request["tensor"])
         x = as_array(self.local[key].load())
-        return {"dtype": str(x.dtype), "shape": list(x.shape)}, _raw(x)
+        return {"dtype": str(x.dtype), "shape": list(x.shape)}, _raw(x).tobytes()
 
     def put(self, src: RemotePayload, data: bytes, dtype: str, shape: list[int]) -> None:
         if self.spill is None:
             self.spill = tempfile.mkdtemp(prefix="ffdebug-across-")
         path = os.path.join(self.spill, f"{len(self.files):06d}.bin")
         with open(path, "wb") as f:
-            f.write(data)
+            f.write(memoryview(data))
         self.files[_key(src)] = (path, dtype, tuple(shape))
 
     def load(self, src: RemotePayload):
@@ -98,11 +98,11 @@ class Received:
         self.spill, self.files = None, {}
 
 
-def _raw(x) -> bytes:
-    """The bytes of an array in C order."""
+def _raw(x):
+    """The bytes of an array in C order, as a uint8 array (a view when `x` is contiguous)."""
     import numpy as np
 
-    return np.ascontiguousarray(x).reshape(-1).view(np.uint8).tobytes()
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
 
 RECEIVED = Received()
@@ -212,7 +212,7 @@ def run_moves(group: Group, moves: list[Move], mine: dict) -> None:
             group.send_bytes(header, mv.dst)
             group.send_bytes(_raw(x), mv.dst)
         elif mv.dst == group.rank:
-            header = json.loads(group.recv_bytes(mv.src).decode())
+            header = json.loads(group.recv_bytes(mv.src).tobytes().decode())
             data = group.recv_bytes(mv.src)
             RECEIVED.put(mv.record.source, data, header["dtype"], header["shape"])
 
