@@ -74,7 +74,11 @@ def _env() -> dict:
 def _single(root: str, ref: str) -> tuple[float, str]:
     t0 = time.perf_counter()
     r = subprocess.run(
-        [sys.executable, "-m", "ffdebug", "compare", ref, "target", "--json"], cwd=root, env=_env(), capture_output=True, text=True
+        [sys.executable, "-m", "ffdebug", "compare", ref, "target", "--json"],
+        cwd=root,
+        env=_env(),
+        capture_output=True,
+        text=True,
     )
     return time.perf_counter() - t0, r.stdout
 
@@ -156,7 +160,9 @@ def main(argv: list[str]) -> None:
         for name, want in (("shared", "single"), ("nodes", "single"), ("ref1", "single-ref1")):
             if outs[name][0] != outs[want][0]:
                 raise SystemExit(f"{name}: the JSON differs from {want}'s")
-        print(f"dump: 2 x {args.size:g} GiB, {RANKS} ranks, {stages} stages of {TENSOR_ELEMS * 4 >> 20} MiB per rank")
+        print(
+            f"dump: 2 x {args.size:g} GiB, {RANKS} ranks, {stages} stages of {TENSOR_ELEMS * 4 >> 20} MiB per rank"
+        )
         med = {k: statistics.median(v) for k, v in walls.items()}
         for name in runs:
             base = "single-ref1" if name == "ref1" else "single"

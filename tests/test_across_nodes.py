@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -188,3 +189,24 @@ def test_bisect_across_two_nodes_gives_the_single_process_json(tp8, tmp_path):
     assert got[0][0] == want[0] == 1
     assert got[0][1] == want[1]
     assert json.loads(want[1])["first_divergence"]["layer"] == 1
+
+
+def test_an_unreadable_file_on_one_node_is_its_own_error_on_rank_0(tp8, tmp_path):
+    # a damaged manifest that only node 1 reads: every process ends on that error (exit 2),
+    # not on its peer leaving (exit 4)
+    roots = split(str(tp8 / "whole"), [[0, 1, 2, 3], [4, 5, 6, 7]], str(tmp_path))
+    with open(os.path.join(roots[1], "target", "rank006", "manifest.jsonl"), "w") as f:
+        f.write("not json\n")
+    got = _launch(2, roots, ["compare", "ref", "target"], cwd=tmp_path)
+    assert [rc for rc, _, _ in got] == [2, 2]
+    assert "rank006/manifest.jsonl" in got[0][2] and "lost" not in got[0][2]
+
+
+def test_a_reference_copied_to_every_node_is_one_directory(tp8, tmp_path):
+    # the same reference on both nodes, copied (other mtimes): the same manifest, so one directory
+    roots = split(str(tp8 / "whole"), [[0, 1, 2, 3], [4, 5, 6, 7]], str(tmp_path))
+    shutil.copytree(os.path.join(roots[0], "ref"), os.path.join(roots[1], "ref"))
+    os.utime(os.path.join(roots[1], "ref", "rank000", "manifest.jsonl"), (1, 1))
+    args = ["compare", "ref", "target", "--json"]
+    got = _launch(2, roots, args, cwd=tmp_path)
+    assert got[0][0] == 0 and got[0][1] == _single(str(tp8 / "whole"), args)[1]

@@ -50,6 +50,9 @@ def run_across(command: Callable, ref: str, tgt: str, options: dict, render: Cal
         else:
             result = command(ref, tgt, group=group, **options)
     finally:
+        from ffdebug.across.run import RECEIVED
+
+        RECEIVED.clear()  # the spill directory goes, whatever ended the run
         group.close()
     if group.rank != 0:
         return 0

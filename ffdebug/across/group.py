@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from ffdebug.errors import FFDebugError
 DEFAULT_TIMEOUT_S = 300.0  # FFDEBUG_ACROSS_TIMEOUT: how long a process waits for a peer
 BEAT_S = 1.0  # heartbeat period on the store
 POLL_S = 0.01  # how often a payload request / answer is looked for on the store
+STORE_VALUE_BYTES = 4 << 20  # a payload answer goes in store values of at most this (the store caps them)
 
 
 class PeerLost(FFDebugError):
@@ -63,7 +65,7 @@ def launched(environ=None) -> bool:
     """This process is one of a group torchrun (or a scheduler) launched: WORLD_SIZE > 1 and
     MASTER_ADDR set. WORLD_SIZE alone (left in a shell by a training job) is not a launch."""
     env = os.environ if environ is None else environ
-    return world_size(env) > 1 and bool(env.get("MASTER_ADDR"))
+    return bool(env.get("MASTER_ADDR")) and world_size(env) > 1
 
 
 def node_roots(environ=None) -> list[str] | None:
@@ -88,7 +90,10 @@ class Group:
     sent_bytes: int = 0  # payload bytes this process sent to others
     received_bytes: int = 0
     moved: object = None  # what crossed, once the results are gathered (`ffdebug.across.run.Moved`)
+    prefix: str = "ffdebug/"  # the store keys of this run (a torchrun restart gets fresh ones)
+    _beats: int = 0
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _fetching: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- messages ---------------------------------------------------------------------------------
 
@@ -147,34 +152,88 @@ class Group:
         except RuntimeError as err:  # gloo: a peer closed its connection, or the deadline passed
             raise self.lost(err) from None
 
+    # -- errors on one process ----------------------------------------------------------------
+
+    def all_gather_checked(self, step, nodes: list[str] | None = None) -> list:
+        """`step()` here, its value gathered from every process; an error raised by `step` on any
+        process (a file it alone reads) is raised on every process, the first process's first, so
+        the group ends on the error itself rather than on its peers leaving."""
+        value, error = None, None
+        try:
+            value = step()
+        except PeerLost:
+            raise
+        except FFDebugError as err:
+            error = {"message": str(err), "code": err.exit_code}
+            raised = err
+        except Exception as err:  # a bug: raised as itself here, named on the others
+            error = {"message": f"{type(err).__name__}: {err}", "code": 2}
+            raised = err
+        gathered = self.all_gather_json({"value": value, "error": error})
+        for p, g in enumerate(gathered):
+            if g["error"] is None:
+                continue
+            if p == self.rank:
+                raise raised
+            node = (nodes or [])[p] if nodes and p < len(nodes) else f"process {p}"
+            err = FFDebugError(f"{node}: {g['error']['message']}")
+            err.exit_code = g["error"]["code"]
+            raise err
+        return [g["value"] for g in gathered]
+
     # -- liveness ---------------------------------------------------------------------------------
 
     def start_beating(self) -> None:
+        """A counter and the node's name on the store, advanced every `BEAT_S` (a counter, not a
+        time: the nodes' clocks need not agree)."""
+
+        def one() -> None:
+            self._beats += 1
+            self.store.set(f"{self.prefix}beat/{self.rank}", json.dumps([self._beats, self.node]))
+
         def beat() -> None:
             while not self._stop.wait(BEAT_S):
                 try:
-                    self.store.set(f"ffdebug/beat/{self.rank}", str(time.time()))
+                    one()
                 except Exception:  # the store's host is gone: the collectives report it
                     return
 
-        self.store.set(f"ffdebug/beat/{self.rank}", str(time.time()))
+        one()
         threading.Thread(target=beat, name="ffdebug-beat", daemon=True).start()
+
+    def _beat_of(self, p: int) -> tuple[int, str]:
+        try:
+            count, node = json.loads(self.store.get(f"{self.prefix}beat/{p}").decode())
+            return int(count), str(node)
+        except Exception:
+            return -1, "?"
+
+    def silent(self) -> dict[int, str]:
+        """process -> node of the peers whose beat did not advance over three periods."""
+        before = {p: self._beat_of(p) for p in range(self.size) if p != self.rank}
+        time.sleep(3 * BEAT_S)
+        return {p: node for p, (count, node) in before.items() if self._beat_of(p)[0] <= count}
+
+    def wait_for_peers(self, key: str) -> None:
+        """Mark `key` done here and wait until every process has, for as long as each missing one
+        still beats: the deadline measures a peer's silence, not its work."""
+        self.store.set(f"{self.prefix}{key}/{self.rank}", b"1")
+        missing = [p for p in range(self.size) if p != self.rank]
+        checked = time.monotonic()
+        while True:
+            missing = [p for p in missing if not self.store.check([f"{self.prefix}{key}/{p}"])]
+            if not missing:
+                return
+            if time.monotonic() - checked > min(self.timeout, 5.0):
+                if set(self.silent()) & set(missing):
+                    raise self.lost(TimeoutError(f"process(es) {missing} stopped beating"))
+                checked = time.monotonic()
+            time.sleep(10 * POLL_S)
 
     def lost(self, err: BaseException) -> FFDebugError:
         """The error for a failed exchange: the processes whose beat stopped, each with its node and
         the rank directories it held (a peer that exited, or a node that went away)."""
-        time.sleep(3 * BEAT_S)  # a live peer beats again within this
-        now = time.time()
-        gone = []
-        for p in range(self.size):
-            if p == self.rank:
-                continue
-            try:
-                last = float(self.store.get(f"ffdebug/beat/{p}").decode())
-            except Exception:
-                last = 0.0
-            if now - last > 2.5 * BEAT_S:
-                gone.append(p)
+        gone = self.silent()
         if not gone:
             return PeerLost(
                 f"compare across nodes: an exchange failed after {self.timeout:.0f} s or with "
@@ -182,8 +241,8 @@ class Group:
                 "if a node is slow to read its dumps"
             )
         parts = []
-        for p in gone:
-            node, dirs = self.holdings.get(p, ("?", []))
+        for p, node in sorted(gone.items()):
+            dirs = self.holdings.get(p, (node, []))[1]
             held = ", ".join(dirs) if dirs else "no rank directories"
             parts.append(f"process {p} on node {node} (held {held})")
         return PeerLost(
@@ -195,60 +254,69 @@ class Group:
 
     def serve(self, answer) -> None:
         """Answer payload requests from other processes on a thread (`fetch`): `answer(request)`
-        gives (header dict, bytes). Used for the small inputs read before the plan (token ids,
-        masks, sequence lengths); the compared tensors move in bulk (`ffdebug.across.run`)."""
+        gives (header dict, bytes), stored in values of at most `STORE_VALUE_BYTES`. Used for what
+        is read outside the plan (token ids, masks, sequence lengths before it; a fold's parts);
+        the compared tensors move in bulk (`ffdebug.across.run`)."""
 
         def loop() -> None:
             n = 1
             while not self._stop.is_set():
-                key = f"ffdebug/req/{self.rank}/{n}"
+                key = f"{self.prefix}req/{self.rank}/{n}"
                 try:
                     asked = self.store.check([key])
-                except Exception:  # the store's host is gone: the collectives report it
-                    return
-                if not asked:
-                    self._stop.wait(POLL_S)
-                    continue
-                try:
+                    if not asked:
+                        self._stop.wait(POLL_S)
+                        continue
                     request = json.loads(self.store.get(key).decode())
+                    self.store.delete_key(key)
                     try:
                         header, data = answer(request)
                     except Exception as err:  # the asker reports it
                         header, data = {"error": str(err)[:300]}, b""
-                    head = json.dumps(header).encode()
+                    parts = [data[i : i + STORE_VALUE_BYTES] for i in range(0, len(data), STORE_VALUE_BYTES)]
+                    for k, part in enumerate(parts):
+                        self.store.set(f"{self.prefix}resp/{request['id']}/{k}", part)
                     self.store.set(
-                        f"ffdebug/resp/{request['from']}/{request['id']}",
-                        len(head).to_bytes(8, "little") + head + data,
+                        f"{self.prefix}resp/{request['id']}", json.dumps({**header, "parts": len(parts)})
                     )
-                    self.sent_bytes += len(data)
-                except Exception:
+                except Exception as err:  # the store failed under us: said here, the exchange reports it
+                    if not self._stop.is_set():
+                        print(
+                            f"ffdebug: process {self.rank} stopped answering payload requests: {err}",
+                            file=sys.stderr,
+                        )
                     return
                 n += 1
 
         threading.Thread(target=loop, name="ffdebug-serve", daemon=True).start()
 
     def fetch(self, holder: int, request: dict) -> tuple[dict, bytes]:
-        """One payload from process `holder` (its `serve` thread), within the deadline."""
-        ticket = self.store.add(f"ffdebug/reqcount/{holder}", 1)
-        rid = f"{self.rank}-{ticket}"
-        self.store.set(
-            f"ffdebug/req/{holder}/{ticket}", json.dumps({**request, "from": self.rank, "id": rid}).encode()
-        )
-        key = f"ffdebug/resp/{self.rank}/{rid}"
-        deadline = time.monotonic() + self.timeout
-        while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise self.lost(TimeoutError(f"no answer from process {holder} in {self.timeout:.0f} s"))
-            time.sleep(POLL_S)
-        raw = self.store.get(key)
-        self.store.delete_key(key)
-        n = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8 : 8 + n].decode())
-        if "error" in header:
-            raise FFDebugError(f"process {holder} could not read {request.get('file')}: {header['error']}")
-        data = raw[8 + n :]
-        self.received_bytes += len(data)
-        return header, data
+        """One payload from process `holder` (its `serve` thread), within the deadline; one fetch at a
+        time per process (worker threads may ask together)."""
+        with self._fetching:
+            ticket = self.store.add(f"{self.prefix}reqcount/{holder}", 1)
+            rid = f"{self.rank}-{holder}-{ticket}"
+            asked = json.dumps({**request, "from": self.rank, "id": rid})
+            self.store.set(f"{self.prefix}req/{holder}/{ticket}", asked)
+            key = f"{self.prefix}resp/{rid}"
+            deadline = time.monotonic() + self.timeout
+            while not self.store.check([key]):
+                if time.monotonic() > deadline:
+                    raise self.lost(TimeoutError(f"no answer from process {holder} in {self.timeout:.0f} s"))
+                time.sleep(POLL_S)
+            header = json.loads(self.store.get(key).decode())
+            self.store.delete_key(key)
+            if "error" in header:
+                raise FFDebugError(
+                    f"process {holder} could not read {request.get('file')}: {header['error']}"
+                )
+            parts = []
+            for k in range(header.pop("parts")):
+                parts.append(self.store.get(f"{key}/{k}"))
+                self.store.delete_key(f"{key}/{k}")
+            data = b"".join(parts)
+            self.received_bytes += len(data)
+            return header, data
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -281,7 +349,9 @@ def join(environ=None) -> Group:
             f"FFDEBUG_TEST_NODE_ROOTS: {len(roots)} roots for {dist.get_world_size()} processes; give one each"
         )
     node = roots[rank] if roots is not None else socket.gethostname()
-    g = Group(rank=rank, size=dist.get_world_size(), node=node, timeout=limit, store=store)
+    run = f"{env.get('TORCHELASTIC_RUN_ID', '')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}.{env['MASTER_PORT']}"
+    size = dist.get_world_size()
+    g = Group(rank=rank, size=size, node=node, timeout=limit, store=store, prefix=f"ffdebug/{run}/")
     g.start_beating()
     return g
 

@@ -16,6 +16,7 @@ from it (docs/across-nodes.md).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -92,10 +93,10 @@ class Seen:
 
 def _listing(path: str) -> dict:
     """This process's view of one side: its rank directories with their manifests' (size, mtime)."""
-    from ffdebug.store.reader import store_rank_dirs
+    from ffdebug.store.reader import read_manifest_bytes, store_rank_dirs
 
-    if not os.path.exists(path):
-        return {"dirs": {}, "run": False}
+    if not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)):
+        return {"dirs": {}, "run": False}  # this node holds none of the side (an empty mount point too)
     if not os.path.isdir(path) or not (
         os.path.exists(os.path.join(path, "run.json")) or store_rank_dirs(path)
     ):
@@ -104,9 +105,8 @@ def _listing(path: str) -> dict:
             "import a peer dump first with 'ffdebug import'"
         )
     dirs = {}
-    for d in store_rank_dirs(path):
-        st = os.stat(os.path.join(d, MANIFEST))
-        dirs[os.path.basename(d)] = [st.st_size, st.st_mtime_ns]
+    for d in store_rank_dirs(path):  # a manifest's content says which dump it is (copies agree)
+        dirs[os.path.basename(d)] = hashlib.sha256(read_manifest_bytes(os.path.join(d, MANIFEST))).hexdigest()
     return {"dirs": dirs, "run": os.path.exists(os.path.join(path, "run.json"))}
 
 
@@ -121,7 +121,7 @@ def open_sides(group: Group, paths: tuple[str, str]) -> tuple[list[SideStore], S
     )
 
     local = [resolve(p, group) for p in paths]
-    views = group.all_gather_json({"node": group.node, "sides": [_listing(p) for p in local]})
+    views = group.all_gather_checked(lambda: {"node": group.node, "sides": [_listing(p) for p in local]})
     nodes = [v["node"] for v in views]
     holders: list[dict[str, list[int]]] = []
     for s, given in enumerate(paths):
@@ -129,14 +129,14 @@ def open_sides(group: Group, paths: tuple[str, str]) -> tuple[list[SideStore], S
         signature: dict[str, tuple] = {}
         for p, v in enumerate(views):
             for name, sig in v["sides"][s]["dirs"].items():
-                if name in signature and tuple(sig) != signature[name][0]:
+                if name in signature and sig != signature[name][0]:
                     q = signature[name][1]
                     raise FFDebugError(
                         f"{os.path.join(given, name)}: node {nodes[q]} and node {nodes[p]} hold different "
                         "dumps under this rank directory (their manifests differ); each rank's directory "
                         "must be on one node, or the same on a shared filesystem"
                     )
-                signature.setdefault(name, (tuple(sig), p))
+                signature.setdefault(name, (sig, p))
                 seen.setdefault(name, []).append(p)
         if not seen and not any(v["sides"][s]["run"] for v in views):
             raise FFDebugError(f"{given}: no process of the group sees this side (no rank directories)")
@@ -149,19 +149,21 @@ def open_sides(group: Group, paths: tuple[str, str]) -> tuple[list[SideStore], S
         for p in range(group.size)
     }
     # each directory read by one of the processes that see it, spread in name order
-    texts: dict = {"sides": [{}, {}], "run": [None, None]}
-    for s in (0, 1):
-        for i, (name, ps) in enumerate(sorted(holders[s].items())):
-            if ps[i % len(ps)] == group.rank:
-                d = os.path.join(local[s], name)
-                texts["sides"][s][name] = [
-                    read_manifest_bytes(os.path.join(d, MANIFEST)).decode("latin-1"),
-                    read_status(d),
-                ]
-        runs = [p for p, v in enumerate(views) if v["sides"][s]["run"]]
-        if runs and runs[0] == group.rank:
-            texts["run"][s] = read_run_info(local[s])
-    gathered = group.all_gather_json(texts)
+
+    def read_mine() -> dict:
+        texts: dict = {"sides": [{}, {}], "run": [None, None]}
+        for s in (0, 1):
+            for i, (name, ps) in enumerate(sorted(holders[s].items())):
+                if ps[i % len(ps)] == group.rank:
+                    d = os.path.join(local[s], name)
+                    manifest = read_manifest_bytes(os.path.join(d, MANIFEST)).decode("latin-1")
+                    texts["sides"][s][name] = [manifest, read_status(d)]
+            runs = [p for p, v in enumerate(views) if v["sides"][s]["run"]]
+            if runs and runs[0] == group.rank:
+                texts["run"][s] = read_run_info(local[s])
+        return texts
+
+    gathered = group.all_gather_checked(read_mine, nodes)
     stores = []
     for s in (0, 1):
         run = next((g["run"][s] for g in gathered if g["run"][s] is not None), {})

@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
-from ffdebug.across.group import Group
+from ffdebug.across.group import Group, PeerLost
 from ffdebug.across.inventory import Home, RemotePayload, Seen
 from ffdebug.errors import FFDebugError
 
@@ -153,27 +153,53 @@ class Plan:
     moves: list[Move]
 
 
+def _read_by(unit) -> list:
+    """The payload files comparing `unit` may read: its paired records', and for replicas every
+    one with the reference (a fold that explains replicas that disagree reads them all, whatever
+    their shapes; `engine._compare_unit`)."""
+    recs = unit.payload_records()
+    if unit.replicas and unit.ref.has_payload and all(p.has_payload for p in unit.replicas):
+        recs = [unit.ref, *unit.replicas]
+    return [leaf for rec in recs for leaf in leaves(rec)]
+
+
+def _routed_calls(units: list) -> set[int]:
+    """ids of the reference call groups with a stage the routing explanation acts on
+    (`routing.may_explain`, from the records' shapes and dtypes, per target rank)."""
+    from ffdebug.comparison.engine import stage_result
+    from ffdebug.comparison.routing import may_explain
+
+    by_call: dict[tuple, list] = {}
+    for u in units:
+        e = stage_result(u.sk[0], u.ref, u.target)
+        by_call.setdefault((id(u.group), e.rank), []).append(e)
+    return {key[0] for key, stages in by_call.items() if may_explain(stages)}
+
+
 def plan(units: list, seen: Seen, size: int) -> Plan:
     """Owners per unit and the payload moves (module doc); the same on every process."""
     from ffdebug.io.prefetch import record_bytes
 
     groups: dict[tuple, list[int]] = {}
     group_index: dict[int, int] = {}
+    whole = _routed_calls(units)
     for i, u in enumerate(units):
         g = group_index.setdefault(id(u.group), len(group_index))
         ranks = u.target_ranks
-        # one target rank's units of a call stay together (routing reads them together); a unit
-        # over several ranks (a fold, replicas) is placed on its own
-        groups.setdefault((g, next(iter(ranks))) if len(ranks) == 1 else ("unit", i), []).append(i)
+        if id(u.group) in whole:  # a call whose routing flips may be explained: on one process
+            key: tuple = (g,)
+        elif len(ranks) == 1:  # one target rank's units of a call together
+            key = (g, next(iter(ranks)))
+        else:  # a unit over several ranks (a fold, replicas) on its own
+            key = ("unit", i)
+        groups.setdefault(key, []).append(i)
     load = [0] * size
     owner = [0] * len(units)
     for members in groups.values():
         need: dict[Home, int] = {}
         for i in members:
-            for rec in units[i].payload_records():
-                for leaf in leaves(rec):
-                    home = leaf.source.home
-                    need[home] = need.get(home, 0) + record_bytes(leaf)
+            for leaf in _read_by(units[i]):
+                need[leaf.source.home] = need.get(leaf.source.home, 0) + record_bytes(leaf)
         total = sum(need.values())
         local = [sum(b for h, b in need.items() if seen.sees(p, h)) for p in range(size)]
         best = max(local)
@@ -186,35 +212,44 @@ def plan(units: list, seen: Seen, size: int) -> Plan:
     done: set = set()
     for i, u in enumerate(units):
         o = owner[i]
-        for rec in u.payload_records():
-            for leaf in leaves(rec):
-                home = leaf.source.home
-                if seen.sees(o, home) or (o, _key(leaf.source)) in done:
-                    continue
-                holders = seen.holders[home.side].get(home.rank_dir, [])
-                if not holders:
-                    raise FFDebugError(f"{leaf.origin}: no process of the group sees {home.rank_dir}")
-                src = min(holders, key=lambda p: (sent[p], p))
-                sent[src] += record_bytes(leaf)
-                done.add((o, _key(leaf.source)))
-                moves.append(Move(src, o, leaf, record_bytes(leaf)))
+        for leaf in _read_by(u):
+            home = leaf.source.home
+            if seen.sees(o, home) or (o, _key(leaf.source)) in done:
+                continue
+            holders = seen.holders[home.side].get(home.rank_dir, [])
+            if not holders:
+                raise FFDebugError(f"{leaf.origin}: no process of the group sees {home.rank_dir}")
+            src = min(holders, key=lambda p: (sent[p], p))
+            sent[src] += record_bytes(leaf)
+            done.add((o, _key(leaf.source)))
+            moves.append(Move(src, o, leaf, record_bytes(leaf)))
     return Plan(owner, moves)
 
 
 def run_moves(group: Group, moves: list[Move], mine: dict) -> None:
-    """Every move in order: the sender reads the payload and sends it, the receiver spills it."""
+    """Every move in order: the sender reads the payload and sends it, the receiver spills it. A
+    payload its sender cannot read travels as its error, and the moves go on (every process then
+    raises it, `Group.all_gather_checked`); the first such error is raised here at the end."""
     from ffdebug.arrays import as_array
 
+    failed: Exception | None = None
     for mv in moves:
         if mv.src == group.rank:
-            x = as_array(mine[_key(mv.record.source)].load())
-            header = json.dumps({"dtype": str(x.dtype), "shape": list(x.shape)}).encode()
-            group.send_bytes(header, mv.dst)
-            group.send_bytes(_raw(x), mv.dst)
+            try:
+                x = as_array(mine[_key(mv.record.source)].load())
+                header, data = {"dtype": str(x.dtype), "shape": list(x.shape)}, _raw(x)
+            except Exception as err:
+                failed = failed or err
+                header, data = {"error": str(err)}, b""
+            group.send_bytes(json.dumps(header).encode(), mv.dst)
+            group.send_bytes(data, mv.dst)
         elif mv.dst == group.rank:
             header = json.loads(group.recv_bytes(mv.src).tobytes().decode())
             data = group.recv_bytes(mv.src)
-            RECEIVED.put(mv.record.source, data, header["dtype"], header["shape"])
+            if "error" not in header:
+                RECEIVED.put(mv.record.source, data, header["dtype"], header["shape"])
+    if failed is not None:
+        raise failed
 
 
 @dataclass
@@ -262,13 +297,20 @@ def map_units(group: Group, seen: Seen, stores, units: list, run_local, explain_
     p = plan(units, seen, group.size)
     if os.environ.get("FFDEBUG_TEST_LOSE_PROCESS") == str(group.rank):  # test hook: a node lost mid-run
         os._exit(17)
-    try:
-        run_moves(group, p.moves, RECEIVED.local)
-        own = [i for i, o in enumerate(p.owner) if o == group.rank]
-        done = run_local(own)
+
+    def compare_own() -> dict:
+        try:
+            run_moves(group, p.moves, RECEIVED.local)
+            own = [i for i, o in enumerate(p.owner) if o == group.rank]
+            done = run_local(own)
+        except PeerLost:
+            raise
+        except Exception:
+            group.wait_for_peers("compared")  # the others finish, then hear of this error
+            raise
+        group.wait_for_peers("compared")  # every process's work done: then gather
         stages = [e for results, _, _ in done for e in results]
-        records = [r for _, recs, _ in done for r in recs]
-        explain_local(stages, records)
+        explain_local(stages, [r for _, recs, _ in done for r in recs])
         payload = {
             str(i): {
                 "results": [wire.stage_to_wire(e) for e in results],
@@ -277,10 +319,12 @@ def map_units(group: Group, seen: Seen, stores, units: list, run_local, explain_
             }
             for i, (results, recs, reading) in zip(own, done)
         }
+        return {"units": payload, "moved": group.sent_bytes, "results": len(json.dumps(payload))}
+
+    try:
+        gathered = group.all_gather_checked(compare_own, seen.nodes)
     finally:
         RECEIVED.clear()
-    results_bytes = len(json.dumps(payload))
-    gathered = group.all_gather_json({"units": payload, "moved": group.sent_bytes, "results": results_bytes})
     group.moved = Moved(
         payload_bytes=sum(g["moved"] for g in gathered),
         result_bytes=sum(g["results"] for g in gathered),

@@ -220,6 +220,17 @@ def _gathered_after_flip(stages: list[StageResult], flipped_at: dict, n_tokens: 
         )
 
 
+def may_explain(stages: list[StageResult]) -> bool:
+    """Whether `explain` can act on these stages of one call (rank by rank): some stage holds one
+    row of expert scores per token. Reads only shapes and dtypes (a compare across nodes keeps
+    such a call on one process, `ffdebug.across.run.plan`)."""
+    widths = _hidden_width(stages)
+    if not widths:
+        return False
+    n_tokens = next(iter(widths.values()))[0]
+    return any(_score_stage(e, widths, n_tokens) for e in stages)
+
+
 def _score_stage(e: StageResult, widths: dict[int, tuple[int, int]], n_tokens: int) -> bool:
     """One row of E scores per token, E from 2 to `MAX_SCORES` and at most a quarter of the layer's
     hidden width (a router's expert scores, not a projection's output), of a floating dtype (the
