@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ffdebug.across.group import Group, resolve
 from ffdebug.errors import FFDebugError
 from ffdebug.io.side import SideStore
+from ffdebug.io.sources import StorePayload
 
 MANIFEST = "manifest.jsonl"
 
@@ -36,40 +37,18 @@ class Home:
 
 
 @dataclass(frozen=True)
-class HomedPayload:
-    """A payload this process reads itself (a store file), with its home."""
+class HomedPayload(StorePayload):
+    """A store payload this process reads itself, with its home."""
 
-    path: str
-    name: str
-    home: Home
-
-    @property
-    def origin(self) -> str:
-        return os.path.dirname(self.path)
-
-    def load(self):
-        from ffdebug.io.safetensors import load_payload
-
-        return load_payload(self.path, self.name)
-
-    def verify(self) -> None:
-        from ffdebug.io.safetensors import verify_payload
-
-        verify_payload(self.path)
+    home: Home | None = None
 
 
 @dataclass(frozen=True)
-class RemotePayload:
-    """A payload on a directory this process does not see: read from what another process sent
-    (`ffdebug.across.run.Received`), else an error naming where it lives."""
+class RemotePayload(StorePayload):
+    """A store payload on a directory this process does not see: read from what another process
+    sent or answers (`ffdebug.across.run.Received`)."""
 
-    path: str
-    name: str
-    home: Home
-
-    @property
-    def origin(self) -> str:
-        return os.path.dirname(self.path)
+    home: Home | None = None
 
     def load(self):
         from ffdebug.across.run import RECEIVED
