@@ -36,13 +36,7 @@ def run_across(command: Callable, ref: str, tgt: str, options: dict, render: Cal
     from ffdebug.across.group import join
     from ffdebug.report.progress import Progress
 
-    if options.get("noise") is not None:
-        from ffdebug.errors import FFDebugError
-
-        raise FFDebugError(
-            "--noise: not supported across nodes yet; run the comparison with a noise run on one node"
-        )
-    group = join()
+    group = join()  # --noise is refused by the engine (`Across.open`)
     try:
         if group.rank == 0:
             with Progress(command.__name__, "stages") as progress:

@@ -88,12 +88,10 @@ class Group:
     store: object = field(repr=False)
     holdings: dict = field(default_factory=dict)  # process -> (node, rank directories), for messages
     sent_bytes: int = 0  # payload bytes this process sent to others
-    received_bytes: int = 0
     moved: object = None  # what crossed, once the results are gathered (`ffdebug.across.run.Moved`)
     prefix: str = "ffdebug/"  # the store keys of this run (a torchrun restart gets fresh ones)
     _beats: int = 0
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
-    _fetching: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- messages ---------------------------------------------------------------------------------
 
@@ -138,13 +136,7 @@ class Group:
         buf = torch.empty(int(size), dtype=torch.uint8)
         if int(size):
             self._call(dist.recv, buf, source)
-        self.received_bytes += int(size)
         return buf.numpy()
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        self._call(dist.barrier)
 
     def _call(self, fn, *args):
         try:
@@ -175,8 +167,8 @@ class Group:
                 continue
             if p == self.rank:
                 raise raised
-            node = (nodes or [])[p] if nodes and p < len(nodes) else f"process {p}"
-            err = FFDebugError(f"{node}: {g['error']['message']}")
+            where = nodes[p] if nodes else f"process {p}"
+            err = FFDebugError(f"{where}: {g['error']['message']}")
             err.exit_code = g["error"]["code"]
             raise err
         return [g["value"] for g in gathered]
@@ -291,32 +283,28 @@ class Group:
         threading.Thread(target=loop, name="ffdebug-serve", daemon=True).start()
 
     def fetch(self, holder: int, request: dict) -> tuple[dict, bytes]:
-        """One payload from process `holder` (its `serve` thread), within the deadline; one fetch at a
-        time per process (worker threads may ask together)."""
-        with self._fetching:
-            ticket = self.store.add(f"{self.prefix}reqcount/{holder}", 1)
-            rid = f"{self.rank}-{holder}-{ticket}"
-            asked = json.dumps({**request, "from": self.rank, "id": rid})
-            self.store.set(f"{self.prefix}req/{holder}/{ticket}", asked)
-            key = f"{self.prefix}resp/{rid}"
-            deadline = time.monotonic() + self.timeout
-            while not self.store.check([key]):
-                if time.monotonic() > deadline:
-                    raise self.lost(TimeoutError(f"no answer from process {holder} in {self.timeout:.0f} s"))
-                time.sleep(POLL_S)
-            header = json.loads(self.store.get(key).decode())
-            self.store.delete_key(key)
-            if "error" in header:
-                raise FFDebugError(
-                    f"process {holder} could not read {request.get('file')}: {header['error']}"
-                )
-            parts = []
-            for k in range(header.pop("parts")):
-                parts.append(self.store.get(f"{key}/{k}"))
-                self.store.delete_key(f"{key}/{k}")
-            data = b"".join(parts)
-            self.received_bytes += len(data)
-            return header, data
+        """One payload from process `holder` (its `serve` thread), within the deadline (the ticket
+        makes each request's keys unique, so threads may fetch together)."""
+        ticket = self.store.add(f"{self.prefix}reqcount/{holder}", 1)
+        rid = f"{self.rank}-{holder}-{ticket}"
+        asked = json.dumps({**request, "from": self.rank, "id": rid})
+        self.store.set(f"{self.prefix}req/{holder}/{ticket}", asked)
+        key = f"{self.prefix}resp/{rid}"
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise self.lost(TimeoutError(f"no answer from process {holder} in {self.timeout:.0f} s"))
+            time.sleep(POLL_S)
+        header = json.loads(self.store.get(key).decode())
+        self.store.delete_key(key)
+        if "error" in header:
+            raise FFDebugError(f"process {holder} could not read {request.get('file')}: {header['error']}")
+        parts = []
+        for k in range(header.pop("parts")):
+            parts.append(self.store.get(f"{key}/{k}"))
+            self.store.delete_key(f"{key}/{k}")
+        data = b"".join(parts)
+        return header, data
 
     def close(self) -> None:
         import torch.distributed as dist

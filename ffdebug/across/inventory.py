@@ -2,11 +2,11 @@
 from it (docs/across-nodes.md).
 
 1. Each process lists the rank directories of both sides it sees (`rankNNN` holding a
-   manifest), with their manifests' size and modification time: node-local disks hold some,
-   a shared filesystem all.
+   manifest), with a hash of each manifest: node-local disks hold some, a shared filesystem all.
 2. The lists are gathered everywhere. A rank directory seen by several processes is one
-   directory when its manifest's size and time agree (a shared filesystem, or two processes of
-   one node); else the same name holds different dumps on two nodes, which is an error.
+   directory when its manifests agree (a shared filesystem, two processes of one node, a
+   reference copied to every node); else the same name holds different dumps on two nodes,
+   which is an error.
 3. Each directory's manifest and status are read by one process that sees it (spread over
    them) and gathered everywhere, with the side's run.json.
 4. Every process builds the same `SideStore` from those texts (`side_from_texts`, every check of
@@ -71,7 +71,7 @@ class Seen:
 
 
 def _listing(path: str) -> dict:
-    """This process's view of one side: its rank directories with their manifests' (size, mtime)."""
+    """This process's view of one side: its rank directories with their manifests' sha256."""
     from ffdebug.store.reader import read_manifest_bytes, store_rank_dirs
 
     if not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)):

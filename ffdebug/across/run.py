@@ -4,11 +4,12 @@ back (docs/across-nodes.md).
 Every process paired the same stores the same way, so it holds the same unit list and computes
 the same plan without a message:
 
-- **Owners.** Units go to processes in groups: all units of one reference call and one target
-  rank together (the routing-flip explanation reads a call's stages of one rank together), and
-  each unit over several target ranks (a fold, replicas) on its own. A group goes to a process that sees the most of its payload bytes, the least loaded among those,
-  then the lowest-numbered; on a shared filesystem that spreads the groups over every process and
-  each payload is read once.
+- **Owners.** Units go to processes in groups: a call with router scores whole (its routing-flip
+  explanation reads the call's stages together, `routing.may_explain`); else all units of one
+  reference call and one target rank together, and each unit over several target ranks (a fold,
+  replicas) on its own. A group goes to a process that sees the most of its payload bytes, the
+  least loaded among those, then the lowest-numbered; on a shared filesystem that spreads the
+  groups over every process and each payload is read once.
 - **Moves.** A payload its owner cannot see (a single-rank reference on another node, a
   tensor-parallel group across nodes) is sent to it once by a process that sees it, the least
   loaded sender first: raw bytes plus dtype and shape, written to a spill directory on the owner
@@ -26,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 
 from ffdebug.across.group import Group, PeerLost
@@ -44,6 +46,7 @@ class Received:
     group: Group | None = None
     seen: Seen | None = None
     local: dict = field(default_factory=dict)  # key -> this process's own source, for `answer`
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # worker threads load
 
     def attach(self, group: Group, seen: Seen, stores) -> None:
         self.group, self.seen = group, seen
@@ -74,16 +77,16 @@ class Received:
 
         from ffdebug.arrays import dtype as np_dtype
 
-        got = self.files.get(_key(src))
-        if got is None and self.group is not None:
-            holders = self.seen.holders[src.home.side].get(src.home.rank_dir, [])
-            if holders:
-                home, file, tensor = _key(src)
-                header, data = self.group.fetch(
-                    holders[0], {"side": home.side, "rank_dir": home.rank_dir, "file": file, "tensor": tensor}
-                )
-                self.put(src, data, header["dtype"], header["shape"])
-                got = self.files[_key(src)]
+        with self._lock:  # one fetch and one spill file per payload, whichever thread asks first
+            got = self.files.get(_key(src))
+            if got is None and self.group is not None:
+                holders = self.seen.holders[src.home.side].get(src.home.rank_dir, [])
+                if holders:
+                    home, file, tensor = _key(src)
+                    request = {"side": home.side, "rank_dir": home.rank_dir, "file": file, "tensor": tensor}
+                    header, data = self.group.fetch(holders[0], request)
+                    self.put(src, data, header["dtype"], header["shape"])
+                    got = self.files[_key(src)]
         if got is None:
             raise FFDebugError(
                 f"{src.path}: this process does not see {src.home.rank_dir} and was not sent the payload; "

@@ -20,8 +20,7 @@ from ffdebug.cli.common import (
     STEP_OPT,
     THRESHOLD_OPT,
     check_fail_on,
-    check_noise,
-    parse_step_filter,
+    selection_options,
 )
 from ffdebug.verdict import Severity
 
@@ -101,23 +100,19 @@ def register(app: typer.Typer) -> None:
             from ffdebug.report.output import check_output_file
 
             check_output_file(html, "--html")
-        check_noise(noise)
-        options = dict(
+        options = selection_options(
             layers=layers,
-            stages=tuple(stages or ()),
-            step=parse_step_filter(step),
+            stages=stages,
+            exclude=exclude,
+            step=step,
             rank=rank,
-            thresholds=tuple(threshold or ()),
+            threshold=threshold,
             noise=noise,
             fail_on=fail,
             allow_partial=allow_partial,
-            maps=tuple(maps or ()),
+            maps=maps,
             alias_file=alias_file,
-            exclude=tuple(exclude or ()),
-            layer_class=layer_class,
-            model_ref=model_ref,
-            model_target=model_target,
-        )
+        ) | {"layer_class": layer_class, "model_ref": model_ref, "model_target": model_target}
 
         def render(result) -> int:
             conclude(result)

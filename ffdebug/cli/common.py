@@ -105,6 +105,27 @@ def resolve_sides(args: list[str] | None, directory: str | None, check: bool = T
     return ref, tgt
 
 
+def selection_options(
+    *, layers, stages, exclude, step, rank, threshold, noise, fail_on, allow_partial, maps, alias_file
+) -> dict:
+    """The options compare and bisect share, as their engines take them: repeated options as
+    tuples, `--step` parsed, `--noise` checked."""
+    check_noise(noise)
+    return dict(
+        layers=layers,
+        stages=tuple(stages or ()),
+        exclude=tuple(exclude or ()),
+        step=parse_step_filter(step),
+        rank=rank,
+        thresholds=tuple(threshold or ()),
+        noise=noise,
+        fail_on=fail_on,
+        allow_partial=allow_partial,
+        maps=tuple(maps or ()),
+        alias_file=alias_file,
+    )
+
+
 def parse_step_filter(items: list[str] | None) -> dict:
     out = {}
     for item in items or []:

@@ -19,8 +19,7 @@ from ffdebug.cli.common import (
     STEP_OPT,
     THRESHOLD_OPT,
     check_fail_on,
-    check_noise,
-    parse_step_filter,
+    selection_options,
 )
 from ffdebug.verdict import Severity
 
@@ -91,22 +90,19 @@ def register(app: typer.Typer) -> None:
         from ffdebug.comparison.engine import compare
 
         fail = check_fail_on(fail_on or (Severity.DRIFT if exact else Severity.DIVERGE))
-        check_noise(noise)
-        options = dict(
+        options = selection_options(
             layers=layers,
-            stages=tuple(stages or ()),
-            step=parse_step_filter(step),
+            stages=stages,
+            exclude=exclude,
+            step=step,
             rank=rank,
-            thresholds=tuple(threshold or ()),
+            threshold=threshold,
             noise=noise,
-            exact=exact,
             fail_on=fail,
             allow_partial=allow_partial,
-            maps=tuple(maps or ()),
+            maps=maps,
             alias_file=alias_file,
-            workers=workers,
-            exclude=tuple(exclude or ()),
-        )
+        ) | {"exact": exact, "workers": workers}
 
         def render(result) -> int:
             from ffdebug.report.sink import Output

@@ -15,8 +15,8 @@ floats through a table of their 256 values), one count of equal raw bits (on int
 inputs; as fast as a memcmp here, so it also tells a bit-identical chunk, which needs only ‖r‖²),
 two BLAS dot products (t·t, r·r), t − r in place over t, a dot d·d, and |d| taken in place for
 its max and its sum — each a single pass. r·t is not summed: it follows from the three norms,
-which also gives 1 − cos and rel_diff without the cancellation of a direct dot near ‖r‖‖t‖. The position of max |t − r| is looked up
-once, in the chunk that set it, after the loop (from the rows as they are when that chunk was
+which also gives 1 − cos and rel_diff without the cancellation of a direct dot near ‖r‖‖t‖. The
+position of max |t − r| is looked up once, in the chunk that set it, after the loop (from the rows as they are when that chunk was
 the last one read, as in a one-chunk tensor). The work rows are kept per thread (a fresh buffer
 per tensor was page-faulted on every call). Non-finite values take a slow path only in the chunks
 that hold them. `bit_equal` counts positions with identical bits (same dtype), or equal values
