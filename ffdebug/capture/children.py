@@ -60,6 +60,7 @@ class ChildRoles:
         self.called: list[tuple[str, str]] = []
         self.cross: set[str] = set()  # children fed the encoder's states
         self.encoder = None  # the encoder states of the block's call in flight (`begin`)
+        self.hidden_shape: tuple | None = None  # the shape of the block's hidden input (`begin`)
         self.by_path: set[str] = set()  # members of a list of like parts: `{child}.out`
         self.holding = False
         self.watchers: dict = {}  # child name -> its KernelWatcher (`kernel_taps`): did it attend
@@ -104,11 +105,11 @@ class ChildRoles:
             if self.inputs.get(name) is args[0]:
                 self.led.add(name)
 
-    def begin(self, encoder=None) -> None:
+    def begin(self, encoder=None, hidden_shape: tuple | None = None) -> None:
         """At the block's start (after its input was captured): hold until the names are known.
         `encoder`: the encoder states the block was given, if any (a child passed that very tensor
-        is a cross-attention)."""
-        self.encoder = encoder
+        is a cross-attention); `hidden_shape`: the shape of the block's hidden input."""
+        self.encoder, self.hidden_shape = encoder, hidden_shape
         if self.names is None and not self.holding:
             self.holding = True
             self.session.begin_hold()
@@ -154,7 +155,10 @@ class ChildRoles:
                 # kernel in its own forward): no residual branches to read, named by path
                 placement = Placement({n: f"{n}.out" for n, _ in called}, tuple(n for n, _ in called), False)
             else:
-                placement = place_children(called, CANONICAL_CHILDREN)
+                attended = frozenset(n for n, w in self.watchers.items() if w.attended())
+                placement = place_children(
+                    called, CANONICAL_CHILDREN, hidden_stream=self._hidden_stream(), attended=attended
+                )
             self.names = {**placement.names, **{n: f"{n}.out" for n in self.by_path}}
             self.inputs = {}
             if placement.unplaced:
@@ -163,6 +167,19 @@ class ChildRoles:
             self.holding = False
             for replay in self.session.end_hold():
                 replay()
+
+    def _hidden_stream(self) -> frozenset[str]:
+        """The children whose first input has the block's hidden token count (its shape but the
+        last dim) where the encoder states' differs: the stream a joint block's branch reads."""
+        if self.hidden_shape is None:
+            return frozenset()
+        tokens = tuple(self.hidden_shape[:-1])
+        enc = None if self.encoder is None else tuple(self.encoder.shape[:-1])
+        return frozenset(
+            n
+            for n, x in self.inputs.items()
+            if hasattr(x, "shape") and tuple(x.shape[:-1]) == tokens and tokens != enc
+        )
 
     def _warn(self, unplaced: tuple[str, ...]) -> None:
         from ffdebug.logs import get_logger

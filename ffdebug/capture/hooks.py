@@ -204,7 +204,7 @@ def _hook_block_io(
             enc = args[enc_at]  # passed by position (for gradient checkpointing: NLLB-MoE, T5)
         if isinstance(enc, torch.Tensor):
             capture(f"{prefix}.encoder_hidden_in", enc, io="in", invocation=inv, **meta)
-        begin(enc if isinstance(enc, torch.Tensor) else None)
+        begin(enc if isinstance(enc, torch.Tensor) else None, state.get("shape"))
 
     def post(module, args, kwargs, output):
         if state.get("foreign"):

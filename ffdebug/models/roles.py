@@ -24,7 +24,10 @@ differently; ffdebug names the stages by role so that they pair:
    both sides. A block with more than two
    branches (diffusers' joint blocks: adaptive norms, context streams) has no unambiguous order:
    its children keep the attribute-name hints (`CANONICAL_CHILDREN`), else `{child}.out`, and a
-   warning names what could not be placed.
+   warning names what could not be placed. Where the hints place nothing (a renamed port) or
+   only part of what the children's behaviour places (and agree with it), the behaviour reads:
+   the pre-norm pairs around the attending child, or one attention (and, in a joint block, the
+   MLP on the hidden stream) with the rest by path (`place_children`).
 
 Model level: `embed.out` is the input embedding (`get_input_embeddings()`, else the
 `nn.Embedding` fed the root's token ids); `final.norm_out` is the last norm that runs after the
@@ -230,7 +233,13 @@ def _single_branch_roles(kinds: list[str]) -> list[str] | None:
     return names + ["branch_post_norm_out" if at else "branch_norm_out"] * (len(kinds) - at - 1)
 
 
-def place_children(called: list[tuple[str, str]], hints: dict[str, str], around: bool = True) -> Placement:
+def place_children(
+    called: list[tuple[str, str]],
+    hints: dict[str, str],
+    around: bool = True,
+    hidden_stream: frozenset[str] = frozenset(),
+    attended: frozenset[str] = frozenset(),
+) -> Placement:
     """Roles of a block's children from `called`: (attribute name, kind) in first-call order.
 
     A cross-attention branch (`CROSS`) is `cross_attn_out` and the others are placed without it.
@@ -242,7 +251,9 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str], around:
     pre-norm pairs around the attending child (`_around_attention`); else the rest is unplaced (it
     keeps `{child}.out`). `around`: False for the children without the cross-attention, whose
     branches read around no attention (the cross-attention was the block's only one: a joint
-    block's two MLPs are not its attention and MLP)."""
+    block's two MLPs are not its attention and MLP). `hidden_stream`: the children whose input
+    has the block's hidden-state token count and not the encoder states' (which stream a joint
+    block's branch reads); `attended`: the children in which an attention kernel ran."""
     cross = [n for n, k in called if k == CROSS]
     if len(cross) == 1:  # a joint block (SD3: one attention over both streams) does not place by order
         rest = place_children([(n, k) for n, k in called if k != CROSS], hints, around=False)
@@ -272,8 +283,17 @@ def place_children(called: list[tuple[str, str]], hints: dict[str, str], around:
         roles = _attention_first(plain, attends)
         if roles is not None:
             return Placement(dict(zip((n for n, _ in plain), roles)), (), True)
+    if around and unplaced and len(unplaced) < len(called) and hints:
+        # names that place some children only: what the children did, read without the names,
+        # where it places more and agrees with every name placed (a DiT block's `ff` alone: its
+        # adaptive norm, `attn1` and `norm3` by order; Mochi's `attn1` as its one attention), so
+        # that a renamed port reads as its original
+        blind = place_children(called, {}, around, hidden_stream, attended)
+        agrees = all(blind.names[c] == names[c] for c, _ in plain if c not in unplaced)
+        if agrees and len(blind.unplaced) < len(unplaced):
+            return blind
     if around and unplaced and len(unplaced) == len(called):  # hints placed nothing
-        found = _around_attention(called)
+        found = _around_attention(called) or _one_attention(called, hidden_stream, attended)
         if found is not None:
             return found
     return Placement(names, tuple(unplaced), False)
@@ -310,6 +330,8 @@ def _around_attention(kinds: list[tuple[str, str]]) -> Placement | None:
     attends = bool(selfs)
     mixer = ATTENTION if attends else BRANCH
     led = [i for i, (_, k) in enumerate(kinds) if k == mixer and i > 0 and kinds[i - 1][1] in norms]
+    if attends and len(led) > 1:
+        return _pre_norm_pairs(kinds)
     if not led or (attends and len(led) != 1):
         return None
     at = led[0]
@@ -333,6 +355,50 @@ def _around_attention(kinds: list[tuple[str, str]]) -> Placement | None:
     if not attends and any(k != NORM for n, k in kinds if n in rest):
         return None
     return Placement({**placed, **{n: f"{n}.out" for n in rest}}, tuple(rest), True)
+
+
+def _pre_norm_pairs(kinds: list[tuple[str, str]]) -> Placement | None:
+    """A block of pre-norm pairs only (norm, branch; norm, branch; ...) with several attending
+    branches and a last branch that does not attend (diffusers' BasicTransformerBlock with two
+    self-attentions, `norm1 attn1 norm2 attn2 norm3 ff`): the first pair is the attention and its
+    norm, the last the MLP and its norm; the pairs between keep their paths."""
+    norms = (NORM, NORM_LED)
+    pairs = [kinds[i : i + 2] for i in range(0, len(kinds), 2)]
+    if len(kinds) % 2 or len(pairs) < 3 or any(p[0][1] not in norms for p in pairs):
+        return None
+    if pairs[0][1][1] != ATTENTION or pairs[-1][1][1] not in (BRANCH, NORM_LED):
+        return None
+    placed = {
+        pairs[0][0][0]: "attn_norm_out",
+        pairs[0][1][0]: "attn_out",
+        pairs[-1][0][0]: "ffn_norm_out",
+        pairs[-1][1][0]: "ffn_out",
+    }
+    rest = tuple(n for n, _ in kinds if n not in placed)
+    return Placement({**placed, **{n: f"{n}.out" for n in rest}}, rest, True)
+
+
+def _one_attention(
+    called: list[tuple[str, str]], hidden_stream: frozenset[str], attended: frozenset[str]
+) -> Placement | None:
+    """A block no order form reads and no name placed, with one attention: it is `attn_out`, what
+    the attribute names (`attn`) place in diffusers' blocks, and the other children keep their
+    paths (a single-stream block's adaptive norm and parallel projections around it). In a joint
+    block (SD3, Flux: the one attention over both streams is fed the encoder's states) the branch
+    after it that reads the block's hidden stream (its token count) is the image stream's MLP,
+    `ffn_out` (`ff` there); the context stream's MLP keeps its path. None unless exactly one child
+    attends."""
+    attending = [i for i, (n, k) in enumerate(called) if k == ATTENTION or (k == CROSS and n in attended)]
+    if len(attending) != 1:
+        return None
+    at = attending[0]
+    placed = {called[at][0]: "attn_out"}
+    if called[at][1] == CROSS:
+        mlps = [n for n, k in called[at + 1 :] if k in (BRANCH, NORM_LED) and n in hidden_stream]
+        if len(mlps) == 1:
+            placed[mlps[0]] = "ffn_out"
+    rest = tuple(n for n, _ in called if n not in placed)
+    return Placement({**placed, **{n: f"{n}.out" for n in rest}}, rest, False)
 
 
 def _attention_first(called: list[tuple[str, str]], attends: list[str]) -> list[str] | None:

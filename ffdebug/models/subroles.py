@@ -217,9 +217,14 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     """q / k / v, context and o of an attention branch (see the module table)."""
     calls = [c for c in trace.calls if c.expert is None]
     ins = [c for c in calls if c.from_input]
-    outs = [c for c in calls if not c.from_input and c.out_features == trace.hidden]
+    if not ins and calls and calls[0].x_id:
+        # the branch built its projections' input itself (a single-stream block's attention
+        # concatenating [image | text] tokens first): q / k / v read the first projection's input
+        ins = [c for c in calls if c.x_id == calls[0].x_id]
+    taken = {id(c) for c in ins}
+    outs = [c for c in calls if id(c) not in taken and c.out_features == trace.hidden]
     h, kv, d = _head_counts(trace, dims)
-    inner = [c for c in calls if not c.from_input and (not outs or c is not outs[-1])]
+    inner = [c for c in calls if id(c) not in taken and (not outs or c is not outs[-1])]
     from ffdebug.models.mla_roles import low_rank, mla_substages
 
     if low_rank(ins, inner, trace.hidden):  # MLA: latents projected up before the heads
