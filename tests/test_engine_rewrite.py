@@ -379,6 +379,52 @@ def test_a_renamed_denoiser_block_reads_as_its_names_place_it():
     assert contra.names["ff"] == "attn_out" and contra.names["attn1"] == "attn1.out"
 
 
+def test_post_norm_decoders_read_by_order_without_a_kernel_or_with_a_normed_cross_attention():
+    """LED's encoder layer (longformer attention: no kernel seen) is post-norm with the MLP in two
+    parts; ProphetNet's decoder layer is post-norm with a cross-attention and its own norm after
+    it. Order reads both, named or renamed alike."""
+    from ffdebug.models.roles import BRANCH, CROSS, NORM, place_children
+
+    led = [("s0", BRANCH), ("n1", NORM), ("f2", BRANCH), ("f3", BRANCH), ("n4", NORM)]
+    assert place_children(led, {}).names == {
+        "s0": "attn_out",
+        "n1": "attn_norm_out",
+        "f2": "f2.out",
+        "f3": "ffn_out",
+        "n4": "ffn_norm_out",
+    }
+    named = [("self_attn", BRANCH), ("ln", NORM), ("fc1", BRANCH), ("fc2", BRANCH), ("final", NORM)]
+    assert place_children(named, {"self_attn": "attn_out"}).names == {
+        "self_attn": "attn_out",
+        "ln": "attn_norm_out",
+        "fc1": "fc1.out",
+        "fc2": "ffn_out",
+        "final": "ffn_norm_out",
+    }
+    prophet = [("s0", BRANCH), ("n1", NORM), ("c2", CROSS), ("n3", NORM), ("f4", BRANCH), ("n5", NORM)]
+    got = place_children(prophet, {})
+    assert got.names == {
+        "s0": "attn_out",
+        "n1": "attn_norm_out",
+        "c2": "cross_attn_out",
+        "n3": "n3.out",
+        "f4": "ffn_out",
+        "n5": "ffn_norm_out",
+    }
+    assert got.by_order and got.unplaced == ("n3",)
+    # pre-norm: the cross-attention's norm is the one before it
+    pre = [
+        ("n0", NORM),
+        ("s1", BRANCH),
+        ("n2", NORM),
+        ("n3", NORM),
+        ("c4", CROSS),
+        ("n5", NORM),
+        ("f6", BRANCH),
+    ]
+    assert place_children(pre, {}).names["n3"] == "n3.out"
+
+
 def _compare_with_its_rewrite(spec: str, tmp_path, causal_lm: bool):
     """`spec` built tiny, dumped as the reference and as its engine rewrite, compared."""
     s = resolve(spec)
@@ -410,6 +456,8 @@ def _compare_with_its_rewrite(spec: str, tmp_path, causal_lm: bool):
         "FSMTForConditionalGeneration",  # a cross-attention fed the block's encoder states as `key=`
         "inkling2_text",  # an input mixer that attends before the norm-led attention
         "MarianMTModel",  # a decoder's self-attention beside its cross-attention, post-norm
+        "LEDForConditionalGeneration",  # longformer attention: no kernel seen, post-norm, fc1 / fc2
+        "ProphetNetForConditionalGeneration",  # post-norm decoder, a cross-attention with its own norm
     ],
 )
 def test_the_rewrite_of_a_renamed_family_pairs_completely(spec, tmp_path):
@@ -435,10 +483,12 @@ def test_the_rewrite_of_a_renamed_family_pairs_completely(spec, tmp_path):
         "DiTTransformer2DModel",  # the names place `ff` alone; the order places the adaptive norm too
         "UNet3DConditionModel",  # two self-attentions in one block of pre-norm pairs
         "HunyuanImageTransformer2DModel",  # q / k / v of [image | text] tokens the attention concatenates
+        "MobileViTForImageClassification",  # inner layers by path: a fused qkv and an up-projection of
+        # q + k's width, every layer's input alike (one token per patch): the whole q / k / v first
     ],
 )
 def test_the_rewrite_of_a_denoiser_pairs_completely(spec, tmp_path):
-    """Renamed denoisers whose blocks no order form reads pair every stage and pass. Mochi's
+    """Renamed denoisers (and MobileViT) whose blocks no order form reads pair every stage and pass. Mochi's
     renamed projection pairs with the reference's gate and up by the columns each was split from
     (gate as the first half was a false `scramble`); Flux2's two MLPs around its joint attention are
     not read as an attention and an MLP (its `ff` was the target's `attn_out`: a false `bug`); the

@@ -290,47 +290,67 @@ def _fused_parts(
     several such runs, the one whose input is nearest the fused projection's, within `INPUT_REL`.
     Each reference output is paired with its columns of the fused one, and each of their inputs
     with its one input (`layer_tgts`: the layer's target records, paired or not; `layouts`: the
-    call's token layouts, `comparison.align.layouts`)."""
-    import dataclasses
-
-    out, taken = [], set()
+    call's token layouts, `comparison.align.layouts`). Of two fused outputs that could take one
+    run, the one whose input is nearer it takes it."""
     packed = any(layouts)
     outs, repeats = _writes([r for r in refs if r.io == "out"])
     ref_ins = {r.key: r for r in refs if r.io == "in"}
     firsts, t_repeats = _writes(tgts)  # the target's k-th write meets the reference's k-th
-    for t in firsts:
+    options = []  # (input gap, capture position, target output, its input, run)
+    for at, t in enumerate(firsts):
         ts = tuple(t.shape or ())
         if t.io != "out" or len(ts) < 2 or (t.extra or {}).get("sketch") is not None or not _by_path(t):
             continue
         t_in = next((x for x in layer_tgts if x.io == "in" and x.module_path == t.module_path), None)
         if t_in is None or not t_in.has_payload:
             continue  # no projection (its input was not dumped): nothing says what it fuses
-        candidates = _runs(outs, t, t_in, ref_ins, taken, packed)
+        candidates = _runs(outs, t, t_in, ref_ins, set(), packed)
         t_x = t_in.load() if candidates else None
-        runs = [(g, run) for run in candidates if (g := _input_gap(run, t_x, ref_ins, layouts)) <= INPUT_REL]
-        if not runs:
+        for run in candidates:
+            if (g := _input_gap(run, t_x, ref_ins, layouts)) <= INPUT_REL:
+                options.append((g, _partial(run, outs), at, outs.index(run[0]), t, t_in, run))
+    # nearest inputs claim first: a fused q / k / v reads what its parts read (gap ~0), where an
+    # MLP's up-projection of the same width meets another layer's q / k only roughly; at equal
+    # gaps (layers that leave their input unchanged) a run of all its parent's projections first,
+    # then capture order
+    out, taken, done = [], set(), set()
+    for *_, at, _, t, t_in, run in sorted(options, key=lambda o: o[:4]):
+        if at in done or any(id(r) in taken for r in run):
             continue
-        run = min(runs, key=lambda x: x[0])[1]
-        cols = _own_columns(run, ts[-1])
+        cols = _own_columns(run, tuple(t.shape)[-1])
         if cols is None:
             continue  # pieces of one projection in a layout of their own (per-head runs): not guessed
-        writes = [t, *t_repeats.get(id(t), [])]
-        for r, (lo, hi) in zip(run, cols):
-            for i, same in enumerate([r, *repeats.get(id(r), [])]):
-                w = writes[min(i, len(writes) - 1)]
-                part = dataclasses.replace(
-                    w,
-                    key=f"{w.key}[{lo}:{hi}]",
-                    shape=(*ts[:-1], hi - lo),
-                    stats=None,
-                    source=_Part(w, lo, hi),
-                )
-                out.append((same, part))
-                taken.add(id(same))
-        for r in {id(x): x for x in (_input_of(r, ref_ins) for r in run)}.values():
-            if id(r) not in taken and _same_tokens(tuple(r.shape or ()), tuple(t_in.shape or ()), packed):
-                out.append((r, t_in))
-                taken.add(id(r))
+        done.add(at)
+        out += _columns_of(t, t_in, run, cols, repeats, t_repeats.get(id(t), []), ref_ins, taken, packed)
+    return out
+
+
+def _partial(run: list[Record], outs: list[Record]) -> bool:
+    """Whether `run` leaves out projections of its parent module (q / k of a q / k / v)."""
+    parent = (run[0].module_path or "").rsplit(".", 1)[0]
+    return len(run) < sum((r.module_path or "").rsplit(".", 1)[0] == parent for r in outs)
+
+
+def _columns_of(t, t_in, run, cols, repeats, t_writes, ref_ins, taken: set, packed: bool) -> list:
+    """Each reference output of `run` with its columns `cols` of the fused target output `t` (every
+    write of it with the reference's own repeat), and their inputs with `t_in`; marks them taken."""
+    import dataclasses
+
+    out = []
+    ts = tuple(t.shape)
+    writes = [t, *t_writes]
+    for r, (lo, hi) in zip(run, cols):
+        for i, same in enumerate([r, *repeats.get(id(r), [])]):
+            w = writes[min(i, len(writes) - 1)]
+            part = dataclasses.replace(
+                w, key=f"{w.key}[{lo}:{hi}]", shape=(*ts[:-1], hi - lo), stats=None, source=_Part(w, lo, hi)
+            )
+            out.append((same, part))
+            taken.add(id(same))
+    for r in {id(x): x for x in (_input_of(r, ref_ins) for r in run)}.values():
+        if id(r) not in taken and _same_tokens(tuple(r.shape or ()), tuple(t_in.shape or ()), packed):
+            out.append((r, t_in))
+            taken.add(id(r))
     return out
 
 

@@ -259,6 +259,14 @@ def place_children(
         rest = place_children([(n, k) for n, k in called if k != CROSS], hints, around=False)
         if rest.by_order:
             return Placement({**rest.names, cross[0]: "cross_attn_out"}, rest.unplaced, True)
+        own = _own_norm(called, cross[0])
+        if own is not None:  # a decoder's cross-attention with its own norm (post-norm ProphetNet)
+            rest = place_children(
+                [(n, k) for n, k in called if n not in (cross[0], own)], hints, around=False
+            )
+            if rest.by_order:
+                names = {**rest.names, cross[0]: "cross_attn_out", own: f"{own}.out"}
+                return Placement(names, (*rest.unplaced, own), True)
     attends = [n for n, k in called if k == ATTENTION]
     shaped = {n for n, k in called if k == NORM_SHAPED}
     if shaped:  # a norm's parameters whose rows low precision or a large eps hid: a norm first
@@ -297,6 +305,16 @@ def place_children(
         if found is not None:
             return found
     return Placement(names, tuple(unplaced), False)
+
+
+def _own_norm(called: list[tuple[str, str]], child: str) -> str | None:
+    """The norm that belongs to branch `child`: right before it in a pre-norm block (one that
+    starts with a norm), right after it in a post-norm one; None when that child is no norm."""
+    at = [n for n, _ in called].index(child)
+    near = at - 1 if called[0][1] in (NORM, NORM_LED) else at + 1
+    if 0 <= near < len(called) and called[near][1] == NORM:
+        return called[near][0]
+    return None
 
 
 def _plain_kinds(called: list[tuple[str, str]], shaped_as: str) -> list[tuple[str, str]]:
@@ -402,13 +420,14 @@ def _one_attention(
 
 
 def _attention_first(called: list[tuple[str, str]], attends: list[str]) -> list[str] | None:
-    """One branch attends (its kernel was seen) and is the first branch; the branches after it,
+    """One branch attends (its kernel was seen, or none was: longformer's chunked products, which
+    order reads as the two-branch forms do) and is the first branch; the branches after it,
     with no norm between them, are the MLP in parts (BERT's `intermediate` / `output`, BART's
     `fc1` / `fc2`, whatever their names). Named as the two-branch forms of `_sequence_roles` name
     the block with the parts taken as one branch: its last part is `ffn_out`, the others keep
     `{child}.out` as parts of it."""
     branches = [i for i, (_, k) in enumerate(called) if k == BRANCH]
-    if len(attends) != 1 or len(branches) < 3 or called[branches[0]][0] != attends[0]:
+    if len(attends) > 1 or len(branches) < 3 or (attends and called[branches[0]][0] != attends[0]):
         return None
     parts = branches[1:]
     if parts != list(range(parts[0], parts[-1] + 1)):
