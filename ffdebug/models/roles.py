@@ -288,7 +288,7 @@ def place_children(
         else:
             names[child] = stage
     if unplaced and not shaped:  # names that do not place every child: what the children did
-        roles = _attention_first(plain, attends)
+        roles = _attention_first(plain, attends, unseen=len(unplaced) == len(plain))
         if roles is not None:
             return Placement(dict(zip((n for n, _ in plain), roles)), (), True)
     if around and unplaced and len(unplaced) < len(called) and hints:
@@ -419,15 +419,20 @@ def _one_attention(
     return Placement({**placed, **{n: f"{n}.out" for n in rest}}, rest, False)
 
 
-def _attention_first(called: list[tuple[str, str]], attends: list[str]) -> list[str] | None:
-    """One branch attends (its kernel was seen, or none was: longformer's chunked products, which
-    order reads as the two-branch forms do) and is the first branch; the branches after it,
+def _attention_first(
+    called: list[tuple[str, str]], attends: list[str], unseen: bool = False
+) -> list[str] | None:
+    """One branch attends (its kernel was seen; or, with `unseen`, none was and a norm sits between
+    the branches: longformer's chunked products, read by order as the two-branch forms are, only
+    where no name hint placed anything) and is the first branch; the branches after it,
     with no norm between them, are the MLP in parts (BERT's `intermediate` / `output`, BART's
     `fc1` / `fc2`, whatever their names). Named as the two-branch forms of `_sequence_roles` name
     the block with the parts taken as one branch: its last part is `ffn_out`, the others keep
     `{child}.out` as parts of it."""
     branches = [i for i, (_, k) in enumerate(called) if k == BRANCH]
     if len(attends) > 1 or len(branches) < 3 or (attends and called[branches[0]][0] != attends[0]):
+        return None
+    if not attends and not (unseen and any(k == NORM for _, k in called[branches[0] : branches[1]])):
         return None
     parts = branches[1:]
     if parts != list(range(parts[0], parts[-1] + 1)):
