@@ -74,6 +74,8 @@ def _rows_reordered(entry: TensorDiff, r: Logical, t: Logical, loader: TensorLoa
     a rotary re-ordering written by a converter): `permuted`, with where the rows went."""
     from ffdebug.weights.rows import describe, permutation, rotary_note
 
+    if entry.cos is not None and entry.rel is not None and V.is_ok(V.classify(entry.cos, entry.rel)):
+        return False  # its rows already fit in order: no reordering to find (no row fingerprints)
     rows = permutation(loader.load(r, "ref"), loader.load(t, "target"))
     if rows is None:
         return False

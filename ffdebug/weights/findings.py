@@ -26,6 +26,7 @@ the norm of a large table by 0.1%).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -86,6 +87,19 @@ class Pair:
         return abs_max(self.ref)
 
     @property
+    def ref_bound(self) -> float | None:
+        """An upper bound of max |ref| known without a pass: ‖ref‖₂ (widened by a relative 1e-9
+        against its float64 rounding); None where non-finite values left positions out of it."""
+        m = self.metrics
+        if m.nan_mismatch or m.inf_mismatch or m.nan_both or not math.isfinite(m.ref_norm):
+            return None
+        return m.ref_norm * (1 + 1e-9)
+
+    def absmax(self) -> float:
+        """max |ref| (measured once, when a rounding test needs it)."""
+        return self.ref_absmax
+
+    @property
     def factor(self) -> float:
         """Least-squares factor c of t ≈ c·r."""
         m = self.metrics
@@ -119,7 +133,7 @@ def _cast_equal(p: Pair) -> Found | None:
 
 
 def _rounding(p: Pair) -> Found | None:
-    if p.eps is None or not within_rounding(p.ref, p.tgt, p.eps, p.ref_absmax):
+    if p.eps is None or not within_rounding(p.ref, p.tgt, p.eps, p.absmax, p.ref_bound):
         return None
     fp8 = quant.is_fp8(p.dtype_ref) or quant.is_fp8(p.dtype_tgt)
     return Found("rounding", p.bands if fp8 else Severity.OK)
@@ -133,7 +147,9 @@ def _sign_flip(p: Pair) -> Found | None:
         return None
     cos = p.metrics.cos
     if cos <= -0.9999 or (
-        p.eps is not None and cos < -0.99 and within_rounding(np.negative(p.ref), p.tgt, p.eps, p.ref_absmax)
+        p.eps is not None
+        and cos < -0.99
+        and within_rounding(np.negative(p.ref), p.tgt, p.eps, p.absmax, p.ref_bound)
     ):
         return Found("sign_flip", p.bands)
     return None
@@ -155,10 +171,18 @@ def _scaled(p: Pair) -> Found | None:
     if not p.correlated_failure or c <= 0 or abs(c - 1) <= 1e-3:
         return None
     if cos >= 0.9999 or (
-        p.eps is not None and cos > 0.99 and within_rounding(_times(p.ref, c), p.tgt, p.eps)
+        p.eps is not None
+        and cos > 0.99
+        and within_rounding(_times(p.ref, c), p.tgt, p.eps, bound=_scaled_bound(p.ref_bound, c))
     ):
         return Found("scaled", p.bands, scale_factor=c)
     return None
+
+
+def _scaled_bound(bound: float | None, c: float) -> float | None:
+    """An upper bound of max |c·r| as `_times` rounds it in r's dtype (at most 2⁻³ relative more,
+    float8 e5m2's unit roundoff)."""
+    return None if bound is None else bound * abs(c) * 1.25
 
 
 def _times(x, c: float):
@@ -180,7 +204,7 @@ def _same_dtype_change(p: Pair) -> Found | None:
         return None
     for coarse in ("float16", "bfloat16"):
         eps = quant.ulp(coarse)
-        if quant.ulp(p.dtype_ref) < eps and within_rounding(p.ref, p.tgt, eps, p.ref_absmax):
+        if quant.ulp(p.dtype_ref) < eps and within_rounding(p.ref, p.tgt, eps, p.absmax, p.ref_bound):
             note = f"same dtype, but the target's values were rounded through {coarse}"
             return Found("rounding", V.worst(p.bands, Severity.DRIFT), notes=[note])
     note = "same dtype, values differ beyond rounding: the loader changed them"

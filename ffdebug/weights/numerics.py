@@ -77,18 +77,30 @@ def abs_max(x) -> float:
     return absmax
 
 
-def within_rounding(ref, tgt, eps: float, absmax: float | None = None) -> bool:
+def within_rounding(ref, tgt, eps: float, absmax=None, bound: float | None = None) -> bool:
     """Every |t − r| ≤ eps·|r| + eps·2⁻⁸·max|r| (one ulp, with a floor for tiny values), in
     float64 (exact for the difference of two float32 or narrower values; the bound rounds once
-    per operation). `absmax`: max|r| when the caller knows it (`abs_max`), else measured here."""
-    import numpy as np
-
+    per operation). `absmax`: max|r|, or a function that measures it, when the caller knows it
+    (`abs_max`), else measured here; `bound`: an upper bound of max|r| the caller has for free
+    (‖r‖₂): a pair that fails even with the floor it gives fails without max|r| being measured
+    (usually in its first chunk)."""
     r, t = as_array(ref).reshape(-1), as_array(tgt).reshape(-1)
-    if absmax is None:
+    if bound is not None and math.isfinite(bound) and not _within(r, t, eps, eps * 2.0**-8 * bound):
+        return False
+    if callable(absmax):
+        absmax = absmax()
+    elif absmax is None:
         absmax = abs_max(r)
     if not math.isfinite(absmax):
         return False
-    floor = eps * 2.0**-8 * absmax
+    return _within(r, t, eps, eps * 2.0**-8 * absmax)
+
+
+def _within(r, t, eps: float, floor: float) -> bool:
+    """Every |t − r| ≤ eps·|r| + floor, chunk by chunk (float64 copies), stopping at the first
+    chunk that fails."""
+    import numpy as np
+
     rt = iter(iter_chunks(t))
     with np.errstate(invalid="ignore", over="ignore"):
         for rc in iter_chunks(r):

@@ -475,3 +475,30 @@ def test_abs_max_exact_and_nonfinite(dtype):
     r, t = torch.tensor([2.0], dtype=torch.float64), torch.tensor([2.001], dtype=torch.float64)
     assert not within_rounding(r, t, 1e-6)
     assert within_rounding(r, t, 1e-6, absmax=3e5) and not within_rounding(r, t, 1e-6, absmax=2e5)
+
+
+def test_a_free_bound_of_max_ref_settles_a_failing_pair_without_measuring_it():
+    """`bound` (‖r‖₂ from the metrics, never below max|r|) gives the loosest floor: a pair that
+    fails even with it fails without max|r| being measured; a pair that passes with it is still
+    checked against the floor of the true max|r| (measured once, by the function given)."""
+    import numpy as np
+
+    from ffdebug.weights.numerics import within_rounding
+
+    def never():
+        raise AssertionError("max|r| measured although the bound settled the pair")
+
+    r = np.array([2.0, -1.0, 0.5], dtype=np.float64)
+    bound = float(np.linalg.norm(r))  # 2.29 >= max|r| = 2
+    far = r + np.array([1e-3, 0.0, 0.0])
+    assert not within_rounding(r, far, 1e-6, never, bound)
+    # |Δ| = 2e-6 + 1e-6·2⁻⁸·2.1: within the bound's floor (2e-6 + 8.9e-9), beyond the true one (7.8e-9)
+    near = r + np.array([2e-6 + 1e-6 * 2.0**-8 * 2.1, 0.0, 0.0])
+    calls = []
+
+    def measured():
+        calls.append(1)
+        return 2.0
+
+    assert not within_rounding(r, near, 1e-6, measured, bound) and calls == [1]
+    assert within_rounding(r, r * (1 + 2.0**-30), 1e-6, measured, bound) and calls == [1, 1]
