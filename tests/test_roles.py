@@ -236,6 +236,44 @@ def test_norm_behaviour_is_read_from_the_output():
     assert not behaves_like_norm(Affine(True), x * w + b)
 
 
+def test_a_channels_first_batch_norm_child_is_captured_without_changing_the_forward(tmp_path):
+    """A block whose direct child is a BatchNorm2d over [B, C, H, W] with W ≠ C (MobileNetV1's
+    conv layers): its per-channel parameters are no row-wise norm's, and reading them against the
+    last dim raised inside the model's forward (the capture must never change what runs)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(32, 32, 3, padding=1)
+            self.bn = torch.nn.BatchNorm2d(32)
+            self.out = torch.nn.Conv2d(32, 32, 1)
+
+        def forward(self, x):
+            return x + self.out(torch.relu(self.bn(self.conv(x))))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    x = torch.randn(2, 32, 16, 16)
+    with torch.no_grad():
+        want = net(x)
+        with ffdebug.capture(net, dir=tmp_path, side="ref"):
+            got = net(x)
+    assert torch.equal(got, want)
+    files = (tmp_path / "ref").glob("rank*/*.safetensors")
+    written = {f.name.split("_", 1)[1].removesuffix(".safetensors") for f in files}
+    assert {"L000.hidden_in", "L001.hidden_out"} <= written
+
+
 @pytest.mark.integration
 def test_children_without_a_role_are_warned_recorded_and_listed_in_coverage(tmp_path, caplog):
     class Three(torch.nn.Module):

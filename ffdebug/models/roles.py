@@ -118,6 +118,8 @@ def rescales_rows(module, x, output) -> bool:
         return False
     if tuple(x.shape) != tuple(output.shape) or output.dim() < 1 or output.shape[-1] < 2:
         return False
+    if any(p.numel() != output.shape[-1] for p in module.parameters(recurse=False)):
+        return False  # per-channel parameters of a channels-first layout (BatchNorm2d): not row-wise
     y = output.detach().double().reshape(-1, output.shape[-1])
     xs = x.detach().double().reshape(-1, x.shape[-1])
     for z in _affine_undone(module, y):
