@@ -157,7 +157,11 @@ class ChildRoles:
             else:
                 attended = frozenset(n for n, w in self.watchers.items() if w.attended())
                 placement = place_children(
-                    called, CANONICAL_CHILDREN, hidden_stream=self._hidden_stream(), attended=attended
+                    called,
+                    CANONICAL_CHILDREN,
+                    hidden_stream=self._hidden_stream(),
+                    attended=attended,
+                    unattended=frozenset(self.watchers) - attended,
                 )
             self.names = {**placement.names, **{n: f"{n}.out" for n in self.by_path}}
             self.inputs = {}

@@ -241,6 +241,7 @@ def place_children(
     around: bool = True,
     hidden_stream: frozenset[str] = frozenset(),
     attended: frozenset[str] = frozenset(),
+    unattended: frozenset[str] = frozenset(),
 ) -> Placement:
     """Roles of a block's children from `called`: (attribute name, kind) in first-call order.
 
@@ -255,7 +256,10 @@ def place_children(
     branches read around no attention (the cross-attention was the block's only one: a joint
     block's two MLPs are not its attention and MLP). `hidden_stream`: the children whose input
     has the block's hidden-state token count and not the encoder states' (which stream a joint
-    block's branch reads); `attended`: the children in which an attention kernel ran."""
+    block's branch reads); `attended`: the children in which an attention kernel ran;
+    `unattended`: children watched for one in which none ran. A name hint makes no such child the
+    attention (SwiftFormer's additive `attn`: its port, renamed, cannot read as that, so neither
+    does the original, and both keep their paths)."""
     cross = [n for n, k in called if k == CROSS]
     if len(cross) == 1:  # a joint block (SD3: one attention over both streams) does not place by order
         rest = place_children([(n, k) for n, k in called if k != CROSS], hints, around=False)
@@ -282,8 +286,11 @@ def place_children(
         return Placement(dict(zip((n for n, _ in plain), roles)), (), True)
     names: dict[str, str] = {}
     unplaced = []
+    kinds = dict(called)
     for child, _kind in plain:
         stage = hints.get(child)
+        if stage == "attn_out" and child in unattended and kinds[child] == BRANCH:
+            stage = None  # a name no kernel confirms
         if stage is None or stage in names.values():
             names[child] = f"{child}.out"
             unplaced.append(child)
