@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.tiny_models import block_stack
 
 import ffdebug
 
@@ -407,20 +408,10 @@ def test_a_child_called_twice_gets_invocation_indices(tmp_path):
         def forward(self, x):
             return x + self.proj(self.proj(self.norm(x)))
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList([Block(), Block()])
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
     from ffdebug.store.reader import open_side
 
     torch.manual_seed(0)
-    side = _dump(Model(), tmp_path, "ref", [dict(x=torch.randn(2, 3, 8))])
+    side = _dump(block_stack(Block), tmp_path, "ref", [dict(x=torch.randn(2, 3, 8))])
     proj = sorted(
         (r.key, r.invocation) for r in open_side(side).records if r.key.startswith("L000.branch_out")
     )

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from helpers.llama_ports import CONVENTIONAL, OPAQUE, make_port, rope_interleaved
-from helpers.tiny_models import tiny_llama
+from helpers.tiny_models import block_stack, tiny_llama
 from typer.testing import CliRunner
 
 import ffdebug
@@ -251,18 +251,8 @@ def test_a_channels_first_batch_norm_child_is_captured_without_changing_the_forw
         def forward(self, x):
             return x + self.out(torch.relu(self.bn(self.conv(x))))
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList([Block(), Block()])
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
     torch.manual_seed(0)
-    net = Net().eval()
+    net = block_stack(Block).eval()
     x = torch.randn(2, 32, 16, 16)
     with torch.no_grad():
         want = net(x)

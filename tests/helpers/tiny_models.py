@@ -30,3 +30,21 @@ def tiny_llama(
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**lm_tiny(num_layers, hidden, vocab, max_positions))).eval()
+
+
+def block_stack(block, n: int = 2):
+    """A model that runs `n` fresh instances of the module class `block` one after the other in a
+    `ModuleList` named `layers` (the blocks capture numbers L000, L001, ...)."""
+    import torch
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([block() for _ in range(n)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return Stack()
