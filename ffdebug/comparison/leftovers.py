@@ -201,9 +201,7 @@ def _same_tokens(rs: tuple, ts: tuple, packed: bool) -> bool:
     return packed and len(rs) >= 3 and len(lead) == 1 and lead[0] <= math.prod(rs[:-1])
 
 
-def _runs(
-    outs: list[Record], t: Record, t_in: Record, ref_ins: dict, taken: set, packed: bool
-) -> list[list[Record]]:
+def _runs(outs: list[Record], t: Record, t_in: Record, ref_ins: dict, packed: bool) -> list[list[Record]]:
     """Every run of reference projection outputs in capture order whose widths add up to `t`'s, of
     its tokens (`_same_tokens`), each reading an input of `t_in`'s, siblings reading one tensor;
     projections of another input between them are passed over (an up-projection the reference
@@ -214,7 +212,7 @@ def _runs(
         run, width = [], 0
         for r in outs[i:]:
             rs, r_in = tuple(r.shape or ()), _input_of(r, ref_ins)
-            if id(r) in taken or not rs or not _same_tokens(rs, ts, packed) or r_in is None:
+            if not rs or not _same_tokens(rs, ts, packed) or r_in is None:
                 break  # a role's projection counts too: the target's fused one has no role split
             r_in_shape = tuple(r_in.shape or ())
             if (
@@ -296,6 +294,7 @@ def _fused_parts(
     outs, repeats = _writes([r for r in refs if r.io == "out"])
     ref_ins = {r.key: r for r in refs if r.io == "in"}
     firsts, t_repeats = _writes(tgts)  # the target's k-th write meets the reference's k-th
+    position = {id(r): i for i, r in enumerate(outs)}
     options = []  # (input gap, capture position, target output, its input, run)
     for at, t in enumerate(firsts):
         ts = tuple(t.shape or ())
@@ -304,11 +303,11 @@ def _fused_parts(
         t_in = next((x for x in layer_tgts if x.io == "in" and x.module_path == t.module_path), None)
         if t_in is None or not t_in.has_payload:
             continue  # no projection (its input was not dumped): nothing says what it fuses
-        candidates = _runs(outs, t, t_in, ref_ins, set(), packed)
+        candidates = _runs(outs, t, t_in, ref_ins, packed)
         t_x = t_in.load() if candidates else None
         for run in candidates:
             if (g := _input_gap(run, t_x, ref_ins, layouts)) <= INPUT_REL:
-                options.append((g, _partial(run, outs), at, outs.index(run[0]), t, t_in, run))
+                options.append((g, _partial(run, outs), at, position[id(run[0])], t, t_in, run))
     # nearest inputs claim first: a fused q / k / v reads what its parts read (gap ~0), where an
     # MLP's up-projection of the same width meets another layer's q / k only roughly; at equal
     # gaps (layers that leave their input unchanged) a run of all its parent's projections first,

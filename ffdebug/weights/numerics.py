@@ -83,8 +83,8 @@ def within_rounding(ref, tgt, eps: float, absmax=None, bound: float | None = Non
     float64 (exact for the difference of two float32 or narrower values; the bound rounds once
     per operation). `absmax`: max|r|, or a function that measures it, when the caller knows it
     (`abs_max`), else measured here; `bound`: an upper bound of max|r| the caller has for free
-    (‖r‖₂): a pair whose first chunk fails even with the floor it gives fails without max|r|
-    being measured (one chunk read; where it passes, the whole test runs as without it)."""
+    (‖r‖₂): a pair whose first `HEAD` elements fail even with the floor it gives fails without
+    max|r| being measured (where they pass, the whole test runs as without it)."""
     r, t = as_array(ref).reshape(-1), as_array(tgt).reshape(-1)
     if bound is not None and math.isfinite(bound):
         if not _within(r[:HEAD], t[:HEAD], eps, eps * 2.0**-8 * bound):
