@@ -52,6 +52,46 @@ def test_max_abs_position_is_the_first_of_ties_after_a_rising_maximum():
     assert (m.max_abs, m.max_abs_at, m.nan_mismatch) == (2.0, [4 * CHUNK + 9], 1)
 
 
+def _direct_elem_and_position(r, t) -> tuple[float, int]:
+    """elem = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)) and the first index of max |t − r|, over the
+    whole flat tensors at once in float64 (no chunks, no pieces)."""
+    r64, t64 = r.double().flatten(), t.double().flatten()
+    d = (t64 - r64).abs()
+    rms = float(r64.norm()) / math.sqrt(r64.numel())
+    elem = float((d / torch.clamp(r64.abs(), min=rms)).max())
+    return elem, int(torch.nonzero(d == d.max())[0])
+
+
+@pytest.mark.parametrize("kind", ["noise", "relative", "late_spike", "big_r_spike", "ties"])
+def test_elem_and_position_match_the_whole_tensor_direct_values(kind):
+    """The error pass keeps one max |t − r| per piece of the chunk and revisits only the pieces
+    that can hold the maximum; on additive noise (a piece or two), relative error (every chunk
+    revisited whole), a spike late in a chunk, a spike where |r| is large (the largest |t − r| is
+    not where elem is) and exact ties across pieces, elem is the direct value (to the rounding of
+    rms, whose sum of squares is added in another order) and the position is the first maximum."""
+    g = torch.Generator().manual_seed(7)
+    n = 3 * CHUNK + 5000  # a partial last chunk whose last piece is partial too
+    r = torch.randn(n, generator=g)
+    if kind == "relative":
+        t = r * (1 + 2.0**-9 * torch.randn(n, generator=g))
+    else:
+        t = r + 1e-4 * torch.randn(n, generator=g)
+    if kind == "late_spike":
+        t[2 * CHUNK + CHUNK - 3] += 0.01
+    if kind == "big_r_spike":
+        r[CHUNK + 70_000] = 40.0
+        t[CHUNK + 70_000] = 40.5  # max |t − r| here, but elem 0.5 / 40 is small ...
+        t[3 * CHUNK + 4999] = r[3 * CHUNK + 4999] + 0.05  # ... elem is set here (|r| < 1 likely)
+    if kind == "ties":
+        t = r.clone()
+        for at in (CHUNK + 9000, CHUNK + 20, 2 * CHUNK + 1):
+            t[at] = r[at] + 0.5
+    m = compare_tensors(r, t)
+    elem, at = _direct_elem_and_position(r, t)
+    assert m.elem == pytest.approx(elem, rel=1e-13, abs=0)
+    assert m.max_abs_at == [at]
+
+
 def test_difference_past_float64_range_with_finite_norms():
     """r = (−1.3e154, 1), t = (1.3e154, 1): r², t² and r·t fit in float64 but (t − r)² =
     6.76e308 does not, so the sums are redone on scaled values: max |t − r| = 2.6e154 at 0,

@@ -16,12 +16,15 @@ inputs; as fast as a memcmp here, so it also tells a bit-identical chunk, which 
 two BLAS dot products (t·t, r·r), t − r in place over t, a dot d·d, and |d| taken in place for
 its max and its sum — each a single pass. r·t is not summed: it follows from the three norms,
 which also gives 1 − cos and rel_diff without the cancellation of a direct dot near ‖r‖‖t‖. The
-position of max |t − r| is looked up once, in the chunk that set it, after the loop (from the rows as they are when that chunk was
-the last one read, as in a one-chunk tensor). The work rows are kept per thread (a fresh buffer
-per tensor was page-faulted on every call). Non-finite values take a slow path only in the chunks
+max |t − r| is kept per piece of PIECE elements (one reduction over the chunk, as fast as its
+max): the position of the maximum is looked up once, after the loop, in the first piece that
+holds it, and `elem`, which needs rms(r) known only after the first pass, visits only the pieces
+that can hold its maximum, largest error first (none when the tensors are equal). Both recompute
+a piece (4 Ki elements) where they recomputed a whole chunk: on tensors of tens of chunks that
+second visit was a tenth of compare's work. The work rows are kept per thread (a fresh buffer per
+tensor was page-faulted on every call). Non-finite values take a slow path only in the chunks
 that hold them. `bit_equal` counts positions with identical bits (same dtype), or equal values
-(different dtypes). `elem` needs rms(r), known only after the first pass: a second pass visits
-the chunks that can hold its maximum, largest error first (none when the tensors are equal).
+(different dtypes).
 
 Arrays are numpy (`ffdebug.arrays`); a torch tensor given here is taken as a view first.
 """
@@ -35,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from ffdebug._chunks import CHUNK, copy_in, iter_chunks, one_blas_thread, work_rows
 from ffdebug.arrays import as_array, as_float64, int_view, is_complex, is_floating
 
+PIECE = 1 << 12  # elements whose max |t − r| is kept (CHUNK is a multiple): 64 per chunk
+WHOLE_CHUNK = 16  # `elem` recomputes the whole chunk when more of its pieces can hold the maximum
 _work = threading.local()  # per thread: views of the work rows, the bool row
 
 
@@ -48,6 +53,7 @@ def _work_rows():
         _work.rows = rows
         _work.same = np.empty(CHUNK, dtype=bool)
         _work.full = (rows[0], rows[1])  # made once: a dozen views per chunk cost ~5% of it
+        _work.piece = np.empty((2, PIECE))  # r, |t − r| of one piece recomputed after the loop
     return rows
 
 
@@ -135,15 +141,15 @@ class _Sums:
     max_abs: float = -1.0
     max_at: int = 0
     max_chunk: int = -1  # start of the finite chunk that set max_abs, its position not yet found
+    max_pieces: object = None  # that chunk's piece maxima
     equal: int = 0  # positions with equal bits (same dtype) or values
     counted: int = 0  # positions where both sides are finite
     nan_mismatch: int = 0
     inf_mismatch: int = 0
     nan_both: int = 0
-    chunk_bounds: list[tuple[float, int]] = field(
-        default_factory=list
-    )  # (max |t − r|, start), not bit-identical
-    nonfinite: set[int] = field(default_factory=set)  # starts of the chunks holding NaN / Inf
+    # (max |t − r|, start, its pieces' max |t − r| or None for a chunk holding NaN / Inf), per
+    # chunk that is not bit-identical
+    chunk_bounds: list[tuple] = field(default_factory=list)
     held: int = -1  # start of the chunk whose r and |t − r| the work rows still hold, else -1
 
     def finite(self) -> bool:
@@ -201,7 +207,7 @@ def _chunk_sums(r, t, raw_view, scale: float) -> _Sums:
                     continue
         _differing_chunk(s, i, t[i : i + m], rows, equal, scale)
     if s.max_chunk >= 0:
-        s.max_at = _argmax_chunk(r, t, s, scale, x)
+        s.max_at = _argmax_piece(r, t, s, scale)
     return s
 
 
@@ -234,15 +240,15 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, equal: int | None, scale
             if scale != 1.0:
                 xt *= scale
     if not math.isfinite(dd_):
-        s.nonfinite.add(i)
         _nonfinite_chunk(s, i, xr, xt, equal)  # NaN/Inf on at least one side
         return
     s.equal += equal if equal is not None else m - int(np.count_nonzero(xd))
     np.abs(xd, out=xd)  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
-    chunk_max = float(xd.max())
-    s.chunk_bounds.append((chunk_max, i))
-    if chunk_max > s.max_abs:  # its position is found once, after the loop (`_argmax_chunk`)
-        s.max_abs, s.max_chunk = chunk_max, i
+    pieces = _piece_maxima(xd)
+    chunk_max = float(pieces.max())
+    s.chunk_bounds.append((chunk_max, i, pieces))
+    if chunk_max > s.max_abs:  # its position is found once, after the loop (`_argmax_piece`)
+        s.max_abs, s.max_chunk, s.max_pieces = chunk_max, i, pieces
     s.sum_abs += float(xd.sum())
     s.nr2 += rr_
     s.nt2 += tt_
@@ -251,35 +257,59 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, equal: int | None, scale
     s.held = i
 
 
-def _chunk_diff(r, t, i: int, scale: float, x, held: int):
-    """(r, |t − r|) of the finite chunk at `i` (scaled units) in the rows x[0], x[1]; recomputed
-    unless the rows still hold that chunk (`held`: the start of the chunk they hold, else -1)."""
+def _piece_maxima(xd):
+    """[ceil(m / PIECE)] max of each PIECE-element piece of a chunk's |t − r| (the last one may
+    be shorter)."""
     import numpy as np
 
-    m = min(CHUNK, r.shape[0] - i)
-    xr, xt = x[0, :m], x[1, :m]
-    if held == i:
-        return xr, xt
+    m = xd.shape[0]
+    whole = m // PIECE
+    if whole * PIECE == m:
+        return np.maximum.reduce(xd.reshape(whole, PIECE), axis=1)
+    out = np.empty(whole + 1)
+    if whole:
+        np.maximum.reduce(xd[: whole * PIECE].reshape(whole, PIECE), axis=1, out=out[:whole])
+    out[whole] = xd[whole * PIECE :].max()
+    return out
+
+
+def _span(r, t, s: _Sums, i: int, m: int, scale: float) -> tuple:
+    """(r, |t − r|, writable) of the `m` elements at `i` (scaled units), after the chunk loop:
+    views of the work rows where they still hold them (writable only when the span is that whole
+    chunk, which is then given up), else recomputed into the piece rows (m ≤ PIECE, leaving the
+    work rows as they are) or the work rows."""
+    import numpy as np
+
+    x = _work_rows()
+    h = s.held
+    if h >= 0 and h <= i and i + m <= h + min(CHUNK, r.shape[0] - h):
+        whole = i == h and m == min(CHUNK, r.shape[0] - h)
+        if whole:
+            s.held = -1
+        return x[0, i - h : i - h + m], x[1, i - h : i - h + m], whole
+    rows = _work.piece if m <= PIECE else x
+    if rows is x:
+        s.held = -1
+    xr, xt = rows[0, :m], rows[1, :m]
     copy_in(xr, r[i : i + m])
     copy_in(xt, t[i : i + m])
     if scale != 1.0:
         xr *= scale
         xt *= scale
     np.subtract(xt, xr, out=xt)
-    return xr, np.abs(xt, out=xt)
+    return xr, np.abs(xt, out=xt), True
 
 
-def _argmax_chunk(r, t, s: _Sums, scale: float, x) -> int:
-    """The flat index of max |t − r| in the chunk `s.max_chunk`: the first chunk to raise the
-    running maximum holds the first position of the tensor's maximum; recomputed there once
-    (unless the rows still hold it) instead of an `argmax` in every chunk that raised it (the
-    same values, so the same index: numpy's argmax returns the first maximum)."""
+def _argmax_piece(r, t, s: _Sums, scale: float) -> int:
+    """The flat index of max |t − r|: the first chunk to raise the running maximum holds its first
+    position, in the first of its pieces that reaches it (`argmax` returns the first maximum);
+    that piece alone is looked at (recomputed unless the work rows still hold it), instead of an
+    `argmax` in every chunk that raised the maximum."""
     import numpy as np
 
-    i = s.max_chunk
-    _, xd = _chunk_diff(r, t, i, scale, x, s.held)
-    s.held = i
-    return i + int(np.argmax(xd))
+    p = s.max_chunk + int(np.argmax(s.max_pieces)) * PIECE
+    _, xd, _ = _span(r, t, s, p, min(PIECE, r.shape[0] - p), scale)
+    return p + int(np.argmax(xd))
 
 
 def _nonfinite_chunk(s: _Sums, i: int, xr, xt, equal: int | None) -> None:
@@ -304,7 +334,7 @@ def _nonfinite_chunk(s: _Sums, i: int, xr, xt, equal: int | None) -> None:
     s.sum_abs += float(d.sum())
     mi = int(np.argmax(d))
     mv = float(d[mi])
-    s.chunk_bounds.append((mv, i))
+    s.chunk_bounds.append((mv, i, None))
     if mv > s.max_abs:
         s.max_abs, s.max_chunk = mv, -1
         s.max_at = i + int(np.flatnonzero(ok)[mi])
@@ -362,27 +392,63 @@ def _metrics(s: _Sums, r, t, shape: tuple, scale: float) -> TensorMetrics:
 def _elem_pass(r, t, s: _Sums, rms: float, scale: float) -> float:
     """maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms) over the finite positions (rms in scaled units).
 
-    Every denominator is at least rms, so a chunk whose max |t − r| / rms is no more than the best
-    found so far cannot hold the maximum: chunks are visited largest error first and the pass stops
-    there (exact; on noise-like differences it visits a few chunks)."""
+    Every denominator is at least rms, so a piece whose max |t − r| / rms is no more than the best
+    found so far cannot hold the maximum. Chunks are visited largest error first, and the pass
+    stops at the first that cannot beat the best. In a chunk, its largest-error piece is visited
+    first (on noise-like differences it usually holds the maximum), then the other pieces that can
+    still beat the best, largest first; or the whole chunk, where visiting those pieces one by one
+    would cost more (`_whole_chunk_pays`), as it does on relative errors (the largest |t − r| sit
+    at the largest |r|): once a chunk went whole, the next ones go whole at once. A chunk holding
+    NaN / Inf is visited whole."""
     import numpy as np
 
-    x = _work_rows()
+    n = r.shape[0]
     best = 0.0
-    for bound, i in sorted(s.chunk_bounds, reverse=True):
+    went_whole = False
+    for bound, i, pieces in sorted(s.chunk_bounds, key=lambda b: b[0], reverse=True):
         if bound / rms <= best:
             break
-        xr, xd = _chunk_diff(r, t, i, scale, x, s.held)
-        s.held = -1  # divided in place below
+        m = min(CHUNK, n - i)
+        whole = pieces is None or went_whole or _whole_chunk_pays(1, m)
+        if not whole:
+            order = np.argsort(-pieces, kind="stable")
+            for j, k in enumerate(order):
+                if pieces[k] / rms <= best:
+                    break
+                if j == 1 and _whole_chunk_pays(np.count_nonzero(pieces[order[1:]] / rms > best), m):
+                    whole = True
+                    break
+                p = i + int(k) * PIECE
+                best = max(best, _span_elem(r, t, s, p, min(PIECE, n - p), scale, rms))
+        if whole:
+            best = max(best, _span_elem(r, t, s, i, m, scale, rms))
+        went_whole = whole
+    return best
+
+
+def _whole_chunk_pays(pieces: int, m: int) -> bool:
+    """Whether `pieces` more visits of a piece cost more than one of the whole chunk of `m`
+    elements: a piece visit costs about what 4 PIECE elements of a chunk visit do (its dozen numpy
+    calls; measured on 2-core x86, bench/README.md)."""
+    return pieces * 4 * PIECE > m
+
+
+def _span_elem(r, t, s: _Sums, i: int, m: int, scale: float, rms: float) -> float:
+    """max |t − r| / max(|r|, rms) over the finite quotients of the `m` elements at `i`."""
+    import numpy as np
+
+    xr, xd, writable = _span(r, t, s, i, m, scale)
+    if writable:
         np.abs(xr, out=xr)
         np.maximum(xr, rms, out=xr)
-        np.divide(xd, xr, out=xd)
-        top = float(xd.max()) if i not in s.nonfinite else math.inf
-        if not math.isfinite(top):  # NaN / Inf in the chunk, or a quotient past float64's range
-            finite = xd[np.isfinite(xd)]
-            top = float(finite.max()) if finite.size else 0.0
-        best = max(best, top)
-    return best
+        q = np.divide(xd, xr, out=xd)
+    else:  # a piece of the chunk the work rows hold: left as it is for the other pieces
+        q = xd / np.maximum(np.abs(xr), rms)
+    top = float(q.max())
+    if not math.isfinite(top):  # NaN / Inf in the span, or a quotient past float64's range
+        finite = q[np.isfinite(q)]
+        top = float(finite.max()) if finite.size else 0.0
+    return top
 
 
 def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:
