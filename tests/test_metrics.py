@@ -172,6 +172,19 @@ def test_bit_equal_is_bitwise():
     assert compare_tensors(bf, bf.clone()).bit_equal == 1.0
 
 
+def test_bit_equal_counts_every_chunk_whichever_way_its_head_goes():
+    """Equal bits are counted before t is copied where a chunk's first positions agree, after it
+    where they do not: a chunk equal but for its tail, one differing only in its head, a
+    bit-identical one and a short last one all count exactly."""
+    n = 3 * CHUNK + 100
+    r = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    t = r.clone()
+    t[CHUNK - 7 : CHUNK] += 1.0  # chunk 0: equal head, 7 differ at its end
+    t[CHUNK : CHUNK + 10] += 1.0  # chunk 1: 10 differ at its head; chunk 2 bit-identical
+    t[3 * CHUNK + 99] = -t[3 * CHUNK + 99]  # the short last chunk: 1 differs
+    assert compare_tensors(r, t).bit_equal == (n - 18) / n
+
+
 def test_bands_rel_wins():
     assert classify(0.99999, 0.001) == "ok"
     assert classify(0.9998, 0.57) == "bug"  # the DESIGN example: cos fine, rel large

@@ -10,21 +10,21 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
     elem     = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)),  rms(r) = ‖r‖ / √n   (element-wise error)
 
 Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 256 Ki-element chunks copied into
-float64 work rows stay in cache (README "Benchmarks"). Per chunk: two copies (r, t; one-byte
-floats through a table of their 256 values), one count of equal raw bits (on integer views of the
-inputs; as fast as a memcmp here, so it also tells a bit-identical chunk, which needs only ‖r‖²),
-two BLAS dot products (t·t, r·r), t − r in place over t, a dot d·d, and |d| taken in place for
-its max and its sum — each a single pass. r·t is not summed: it follows from the three norms,
-which also gives 1 − cos and rel_diff without the cancellation of a direct dot near ‖r‖‖t‖. The
-max |t − r| is kept per piece of PIECE elements (one reduction over the chunk, as fast as its
-max): the position of the maximum is looked up once, after the loop, in the first piece that
-holds it, and `elem`, which needs rms(r) known only after the first pass, visits only the pieces
-that can hold its maximum, largest error first (none when the tensors are equal). Both recompute
-a piece (4 Ki elements) where they recomputed a whole chunk: on tensors of tens of chunks that
-second visit was a tenth of compare's work. The work rows are kept per thread (a fresh buffer per
-tensor was page-faulted on every call). Non-finite values take a slow path only in the chunks
-that hold them. `bit_equal` counts positions with identical bits (same dtype), or equal values
-(different dtypes).
+float64 work rows stay in cache (README "Benchmarks"). Per chunk, each a single pass: two copies
+(r, t; one-byte floats through a table of their 256 values); one count of equal raw bits on
+integer views of the inputs (where the first HEAD positions agree it comes first and also tells
+a bit-identical chunk, which needs only ‖r‖²; otherwise after t is copied, both inputs then in
+cache); two BLAS dot products (t·t, r·r); t − r in place over t and a dot d·d; |d| in place;
+its max per piece of PIECE elements (one reduction over the chunk viewed as rows); and Σ|d| as
+one BLAS matrix-vector product of those rows with ones. r·t is not summed: it follows from the
+three norms, which also gives 1 − cos and rel_diff without the cancellation of a direct dot near
+‖r‖‖t‖. The position of max |t − r| is looked up once, after the loop, in the first piece that
+holds it, and `elem`, which needs rms(r) known only after the first pass, revisits only the
+pieces that can hold its maximum, largest error first (none when the tensors are equal): a piece
+of 4 Ki elements where a whole chunk was recomputed before (bench/README.md, 2026-12-06). The
+work rows are kept per thread (a fresh buffer per tensor was page-faulted on every call).
+Non-finite values take a slow path only in the chunks that hold them. `bit_equal` counts
+positions with identical bits (same dtype), or equal values (different dtypes).
 
 Arrays are numpy (`ffdebug.arrays`); a torch tensor given here is taken as a view first.
 """
@@ -40,6 +40,7 @@ from ffdebug.arrays import as_array, as_float64, int_view, is_complex, is_floati
 
 PIECE = 1 << 12  # elements whose max |t − r| is kept (CHUNK is a multiple): 64 per chunk
 HEAD = 64  # positions whose bits tell a differing chunk before its equal bits are counted
+
 _work = threading.local()  # per thread: views of the work rows, the bool row
 
 
@@ -271,7 +272,7 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, equal: int | None,
 def _abs_sum(xd) -> float:
     """Σ|t − r| of a chunk (|t − r| in `xd`): its whole pieces as one matrix-vector product with
     ones (BLAS gemv, a quarter faster than numpy's pairwise sum and as accurate on these
-    non-negative terms; README "Benchmarks"), the rest summed."""
+    non-negative terms; bench/README.md), the rest summed."""
     import numpy as np
 
     m = xd.shape[0]
