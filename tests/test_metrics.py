@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from ffdebug.comparison.metrics import CHUNK, compare_tensors, logits_metrics
+from ffdebug.comparison.logits import logits_metrics
+from ffdebug.comparison.metrics import CHUNK, compare_tensors
 from ffdebug.errors import FFDebugError
 from ffdebug.verdict import Severity, classify, parse_threshold, zero_side
 
@@ -253,7 +254,7 @@ def test_logits_blocks_are_bounded_and_do_not_change_the_answer(monkeypatch):
     """A large vocabulary is taken a few rows at a time (each float64 block within
     LOGITS_CHUNK_BYTES; a fixed 256 rows of a 152k vocabulary held about 2 GiB), and the result
     does not depend on the blocking: one row at a time, the default, all rows at once."""
-    import ffdebug.comparison.metrics as metrics
+    import ffdebug.comparison.logits as metrics
 
     g = torch.Generator().manual_seed(0)
     r = torch.randn(2, 30, 40_000, generator=g)

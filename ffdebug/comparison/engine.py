@@ -13,7 +13,8 @@ from ffdebug.comparison.align import ROUTED_KEY, TokenLayout, align, layouts, ro
 from ffdebug.comparison.estimates import sketch_compare, sketch_of, stats_compare
 from ffdebug.comparison.forked import ForkPool, fork_usable, record_refs, resolve_refs
 from ffdebug.comparison.inputs_gate import check_trainer_inputs
-from ffdebug.comparison.metrics import compare_tensors, logits_metrics
+from ffdebug.comparison.logits import logits_metrics
+from ffdebug.comparison.metrics import compare_tensors
 from ffdebug.comparison.noise import apply_noise, exact_prefix_with_noise, noise_index
 from ffdebug.comparison.notes import (
     UnitsRun,
