@@ -176,7 +176,7 @@ class Session:
                 meta.setdefault(reserved, tags[reserved])
         payload_of = None
         if self.config.mode == "sketch" and not small and tensor.is_floating_point() and tensor.numel():
-            from ffdebug.comparison.sketch import SKETCH_BUCKETS, sketch
+            from ffdebug.count_sketch import SKETCH_BUCKETS, sketch
 
             seed = self.config.sketch_seed
             payload_of = functools.partial(_sketch_payload, seed=seed, sketch=sketch)
@@ -308,7 +308,7 @@ class Session:
 
 
 def heads_last(t, ids_shape):
-    """A rotated q / k as `[batch, seq, heads, head_dim]`, like the role sub-stages (README "Role
+    """A rotated q / k as `[batch, seq, heads, head_dim]`, like the role sub-stages (docs/dumping.md "Role
     sub-stages"): a 4-D `[B, heads, S, D]` tensor is transposed when the root's ids say which dim
     is the sequence; `[B, S, heads, D]`, an ambiguous one (heads == S) and anything else stay as
     they are. Returns the tensor and the record's extra fields ({} when unchanged)."""

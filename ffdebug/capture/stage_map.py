@@ -1,6 +1,6 @@
 """A stage map: rename stage kinds that role detection could not name, on either side.
 
-The syntax is weights-diff's (`--map OLD=NEW`, `--alias-file FILE`; `ffdebug.weights.names`):
+The syntax is weights-diff's (`--map OLD=NEW`, `--alias-file FILE`; `ffdebug.name_rules`):
 OLD is a regular expression (`{L}` / `{N}` match a number and carry it to NEW), applied with
 `re.sub` to the stage *kind*, the key without its `L{NNN}.` prefix, which is kept:
 `mix.out=attn_out` turns `L003.mix.out` into `L003.attn_out`; `final.out=final.logits` renames the
@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ffdebug.name_rules import parse_map, read_alias_file
+
 _PREFIX = re.compile(r"^(L\d+\.)(.*)$", re.S)
 
 
@@ -24,8 +26,6 @@ class StageMap:
     @classmethod
     def of(cls, spec=None, alias_file: str | None = None) -> StageMap:
         """From a dict {OLD: NEW}, a list of 'OLD=NEW' strings, and / or an alias file."""
-        from ffdebug.weights.names import parse_map, read_alias_file
-
         if spec is None and not alias_file:
             return cls()
         if isinstance(spec, dict):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from ffdebug.weights.names import FuseRule, NameMap, parse_fuse, parse_map
+from ffdebug.name_rules import parse_map
+from ffdebug.weights.names import FuseRule, NameMap, parse_fuse
 
 _NUM = re.compile(r"^\d+$")
 

@@ -1,5 +1,5 @@
 """`FFDEBUG_FWD_DUMP_MODE=sketch`: the count sketch, its rel / cos estimates, and compare on
-sketch dumps (`ffdebug/comparison/sketch.py`)."""
+sketch dumps (`ffdebug/count_sketch.py`, `ffdebug/comparison/sketch.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 import ffdebug
 from ffdebug._env import read_dump_config
-from ffdebug.comparison.sketch import SKETCH_BUCKETS, estimate, sketch
+from ffdebug.comparison.sketch import estimate
+from ffdebug.count_sketch import SKETCH_BUCKETS, sketch
 from ffdebug.errors import FFDebugError
 
 
