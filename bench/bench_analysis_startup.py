@@ -1,4 +1,4 @@
-"""Start-up of the analysis commands: this tree against an older commit, interleaved (README
+"""Start-up of the analysis commands: this tree against an older commit, interleaved (docs/benchmarks.md
 "Benchmarks"; issue "Analysis without torch": compare of a 2-stage store <= 0.35 x its wall time
 at the commit that issue started from, and under 1 s on an idle 2-core machine).
 

@@ -1,4 +1,4 @@
-"""`ffdebug --help` wall time against `python -c pass` (README "Benchmarks"; target < 0.3 s).
+"""`ffdebug --help` wall time against `python -c pass` (docs/benchmarks.md "Benchmarks"; target < 0.3 s).
 
 Usage: python bench/bench_cli_startup.py [--repeat 5]
 """

@@ -1,4 +1,4 @@
-"""`ffdebug compare` and `ffdebug bisect` against read and compute floors (README "Benchmarks").
+"""`ffdebug compare` and `ffdebug bisect` against read and compute floors (docs/benchmarks.md "Benchmarks").
 
 Writes two stores (ref, target = ref + small noise) of `--size` bytes of fp32 each, as layer stages
 `L{i}.hidden_out`, in one of two layouts:

@@ -1,4 +1,4 @@
-"""Dump overhead on a medium model built from a config (README "Benchmarks").
+"""Dump overhead on a medium model built from a config (docs/benchmarks.md "Benchmarks").
 
 A Llama of `--layers` layers, hidden `--hidden`, sequence `--seq` (default 12 / 512 / 256, built
 from a config, random weights, eval, no_grad). For each mode — none (no ffdebug), stats, full —

@@ -1,6 +1,6 @@
 """Forward time: no ffdebug vs dumps disabled (install returns None) vs stats-only dumps.
 
-Target (README "Benchmarks"): disabled / none ≤ 1.01 (and no hook installed at all). Usage:
+Target (docs/benchmarks.md "Benchmarks"): disabled / none ≤ 1.01 (and no hook installed at all). Usage:
 python bench/bench_hooks_overhead.py [--iters 200]
 """
 

@@ -13,7 +13,7 @@ Analysis::
     result = ffdebug.compare("dump/ref", "dump/target")
     print(result.verdict, result.first_divergence)
 
-Every option is an annotated keyword, with the engine's own default (README "Python API"). The
+Every option is an annotated keyword, with the engine's own default (docs/dumping.md "Python API"). The
 result types are exported here. This module imports neither torch nor any heavy dependency at
 import time: the engines are imported by the functions that run them.
 """

@@ -1,4 +1,4 @@
-"""Every environment variable ffdebug reads, parsed and validated once per process (README "Dumping your own runs").
+"""Every environment variable ffdebug reads, parsed and validated once per process (docs/dumping.md "Dumping your own runs").
 
 `dump_config()` returns `None` when forward dumps are disabled (no `FFDEBUG_FWD_DUMP_DIR` and no
 `ATOM_FWD_DUMP_DIR`), so the disabled path costs one cached lookup. An invalid value raises
@@ -159,7 +159,7 @@ class DumpConfig:
     overwrite: bool = False
     topk: int = 0
     tap_functions: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (module:function, stage names)
-    substages: bool = False  # role sub-stages inside every block (README "Role sub-stages")
+    substages: bool = False  # role sub-stages inside every block (docs/dumping.md "Role sub-stages")
     grad_sample: int = 0  # gradient elements sampled per parameter tensor by `ffdebug.tap_grads` (0: off)
     feed_dir: str | None = (
         None  # FFDEBUG_FWD_FEED_DIR: blocks fed the reference's hidden_in (capture/feed.py)
@@ -321,7 +321,7 @@ PROGRESS_INTERVAL_S = 10.0  # FFDEBUG_PROGRESS_INTERVAL's default: one line ever
 
 def progress_interval(environ: dict[str, str] | None = None) -> float:
     """`FFDEBUG_PROGRESS_INTERVAL`: seconds between progress lines on stderr without a TTY (0: one
-    line per item; README "Progress"). Raises FFDebugError naming the variable on a bad value."""
+    line per item; docs/cli.md "Progress"). Raises FFDebugError naming the variable on a bad value."""
     env = os.environ if environ is None else environ
     value = env.get("FFDEBUG_PROGRESS_INTERVAL", "").strip()
     if not value:

@@ -1,4 +1,4 @@
-"""Coverage: what a comparison compared, and what it left out (README "Coverage").
+"""Coverage: what a comparison compared, and what it left out (docs/comparing.md "Coverage").
 
 Every verdict carries one. A comparison whose coverage has anything in `missing` is *incomplete*:
 exit 4 unless `--allow-partial`, even when every stage it did compare is ok. What blocks (each a
@@ -93,7 +93,7 @@ def side_coverage(store: SideStore) -> SideCoverage:
     over = sum(1 for r in store.records if r.over_budget)
     problems = list(store.problems)
     if store.kind != "store" or store.run.get("imported"):
-        # imported dumps and tensor files record no finish (README "Peer dumps")
+        # imported dumps and tensor files record no finish (docs/peer-dumps.md "Peer dumps")
         return SideCoverage(
             finished=None, ranks=ranks, over_budget=over, expected_ranks=expected, problems=problems
         )
@@ -364,7 +364,7 @@ def _form_excuses(ref: SideStore, target: SideStore, cov: Coverage) -> tuple[lis
             setattr(cov, own_only, [k for k in getattr(cov, own_only) if k not in adds])
             out.append(
                 f"{label}: {branch} is an {form.get('form')}: it holds {_names(sorted(adds)) or 'nothing more'} "
-                f'instead of {_names(sorted(lacks)) or "nothing"} (README "Role sub-stages")'
+                f'instead of {_names(sorted(lacks)) or "nothing"} (docs/dumping.md "Role sub-stages")'
             )
     return out, kinds
 

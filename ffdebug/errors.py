@@ -1,4 +1,4 @@
-"""Errors that the CLI maps to exit codes (README "Comparing" and "--json" keys).
+"""Errors that the CLI maps to exit codes (docs/comparing.md "Comparing" and "--json" keys).
 
 `FFDebugError` (exit 2) is bad input or usage: the message is one line that names the file or
 variable and says how to fix it. `InputIdsMismatch` (exit 3) is the gate before numerics: the two

@@ -1,4 +1,4 @@
-"""ffdebug's messages through `logging` (README "CLI conventions"): the one place that sets them up.
+"""ffdebug's messages through `logging` (docs/cli.md "CLI conventions"): the one place that sets them up.
 
 Every library message goes to a logger under `ffdebug` (`ffdebug.capture`, `ffdebug.store`, ...;
 `ffdebug.progress` carries the progress lines at INFO). Nothing else in the package prints a warning.

@@ -1,4 +1,4 @@
-"""What long analysis work tells whoever watches it (README "Progress").
+"""What long analysis work tells whoever watches it (docs/cli.md "Progress").
 
 `compare`, `bisect`, `weights_diff` and `inspect` take an optional `progress`: any object with
 `begin(total, total_bytes)` and `advance(nbytes)`. The analysis packages know only this protocol;

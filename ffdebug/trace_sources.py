@@ -1,4 +1,4 @@
-"""Which module output a tapped tensor is: `ffdebug trace`'s identity match (README "Playbooks,
+"""Which module output a tapped tensor is: `ffdebug trace`'s identity match (docs/playbooks.md "Playbooks,
 review and trace"; docs/trainer-taps.md "LM training").
 
 While a trace runs, every module output is held here (a reference to the tensor, detached: no copy

@@ -1,4 +1,4 @@
-"""Every severity decision ffdebug makes, in one place (README "Comparing", docs/architecture.md).
+"""Every severity decision ffdebug makes, in one place (docs/comparing.md "Comparing", docs/architecture.md).
 
 A stage's severity starts from the bands and is then adjusted by named rules, each applied by the
 comparison in this order:
@@ -44,7 +44,7 @@ cos 0.9998 and rel 57% is a bug):
 | bug      | cos > 0.5    | any       |
 | scramble | cos <= 0.5   | any       |
 
-Element-wise error (README "Comparing"): elem = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)), so one element
+Element-wise error (docs/comparing.md "Comparing"): elem = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)), so one element
 off by 50% is seen in a tensor whose norm hides it, while an element near zero is measured against
 the tensor's scale, not its own (a near-zero sign flip is small).
 
@@ -421,7 +421,7 @@ _S = TypeVar("_S", bound=_Paired)
 
 
 def exact_prefix_end(stages: Iterable[_S]) -> _S | None:
-    """Exact-prefix rule (README "Bisecting"): the first stage, in the order given (execution order
+    """Exact-prefix rule (docs/bisect.md "Bisecting"): the first stage, in the order given (execution order
     of one call, or training order), that is not exactly equal (bit-equal, same dtype, graded ok)
     while every earlier one is, when it can carry the rule's signal: the same dtype on both sides,
     an error measured, and bits ffdebug did not fold itself from per-rank pieces (folded bits are not

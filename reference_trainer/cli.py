@@ -50,7 +50,7 @@ app = typer.Typer(
     help="Reference trainer for diffusion / flow-matching RL finetuning (tiny CPU models)."
     + GLOBAL_HELP.format(program="reference-trainer"),
     no_args_is_help=True,
-    add_completion=True,  # --install-completion / --show-completion (README "CLI conventions")
+    add_completion=True,  # --install-completion / --show-completion (docs/cli.md "CLI conventions")
     pretty_exceptions_enable=False,
 )
 
@@ -136,7 +136,7 @@ def train(
     --set backend.kind=fsdp2 (or ddp; or deepspeed with --set backend.zero_stage=2, after
     DS_BUILD_OPS=0 pip install 'ffdebug\\[deepspeed]').
 
-    Teacher forcing against your own trainer (README "Compare your own trainer"):
+    Teacher forcing against your own trainer (docs/trainer-taps.md "Compare your own trainer"):
     FFDEBUG_FWD_DUMP_DIR=D FFDEBUG_FWD_DUMP_SIDE=ref reference-trainer train CONFIG --inputs-from D/target
     """
     output_dir = output_dir or Path("runs") / config.stem
@@ -170,7 +170,7 @@ def list_(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable
         return
     from rich.table import Column, Table
 
-    # every column folds: wrapped at 80 columns, never cut (README "CLI conventions")
+    # every column folds: wrapped at 80 columns, never cut (docs/cli.md "CLI conventions")
     table = Table(*(Column(h, overflow="fold") for h in ("trainer", "contract", "roles", "arguments")))
     for trainer in info["trainers"]:
         table.add_row(trainer["name"], trainer["contract"], ", ".join(trainer["roles"]), trainer["arguments"])

@@ -1,6 +1,6 @@
 """Teacher forcing through the reference: take a target run's inputs from its ffdebug store.
 
-``reference-trainer train CONFIG --inputs-from STORE`` (README "Compare your own trainer") makes
+``reference-trainer train CONFIG --inputs-from STORE`` (docs/trainer-taps.md "Compare your own trainer") makes
 the reference consume, for each rollout iteration, the inputs the target's store recorded under the
 tap contract's names (docs/trainer-taps.md) instead of drawing its own:
 

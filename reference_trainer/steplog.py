@@ -1,4 +1,4 @@
-"""One line per ``log.every`` optimizer steps when stderr is not a terminal (README "The reference
+"""One line per ``log.every`` optimizer steps when stderr is not a terminal (docs/reference-trainer.md "The reference
 trainer"); a terminal shows the progress bar instead. Rank 0 only: ``BaseTrainer._record_step``
 calls it after the record is written. The lines go through the ``ffdebug.trainer.steps`` logger
 (``ffdebug/logs.py``: its stderr handler, ``-q`` / ``-v`` of ``reference-trainer``; an application

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The lower-bound job (README "Install and compatibility"): build the wheel, install it into a fresh
+# The lower-bound job (docs/install.md "Install and compatibility"): build the wheel, install it into a fresh
 # venv with torch==2.13.0 and the declared lower bound of every other dependency
 # (constraints/lower.txt), and run the unit tier against the installed wheel, not the checkout.
 #   bash scripts/lower_bounds.sh            # scratch directory removed afterwards

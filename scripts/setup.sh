@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install ffdebug with the trainer and test extras, at the exact versions
-# of constraints/ci.txt (pyproject.toml declares ranges; README "Install and compatibility").
+# of constraints/ci.txt (pyproject.toml declares ranges; docs/install.md "Install and compatibility").
 # torch==2.13.0 resolves to the CPU wheel on our machines; unpinned torch may pull a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."

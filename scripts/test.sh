@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run ruff and the whole test suite, as CI does (README "Tests"):
+# Set up (scripts/setup.sh) and run ruff and the whole test suite, as CI does (docs/install.md "Tests"):
 #   1. the whole suite on pytest-xdist at twice as many workers as cores (it doubles as the load test:
 #      no test may fail because the machine is busy);
 #   2. the numeric subset (`-m numeric`: goldens, transcriptions, resume, patterns, noise) again at

@@ -80,7 +80,7 @@ def test_every_command_error_goes_through_the_one_boundary(path, cmd, monkeypatc
 
 
 def test_the_error_keeps_its_exit_code(monkeypatch):
-    """InputIdsMismatch is exit 3 (README "Comparing"), through the same boundary."""
+    """InputIdsMismatch is exit 3 (docs/comparing.md "Comparing"), through the same boundary."""
     _, cmd = next(c for c in COMMANDS if c[0] == ("compare",))
 
     def mismatch(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""CLI conventions (README "CLI conventions"): `--version`, completion, flags without `<bool>`, the
+"""CLI conventions (docs/cli.md "CLI conventions"): `--version`, completion, flags without `<bool>`, the
 `--json` error object, `-v` / `-q`, library messages through `logging`, and tables that stay
 readable when piped at 80 columns."""
 

@@ -1,4 +1,4 @@
-"""The compare read path (README "Benchmarks"): payloads read ahead within a byte bound, whole
+"""The compare read path (docs/benchmarks.md "Benchmarks"): payloads read ahead within a byte bound, whole
 tensors on worker threads, the JSON bit-identical at any worker count."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The element-wise criterion, the `elem` / `max_abs` / `atol` threshold terms and size-1-dim
-shape unification (README "Comparing"), against hand-derived values and SGLang's comparator cases."""
+shape unification (docs/comparing.md "Comparing"), against hand-derived values and SGLang's comparator cases."""
 
 from __future__ import annotations
 

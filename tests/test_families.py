@@ -2,7 +2,7 @@
 
 Every model is built from a tiny config (random init, no download); the bug is injected by
 patching one submodule's forward in the test, on the target side only. The expected layer
-numbers are hand-derived from each model's execution order (README "Stage names by role").
+numbers are hand-derived from each model's execution order (docs/dumping.md "Stage names by role").
 """
 
 from __future__ import annotations

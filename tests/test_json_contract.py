@@ -244,7 +244,7 @@ INSPECT_TOP = {
     "status": dict,
     "manifest_only": bool,
     "disagreeing": int,
-    "problems": list,  # what an importer could not take in (README "Peer dumps")
+    "problems": list,  # what an importer could not take in (docs/peer-dumps.md "Peer dumps")
     "tensors": list,
 }
 INSPECT_TENSOR = {
@@ -261,7 +261,7 @@ INSPECT_TENSOR = {
     "checked": bool,
     "disagreements": list,
 }
-# a failing --json run: the one document on stdout (README "CLI conventions")
+# a failing --json run: the one document on stdout (docs/cli.md "CLI conventions")
 ERROR_TOP = {"error": dict}
 ERROR = {"exit_code": int, "message": str, "hint": OPT_STR, "where": OPT_STR}
 

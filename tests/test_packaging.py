@@ -1,4 +1,4 @@
-"""Packaging (README "Install and compatibility"): the built wheel's `Requires-Dist` admits the
+"""Packaging (docs/install.md "Install and compatibility"): the built wheel's `Requires-Dist` admits the
 versions an engine's environment already holds, bounds torch below its next major version, keeps
 Accelerate in the `[trainer]` extra and ships `py.typed`; the two constraint files agree with the
 declared ranges (CI's exact versions inside them, `constraints/lower.txt` at their lower bounds)."""

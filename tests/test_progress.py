@@ -1,4 +1,4 @@
-"""Progress of long commands (README "Progress"): lines on stderr without a terminal, never on
+"""Progress of long commands (docs/cli.md "Progress"): lines on stderr without a terminal, never on
 stdout, every FFDEBUG_PROGRESS_INTERVAL seconds (0: one per item); the interval validated."""
 
 from __future__ import annotations

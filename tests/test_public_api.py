@@ -1,4 +1,4 @@
-"""The typed public API (README "Python API"): every public function spells its options as annotated
+"""The typed public API (docs/dumping.md "Python API"): every public function spells its options as annotated
 keywords with the engine's own defaults, and each keyword reaches the engine."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The analysis half of the public API (`ffdebug.compare`, `bisect`, `weights_diff`, ...): each
-keyword is an option of the engine underneath, with the engine's default (README "Python API").
+keyword is an option of the engine underneath, with the engine's default (docs/dumping.md "Python API").
 The engines are imported by the functions that run them."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # types only: importing them would import torch
 
     # a side: its directory (a store, a peer dump, a tensor file) or an opened SideStore
     Side: TypeAlias = str | _os.PathLike[str] | SideStore
-    # what weights_diff reads: a checkpoint path (README "Weights first"), an entry
+    # what weights_diff reads: a checkpoint path (docs/weights-diff.md "Weights first"), an entry
     # `module:function`, a module or a state dict (torch tensors or numpy arrays)
     Weights: TypeAlias = (
         str | _os.PathLike[str] | torch.nn.Module | Mapping[str, torch.Tensor] | Mapping[str, np.ndarray]
@@ -54,7 +54,7 @@ def compare(
     workers: int | None = None,
     progress: ProgressHook | None = None,
 ) -> CompareResult:
-    """Compare two sides stage by stage in float64 (README "Comparing"); the keywords are the
+    """Compare two sides stage by stage in float64 (docs/comparing.md "Comparing"); the keywords are the
     `ffdebug compare` options: `layers` '0,2,5-7,-1', `stages` / `exclude` key globs, `step`
     tags to keep, `rank`, `thresholds` 'GLOB:cos>=X,rel<=Y', a `noise` side, `exact` (any bit
     difference counts), `fail_on`, `allow_partial`, `maps` 'OLD=NEW' stage renames and their
@@ -161,7 +161,7 @@ def bisect(
     alias_file: str | None = None,
     progress: ProgressHook | None = None,
 ) -> BisectResult:
-    """Localise the first layer that introduces error, its class pattern and sub-stage (README
+    """Localise the first layer that introduces error, its class pattern and sub-stage (docs/bisect.md
     "Bisecting"); the result carries its one-sentence conclusion (`result.conclusion`). The
     keywords are compare's, plus `layer_class` ('hash:0-2,routed:3-') and `model_ref` /
     `model_target` (`module:function` entries, or the models themselves, optionally as
@@ -226,7 +226,7 @@ def weights_diff(
     schema_only: bool = False,
     progress: ProgressHook | None = None,
 ) -> WeightsDiffResult:
-    """Schema, then float64 numerics of two checkpoints / weight dumps (README "Weights first");
+    """Schema, then float64 numerics of two checkpoints / weight dumps (docs/weights-diff.md "Weights first");
     truthy when they match, `.to_json()` has the README's keys. The keywords are the
     `ffdebug weights-diff` options: name rewriting of B into A's names (`strip_prefix`,
     `add_prefix`, `maps` 'OLD=NEW', `alias_file`), `fuse` / `stack` rules ('FUSED=A+B[@DIM]'),
@@ -293,7 +293,7 @@ def load_audit(
     init: torch.nn.Module | str | None = None,
 ) -> LoadAuditResult:
     """Which checkpoint tensors `model` really loaded: never-loaded keys, parameters left at their
-    initialisation, skipped shapes (README "Weights first"). `model` is a module or an entry
+    initialisation, skipped shapes (docs/weights-diff.md "Weights first"). `model` is a module or an entry
     `module:function` called with the checkpoint path; the name options rewrite *checkpoint*
     names into the model's (as weights_diff's rewrite B into A); `init` is the model built
     without loading (default: the entry called without a checkpoint, when it allows that).

@@ -1,5 +1,5 @@
 """The capture half of the public API (`ffdebug.install`, `tap`, `step`, `capture`, ...): dumps
-are env-gated (README "Dumping your own runs") and cost one cached lookup when off. Imports no
+are env-gated (docs/dumping.md "Dumping your own runs") and cost one cached lookup when off. Imports no
 torch: the hooks are imported by the functions that install them."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def install(
     """Install dump hooks on `model` when dumps are enabled by env; else install nothing, return None.
 
     `classes`: block class globs (default: found automatically, or FFDEBUG_FWD_DUMP_BLOCK_CLASS);
-    `layer_class`: layer classes by hand, 'hash:0-2,routed:3-'. Stages are named by role (README
+    `layer_class`: layer classes by hand, 'hash:0-2,routed:3-'. Stages are named by role (docs/dumping.md
     "Stage names by role"); `stage_names` renames what roles cannot place: {OLD: NEW} regular
     expressions over stage kinds.
 
@@ -161,10 +161,10 @@ def capture(
 ) -> Iterator[Handle | None]:
     """Explicit capture without env vars: dumps `model`'s stages (and taps) into `dir/side/`.
 
-    The keywords are the dump settings of README "Dump settings" (`FFDEBUG_FWD_DUMP_*`), with
+    The keywords are the dump settings of docs/dumping.md "Dump settings" (`FFDEBUG_FWD_DUMP_*`), with
     their defaults: `stages` globs, `calls` ('all', 'first-real', N, 'A-B'), `mode`, `grads`,
     `max_bytes` (payload budget), `queue_bytes` (background writer bound; 0 writes inline),
-    `overwrite`, `topk`, `layer_attrs`, `substages` (README "Role sub-stages"), `grad_sample`
+    `overwrite`, `topk`, `layer_attrs`, `substages` (docs/dumping.md "Role sub-stages"), `grad_sample`
     (see `tap_grads`); `stage_names` as for `install`. Yields the hook handle (None when `model`
     is None: taps only).
 

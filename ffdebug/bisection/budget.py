@@ -1,5 +1,5 @@
 """Per-layer error budget of a divergence: what each layer inherits, adds, and may add from
-precision alone (README "Comparing" and "--json" keys; the pattern over it: `bisection.pattern`).
+precision alone (docs/comparing.md "Comparing" and "--json" keys; the pattern over it: `bisection.pattern`).
 
 For every layer L with a block input and output dumped on both sides (rel against the reference):
 

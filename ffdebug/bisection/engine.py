@@ -52,7 +52,7 @@ def break_in_exact_prefix(stages: list[StageResult]) -> StageResult | None:
     """The first stage (execution order) that is not exactly equal while every earlier one is, in
     the same dtype on both sides and outside the noise run's reach; None when there is no such
     stage. Nothing upstream differs, so this stage's own computation does: a bug signal however
-    small its error (README "Bisecting")."""
+    small its error (docs/bisect.md "Bisecting")."""
     e = V.exact_prefix_end(stages)
     return e if e is not None and not budget.within_noise(e) else None
 

@@ -1,4 +1,4 @@
-"""The pattern of a divergence over the layer budget (`bisection.budget`; README "Comparing" and
+"""The pattern of a divergence over the layer budget (`bisection.budget`; docs/comparing.md "Comparing" and
 "--json" keys).
 
 Pattern, in this order:

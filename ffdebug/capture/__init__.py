@@ -1,1 +1,1 @@
-"""Capturing: sessions, module hooks, taps, reference patching and weight dumps (README "Dumping your own runs")."""
+"""Capturing: sessions, module hooks, taps, reference patching and weight dumps (docs/dumping.md "Dumping your own runs")."""

@@ -1,4 +1,4 @@
-"""The direct children of a block, named by role (README "Stage names by role").
+"""The direct children of a block, named by role (docs/dumping.md "Stage names by role").
 
 Split from `capture/hooks.py`: the block's children are hooked here, their roles decided on the
 block's first call (`ffdebug.models.roles`) and their outputs written under those names.

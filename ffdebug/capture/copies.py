@@ -3,7 +3,7 @@
 `copy.deepcopy` of a module copies its hook dictionaries, and with them the functions `install`
 registered on the original: they still write into the original's session under the original's
 layer names. Installing on the copy would then add a second set, and every stage of the copy would
-be captured twice (README "Dumping your own runs"). `remember` notes, for each hook `install`
+be captured twice (docs/dumping.md "Dumping your own runs"). `remember` notes, for each hook `install`
 registers, the one hook dictionary it was registered in; `drop_inherited` removes from a model
 every such hook that sits in another dictionary (a copy's), so installing on a copy installs once.
 The original keeps its hooks.

@@ -1,4 +1,4 @@
-"""Tap the outputs of a module-level function with one line (README "Stage names by role").
+"""Tap the outputs of a module-level function with one line (docs/dumping.md "Stage names by role").
 
 `ffdebug.tap_function("pkg.mod:fn", stages=("attn.q_rot", "attn.k_rot"))` replaces `fn` in its
 module and in every loaded module that imported it by name, so each call taps its tensor outputs

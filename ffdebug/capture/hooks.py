@@ -1,4 +1,4 @@
-"""Module hooks that dump canonical stages of a model (README "Stage names by role").
+"""Module hooks that dump canonical stages of a model (docs/dumping.md "Stage names by role").
 
 Installed on: the root module (call counter, `embed.input_ids`, `final.logits` / `final.out`), the
 input embedding (`embed.out`), each block (`L{NNN}.hidden_in` / `.hidden_out`), the block's direct

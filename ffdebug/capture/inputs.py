@@ -1,4 +1,4 @@
-"""The root call's inputs as stages (README "Inputs as stages").
+"""The root call's inputs as stages (docs/dumping.md "Inputs as stages").
 
 Every root call dumps the external inputs it was given under `embed.<name>`: token ids
 (`input_ids`, `decoder_input_ids`), `pixel_values`, `attention_mask`, `position_ids`, the
@@ -63,7 +63,7 @@ def packed_lengths(named: dict):
     """A packed forward's sequence lengths, from its inputs: cumulative offsets (`cu_seqlens`, the
     flash-attention varlen convention, `[0, l0, l0 + l1, ...]`) or the lengths themselves
     (`seq_lens`); None when the forward takes neither. Recorded as `embed.seq_lens`, so a packed
-    side aligns with a padded one without a tap (README "Comparing", packed against padded)."""
+    side aligns with a padded one without a tap (docs/comparing.md "Comparing", packed against padded)."""
     import torch
 
     for name in CU_SEQLENS_KWARGS:

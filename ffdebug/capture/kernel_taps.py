@@ -1,4 +1,4 @@
-"""`attn.q_rot` / `attn.k_rot` as the attention kernel reads them (README "Stage names by role").
+"""`attn.q_rot` / `attn.k_rot` as the attention kernel reads them (docs/dumping.md "Stage names by role").
 
 Two codebases rarely call their rotary embedding by one name (transformers alone has
 `apply_rotary_pos_emb`, `apply_rotary_pos_emb_interleave`, `apply_multimodal_rotary_pos_emb`, …;

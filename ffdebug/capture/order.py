@@ -1,4 +1,4 @@
-"""Layer numbers in execution order for blocks from several lists (README "Stage names by role").
+"""Layer numbers in execution order for blocks from several lists (docs/dumping.md "Stage names by role").
 
 A UNet registers its down blocks, then its up blocks, then its mid block, but runs down, mid, up.
 When the blocks come from more than one list (or a lone block beside them) and carry no index

@@ -1,4 +1,4 @@
-"""Record what a block's branch does while it runs, and write its role sub-stages (README "Role sub-stages").
+"""Record what a block's branch does while it runs, and write its role sub-stages (docs/dumping.md "Role sub-stages").
 
 Installed (when sub-stages are on: `FFDEBUG_FWD_DUMP_SUBSTAGES=1`, `capture(substages=True)`, or
 sub-stage classes in `FFDEBUG_FWD_DUMP_BLOCK_CLASS`) on each direct child of a block that holds
@@ -75,7 +75,7 @@ def _row_keys(rows, weights):
 @dataclass
 class RoleTensors:
     """Per block: the module tensors role sub-stages hold, so sub-stage classes (module-path dumps,
-    README "Role sub-stages") do not write them again — one stage per tensor."""
+    docs/dumping.md "Role sub-stages") do not write them again — one stage per tensor."""
 
     module_paths: set[str]  # modules a sub-stage class dumps by module path
     held: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # path -> {(io, data_ptr)}

@@ -40,7 +40,7 @@ app = typer.Typer(
         "part ways.\n\nStart with [bold]ffdebug demo[/bold]." + GLOBAL_HELP.format(program="ffdebug")
     ),
     no_args_is_help=True,
-    add_completion=True,  # --install-completion / --show-completion (README "CLI conventions")
+    add_completion=True,  # --install-completion / --show-completion (docs/cli.md "CLI conventions")
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )

@@ -55,7 +55,7 @@ Exit codes: 0 verdict below --fail-on and everything compared; 1 at or above it;
 input ids differ; 4 incomplete (what was left out is named; --allow-partial makes it 0).
 
 Progress goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds
-(0: one per stage; README "Progress").
+(0: one per stage; docs/cli.md "Progress").
 """
 
 

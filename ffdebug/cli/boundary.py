@@ -1,4 +1,4 @@
-"""The one error boundary of ffdebug's command-line programs (README "Troubleshooting",
+"""The one error boundary of ffdebug's command-line programs (docs/cli.md "Troubleshooting",
 docs/architecture.md "cli/").
 
 Every known error ends as one line `PROGRAM: error: MESSAGE` on stderr and its exit code; nothing
@@ -24,7 +24,7 @@ from ffdebug.cli.conventions import GLOBAL_OPTIONS
 @dataclass(frozen=True)
 class Failure:
     """A known error as the boundary reports it: one stderr line (plus the hint), and under
-    `--json` the same facts as `{"error": {...}}` on stdout (README "CLI conventions")."""
+    `--json` the same facts as `{"error": {...}}` on stdout (docs/cli.md "CLI conventions")."""
 
     exit_code: int
     message: str

@@ -36,7 +36,7 @@ HELP = """Compare a reference dump with a target dump, stage by stage, in float6
   ffdebug compare ref-vs-target --dir D --noise /tmp/dump/ref_2threads   # error beyond noise: diverge
   ffdebug compare ref-vs-target --dir D --threshold 'L*.attn_out:rel<=0.02,atol=1e-4'
   ffdebug compare ref-vs-target --dir ATOM_DIR      # ATOM hook files vs its ref_ files, one directory
-  ffdebug compare SGL/baseline SGL/target           # SGLang dumper runs (README "Peer dumps")
+  ffdebug compare SGL/baseline SGL/target           # SGLang dumper runs (docs/peer-dumps.md "Peer dumps")
 
 Trainer stores (docs/trainer-taps.md): the inputs (rollout.prompt_ids, rollout.noise, ...) are
 compared first, exactly; different ones exit 3 (feed both runs the same prompts / noise).
@@ -53,7 +53,7 @@ did not finish, a stage kind on one side only, a rank or call not compared, fina
 dumped, statistics-only stages); --allow-partial makes it 0.
 
 Progress goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds
-(0: one per stage; README "Progress").
+(0: one per stage; docs/cli.md "Progress").
 """
 
 

@@ -1,4 +1,4 @@
-"""The conventions both command-line programs share (README "CLI conventions"): the global options
+"""The conventions both command-line programs share (docs/cli.md "CLI conventions"): the global options
 `--version`, `-v` / `--verbose`, `-q` / `--quiet` (and typer's `--install-completion` /
 `--show-completion`), and help that shows no `<bool>` type beside a flag. Imports only typer and the
 package version: `--help` and `--version` stay fast."""

@@ -1,4 +1,4 @@
-"""Stand-ins for two `rich` modules until something uses them (CLI start-up; README "CLI conventions").
+"""Stand-ins for two `rich` modules until something uses them (CLI start-up; docs/cli.md "CLI conventions").
 
 typer's help formatter (`typer.rich_utils`) imports `rich.markdown` (and with it `markdown_it`) and
 `rich.traceback` (and with it `rich.syntax` and `pygments`) at module level: about 95 ms of every

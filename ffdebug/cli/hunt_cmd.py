@@ -1,4 +1,4 @@
-"""`ffdebug hunt`: the dump-bisect rounds run by ffdebug itself (README "Hunt: from symptom to root cause")."""
+"""`ffdebug hunt`: the dump-bisect rounds run by ffdebug itself (docs/hunt.md "Hunt: from symptom to root cause")."""
 
 from __future__ import annotations
 

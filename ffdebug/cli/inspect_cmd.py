@@ -24,7 +24,7 @@ manifest is flagged (exit 2); --manifest-only lists the manifest's own numbers w
 payloads. Reads stores left by killed runs: only complete tensors are listed.
 
 Progress goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds
-(0: one per tensor; README "Progress").
+(0: one per tensor; docs/cli.md "Progress").
 """
 
 

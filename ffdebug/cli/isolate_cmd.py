@@ -1,4 +1,4 @@
-"""`ffdebug isolate` (which fix matters) and `ffdebug replay` (kernel or input), README "Hunt: from
+"""`ffdebug isolate` (which fix matters) and `ffdebug replay` (kernel or input), docs/hunt.md "Hunt: from
 symptom to root cause"."""
 
 from __future__ import annotations

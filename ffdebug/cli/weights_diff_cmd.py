@@ -36,7 +36,7 @@ A weight dump written with FFDEBUG_WEIGHT_DUMP_LAYERS restricts the other side t
 
 Exit codes: 0 match; 1 a schema difference (only-in, shape, dtype unless --allow-dtype), a replicated tensor differing across ranks, or a tensor at or above --fail-on; 2 bad input.
 
-Progress of the numerics goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds (0: one per tensor; README "Progress"). """
+Progress of the numerics goes to stderr: a bar on a terminal, else a line every FFDEBUG_PROGRESS_INTERVAL seconds (0: one per tensor; docs/cli.md "Progress"). """
 
 AUDIT_HELP = """Audit what a model really loaded from a checkpoint: checkpoint tensors never loaded, model tensors the checkpoint does not hold (left at their initialisation), shape mismatches a non-strict load skipped, and tensors whose loaded values differ from the checkpoint.
 
@@ -103,7 +103,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _numerics(diff: WeightsDiff) -> WeightsDiffResult:
-    """The numerics with progress on stderr (README "Progress")."""
+    """The numerics with progress on stderr (docs/cli.md "Progress")."""
     from ffdebug.report.progress import Progress
 
     with Progress("weights-diff", "tensors") as progress:

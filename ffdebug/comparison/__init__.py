@@ -1,1 +1,1 @@
-"""Pairing, float64 metrics and severity verdicts (README "Comparing")."""
+"""Pairing, float64 metrics and severity verdicts (docs/comparing.md "Comparing")."""

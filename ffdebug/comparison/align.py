@@ -1,4 +1,4 @@
-"""Packed `[tokens, ...]` against padded `[batch, seq, ...]` (README "Comparing").
+"""Packed `[tokens, ...]` against padded `[batch, seq, ...]` (docs/comparing.md "Comparing").
 
 An engine that packs its batch runs `[T, hidden]` where a padded reference runs `[B, S, hidden]`.
 Which of the padded side's B·S positions are tokens comes from what was recorded at the first

@@ -43,9 +43,9 @@ from ffdebug.results import CallRef, CompareResult, StageResult, TensorMeta, wor
 from ffdebug.store.reader import open_side
 from ffdebug.verdict import Severity, Threshold
 
-_log = get_logger("comparison")  # -v: what was paired (README "CLI conventions")
+_log = get_logger("comparison")  # -v: what was paired (docs/cli.md "CLI conventions")
 
-READ_AHEAD_BYTES = 256 << 20  # payload bytes read ahead and in use at once (peak RSS: README "Benchmarks")
+READ_AHEAD_BYTES = 256 << 20  # payload bytes read ahead and in use at once (peak RSS: docs/benchmarks.md "Benchmarks")
 
 
 def _as_store(x) -> SideStore:

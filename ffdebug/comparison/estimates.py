@@ -1,5 +1,5 @@
 """Stages compared without both full tensors: statistics-only records (stats mode, over a byte
-budget) and sketch-mode records (README "Dump settings"), graded by the same verdict rules."""
+budget) and sketch-mode records (docs/dumping.md "Dump settings"), graded by the same verdict rules."""
 
 from __future__ import annotations
 

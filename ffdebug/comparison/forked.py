@@ -1,4 +1,4 @@
-"""Whole stage units compared in forked worker processes (README "Benchmarks").
+"""Whole stage units compared in forked worker processes (docs/benchmarks.md "Benchmarks").
 
 Why processes: each 64 Ki-element kernel of the chunk loop takes 5-20 µs, about what handing
 the GIL from one thread to another costs on a busy core, so worker threads gained 1.1-1.2 x on two

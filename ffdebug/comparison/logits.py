@@ -1,5 +1,5 @@
 """Logits metrics over the vocabulary (last) dim, in float64 row blocks: argmax agreement,
-top-k overlap and KL(ref ‖ target) (README "Logits").
+top-k overlap and KL(ref ‖ target); compare reports them for stages tapped as logits.
 
 Notation (rows i of ref logits r and target logits t, vocabulary V):
     p = softmax(rᵢ), q = softmax(tᵢ);  KLᵢ = Σᵥ p log(p / q), with 0·log(0/q) = 0

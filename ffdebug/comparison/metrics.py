@@ -10,7 +10,7 @@ Notation (ref r, target t, flattened, n elements, all sums in float64):
     elem     = maxᵢ |tᵢ − rᵢ| / max(|rᵢ|, rms(r)),  rms(r) = ‖r‖ / √n   (element-wise error)
 
 Why chunks: a float64 copy of a 1 GiB fp32 tensor is 2 GiB; 256 Ki-element chunks copied into
-float64 work rows stay in cache (README "Benchmarks"). Per chunk, each a single pass: two copies
+float64 work rows stay in cache (docs/benchmarks.md "Benchmarks"). Per chunk, each a single pass: two copies
 (r, t; one-byte floats through a table of their 256 values); one count of equal raw bits on
 integer views of the inputs (where the first HEAD positions agree it comes first and also tells
 a bit-identical chunk, which needs only ‖r‖²; otherwise after t is copied, both inputs then in

@@ -1,5 +1,5 @@
 """A noise run (`--noise`): a second reference run with run-to-run noise only, whose error
-against the reference sets each stage's scale (README "Comparing"): within noise back to ok,
+against the reference sets each stage's scale (docs/comparing.md "Comparing"): within noise back to ok,
 beyond noise at least diverge, and the exact-prefix rule where the noise run is bit-identical.
 A stage the noise run cannot be compared at is judged without it and says so ("noise not
 comparable")."""

@@ -1,4 +1,4 @@
-"""Whole tensors compared on several workers when cores are free (README "Benchmarks").
+"""Whole tensors compared on several workers when cores are free (docs/benchmarks.md "Benchmarks").
 
 The unit of work is one stage unit (a reference tensor against its target tensor or ranks):
 its float64 reduction runs start to end on one worker and one BLAS thread, in the same chunk

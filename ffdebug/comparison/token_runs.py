@@ -1,4 +1,4 @@
-"""Which sequences and tokens of a layer stage are wrong, in the reference's coordinates (README
+"""Which sequences and tokens of a layer stage are wrong, in the reference's coordinates (docs/comparing.md
 "Comparing", token runs).
 
 A token's error is taken over everything it holds at the stage (channels, heads):

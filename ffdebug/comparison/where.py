@@ -1,7 +1,7 @@
-"""Where inside a tensor the error sits (README "Comparing"): per head, per token, and the
+"""Where inside a tensor the error sits (docs/comparing.md "Comparing"): per head, per token, and the
 coordinate of the largest error named by its axes.
 
-Layer stages are laid out by role (README "Role sub-stages"): block stages `[batch, token,
+Layer stages are laid out by role (docs/dumping.md "Role sub-stages"): block stages `[batch, token,
 channel]`, attention sub-stages `[batch, token, head, head_dim]`. For those layouts:
 
     per_token_rel[s] = ‖t[:, s] − r[:, s]‖ / ‖r[:, s]‖         (over batch, heads, channels)

@@ -1,3 +1,3 @@
 """Rounds that go from a symptom to a root cause without a person re-running both sides by hand
-(README "Hunt: from symptom to root cause"): `hunt` (weights, then a sketch of every layer, then
+(docs/hunt.md "Hunt: from symptom to root cause"): `hunt` (weights, then a sketch of every layer, then
 full dumps of the introducing layer), `isolate` (which fix matters), `replay` (kernel or input)."""

@@ -1,5 +1,5 @@
 """`hunt(config)`: the rounds in order, the state saved after each, resumable
-(README "Hunt: from symptom to root cause")."""
+(docs/hunt.md "Hunt: from symptom to root cause")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`ffdebug isolate`: which of several fixes matters (fix-isolation revert; README "Hunt: from
+"""`ffdebug isolate`: which of several fixes matters (fix-isolation revert; docs/hunt.md "Hunt: from
 symptom to root cause").
 
 The fixes are git commits already in HEAD, or patch files applied on top of HEAD. The target runs

@@ -1,4 +1,4 @@
-"""`ffdebug replay`: offline kernel isolation on one dumped stage (README "Hunt: from symptom to
+"""`ffdebug replay`: offline kernel isolation on one dumped stage (docs/hunt.md "Hunt: from symptom to
 root cause").
 
 The stage's inputs are its `.in` records (`KEY.in`, then `KEY.in.1`, … in recorded order; a block

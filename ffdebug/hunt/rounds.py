@@ -1,4 +1,4 @@
-"""The rounds of `ffdebug hunt` (README "Hunt: from symptom to root cause").
+"""The rounds of `ffdebug hunt` (docs/hunt.md "Hunt: from symptom to root cause").
 
   0. weights (`--weights A B`, or `--dump-weights`: the commands' `maybe_dump_weights_and_exit`):
      weights-diff; a weight bug ends the hunt;
@@ -244,7 +244,7 @@ def round3(cfg: HuntConfig, state: HuntState) -> Round:
 
 
 def _full_env(cfg: HuntConfig, layer: int) -> dict[str, dict[str, str]]:
-    """Full dumps with role sub-stages (README "Role sub-stages"): `attn.q.out`, `mlp.gate.out`, …
+    """Full dumps with role sub-stages (docs/dumping.md "Role sub-stages"): `attn.q.out`, `mlp.gate.out`, …
     pair between two codebases however their modules are named."""
     layers = [x for x in (layer - 1, layer) if x >= 0]
     common = {

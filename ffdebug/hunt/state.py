@@ -1,5 +1,5 @@
 """The state of one hunt, written to `D/hunt.json` after every round so that `hunt --resume`
-continues without redoing finished rounds (README "Hunt: from symptom to root cause").
+continues without redoing finished rounds (docs/hunt.md "Hunt: from symptom to root cause").
 
 JSON: `{"rounds": [{"round", "env", "command_ref", "command_target", "bytes", "decision",
 "evidence"}], "layer", "layer_class", "sub_stage", "local", "budget": {"limit", "used"},

@@ -1,4 +1,4 @@
-"""ATOM `debug_helper` dumps, read as they are (README "Peer dumps").
+"""ATOM `debug_helper` dumps, read as they are (docs/peer-dumps.md "Peer dumps").
 
 ATOM (`atom/utils/debug_helper/`, ROCm/ATOM main) writes, in one directory:
 

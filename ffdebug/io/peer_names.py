@@ -1,4 +1,4 @@
-"""Peer stage names -> canonical stage keys (README "Peer dumps", the table there is this one).
+"""Peer stage names -> canonical stage keys (docs/peer-dumps.md "Peer dumps", the table there is this one).
 
 ATOM and SGLang name their stages in their own words; ffdebug pairs stages by canonical keys
 (`L{layer:03d}.hidden_out`, `final.logits`, ...). `canonical_key(name, layer)` maps a peer name

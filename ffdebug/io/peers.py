@@ -1,4 +1,4 @@
-"""Registrations of the peer-engine importers (README "Peer dumps"): SGLang dumper runs, ATOM
+"""Registrations of the peer-engine importers (docs/peer-dumps.md "Peer dumps"): SGLang dumper runs, ATOM
 `debug_helper` directories (hook, `ref_`, weight and `*_fwd.pt` files). Looked up before the
 generic `.pt` importer of `ffdebug.store.importers`."""
 

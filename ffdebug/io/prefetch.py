@@ -1,5 +1,5 @@
 """Bounded read-ahead: the next payloads are read on one background thread while the current
-ones are compared (README "Benchmarks").
+ones are compared (docs/benchmarks.md "Benchmarks").
 
 `ReadAhead(jobs, depth_bytes)`: `jobs` is an ordered list; each job is the records one step of the
 consumer will load. A reader thread loads the jobs in file order while the bytes it has read and

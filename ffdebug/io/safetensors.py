@@ -4,7 +4,7 @@ Both kinds of file are read here without the safetensors library (whose numpy re
 bfloat16 or float8): the header is parsed and checked, then each tensor's bytes are mapped (zero
 copy; the pages are those of the page cache, faulted in as the comparison reads them, and leave
 the resident set with the array) — or, when not aligned for their dtype, read once with `preadv`
-into the array's own buffer (README "Benchmarks").
+into the array's own buffer (docs/benchmarks.md "Benchmarks").
 
 `SafetensorsFile` (a checkpoint shard, many tensors) checks the whole header at open: every
 tensor's dtype, shape and data offsets inside the file. Store payload files (one tensor each)

@@ -1,4 +1,4 @@
-"""SGLang dumper files, read as they are (README "Peer dumps").
+"""SGLang dumper files, read as they are (docs/peer-dumps.md "Peer dumps").
 
 SGLang's dumper (`sglang.srt.debug_utils.dumper`, 0.5.23) writes one pickle per dump into
 `{dir}/{exp_name}/`, named by its tags joined with `___`:

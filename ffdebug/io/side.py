@@ -31,7 +31,7 @@ class SideStore:
         return [r.key for r in self.records]
 
     def inputs_of(self, record: Record) -> list[Record]:
-        """The records holding what `record`'s stage read, in argument order (README "Role
+        """The records holding what `record`'s stage read, in argument order (docs/dumping.md "Role
         sub-stages", inputs): the keys its `extra["inputs"]` names (role sub-stages), else
         `<stage>.in`, `<stage>.in.1`, ... for a `<stage>.out` key (module-path sub-stages), else
         the block's `L{NNN}.hidden_in` for a block stage; from the same rank, call, invocation

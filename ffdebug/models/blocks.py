@@ -1,4 +1,4 @@
-"""Find the repeated blocks of a model, give each a layer index and a layer class (README "Dumping your own runs").
+"""Find the repeated blocks of a model, give each a layer index and a layer class (docs/dumping.md "Dumping your own runs").
 
 Layer index: the block's own index attribute (`layer_id`, `layer_idx`, `layer_number`, as
 configured) when it is an int, else its position across all block lists in registration order

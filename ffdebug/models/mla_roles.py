@@ -1,4 +1,4 @@
-"""Role sub-stages of a low-rank (multi-head latent, MLA) attention branch (README "Role sub-stages").
+"""Role sub-stages of a low-rank (multi-head latent, MLA) attention branch (docs/dumping.md "Role sub-stages").
 
 DeepSeek-V2 / V3-style attention projects its input down to latents before the heads:
 

@@ -1,4 +1,4 @@
-"""Stage roles from what modules do, not what they are called (README "Stage names by role").
+"""Stage roles from what modules do, not what they are called (docs/dumping.md "Stage names by role").
 
 Two codebases of one model (HF against an engine's re-implementation) name their modules
 differently; ffdebug names the stages by role so that they pair:

@@ -1,4 +1,4 @@
-"""Role sub-stages inside a block's branches, from what the projections do (README "Role sub-stages").
+"""Role sub-stages inside a block's branches, from what the projections do (docs/dumping.md "Role sub-stages").
 
 The capture side (`ffdebug.capture.substages`) records, for one call of a branch (the attention or
 the MLP / MoE child of a block), every projection it runs — `nn.Linear`, `F.linear` on any weight,
@@ -422,7 +422,7 @@ def _group_name(kinds: list[str]) -> str:
 
 def with_inputs(stages: list[SubStage], trace: BranchTrace, group: bool = True) -> list[SubStage]:
     """The stages with the `.in` records of what they read, each placed just before its first
-    reader (README "Role sub-stages", inputs): a projection's input activation (not its weight).
+    reader (docs/dumping.md "Role sub-stages", inputs): a projection's input activation (not its weight).
     With `group`, sibling input projections (q / k / v, gate / up) that read one tensor — a fused
     projection, or separate ones of the same input — share one record named for the group
     (`attn.qkv.in`, `mlp.gate_up.in`), so a fused side and an unfused one write the same key.

@@ -1,4 +1,4 @@
-"""Text and HTML of `ffdebug hunt`, `isolate` and `replay` (README "Hunt: from symptom to root cause").
+"""Text and HTML of `ffdebug hunt`, `isolate` and `replay` (docs/hunt.md "Hunt: from symptom to root cause").
 
 Each takes the typed result (or its JSON dict for the HTML page) and prints through rich with every
 key and value escaped (`safe_text`)."""
@@ -14,7 +14,7 @@ from ffdebug.report.safe_text import esc as safe
 
 def _console(err: bool = False) -> Console:
     """Prose wraps at the terminal's width (80 when piped) and long words fold, never cut
-    (README "CLI conventions"); a reproduce command is printed with `soft_wrap=True`, one line to
+    (docs/cli.md "CLI conventions"); a reproduce command is printed with `soft_wrap=True`, one line to
     copy."""
     return Console(stderr=err, highlight=False)
 

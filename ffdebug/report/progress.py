@@ -1,4 +1,4 @@
-"""Progress of long commands on stderr, never on stdout (README "Progress").
+"""Progress of long commands on stderr, never on stdout (docs/cli.md "Progress").
 
 `Progress(task, unit)` is the `ffdebug.progress_hook.ProgressHook` the CLI hands compare, bisect,
 weights-diff and inspect. On a terminal it shows a rich bar once the work has lasted `delay`

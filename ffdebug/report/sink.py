@@ -2,7 +2,7 @@
 `--json`, handed the command's typed result.
 
 Human mode calls the result's renderer (rich text on stdout); JSON mode writes `result.to_json()`
-(or a plain mapping) as one JSON document on stdout with the stable keys (README "--json keys"),
+(or a plain mapping) as one JSON document on stdout with the stable keys (pinned by tests/test_json_contract.py),
 NaN refused. Progress that a human watches while a long command runs goes to `console`: stdout in
 human mode, stderr in JSON mode, so stdout stays one parseable document. Imports no rich or torch
 at module level: the CLI builds a sink before it knows the command succeeds.

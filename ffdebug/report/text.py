@@ -73,7 +73,7 @@ NUMBER_COLUMNS = ("cos", "rel", "max_abs")
 def compare_table(
     stages: list[StageResult], title: str | None = None, only_problems: bool = False, width: int | None = None
 ) -> Table:
-    """One row per stage. Nothing is cut: every column folds (README "CLI conventions"). Within
+    """One row per stage. Nothing is cut: every column folds (docs/cli.md "CLI conventions"). Within
     `width` (the terminal's, 80 when piped) the class column is capped so it gives way first, rich
     then narrows the widest column (the stage key) before any number, and a row's note (NaN,
     shape, stats) goes under its key. No column has a minimum width: one that rich could not honour

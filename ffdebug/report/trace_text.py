@@ -51,7 +51,7 @@ def _cells(r, roots: list[str]) -> list[str]:
 
 
 def _columns(table, numbers: tuple[str, ...]) -> None:
-    """The name column, then `numbers`; every column folds (README "CLI conventions"). None is
+    """The name column, then `numbers`; every column folds (docs/cli.md "CLI conventions"). None is
     no_wrap or has a minimum width: rich narrows the widest column (the name) first, and a number
     wraps only when the names are down to its width, rather than being cut."""
     table.add_column("name", overflow="fold")

@@ -121,7 +121,7 @@ class BisectResult(CoveredVerdict):
 
     def contradictions(self) -> list[str]:
         """Where verdict, judgement, signal and pattern disagree (none, by construction; checked on
-        every result: README "Bisecting", one rule for verdict and judgement)."""
+        every result: docs/bisect.md "Bisecting", one rule for verdict and judgement)."""
         out = []
         if self.verdict is not self.judgement:
             out.append(f"verdict {self.verdict.value} but judgement {self.judgement.value}")
@@ -147,7 +147,7 @@ class BisectResult(CoveredVerdict):
         """The error budget could not tell one layer from one class (`decided` False: layers it
         could not judge after a decorrelation or a routing flip, layers beyond precision that
         inherit error, `undetermined`) and attribution has not run: the run that decides is
-        `bisect --model-ref ... --model-target ...` (README "Bisecting")."""
+        `bisect --model-ref ... --model-target ...` (docs/bisect.md "Bisecting")."""
         return self.attribution is None and not self.decided
 
     def failed(self, fail_on: Severity | str | None = None) -> bool:

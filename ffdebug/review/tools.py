@@ -6,7 +6,7 @@ rule codes the enabled checks map and isolated from the reviewed project's own s
 `--isolated --no-cache`; bandit without a config file). The tools' own suppression comments are
 ignored (`# noqa`, `# nosec`): a review finding is silenced by `# ffdebug: ignore[check-id]`, which
 the report counts. A tool that is not installed, or fails, leaves its checks not run, with the
-reason: never passed (README "Playbooks, review and trace").
+reason: never passed (docs/playbooks.md "Playbooks, review and trace").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The dump store (README "The dump store"): `<dir>/<side>/run.json` + `rankNNN/manifest.jsonl` + safetensors payloads.
+"""The dump store (docs/dumping.md "The dump store"): `<dir>/<side>/run.json` + `rankNNN/manifest.jsonl` + safetensors payloads.
 
 The manifest is the only source of truth; readers never parse file names.
 """

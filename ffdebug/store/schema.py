@@ -1,4 +1,4 @@
-"""Manifest record schema (stable keys, README "The dump store") and the run.json identity block."""
+"""Manifest record schema (stable keys, docs/dumping.md "The dump store") and the run.json identity block."""
 
 from __future__ import annotations
 

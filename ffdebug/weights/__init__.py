@@ -1,4 +1,4 @@
-"""Weight comparison: rule out weight loading before any forward bisect (README "Weights first", dump-bisect phase 1).
+"""Weight comparison: rule out weight loading before any forward bisect (docs/weights-diff.md "Weights first", dump-bisect phase 1).
 
 Modules, in the order data flows through them:
 - `sources`: every checkpoint kind read one tensor at a time (safetensors file / HF folder / sharded

@@ -10,7 +10,7 @@ numerics per tensor, one tensor pair in memory at a time (docs/weights-diff.md).
 | schema lists and rename suggestions | `weights.schema_diff` |
 | what the names left unpaired, by content | `weights.by_content` |
 | loading (merged, dequantised, transformed; views of one stored tensor) | `weights.loading` |
-| the finding of one pair (first-match rules, README "Weights first") | `weights.findings` |
+| the finding of one pair (first-match rules, docs/weights-diff.md "Weights first") | `weights.findings` |
 | swapped / permuted / not loaded | `weights.explain` |
 """
 

@@ -1,4 +1,4 @@
-"""The finding of one weight tensor pair (README "Weights first", `finding`).
+"""The finding of one weight tensor pair (docs/weights-diff.md "Weights first", `finding`).
 
 The rules are tried in this order; the first that holds names the pair:
 
@@ -16,7 +16,7 @@ The rules are tried in this order; the first that holds names the pair:
 Before the rules: a complex tensor against a real one is `dtype_kind` (bug), never measured: there
 is no elementwise pairing of a complex value with a real one (`compare_pair`).
 
-"bands" = `classify(cos, rel)` of the comparison as loaded (README "Comparing"), with --threshold
+"bands" = `classify(cos, rel)` of the comparison as loaded (docs/comparing.md "Comparing"), with --threshold
 overrides; `sign_flip`, `transposed` and `scaled` are looked for only where the bands are not ok.
 A tensor stored with its two dims swapped is compared after `.T` and is at least scramble
 (`transposed` when the values then match). Same dtype on both sides and not dequantized: a

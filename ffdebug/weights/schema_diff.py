@@ -48,7 +48,7 @@ def shape_after(transforms, side: str, name: str, shape: tuple) -> tuple | None:
 
 @dataclass
 class Schema:
-    """The JSON schema lists of a diff (README "Weights first") and the names compared."""
+    """The JSON schema lists of a diff (docs/weights-diff.md "Weights first") and the names compared."""
 
     only_ref: list[str] = field(default_factory=list)
     only_target: list[str] = field(default_factory=list)

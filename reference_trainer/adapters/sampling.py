@@ -7,7 +7,7 @@ start from x_{σ_0 = 1} ~ N(0, I) and, for j = 0..T−1, predict v_θ(x_j, σ_j)
 from the one ``generator`` passed in, in a fixed order (initial noise, then one draw per step), so a
 trajectory is a pure function of (weights, condition, schedule, generator seed). With one generator
 per sample (a sequence), sample i's initial noise and step noise come from generator i alone: its
-trajectory does not depend on which other samples share its batch or rank (README "Several processes").
+trajectory does not depend on which other samples share its batch or rank (docs/cli.md "Several processes").
 """
 
 from __future__ import annotations

@@ -304,7 +304,7 @@ class BaseTrainer(RunInputs, ABC):
     def sample_generators(self, *keys: int | str, count: int) -> list[torch.Generator]:
         """One generator per sample of this rank's ``count`` samples, seeded by ``(seed, *keys, global
         sample index)``: rank r holds global samples ``r·count .. (r + 1)·count − 1``, so every sample's
-        draws are the same whatever the rank layout (README "Several processes")."""
+        draws are the same whatever the rank layout (docs/cli.md "Several processes")."""
         first = self.backend.rank * count
         return [self.generator(*keys, first + i) for i in range(count)]
 

@@ -1,4 +1,4 @@
-"""Write dumps with ATOM's own debug_helper, then check them with ffdebug (README "Peer dumps").
+"""Write dumps with ATOM's own debug_helper, then check them with ffdebug (docs/peer-dumps.md "Peer dumps").
 
     git clone https://github.com/ROCm/ATOM /tmp/ATOM
     python scripts/peer_dumps/atom_genuine.py /tmp/ATOM /tmp/atom_dumps

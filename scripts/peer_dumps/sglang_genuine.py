@@ -1,4 +1,4 @@
-"""Write dumps with SGLang's own dumper, then check them with ffdebug (README "Peer dumps").
+"""Write dumps with SGLang's own dumper, then check them with ffdebug (docs/peer-dumps.md "Peer dumps").
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sgl && unzip -q /tmp/sgl/*.whl 'sglang/*' -d /tmp/sgl/x
     python scripts/peer_dumps/sglang_genuine.py /tmp/sgl/x /tmp/sgl_dumps

@@ -1,4 +1,4 @@
-"""Bisect's judgement on harder cases: where the bands alone would mislead (README "Bisecting").
+"""Bisect's judgement on harder cases: where the bands alone would mislead (docs/bisect.md "Bisecting").
 
 Same dtype and an exactly equal prefix: any error that then appears is a bug signal, however small,
 and bisect fails (verdict and judgement `bug`, one grade) although the worst band may be `ok` or

@@ -1,4 +1,4 @@
-"""Judgement calibrated on precision (README "Bisecting", docs/bisect.md "Calibration"): a
+"""Judgement calibrated on precision (docs/bisect.md "Bisecting", docs/bisect.md "Calibration"): a
 low-precision side is judged against its dtype's precision, an exact prefix broken by a rounding
 is no signal, routing flips are precision, patterns say what the evidence says, and verdict and
 judgement are one grade. Each case also has its guard: the same rules still fail the planted bug

@@ -1,5 +1,5 @@
 """Honest patterns on ports: a from-scratch port of HF Llama (tests/helpers/llama_ports.py) and a tiny
-Qwen3-MoE, each with one planted bug, each found by one `bisect` (README "Bisecting").
+Qwen3-MoE, each with one planted bug, each found by one `bisect` (docs/bisect.md "Bisecting").
 
 The noise run is the reference with every linear layer's reduction split in two partial GEMMs
 (``helpers.bisect.noise.split_reduction``: what another thread count does where it changes any bit,

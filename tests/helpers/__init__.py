@@ -38,7 +38,7 @@ TIMEOUT_SCALE = _timeout_scale()  # read when the suite is collected (the autous
 
 def hang_timeout(seconds: float) -> float:
     """How long a test waits before it calls something hung: ``seconds`` x ``FFDEBUG_TEST_TIMEOUT_SCALE``
-    (default 1; README "Tests"). A deadline detects a hang, never a slow machine: each ``seconds`` is set
+    (default 1; docs/install.md "Tests"). A deadline detects a hang, never a slow machine: each ``seconds`` is set
     so that a 2-core machine at load 10 (interpreter start-up and ``import torch`` alone take 20-40 s
     there) stays well inside it; raise the factor on a slower one."""
     return seconds * TIMEOUT_SCALE

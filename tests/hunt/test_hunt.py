@@ -1,4 +1,4 @@
-"""`ffdebug hunt` on tiny Llamas from configs (README "Hunt: from symptom to root cause").
+"""`ffdebug hunt` on tiny Llamas from configs (docs/hunt.md "Hunt: from symptom to root cause").
 
 Each planted bug is at a known layer and module; the hunt must name both in at most three forward
 rounds while writing a small fraction of what one full dump of every block stage and sub-stage
@@ -31,7 +31,7 @@ def _helpers_on_pythonpath(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
 
 
-# the role sub-stage each planted bug must be found at (README "Role sub-stages")
+# the role sub-stage each planted bug must be found at (docs/dumping.md "Role sub-stages")
 EXPECTED = {
     "q_proj": {"attn.q.out"},
     "mlp_gate": {"mlp.gate.out"},

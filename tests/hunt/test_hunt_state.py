@@ -1,5 +1,5 @@
 """`ffdebug hunt` without forwards: round 0 on weights, resume refusals and the byte budget
-(README "Hunt: from symptom to root cause"). The commands are `false`: running one fails the test."""
+(docs/hunt.md "Hunt: from symptom to root cause"). The commands are `false`: running one fails the test."""
 
 from __future__ import annotations
 

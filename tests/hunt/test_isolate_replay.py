@@ -1,5 +1,5 @@
 """`ffdebug isolate` on a temporary git repository with three fix commits, and `ffdebug replay`
-on a dumped stage (README "Hunt: from symptom to root cause")."""
+on a dumped stage (docs/hunt.md "Hunt: from symptom to root cause")."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ comparator, the dump comparator and the e2e demo), each written as two SGLang du
 compared by ffdebug. `sglang` is what SGLang's own tests expect (pass = its exit 0); ffdebug
 "passes" when `compare` exits 0 at the default `--fail-on`. The one-element offset, the
 `max_abs` / `atol` threshold terms and the size-1-dim unification agree through the element-wise
-criterion and shape unification (README "Comparing"). README "Peer dumps" lists the agreement case
+criterion and shape unification (docs/comparing.md "Comparing"). docs/peer-dumps.md "Peer dumps" lists the agreement case
 by case.
 """
 

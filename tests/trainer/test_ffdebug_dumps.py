@@ -1,6 +1,6 @@
 """Two trainer runs dumped with ffdebug compare ``ok``; a KL term computed under ``no_grad`` is named.
 
-Each side runs in its own process (one process = one side, README "Dumping your own runs"), configured only by env vars.
+Each side runs in its own process (one process = one side, docs/dumping.md "Dumping your own runs"), configured only by env vars.
 The injected bug (Flow-Factory issues #122-#124) leaves every *value* unchanged at the first step —
 policy and reference coincide — and removes the KL gradient from the second step on, so the first
 divergent stage is ``grad_norm.policy`` of the second optimizer step (tag ``optimizer_step=1``:

@@ -1,4 +1,4 @@
-"""The trainer's per-step lines without a terminal (README "The reference trainer": `log.every`)."""
+"""The trainer's per-step lines without a terminal (docs/reference-trainer.md "The reference trainer": `log.every`)."""
 
 from __future__ import annotations
 

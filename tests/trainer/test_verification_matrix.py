@@ -1,7 +1,7 @@
 """The verification matrix: one representative trainer per execution composition runs a few steps and a
 run cut after its first optimizer step resumes to the same bits.
 
-Compositions (README "Trainers"): coupled generated feedback (GRPO: the loss uses the sampler's own
+Compositions (docs/reference-trainer.md "The reference trainer"): coupled generated feedback (GRPO: the loss uses the sampler's own
 log-probs), decoupled generated feedback (DGPO: a reward, but a likelihood-free loss on the samples),
 generated no feedback (DiffusionOPD: the student's rollouts, a teacher instead of a reward), dataset
 no feedback (SFT on demonstrations, offline DPO on preference pairs), and multi-role (TDM-R1: generator,

@@ -80,7 +80,7 @@ with torch.no_grad():
 
 _PORT = "from helpers.llama_ports import make_port\nnet = make_port(m)"
 _HF = "from helpers.tiny_models import tiny_llama"
-# the torch-only model's rotary function, tapped as a user's codebase would (README "Role sub-stages")
+# the torch-only model's rotary function, tapped as a user's codebase would (docs/dumping.md "Role sub-stages")
 _TORCH = (
     "from helpers.hunt.torch_llama import torch_llama\n"
     "ffdebug_rotary = ('helpers.hunt.torch_llama:apply_rotary_pos_emb', ('attn.q_rot', 'attn.k_rot'))"

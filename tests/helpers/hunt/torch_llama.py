@@ -1,5 +1,5 @@
 """A Llama built from torch alone, with transformers' module names and classes' names (so the
-role rules of README "Role sub-stages" and the block-class report read as for
+role rules of docs/dumping.md "Role sub-stages" and the block-class report read as for
 `LlamaForCausalLM`), for hunt tests whose point is the search, not the HF codebase: each run
 script then starts without importing transformers (about half a run's CPU time). Its rotary
 function is tapped with `ffdebug.tap_function` as `attn.q_rot` / `attn.k_rot`, the line a user's
