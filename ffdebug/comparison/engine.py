@@ -8,12 +8,11 @@ from ffdebug import verdict as V
 from ffdebug.across.run import Across
 from ffdebug.arrays import is_complex, is_floating
 from ffdebug.capture.stage_map import StageMap
-from ffdebug.comparison import contained, grading, parallel, routing, underflow
+from ffdebug.comparison import contained, grading, logits, parallel, routing, underflow
 from ffdebug.comparison.align import ROUTED_KEY, TokenLayout, align, layouts, routed_rows
 from ffdebug.comparison.estimates import sketch_compare, sketch_of, stats_compare
 from ffdebug.comparison.forked import ForkPool, fork_usable, record_refs, resolve_refs
 from ffdebug.comparison.inputs_gate import check_trainer_inputs
-from ffdebug.comparison.logits import logits_metrics
 from ffdebug.comparison.metrics import compare_tensors
 from ffdebug.comparison.noise import apply_noise, exact_prefix_with_noise, noise_index
 from ffdebug.comparison.notes import (
@@ -45,7 +44,7 @@ from ffdebug.verdict import Severity, Threshold
 
 _log = get_logger("comparison")  # -v: what was paired (docs/cli.md "CLI conventions")
 
-READ_AHEAD_BYTES = 256 << 20  # payload bytes read ahead and in use at once (peak RSS: docs/benchmarks.md "Benchmarks")
+READ_AHEAD_BYTES = 256 << 20  # payload bytes read ahead and in use at once (peak RSS: bench/README.md)
 
 
 def _as_store(x) -> SideStore:
@@ -146,7 +145,7 @@ def compare_records(
     integer = not (is_floating(rt.dtype) or is_complex(rt.dtype))
     e.severity = grading.grade(e, m, r, t, thresholds, exact, depth, integer)
     if key.endswith("logits") and is_floating(rt.dtype) and rt.ndim >= 1:
-        e.logits = logits_metrics(rt, tt)
+        e.logits = logits.logits_metrics(rt, tt)
     if (m.bit_equal or 0.0) < 1.0 and is_floating(rt.dtype):
         coords = aligned[3] if aligned is not None and len(aligned) > 3 else None
         from ffdebug.comparison.where import locate
