@@ -1,6 +1,6 @@
 """The ffdebug version: the installed package's metadata, or, when ffdebug runs from a checkout
 that was never installed, the `version` line of the checkout's pyproject.toml. Recorded as
-`tool_version` in every run.json (docs/architecture.md "store/")."""
+`tool_version` in every run.json (docs/architecture.md "Layers", the store/ row)."""
 
 from __future__ import annotations
 

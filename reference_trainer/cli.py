@@ -9,7 +9,7 @@ diffusers and the trainers are imported inside the commands. Known errors (inval
 contract mismatch, refused or damaged checkpoint, bad log line, non-finite loss, bad reward) end in
 one ``reference-trainer: error: Type: message`` line on stderr (never wrapped) plus a hint — exit 2
 for config/usage errors, 1 for failures during training; ``FFDEBUG_DEBUG=1`` shows the traceback.
-The boundary is ffdebug's (``ffdebug.cli.boundary``, docs/architecture.md "cli/"): ``TrainerErrors``
+The boundary is ffdebug's (``ffdebug.cli.boundary``, docs/architecture.md "Layers", the cli/ row): ``TrainerErrors``
 only names the program and maps the trainer's exception types to exit codes. ``main(args)`` runs the CLI in
 process and returns the exit code (the fault-injection tests call it so).
 """

@@ -2,7 +2,7 @@
 the hidden-state input of every block whose `LNNN.hidden_in` that dump holds (first call, first
 invocation) with the dumped tensor, before any capture hook sees it. The block's dumped stages
 then show the error it makes itself on the reference's input: `ffdebug hunt`'s attribution round
-(docs/hunt.md "Round 3"), the command-line form of `ffdebug bisect --attribute`.
+(docs/hunt.md "ffdebug hunt", round 3), the command-line form of `ffdebug bisect --attribute`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where a session's captures go (docs/architecture.md, "capture").
+"""Where a session's captures go (docs/architecture.md, "Layers", the capture row).
 
 A `Session` decides what is captured and with which metadata; its sink receives each capture:
 

@@ -1,5 +1,5 @@
 """Capture state, one owner: the step tags, the layer stack, the process session and the explicit
-sessions (docs/architecture.md, "capture").
+sessions (docs/architecture.md, "Layers", the capture row).
 
 Step tags and the layer stack are context variables: `ffdebug.step(...)` and a block's forward set
 them for the code they wrap. They are read at forward time; whatever runs later on another thread

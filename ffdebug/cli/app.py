@@ -1,4 +1,4 @@
-"""Entry point of the `ffdebug` command: wiring only (docs/architecture.md "cli/"). Imports only
+"""Entry point of the `ffdebug` command: wiring only (docs/architecture.md "Layers", the cli/ row). Imports only
 typer and rich at module level: every command imports torch and friends inside its own body, so
 `ffdebug --help` stays fast. Errors end at one boundary (`ffdebug.cli.boundary.OneLineErrors`);
 results go to one sink (`ffdebug.report.sink.Output`)."""

@@ -1,5 +1,5 @@
 """The one error boundary of ffdebug's command-line programs (docs/cli.md "Troubleshooting",
-docs/architecture.md "cli/").
+docs/architecture.md "Layers", the cli/ row).
 
 Every known error ends as one line `PROGRAM: error: MESSAGE` on stderr and its exit code; nothing
 below the boundary prints errors or catches them to exit. `OneLineErrors` is the click group both

@@ -1,5 +1,5 @@
 """Round 3 of `ffdebug hunt` when round 2 named a layer whose input already differs between the
-sides: attribution (docs/hunt.md "Round 3"). The target runs once more, its named layer fed the
+sides: attribution (docs/hunt.md "ffdebug hunt", round 3). The target runs once more, its named layer fed the
 reference's dumped `hidden_in` (`FFDEBUG_FWD_FEED_DIR`, capture/feed.py), with the same full dump
 of that layer as round 2. Against round 2's reference dump, the layer's output error on the
 reference's own input is the error it makes itself:

@@ -1,5 +1,5 @@
 """`ffdebug demo`'s text: what it runs, the comparison, and whether the injected bug was located
-(docs/architecture.md "report/")."""
+(docs/architecture.md "Layers", the report/ row)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`ffdebug review`'s text: the pre-commit checklist with items ticked, failed or left for a human,
-as rich text or Markdown (docs/architecture.md "report/")."""
+as rich text or Markdown (docs/architecture.md "Layers", the report/ row)."""
 
 from __future__ import annotations
 

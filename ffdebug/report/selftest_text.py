@@ -1,4 +1,4 @@
-"""`ffdebug selftest`'s text: a table per model, then the rates (docs/architecture.md "report/")."""
+"""`ffdebug selftest`'s text: a table per model, then the rates (docs/architecture.md "Layers", the report/ row)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one output sink of the `ffdebug` commands (docs/architecture.md "report/"): built once from
+"""The one output sink of the `ffdebug` commands (docs/architecture.md "Layers", the report/ row): built once from
 `--json`, handed the command's typed result.
 
 Human mode calls the result's renderer (rich text on stdout); JSON mode writes `result.to_json()`

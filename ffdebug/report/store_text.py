@@ -1,5 +1,5 @@
 """Text for the commands that read one store: `ffdebug inspect`'s table and `ffdebug import`'s
-summary (docs/architecture.md "report/")."""
+summary (docs/architecture.md "Layers", the report/ row)."""
 
 from __future__ import annotations
 

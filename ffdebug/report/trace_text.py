@@ -1,5 +1,5 @@
 """`ffdebug trace`'s text: one table per context (grad mode, `phase` tag), parameters and mask
-summaries (docs/architecture.md "report/")."""
+summaries (docs/architecture.md "Layers", the report/ row)."""
 
 from __future__ import annotations
 
