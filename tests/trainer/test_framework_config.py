@@ -163,11 +163,12 @@ def test_dataset_trainer_needs_dataset_arguments():
 
 def test_libyaml_and_pyyaml_read_every_example_config_the_same():
     """Configs are parsed with libyaml's parser when PyYAML has it, and a refused document is re-read
-    by PyYAML's own for the message (reference_trainer/config.py ``parse_yaml``): both give the same
+    by PyYAML's own for the message (reference_trainer/config_load.py ``parse_yaml``): both give the same
     values for every example config, and the same error for a duplicate key."""
     import yaml
 
-    from reference_trainer.config import ConfigError, _FastStrictLoader, _StrictLoader, parse_yaml
+    from reference_trainer.config import ConfigError
+    from reference_trainer.config_load import _FastStrictLoader, _StrictLoader, parse_yaml
 
     configs = sorted((REPO / "examples").rglob("*.yaml"))
     assert len(configs) >= 10

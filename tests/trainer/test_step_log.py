@@ -87,7 +87,7 @@ def test_only_rank_zero_logs_steps(is_main, monkeypatch):
     from reference_trainer.trainers.base import BaseTrainer
 
     monkeypatch.setattr(  # stderr is not a terminal, even under `pytest -s` in one
-        "reference_trainer.trainers.base.Console", lambda stderr: SimpleNamespace(is_terminal=False)
+        "reference_trainer.trainers.progress.Console", lambda stderr: SimpleNamespace(is_terminal=False)
     )
     fake = SimpleNamespace(
         backend=SimpleNamespace(is_main=is_main),
