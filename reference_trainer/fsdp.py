@@ -20,8 +20,8 @@ The parameters are *replaced*, so the pre-shard optimizer is stale: ``replaces_p
 parameters, and to check that every optimizer parameter is a ``DTensor`` of a prepared variant.
 
 Snapshots (reference, EMA, teacher) are not sharded: they are frozen full copies on every rank, as
-under DDP, updated from the gathered parameters. Checkpoints gather the full state to rank 0 (see the
-README's backend section for why not DCP shards).
+under DDP, updated from the gathered parameters. Checkpoints gather the full state to rank 0 (see
+docs/trainer-backends.md for why not DCP shards).
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ def weights_diff(
     progress: ProgressHook | None = None,
 ) -> WeightsDiffResult:
     """Schema, then float64 numerics of two checkpoints / weight dumps (docs/weights-diff.md "Weights first");
-    truthy when they match, `.to_json()` has the README's keys. The keywords are the
+    truthy when they match, `.to_json()` has the keys of docs/weights-diff.md "JSON". The keywords are the
     `ffdebug weights-diff` options: name rewriting of B into A's names (`strip_prefix`,
     `add_prefix`, `maps` 'OLD=NEW', `alias_file`), `fuse` / `stack` rules ('FUSED=A+B[@DIM]'),
     `auto_stack` (pair stacked experts the schema shows), `skip` globs, `layers`, `transforms`

@@ -6,7 +6,7 @@ For every layer L with a block input and output dumped on both sides (rel agains
     rel_in(L)  = rel of L's hidden_in          (error the layer inherits; a decoder block's
                                                 encoder_hidden_in too, the larger of the two)
     rel_out(L) = rel of L's hidden_out         (error it passes on)
-    added(L)   = rel_out(L) - rel_in(L)        (error it adds; README: error out − error in)
+    added(L)   = rel_out(L) - rel_in(L)        (error it adds: error out − error in)
 
 Two allowances decide what a layer's `added` means (eps: the machine epsilon of a dtype,
 `verdict.MACHINE_EPS`; calibrated on the zoo, docs/bisect.md "Calibration"):

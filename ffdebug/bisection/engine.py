@@ -10,7 +10,7 @@ Pipeline:
      target blocks on the reference's inputs to tell local from inherited error (`attribution`);
   4. inside the focus layer, the first block-level stage and the first sub-stage whose own step
      loses accuracy (`substage`);
-  5. the result: the README's stable JSON keys plus extras, and one sentence.
+  5. the result: the stable JSON keys (docs/bisect.md "JSON") plus extras, and one sentence.
 """
 
 from __future__ import annotations

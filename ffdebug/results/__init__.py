@@ -3,7 +3,7 @@
 A `StageResult` is one paired stage: where it sits (key, layer, call, rank, step tags), what the two
 tensors were (`TensorMeta`), the float64 metrics, the severity the verdict rules gave it
 (`ffdebug.verdict`), and why. `CompareResult` and `BisectResult` are built from them; JSON exists
-only at the boundary (`to_json`), with the keys the README documents. Nothing here imports torch.
+only at the boundary (`to_json`), with the keys the docs document (pinned by tests/test_json_contract.py). Nothing here imports torch.
 """
 
 from ffdebug.results.bisect import (

@@ -402,7 +402,7 @@ def weights_diff(a, b, **opts) -> WeightsDiffResult:
 
     Options: strip_prefix, add_prefix, maps, alias_file, fuse, stack, skip, layers, transforms, dequant
     ("auto" | "always" | "none"), tp_merge ("auto" | dim), thresholds, fail_on, allow_dtype,
-    schema_only. The result is truthy when the sides match; `.to_json()` has the README's keys.
+    schema_only. The result is truthy when the sides match; `.to_json()` has the keys of docs/weights-diff.md "JSON".
     """
     schema_only = opts.pop("schema_only", False)
     diff = WeightsDiff(a, b, **opts)
