@@ -44,9 +44,11 @@ COMPOSITIONS = {
 }
 
 
-NATIVE_CRASH = re.compile(r"exitcode\s*:\s*-(?:11|7)\b")
-"""A rank killed by SIGSEGV / SIGBUS in torchrun's failure table: a crash below Python (seen once in
-CI, in gloo under FSDP2 on a loaded machine, and not reproduced in 4 idle launches), not a wrong number."""
+NATIVE_CRASH = re.compile(r"exitcode\s*:\s*-(?:11|7|6)\b")
+"""A rank killed by SIGSEGV / SIGBUS / SIGABRT in torchrun's failure table: a crash below Python, not a
+wrong number. Seen in CI on a loaded machine: SIGSEGV once in gloo under FSDP2, and SIGABRT once
+(``terminate called without an active exception``, a C++ thread left joinable) in a rank of the DDP
+probe; neither reproduced in 4 idle launches. A Python error exits 1 and is never retried."""
 
 
 def torchrun(*args: str, driver: Path = DRIVER) -> float:
