@@ -6,7 +6,7 @@ import ast
 import pathlib
 
 import pytest
-from helpers.sources import parsed
+from helpers.sources import imported_module, is_type_checking, module_name, parsed
 
 import ffdebug
 import reference_trainer
@@ -127,7 +127,6 @@ def _unit(module: str) -> str | None:
 def _module_level_imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
     """Modules imported by statements that run at import time (not in functions, not under
     `if TYPE_CHECKING:`), resolved to absolute names; `from pkg import name` also yields pkg.name."""
-    package = module if is_package else module.rpartition(".")[0]
     out: set[str] = set()
 
     def visit(stmts):
@@ -135,16 +134,11 @@ def _module_level_imports(tree: ast.Module, module: str, is_package: bool) -> se
             if isinstance(node, ast.Import):
                 out.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
+                base = imported_module(node, module, is_package)
                 out.add(base)
                 out.update(f"{base}.{a.name}" for a in node.names)
             elif isinstance(node, ast.If):
-                test = node.test
-                name = getattr(test, "id", None) or getattr(test, "attr", None)
-                if name != "TYPE_CHECKING":
+                if not is_type_checking(node.test):
                     visit(node.body)
                 visit(node.orelse)
             elif isinstance(node, (ast.Try, ast.With)):
@@ -161,9 +155,7 @@ def _module_level_imports(tree: ast.Module, module: str, is_package: bool) -> se
 def _unit_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path, _, tree in _sources():
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        is_package = rel.name == "__init__"
-        module = ".".join(rel.parts[:-1] if is_package else rel.parts)
+        module, is_package = module_name(path.relative_to(PACKAGE.parent))
         src = _unit(module)
         if src is None:
             continue

@@ -9,7 +9,7 @@ import ast
 import pathlib
 from collections.abc import Iterable
 
-from helpers.sources import parsed
+from helpers.sources import imported_module, is_type_checking, module_name, parsed
 
 import ffdebug
 
@@ -20,27 +20,17 @@ UNITS = ("capture", "weights", "comparison")
 Edges = dict[tuple[str, str], list[str]]
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (getattr(test, "id", None) or getattr(test, "attr", None)) == "TYPE_CHECKING"
-
-
 def _all_imports(tree: ast.Module, module: str, is_package: bool) -> list[tuple[int, str, list[str]]]:
     """(line, absolute module, names) of every import statement anywhere in `tree` (functions,
     classes, try / with blocks included), except under `if TYPE_CHECKING:` (its `else` counts)."""
-    package = module if is_package else module.rpartition(".")[0]
     out: list[tuple[int, str, list[str]]] = []
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.Import):
             out.extend((node.lineno, a.name, []) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                anchor = parts[: len(parts) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            out.append((node.lineno, base, [a.name for a in node.names]))
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            out.append((node.lineno, imported_module(node, module, is_package), [a.name for a in node.names]))
+        elif isinstance(node, ast.If) and is_type_checking(node.test):
             for child in node.orelse:
                 visit(child)
             return
@@ -60,9 +50,7 @@ def _edges(sources: Iterable[tuple[str, ast.Module]]) -> Edges:
     """The import edges between UNITS, from (path relative to the package's parent, tree) pairs."""
     edges: Edges = {}
     for rel, tree in sources:
-        path = pathlib.PurePosixPath(rel).with_suffix("")
-        is_package = path.name == "__init__"
-        module = ".".join(path.parts[:-1] if is_package else path.parts)
+        module, is_package = module_name(pathlib.PurePosixPath(rel))
         src = _unit(module)
         if src is None:
             continue
