@@ -12,12 +12,9 @@ from __future__ import annotations
 import math
 
 from ffdebug.arrays import as_array, as_float64
+from ffdebug.comparison.metrics import _finite
 
 LOGITS_CHUNK_BYTES = 8 << 20  # one float64 block of logits rows; the loop holds about six
-
-
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
 
 
 def logits_metrics(ref, target, topk: int = 5, rows_per_chunk: int | None = None) -> dict:

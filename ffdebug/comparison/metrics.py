@@ -256,12 +256,13 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, equal: int | None,
         return
     s.equal += equal if equal is not None else m - int(np.count_nonzero(xd))
     np.abs(xd, out=xd)  # |t - r| from here on (+0.0 where equal, so max_abs is never -0.0)
-    pieces = _piece_maxima(xd)
+    whole, rest = _pieces(xd)
+    pieces = _piece_maxima(whole, rest)
     chunk_max = float(pieces.max())
     s.chunk_bounds.append((chunk_max, i, pieces))
     if chunk_max > s.max_abs:  # its position is found once, after the loop (`_argmax_piece`)
         s.max_abs, s.max_chunk, s.max_pieces = chunk_max, i, pieces
-    s.sum_abs += _abs_sum(xd)
+    s.sum_abs += _abs_sum(whole, rest)
     s.nr2 += rr_
     s.nt2 += tt_
     s.diff2 += dd_
@@ -269,34 +270,30 @@ def _differing_chunk(s: _Sums, i: int, tc, rows: tuple, ints, equal: int | None,
     s.held = i
 
 
-def _abs_sum(xd) -> float:
-    """Σ|t − r| of a chunk (|t − r| in `xd`): its whole pieces as one matrix-vector product with
-    ones (BLAS gemv, a quarter faster than numpy's pairwise sum and as accurate on these
-    non-negative terms; bench/README.md), the rest summed."""
+def _pieces(xd) -> tuple:
+    """A chunk's |t − r| (`xd`, m elements) as views: its whole pieces as rows [m // PIECE, PIECE],
+    and the shorter rest (empty when PIECE divides m, as it does every chunk but a tensor's last)."""
+    whole = xd.shape[0] // PIECE * PIECE
+    return xd[:whole].reshape(-1, PIECE), xd[whole:]
+
+
+def _abs_sum(whole, rest) -> float:
+    """Σ|t − r| of a chunk (`_pieces`): its whole pieces as one matrix-vector product with ones
+    (BLAS gemv, a quarter faster than numpy's pairwise sum and as accurate on these non-negative
+    terms; bench/README.md), the rest summed."""
     import numpy as np
 
-    m = xd.shape[0]
-    whole = m // PIECE
-    total = float(np.dot(xd[: whole * PIECE].reshape(whole, PIECE), _work.ones).sum()) if whole else 0.0
-    if whole * PIECE < m:
-        total += float(xd[whole * PIECE :].sum())
-    return total
+    total = float(np.dot(whole, _work.ones).sum()) if whole.shape[0] else 0.0
+    return total + float(rest.sum()) if rest.shape[0] else total
 
 
-def _piece_maxima(xd):
-    """[ceil(m / PIECE)] max of each PIECE-element piece of a chunk's |t − r| (the last one may
-    be shorter)."""
+def _piece_maxima(whole, rest):
+    """[ceil(m / PIECE)] max of each piece of a chunk's |t − r| (`_pieces`; the last piece is the
+    rest where there is one)."""
     import numpy as np
 
-    m = xd.shape[0]
-    whole = m // PIECE
-    if whole * PIECE == m:
-        return np.maximum.reduce(xd.reshape(whole, PIECE), axis=1)
-    out = np.empty(whole + 1)
-    if whole:
-        np.maximum.reduce(xd[: whole * PIECE].reshape(whole, PIECE), axis=1, out=out[:whole])
-    out[whole] = xd[whole * PIECE :].max()
-    return out
+    maxima = np.maximum.reduce(whole, axis=1)
+    return np.append(maxima, rest.max()) if rest.shape[0] else maxima
 
 
 def _span(r, t, s: _Sums, i: int, m: int, scale: float) -> tuple:
