@@ -351,6 +351,74 @@ def test_projections_no_rule_takes_keep_their_module_path_and_are_named(tmp_path
     assert open_side(tmp_path / "s").run["unplaced_stages"]["Block.m"] == ["m.p", "m.q", "m.r"]
 
 
+def _mixer_net(shared: bool) -> torch.nn.Module:
+    """Blocks whose attention-like mixer makes its k / v / r inputs itself (RWKV's time mixing),
+    each a new tensor at one address, as an allocator hands a freed input's address to the next
+    one; `shared`: one such input read by all three."""
+    buf = bytearray(2 * 3 * 8 * 4)
+
+    def at_one_address(t):
+        return torch.frombuffer(buf, dtype=torch.float32).view(t.shape).copy_(t)
+
+    class Mix(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.k, self.v, self.r, self.o = (torch.nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            if shared:
+                h = at_one_address(x * 2)
+                k, v, r = self.k(h), self.v(h), self.r(h)
+            else:  # each input dropped after its projection: the next one takes its address
+                k = self.k(at_one_address(x * 2))
+                v = self.v(at_one_address(x * 3))
+                r = self.r(at_one_address(x * 4))
+            return self.o(torch.sigmoid(r) * k * v)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+            self.mix = Mix()
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+
+        def forward(self, x):
+            x = x + self.mix(self.n1(x))
+            return x + self.mlp(self.n2(x))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    return Net()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_inputs_that_held_one_address_in_turn_are_not_one_tensor(tmp_path, caplog, shared):
+    """Projections whose inputs the branch made one after another at one address read different
+    tensors: not q / k / v of one input (a CI machine's allocator reused the address, a laptop's
+    did not, and RWKV's roles came out differently on each). One input read by all three is."""
+    model = _mixer_net(shared)
+    with ffdebug.capture(model, dir=tmp_path, side="s", substages=True), torch.no_grad():
+        model(torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0)))
+    keys = set(open_side(tmp_path / "s").keys())
+    roles = {"L000.attn.q.out", "L000.attn.k.out", "L000.attn.v.out"}
+    assert {"L000.attn.context.out", "L000.attn.o.out"} <= keys
+    if shared:
+        assert roles <= keys
+    else:
+        assert not roles & keys
+        assert {"L000.mix.k.out", "L000.mix.v.out", "L000.mix.r.out"} <= keys
+        assert "no role sub-stage for mix.k, mix.v, mix.r" in caplog.text
+        assert "fused" not in caplog.text  # one projection of a made input is no fused q / k / v
+
+
 # --- packed [T, ...] against padded [B, S, ...] --------------------------------------------------
 
 

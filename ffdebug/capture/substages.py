@@ -149,6 +149,7 @@ class BranchRecorder:
         self._cast_weights: dict[int, tuple] = {}  # id -> (a dtype cast of a weight, its owner)
         self._input_copy = x.detach().clone()  # the `.in` of the projections reading the branch input
         self._outputs: dict[int, Output] = {}  # storage -> projection output (fused ones are split)
+        self._input_ids: dict[tuple, tuple] = {}  # (ptr, shape, stride) -> (storage weakref, x_id)
         self._rows = None
         if self.members or self.stacked:
             self._rows = self._row_index(x.detach().reshape(-1, x.shape[-1]))
@@ -172,6 +173,7 @@ class BranchRecorder:
         mode, self.mode = self.mode, None
         mode.__exit__(None, None, None)
         self._outputs, self._input_copy, self._cast_weights, self._input_casts = {}, None, {}, []
+        self._input_ids = {}
         for replay in self.session.end_hold():
             replay()
 
@@ -288,6 +290,7 @@ class BranchRecorder:
         trace = self.trace
         owner, expert = placed if placed is not None else self._owner(w)
         from_input = (x.data_ptr(), x.numel()) in self._inputs
+        x_id = self._input_id(x)
         index = trace.events
         trace.events += 1
         call = LinearCall(
@@ -302,12 +305,31 @@ class BranchRecorder:
             y_ptr=out.data_ptr(),
             elem=out.element_size(),
             tokens=self._tokens(x) if expert is not None else None,
-            x_id=(x.data_ptr(), tuple(x.shape), tuple(x.stride())),
+            x_id=x_id,
         )
         trace.calls.append(call)
         if expert is None:
             self._outputs[out.untyped_storage().data_ptr()] = Output(call, out)
         self.session.hold(lambda t=trace, i=index: self.emit(t, i))
+
+    def _input_id(self, x) -> tuple:
+        """(data_ptr, shape, stride, first reader) of a projection's live input: equal for projections
+        that read one tensor. The first reader's index tells apart tensors that held one address in
+        turn: a branch that makes each projection's input itself and drops it after (RWKV's
+        time-mixed k / v / r) hands a freed input's address to the next one, or not, as the
+        allocator's state has it."""
+        import weakref
+
+        key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
+        try:
+            storage = x.untyped_storage()  # one Python object per storage while any view of it lives
+        except (RuntimeError, NotImplementedError, TypeError):  # no plain storage: shared with none
+            return (*key, self.trace.events)
+        seen = self._input_ids.get(key)
+        if seen is None or seen[0]() is not storage:
+            seen = (weakref.ref(storage), (*key, self.trace.events))  # the first reader's index
+            self._input_ids[key] = seen
+        return seen[1]
 
     def _pieces(self, source, out) -> None:
         """Views a split / chunk / unbind / slice took of a projection's output: its pieces, in the
@@ -364,7 +386,13 @@ class BranchRecorder:
             self.written.note(trace, stages)
             if trace.form is not None:
                 self.session.note_form(self._branch_name, trace.form)
-            trace.stages = stages + with_inputs(self._unmatched(trace, stages), trace, group=False)
+            own = f"{self.roles.block.path}.{self.name}"  # a child that is one projection (fc1 / fc2):
+            unmatched = [  # its output is the child's own stage (ChildRoles), written once
+                s
+                for s in with_inputs(self._unmatched(trace, stages), trace, group=False)
+                if not (s.io == "out" and s.module_path == own)
+            ]
+            trace.stages = stages + unmatched
         inv = self.session.invocations.get(self.roles.block.path, 1) - 1
         for s in trace.stages:
             if s.at != index:

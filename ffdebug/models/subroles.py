@@ -10,7 +10,7 @@ counts and the expert count:
 
 | branch | role | rule |
 |---|---|---|
-| attention | `attn.q`, `attn.k`, `attn.v` | projections of the branch input, in call order; one fused projection is split into the first three views the branch takes of it that cover every column (contiguous, per-head or per-group layouts alike); two are q and a fused [k \\| v] split the same way; no such views: not split (noted) |
+| attention | `attn.q`, `attn.k`, `attn.v` | projections of the branch input (none: of the tensor the first projection reads, several or one split), in call order; one fused projection is split into the first three views the branch takes of it that cover every column (contiguous, per-head or per-group layouts alike); two are q and a fused [k \\| v] split the same way; no such views: not split (noted) |
 | attention | `attn.context` | the input of the output projection (the last projection back to the hidden size) |
 | attention | `attn.o` | that output projection's output |
 | MLP | `mlp.gate`, `mlp.up` | projections of the branch input to the intermediate size I (the down projection's input width); the gate is the one an activation is applied to (else the first called); one fused projection of 2·I is split into the two views the branch takes of it, the same way |
@@ -90,7 +90,7 @@ class LinearCall:
     y_ptr: int  # data_ptr of the live output (to see which one an activation reads)
     elem: int  # element size of the output
     tokens: object = None  # expert rows -> token index in the flattened branch input
-    x_id: tuple = ()  # (data_ptr, shape, stride) of the live input: projections reading one tensor
+    x_id: tuple = ()  # (data_ptr, shape, stride, first reader) of the live input: equal for one tensor
     pieces: list = field(default_factory=list)  # Piece views the branch took of the output
 
 
@@ -219,8 +219,12 @@ def attention_substages(trace: BranchTrace, dims: Dims) -> list[SubStage]:
     ins = [c for c in calls if c.from_input]
     if not ins and calls and calls[0].x_id:
         # the branch built its projections' input itself (a single-stream block's attention
-        # concatenating [image | text] tokens first): q / k / v read the first projection's input
-        ins = [c for c in calls if c.x_id == calls[0].x_id]
+        # concatenating [image | text] tokens first): q / k / v read the first projection's input,
+        # several projections or one taken apart (one alone, not split, tells nothing: RWKV makes
+        # each of its k / v / r inputs itself)
+        shared = [c for c in calls if c.x_id == calls[0].x_id]
+        if len(shared) > 1 or _parts(shared[0], 3) is not None:
+            ins = shared
     taken = {id(c) for c in ins}
     outs = [c for c in calls if id(c) not in taken and c.out_features == trace.hidden]
     h, kv, d = _head_counts(trace, dims)
