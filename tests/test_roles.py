@@ -164,17 +164,7 @@ def test_taps_inside_a_block_get_its_layer_prefix(tmp_path):
             ffdebug.tap("inner.state", x * 2)
             return self.lin(x)
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
-
-        def forward(self, x):
-            for b in self.layers:
-                x = b(x)
-            return x
-
-    model = Net()
+    model = block_stack(Block)
     with ffdebug.capture(model, dir=tmp_path, side="s"):
         model(torch.ones(1, 4))
         ffdebug.tap("outside", torch.ones(1))

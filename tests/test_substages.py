@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.llama_ports import CONVENTIONAL, OPAQUE, make_port, rope
-from helpers.tiny_models import tiny_llama
+from helpers.tiny_models import block_stack, tiny_llama
 
 import ffdebug
 from ffdebug.arrays import to_torch
@@ -331,17 +331,7 @@ def test_projections_no_rule_takes_keep_their_module_path_and_are_named(tmp_path
             x = x + self.a(self.n1(x))
             return x + self.m(self.n2(x))
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
-
-        def forward(self, x):
-            for b in self.layers:
-                x = b(x)
-            return x
-
-    model = Net()
+    model = block_stack(Block)
     with ffdebug.capture(model, dir=tmp_path, side="s", substages=True), torch.no_grad():
         model(torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0)))
     keys = set(open_side(tmp_path / "s").keys())
@@ -386,17 +376,7 @@ def _mixer_net(shared: bool) -> torch.nn.Module:
             x = x + self.mix(self.n1(x))
             return x + self.mlp(self.n2(x))
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
-
-        def forward(self, x):
-            for b in self.layers:
-                x = b(x)
-            return x
-
-    return Net()
+    return block_stack(Block)
 
 
 @pytest.mark.parametrize("shared", [False, True])
