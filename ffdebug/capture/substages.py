@@ -321,10 +321,7 @@ class BranchRecorder:
         import weakref
 
         key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
-        try:
-            storage = x.untyped_storage()  # one Python object per storage while any view of it lives
-        except (RuntimeError, NotImplementedError, TypeError):  # no plain storage: shared with none
-            return (*key, self.trace.events)
+        storage = x.untyped_storage()  # one Python object per storage while any view of it lives
         seen = self._input_ids.get(key)
         if seen is None or seen[0]() is not storage:
             seen = (weakref.ref(storage), (*key, self.trace.events))  # the first reader's index
